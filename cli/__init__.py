@@ -1,0 +1,1 @@
+"""The `baton` command line."""

@@ -1,0 +1,1 @@
+"""gRPC client SDK for Baton's public API."""

@@ -1,0 +1,6 @@
+"""Baton's engine: Llama-family model, paged KV cache, continuous-batching scheduler, sampler.
+
+Nothing here knows about gRPC, Redis or Ray. Import the pieces from their modules
+(``baton.engine.engine.LLMEngine``, ``baton.engine.block_hash``...); this ``__init__`` stays empty
+so that torch-free modules such as ``block_hash`` can be imported without loading torch.
+"""

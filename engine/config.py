@@ -1,0 +1,140 @@
+"""Frozen configuration, layered: model -> engine. Derived values are properties."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.engine.errors import InvalidRequestError
+
+# Layout of the KV tensor, part of the model fingerprint (peers must agree on it).
+KV_LAYOUT = "block-major:[num_blocks,num_layers,2,block_size,num_kv_heads,head_dim]"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling: ``none``, ``linear`` or ``llama3``."""
+
+    kind: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs a model.
+
+    ``dtype`` is the precision of the weights and the KV cache. On a CPU without native bf16/fp16
+    arithmetic (AVX2 only), PyTorch's half-precision GEMMs run 5-10x slower than float32, so the
+    engine keeps half-precision weights' values (rounded once) and computes in float32; the KV cache
+    is stored in ``dtype`` either way. ``compute_dtype`` reports what is actually used.
+    """
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise InvalidRequestError("dtype", self.dtype, f"must be one of {sorted(DTYPES)}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size", self.block_size, "must be a power of two")
+        if self.max_num_batched_tokens < self.block_size:
+            raise InvalidRequestError(
+                "max_num_batched_tokens", self.max_num_batched_tokens, "must be >= block_size"
+            )
+        if self.max_num_seqs < 1:
+            raise InvalidRequestError("max_num_seqs", self.max_num_seqs, "must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidRequestError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        if self.torch_dtype == torch.float32 or self.device != "cpu":
+            return self.torch_dtype
+        return self.torch_dtype if cpu_has_native_half() else torch.float32
+
+
+def cpu_has_native_half() -> bool:
+    """True when the CPU does bf16/fp16 arithmetic in hardware (AVX512-BF16, AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
+
+
+def model_fingerprint(cfg: ModelConfig, weights_id: str, dtype: str, block_size: int) -> str:
+    """Identity of (architecture, weights, dtype, block size, KV layout): peers must match it."""
+    blob = json.dumps(
+        {"model": cfg.to_json(), "weights": weights_id, "dtype": dtype, "block_size": block_size,
+         "kv_layout": KV_LAYOUT},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]

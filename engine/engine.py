@@ -1,0 +1,420 @@
+"""The engine: submission, the step loop, outputs, and the prefill/decode hand-off roles.
+
+Step = schedule -> run -> sample -> update requests -> collect outputs.
+
+Roles (one engine class, three ways to use it):
+
+* **both** (colocated): ``add_request`` then ``step`` until finished.
+* **prefill**: ``add_request(..., prefill_only=True)``. When the prompt is computed and the first
+  token sampled, the request finishes with reason ``"prefilled"`` and its output carries a
+  :class:`KVHandoff`; the blocks stay pinned until ``release_handoff``.
+* **decode**: ``reserve_handoff`` allocates blocks for the prompt (reusing this engine's own prefix
+  cache where it can) and returns :class:`HandoffSlots`; the caller fills the missing blocks (a copy
+  in-process, NIXL between processes) and calls ``commit_handoff``, after which the request decodes
+  like any other. ``abort`` frees reserved blocks at any point.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.engine.block_hash import namespace_for
+from baton.engine.config import EngineConfig
+from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
+from baton.engine.kv_cache import KVCacheManager
+from baton.engine.loader import LoadedModel, load_model
+from baton.engine.model import LlamaModel
+from baton.engine.params import SamplingParams
+from baton.engine.request import FINISH_REASONS, Request, RequestStatus
+from baton.engine.runner import ModelRunner
+from baton.engine.sampler import TokenLogprobs, make_generator
+from baton.engine.scheduler import Scheduler
+from baton.engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """What a prefill engine hands over: the blocks holding the prompt's KV, and the first token."""
+
+    request_id: str
+    fingerprint: str
+    block_ids: tuple[int, ...]
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+    prompt_token_ids: tuple[int, ...]
+    first_token_id: int
+
+
+@dataclass(frozen=True)
+class HandoffSlots:
+    """Blocks a decode engine reserved for an incoming request.
+
+    ``block_ids[i]`` must receive the KV of the sender's ``block_ids[i]``; the first
+    ``num_local_blocks`` already hold it (this engine's prefix cache) and need no transfer.
+    """
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_local_blocks: int
+
+
+@dataclass
+class RequestOutput:
+    """The delta a request produced in one step (plus totals, and ``handoff`` for prefill-only)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    handoff: KVHandoff | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, as :meth:`LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    num_cached_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted: int = 0  # characters of ``text`` already returned
+
+
+class LLMEngine:
+    def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None) -> None:
+        self.cfg = cfg = cfg or EngineConfig()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.model_info = model
+        self.model_config = mc = model.config
+        self.tokenizer = model.tokenizer
+        self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
+        self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size)
+        storage, compute = cfg.torch_dtype, cfg.compute_dtype
+        weights = {k: v.to(storage).to(compute) for k, v in model.weights.items()}
+        self.model = LlamaModel(mc, weights, compute)
+        self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
+        num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // self.block_nbytes)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.kv)
+        self.runner = ModelRunner(self.model, cfg, num_blocks)
+        self.requests: dict[str, Request] = {}
+        self._text: dict[str, _TextState] = {}
+        self._pinned: dict[str, Request] = {}  # prefill-only requests holding blocks for hand-off
+        self._reserved: dict[str, Request] = {}  # decode side: blocks reserved, KV not yet in
+        self._aborted: list[RequestOutput] = []
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_path(cls, path: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
+        return cls(load_model(path), cfg)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; block b = kv_cache[b]."""
+        return self.runner.kv
+
+    # =============================================================================================
+    # Submission
+    # =============================================================================================
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[dict] | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> Request:
+        """Validate and queue a request. Raises :class:`InvalidRequestError` naming the bad input;
+        nothing about other requests changes when it does."""
+        params = params or SamplingParams()
+        ids = self._prompt_ids(prompt, prompt_token_ids, messages)
+        req = self._make_request(request_id, ids, params, prefill_only)
+        self.scheduler.add(req)
+        return req
+
+    def _prompt_ids(self, prompt, prompt_token_ids, messages) -> list[int]:
+        given = [x is not None for x in (prompt, prompt_token_ids, messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("prompt", None,
+                                      "give exactly one of prompt, prompt_token_ids, messages")
+        if messages is not None:
+            if not messages:
+                raise InvalidRequestError("messages", messages, "must not be empty")
+            ids = self.tokenizer.encode_chat(messages)
+        elif prompt is not None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidRequestError("prompt", prompt, "must be a non-empty string")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt_token_ids)
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError("prompt_token_ids", bad[:5],
+                                          f"token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise InvalidRequestError("prompt", "", "the prompt has no tokens")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"<{len(ids)} tokens>",
+                f"{len(ids)} tokens do not fit the context length {self.max_model_len} "
+                "(one position is needed for the first generated token)")
+        return ids
+
+    def _make_request(self, request_id, ids, params, prefill_only) -> Request:
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise DuplicateRequestError("request_id", rid, "already in use")
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        need_tokens = len(ids) + (1 if prefill_only else max_tokens)
+        need = self.kv.blocks_needed(need_tokens)
+        if need > self.num_blocks:
+            raise RequestTooLargeError(
+                "prompt", f"<{len(ids)} tokens + max_tokens {max_tokens}>",
+                f"needs {need} KV blocks of {self.cfg.block_size} tokens, the pool has "
+                f"{self.num_blocks}")
+        req = Request(rid, ids, params, namespace_for(self.fingerprint, params.cache_salt),
+                      self.cfg.block_size, max_tokens, prefill_only,
+                      eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.requests[rid] = req
+        self.runner.generators[rid] = make_generator(params.seed)
+        if params.detokenize:
+            self._text[rid] = _TextState(IncrementalDetokenizer(self.tokenizer, ids))
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request at any point and free its blocks. False if it is not (or no longer) here."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if request_id in self._pinned:
+            self.release_handoff(request_id)
+            return True
+        if request_id in self._reserved:
+            del self._reserved[request_id]
+            self.kv.free(request_id)
+            req.status = RequestStatus.FINISHED_ABORTED
+        else:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(self._output(req, [], [], None))
+        self._forget(req)
+        return True
+
+    # =============================================================================================
+    # Hand-off between engines
+    # =============================================================================================
+
+    def release_handoff(self, request_id: str) -> None:
+        """Prefill side: the receiver has its copy (or gave up); unpin the blocks."""
+        req = self._pinned.pop(request_id, None)
+        if req is None:
+            raise KeyError(f"no pinned hand-off for request {request_id!r}")
+        self.kv.free(request_id)
+        self._forget(req)
+
+    def reserve_handoff(
+        self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int,
+        params: SamplingParams,
+    ) -> HandoffSlots | None:
+        """Decode side: allocate blocks for a prompt whose KV comes from elsewhere.
+
+        Returns ``None`` if the blocks are not free now (try later). Raises like ``add_request``
+        for a request that is invalid or can never fit.
+        """
+        ids = self._prompt_ids(None, prompt_token_ids, None)
+        req = self._make_request(request_id, ids, params, prefill_only=False)
+        req.append_token(first_token_id)
+        hit = self.kv.get_prefix_hit(req)
+        hit_blocks = min(len(hit.blocks), len(ids) // self.cfg.block_size)
+        hit = type(hit)(hit.blocks[:hit_blocks], hit_blocks * self.cfg.block_size)
+        if self.kv.allocate_slots(req, len(ids) - hit.num_tokens, hit) is None:
+            self._forget(req)
+            return None
+        req.num_cached_tokens = hit.num_tokens
+        self._reserved[req.request_id] = req
+        return HandoffSlots(req.request_id, tuple(self.kv.block_ids(req.request_id)), hit_blocks)
+
+    def commit_handoff(self, request_id: str) -> list[RequestOutput]:
+        """Decode side: the reserved blocks now hold the prompt's KV; start decoding.
+
+        Returns the output for the first token (already sampled by the prefill engine), which may
+        itself finish the request (EOS, a stop condition, ``max_tokens=1``).
+        """
+        req = self._reserved.pop(request_id)
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed_blocks(req)
+        req.status = RequestStatus.RUNNING
+        self.scheduler.running.append(req)
+        token = req.output_token_ids[-1]
+        return [self._on_token(req, token, None)]
+
+    # =============================================================================================
+    # Stepping
+    # =============================================================================================
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborted)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        now = time.monotonic()
+        for req in batch.requests:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        sampled = self.runner.execute(batch, self.kv)
+        for req, n in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
+            if req.request_id in sampled:
+                token, lp = sampled[req.request_id]
+                req.append_token(token)
+                if req.first_token_time is None:
+                    req.first_token_time = time.monotonic()
+                outputs.append(self._on_token(req, token, lp))
+        if not self.scheduler.num_unfinished:
+            self.kv.check_integrity()
+        return outputs
+
+    def _on_token(self, req: Request, token: int, lp: TokenLogprobs | None) -> RequestOutput:
+        status = self._check_stop(req, token)
+        new_text = self._update_text(req, token, status)
+        if status is None and req.status != RequestStatus.RUNNING:
+            status = req.status if req.status.finished else None  # stop string found
+        if status is None and req.prefill_only:
+            status = RequestStatus.FINISHED_PREFILLED
+        handoff = None
+        if status is not None:
+            pin = status == RequestStatus.FINISHED_PREFILLED
+            self.scheduler.finish(req, status, free_blocks=not pin)
+            if pin:
+                self._pinned[req.request_id] = req
+                handoff = KVHandoff(req.request_id, self.fingerprint,
+                                    tuple(self.kv.block_ids(req.request_id)),
+                                    req.num_prompt_tokens, tuple(req.prompt_token_ids), token)
+            else:
+                self._forget(req)
+        out = self._output(req, [token], [lp] if lp else None, new_text)
+        out.handoff = handoff
+        return out
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.params
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _update_text(self, req: Request, token: int, status: RequestStatus | None) -> str:
+        """Append the token's text; apply stop strings; return the text that may be shown now.
+
+        While a request runs, the last ``len(longest stop string) - 1`` characters are held back,
+        so a stop string is never partly streamed before it is recognised and cut.
+        """
+        st = self._text.get(req.request_id)
+        if st is None:
+            return ""
+        if token not in req.eos_token_ids or req.params.ignore_eos:
+            st.text += st.detok.push(token)
+        stops = req.params.stop
+        if stops and status is None:
+            window = max(map(len, stops)) + 1
+            for s in stops:
+                at = st.text.find(s, max(0, len(st.text) - len(s) - window))
+                if at >= 0:
+                    st.text = st.text[:at]
+                    req.stop_reason = s
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    status = req.status
+                    break
+        if status is not None and not st.text.endswith("\ufffd"):
+            st.text += "" if req.stop_reason is not None else st.detok.flush()
+        hold = 0 if status is not None or not stops else max(map(len, stops)) - 1
+        end = max(st.emitted, len(st.text) - hold)
+        new, st.emitted = st.text[st.emitted : end], end
+        return new
+
+    def _output(self, req, tokens, lps, new_text) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=tokens, new_text=new_text or "",
+            finished=req.is_finished, finish_reason=FINISH_REASONS.get(req.status),
+            stop_reason=req.stop_reason, logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens, num_output_tokens=req.num_output_tokens)
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._text.pop(req.request_id, None)
+        self.runner.generators.pop(req.request_id, None)
+
+    # =============================================================================================
+    # Convenience
+    # =============================================================================================
+
+    def generate(
+        self, prompts: Iterable[str | Sequence[int]], params: SamplingParams | None = None,
+        *, chat: bool = False,
+    ) -> list[Completion]:
+        """Run prompts (text, token-id lists, or chat messages with ``chat=True``) to completion
+        in one continuous batch; results come back in input order."""
+        order = []
+        for p in prompts:
+            if chat:
+                req = self.add_request(params=params, messages=[{"role": "user", "content": p}])
+            elif isinstance(p, str):
+                req = self.add_request(p, params)
+            else:
+                req = self.add_request(params=params, prompt_token_ids=p)
+            order.append(req)
+        done: dict[str, Completion] = {
+            r.request_id: Completion(r.request_id, list(r.prompt_token_ids), [], "", "", 0)
+            for r in order}
+        while self.has_unfinished():
+            for out in self.step():
+                c = done[out.request_id]
+                c.token_ids += out.new_token_ids
+                c.text += out.new_text
+                c.logprobs += out.logprobs or []
+                if out.finished:
+                    c.finish_reason = out.finish_reason
+                    c.num_cached_tokens = out.num_cached_tokens
+        return [done[r.request_id] for r in order]
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        held = set(self.scheduler.running) | set(self._pinned.values()) | set(
+            self._reserved.values())
+        assert set(self.kv.req_blocks) <= {r.request_id for r in held}, (
+            "blocks held by a request that is neither running, pinned nor reserved")

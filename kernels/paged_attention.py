@@ -1,0 +1,81 @@
+"""Torch reference paged attention over Baton's block-major KV cache.
+
+KV cache layout (see docs/kv-layout.md)::
+
+    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+                          k/v ^
+    kv[b] is one contiguous region holding every layer's keys and values for block b, so handing a
+    block to another engine is one memory region per block (adjacent blocks coalesce further).
+
+A layer's key cache ``kv[:, layer, 0]`` is then a strided view ``[num_blocks, block_size, H, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    kv: torch.Tensor, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor,
+) -> None:
+    """Write new keys/values into their slots.
+
+    kv: [num_blocks, num_layers, 2, block_size, H, D]; block_ids, offsets: [T]; k, v: [T, H, D]
+    """
+    kv[block_ids, layer, 0, offsets] = k.to(kv.dtype)
+    kv[block_ids, layer, 1, offsets] = v.to(kv.dtype)
+
+
+def gather_kv(
+    kv: torch.Tensor, layer: int, block_table: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of the blocks in ``block_table`` ([..., n]) as [..., n * block_size, H, D]."""
+    k = kv[:, layer, 0][block_table]  # [..., n, block_size, H, D], contiguous copy
+    v = kv[:, layer, 1][block_table]
+    shape = (*block_table.shape[:-1], -1, *k.shape[-2:])
+    return k.reshape(shape).to(dtype), v.reshape(shape).to(dtype)
+
+
+def decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence.
+
+    q: [B, Hq, D]; block_tables: [B, max_blocks] (padding entries may be any valid id);
+    context_lens: [B] (keys per sequence, including the query's own). Returns [B, Hq, D].
+    """
+    k, v = gather_kv(kv, layer, block_tables, q.dtype)  # [B, L, Hkv, D]
+    length = k.shape[1]
+    # mask: key j is visible to sequence b iff j < context_lens[b] (hides padding and stale slots)
+    mask = torch.arange(length).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+    )
+    return out.squeeze(2)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``n`` new queries over ``num_past`` cached keys plus the ``n`` new ones.
+
+    q: [n, Hq, D]; k, v: [num_past + n, Hkv, D]. Returns [n, Hq, D]. Query i sits at position
+    ``num_past + i`` and sees keys ``0 .. num_past + i``::
+
+        keys:   |<---- num_past (cached) ---->|<------ n (new) ------>|
+        query i:  all visible                  visible up to column i
+    """
+    n = q.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if num_past == 0:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
+                                             enable_gqa=True)
+    else:
+        mask = torch.ones(n, num_past + n, dtype=torch.bool).tril(diagonal=num_past)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
+                                             enable_gqa=True)
+    return out.transpose(0, 1)

@@ -1,0 +1,1 @@
+"""Processes around the engine: router, prefill worker, decode worker, shared bootstrap."""

@@ -1,0 +1,1 @@
+"""Baton prefill service."""
