@@ -32,10 +32,15 @@ def gather_kv(
     kv: torch.Tensor, layer: int, block_table: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of the blocks in ``block_table`` ([..., n]) as [..., n * block_size, H, D]."""
-    k = kv[:, layer, 0][block_table]  # [..., n, block_size, H, D], contiguous copy
-    v = kv[:, layer, 1][block_table]
-    shape = (*block_table.shape[:-1], -1, *k.shape[-2:])
-    return k.reshape(shape).to(dtype), v.reshape(shape).to(dtype)
+    nb, num_layers, _, bs, h, d = kv.shape
+    # rows = one (block, layer, k|v) slab of bs * H * D contiguous elements; index_select copies
+    # whole rows (memcpy speed), where fancy indexing on the 6-d view copies element by element
+    rows = kv.view(nb, num_layers * 2, bs * h * d)
+    flat = block_table.reshape(-1)
+    shape = (*block_table.shape[:-1], -1, h, d)
+    k = rows[:, 2 * layer].index_select(0, flat).view(shape)
+    v = rows[:, 2 * layer + 1].index_select(0, flat).view(shape)
+    return k.to(dtype), v.to(dtype)
 
 
 def decode_attention(
@@ -48,12 +53,16 @@ def decode_attention(
     context_lens: [B] (keys per sequence, including the query's own). Returns [B, Hq, D].
     """
     k, v = gather_kv(kv, layer, block_tables, q.dtype)  # [B, L, Hkv, D]
-    length = k.shape[1]
-    # mask: key j is visible to sequence b iff j < context_lens[b] (hides padding and stale slots)
-    mask = torch.arange(length).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+    if q.shape[0] == 1:  # one sequence: cut to its length, no mask needed
+        n = int(context_lens[0])
+        k, v, mask = k[:, :n], v[:, :n], None
+    else:
+        # key j is visible to sequence b iff j < context_lens[b] (hides padding and stale slots)
+        mask = torch.arange(k.shape[1]).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+        mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
+        enable_gqa=True,
     )
     return out.squeeze(2)
 
@@ -69,13 +78,16 @@ def prefill_attention(
         keys:   |<---- num_past (cached) ---->|<------ n (new) ------>|
         query i:  all visible                  visible up to column i
     """
-    n = q.shape[0]
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    n, hq = q.shape[0], q.shape[1]
+    group = hq // k.shape[1]
+    # 4-d inputs with the KV heads expanded take PyTorch's flash kernel on CPU; 3-d or
+    # enable_gqa inputs fall back to the (2-3x slower) math path
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     if num_past == 0:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     else:
         mask = torch.ones(n, num_past + n, dtype=torch.bool).tril(diagonal=num_past)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
