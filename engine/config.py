@@ -94,6 +94,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
+    attention_backend: str = "auto"  # auto | native (C kernel, CPU) | torch (reference)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -106,6 +107,9 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs", self.max_num_seqs, "must be >= 1")
+        if self.attention_backend not in ("auto", "native", "torch"):
+            raise InvalidRequestError("attention_backend", self.attention_backend,
+                                      "must be auto, native or torch")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine.config import ModelConfig
+from baton.kernels import cpu_attention
 from baton.kernels.paged_attention import (
     decode_attention,
     gather_kv,
@@ -102,8 +103,17 @@ class Layer:
 class LlamaModel:
     """Inference-only decoder. ``weights`` uses Baton's fused names (see ``loader.fuse_weights``)."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+        attention_backend: str = "auto",
+    ):
         self.cfg = cfg
+        native = dtype == torch.float32 and cpu_attention.load() is not None
+        if attention_backend == "native" and not native:
+            raise RuntimeError("attention_backend='native' needs float32 compute and a C compiler")
+        use_native = native and attention_backend in ("auto", "native")
+        self.attention_backend = "native-cpu" if use_native else "torch"
+        self.decode_attention = cpu_attention.decode_attention if use_native else decode_attention
         self.dtype = dtype
         self.embed = weights["embed"]  # [vocab, hidden]
         # stored transposed, [hidden, vocab]: x @ W^T with a tall W runs at half the bandwidth on
@@ -152,11 +162,11 @@ class LlamaModel:
         kv: torch.Tensor, layer: int,
     ) -> torch.Tensor:
         if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
-            return decode_attention(q, kv, layer, meta.decode_block_tables,
-                                    meta.decode_context_lens, self.scale)
+            return self.decode_attention(q, kv, layer, meta.decode_block_tables,
+                                         meta.decode_context_lens, self.scale)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[meta.decode_rows] = decode_attention(
+            out[meta.decode_rows] = self.decode_attention(
                 q[meta.decode_rows], kv, layer, meta.decode_block_tables,
                 meta.decode_context_lens, self.scale)
         for p in meta.prefills:
