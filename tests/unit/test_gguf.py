@@ -1,0 +1,150 @@
+"""GGUF loading: dequantization per type, llama.cpp's Q/K permutation, tokenizer, refusals."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from baton.engine.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.engine.errors import ModelLoadError, UnsupportedModelError
+from baton.engine.loader import load_model
+
+from .test_model_reference import PROMPT, assert_matches_hf
+
+
+def permute(w, n_head):  # what llama.cpp's convert_hf_to_gguf does to q/k rows
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None):
+    cfg = hf.config
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    specials = {t["content"] for t in tok["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    sd = {k: v.float().numpy() for k, v in hf.state_dict().items()}
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+             "output_norm.weight", "lm_head.weight": "output.weight"}
+    parts = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj":
+             "attn_v", "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm":
+             "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    expected = {}
+    for k, arr in sd.items():
+        if k in names:
+            name = names[k]
+        else:
+            i, rest = k.split(".")[2], ".".join(k.split(".")[3:-1])
+            name = f"blk.{i}.{parts[rest]}.weight"
+            if rest == "self_attn.q_proj":
+                arr = permute(arr, cfg.num_attention_heads)
+            elif rest == "self_attn.k_proj":
+                arr = permute(arr, cfg.num_key_value_heads)
+        if arr.ndim == 2 and qtype != Q.F32:
+            data = quants.quantize(arr, qtype)
+            w.add_tensor(name, data, raw_dtype=qtype)
+            expected[name] = quants.dequantize(data, qtype)
+        else:
+            w.add_tensor(name, arr.astype(np.float32))
+            expected[name] = arr
+    for name, (data, dtype) in (raw_override or {}).items():
+        w.add_tensor(name, data, raw_dtype=dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_f32_gguf_matches_hf_and_tokenizer(tiny_llama, tmp_path, cache):
+    hf_dir, hf = tiny_llama
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf)
+    model = load_model(tmp_path / "m.gguf")
+    assert model.config.num_kv_heads == 2 and not model.config.tie_embeddings
+    assert_matches_hf(LLMEngine(model, EngineConfig(block_size=4, num_kv_blocks=64)), hf, PROMPT)
+    from tokenizers import Tokenizer
+
+    ref = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    for text in ["The quick brown fox", "def add(a, b):\n", "<|im_start|>user\nhi<|im_end|>"]:
+        assert model.tokenizer.encode(text) == ref.encode(text).ids
+        assert model.tokenizer.decode(model.tokenizer.encode(text), False) == text
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_types_dequantize_exactly(tiny_llama, tmp_path, cache, qtype):
+    hf_dir, hf = tiny_llama
+    exp = write_gguf(tmp_path / "m.gguf", hf_dir, hf, qtype)
+    w = load_model(tmp_path / "m.gguf").weights
+    assert torch.equal(w["embed"], torch.from_numpy(exp["token_embd.weight"]))
+    assert torch.equal(w["layers.1.down"], torch.from_numpy(exp["blk.1.ffn_down.weight"]))
+    # q rows come back un-permuted, i.e. in Hugging Face order
+    q_hf = hf.state_dict()["model.layers.0.self_attn.q_proj.weight"]
+    err = (w["layers.0.qkv"][: q_hf.shape[0]] - q_hf).abs().max()
+    assert err < {Q.F16: 1e-3, Q.Q8_0: 0.05, Q.Q4_0: 0.5, Q.Q4_1: 0.5}[qtype]
+
+
+def test_second_load_comes_from_the_cache(tiny_llama, tmp_path, cache, capsys):
+    hf_dir, hf = tiny_llama
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf, Q.Q8_0)
+    a = load_model(tmp_path / "m.gguf")
+    b = load_model(tmp_path / "m.gguf")
+    assert "from cache" in capsys.readouterr().err
+    assert a.weights_id == b.weights_id and a.config == b.config
+    assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)
+    assert a.fingerprint("float32", 16) != a.fingerprint("bfloat16", 16)
+    assert a.fingerprint("float32", 16) != a.fingerprint("float32", 32)
+
+
+def test_unsupported_architecture(tiny_llama, tmp_path, cache):
+    hf_dir, hf = tiny_llama
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf, arch="mamba")
+    with pytest.raises(UnsupportedModelError, match="architecture 'mamba'"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_unsupported_quantization(tiny_llama, tmp_path, cache):
+    hf_dir, hf = tiny_llama
+    raw = np.zeros((4, 66), dtype=np.uint8)  # 4 rows of one IQ2_XXS super-block (256 values)
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf, raw_override={"extra.weight": (raw, Q.IQ2_XXS)})
+    with pytest.raises(UnsupportedModelError, match="extra.weight uses GGUF type IQ2_XXS"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ModelLoadError, match="without config.json"):
+        load_model(tmp_path / "d")
+    (tmp_path / "x.bin").write_bytes(b"junk")
+    with pytest.raises(ModelLoadError, match="neither"):
+        load_model(tmp_path / "x.bin")
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="cannot read GGUF"):
+        load_model(tmp_path / "bad.gguf")

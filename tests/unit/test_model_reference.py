@@ -1,0 +1,70 @@
+"""Baton's model against Hugging Face transformers on tiny random models (all features)."""
+
+import pytest
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.engine.loader import load_model
+from baton.engine.params import SamplingParams
+
+from ..conftest import make_hf_model
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 311, 12, 13]
+
+
+def hf_logprobs(hf, ids):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def assert_matches_hf(engine, hf, prompt, n=10):
+    """Teacher-forced: every step's top-3 logprobs equal HF's at the same position, and the
+    greedy choice is HF's argmax wherever HF's top two are not a near-tie."""
+    c = engine.generate([prompt], SamplingParams(max_tokens=n, logprobs=3, ignore_eos=True))[0]
+    assert len(c.token_ids) == n
+    ref = hf_logprobs(hf, prompt + c.token_ids)
+    for i, lp in enumerate(c.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        top2 = row.topk(2).values
+        if top2[0] - top2[1] > 1e-4:
+            assert lp.token_id == int(row.argmax()), f"step {i}"
+        for tok, val in lp.top:
+            assert abs(float(row[tok]) - val) < 1e-4, (i, tok, float(row[tok]), val)
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_llama_untied(tiny_llama, backend):
+    path, hf = tiny_llama
+    engine = LLMEngine(load_model(path), EngineConfig(block_size=4, num_kv_blocks=64,
+                                                      attention_backend=backend))
+    assert engine.attention_backend == ("native-cpu" if backend == "native" else "torch")
+    assert_matches_hf(engine, hf, PROMPT)
+
+
+def test_qwen2_bias_tied(tmp_path):
+    hf = make_hf_model(tmp_path / "q", "qwen2", tie_word_embeddings=True)
+    model = load_model(tmp_path / "q")
+    assert model.config.qkv_bias and model.config.tie_embeddings
+    assert_matches_hf(LLMEngine(model, EngineConfig(block_size=4, num_kv_blocks=64)), hf, PROMPT)
+
+
+def test_llama3_rope_scaling(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf = make_hf_model(tmp_path / "l3", rope_scaling=scaling, rope_theta=500000.0)
+    model = load_model(tmp_path / "l3")
+    assert model.config.rope_scaling.kind == "llama3"
+    prompt = list(range(20, 120))  # past original_max_position: the scaling matters
+    assert_matches_hf(LLMEngine(model, EngineConfig(block_size=8, num_kv_blocks=64)), hf, prompt)
+
+
+def test_bfloat16_stays_close(tiny_llama):
+    path, hf = tiny_llama
+    engine = LLMEngine(load_model(path), EngineConfig(dtype="bfloat16", block_size=4,
+                                                      num_kv_blocks=64))
+    assert engine.kv_cache.dtype == torch.bfloat16
+    c = engine.generate([PROMPT], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    ref = hf_logprobs(hf, PROMPT + c.token_ids)
+    for i, lp in enumerate(c.logprobs):
+        assert abs(float(ref[len(PROMPT) - 1 + i][lp.token_id]) - lp.logprob) < 0.1
