@@ -8,7 +8,6 @@ import json
 from dataclasses import dataclass, field
 
 import torch
-
 from baton.engine.errors import InvalidRequestError
 
 # Layout of the KV tensor, part of the model fingerprint (peers must agree on it).

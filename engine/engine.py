@@ -22,11 +22,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-
 from baton.engine.block_hash import namespace_for
 from baton.engine.config import EngineConfig
 from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
-from baton.engine.kv_cache import KVCacheManager
+from baton.engine.kv_cache import KVCacheManager, PrefixHit
 from baton.engine.loader import LoadedModel, load_model
 from baton.engine.model import LlamaModel
 from baton.engine.params import SamplingParams
@@ -254,7 +253,7 @@ class LLMEngine:
         req.append_token(first_token_id)
         hit = self.kv.get_prefix_hit(req)
         hit_blocks = min(len(hit.blocks), len(ids) // self.cfg.block_size)
-        hit = type(hit)(hit.blocks[:hit_blocks], hit_blocks * self.cfg.block_size)
+        hit = PrefixHit(hit.blocks[:hit_blocks], hit_blocks * self.cfg.block_size)
         if self.kv.allocate_slots(req, len(ids) - hit.num_tokens, hit) is None:
             self._forget(req)
             return None

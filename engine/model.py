@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
 from baton.engine.config import ModelConfig
 from baton.kernels import cpu_attention
 from baton.kernels.paged_attention import (

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.model import AttentionMetadata, LlamaModel, PrefillSeq

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
 from baton.engine.errors import InvalidRequestError, UnsupportedModelError
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _CONTROL, _USER_DEFINED = 3, 4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -23,13 +22,6 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _isolated_cache(tmp_path_factory):
-    """Tiny models convert into a throwaway cache; the real model keeps the user's cache."""
-    os.environ.setdefault("BATON_TEST_CACHE", str(tmp_path_factory.mktemp("baton-cache")))
-    yield
 
 
 def write_tokenizer(path: Path) -> None:

@@ -6,13 +6,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
-from gguf import quants
-
 from baton.engine.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.errors import ModelLoadError, UnsupportedModelError
 from baton.engine.loader import load_model
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
 
 from .test_model_reference import PROMPT, assert_matches_hf
 

@@ -1,7 +1,6 @@
 """Block-pool and KV-cache-manager scenarios pinning exact block ids, ref counts and eviction."""
 
 import pytest
-
 from baton.engine.block_hash import hash_block, namespace_for
 from baton.engine.kv_cache import BlockPool, KVCacheManager
 from baton.engine.params import SamplingParams

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from baton.engine.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.loader import load_model
