@@ -78,7 +78,7 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor(dec_lens)
             meta.decode_rows = None if not prefills else torch.tensor(dec_rows)
         logits = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv,
-                                    torch.tensor(logits_rows))
+                                    torch.tensor(logits_rows, dtype=torch.long))
         if not samplers:
             return {}
         tokens, logprobs = sample(logits, [r.params for r in samplers],
