@@ -34,6 +34,7 @@ class SchedulerStats:
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     num_preemptions: int = 0
+    num_scheduled_tokens: int = 0  # tokens run through the model (prompt chunks + decodes)
 
 
 class Scheduler:
@@ -101,6 +102,7 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(n)
             budget -= n
+        self.stats.num_scheduled_tokens += batch.total_tokens
         return batch
 
     def _preempt(self, req: Request) -> None:
