@@ -93,7 +93,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
-    attention_backend: str = "auto"  # auto | native (C kernel, CPU) | torch (reference)
+    # auto | native (C kernels on CPU: paged decode attention, small-batch linear) | torch (reference)
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -9,7 +9,7 @@
  * Threads split the work items; the kernel is memory-bound (each KV byte is read once).
  */
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -89,16 +89,13 @@ int paged_decode_attention(float *out, const float *q, const void *kv, int is_bf
     const int items = B * hkv;
     int nt = num_threads < 1 ? 1 : num_threads;
     if (nt > items) nt = items;
-    if (nt > 64) nt = 64;
-    Args args[64];
-    pthread_t th[64];
-    for (int i = 0; i < nt; i++) {
-        args[i] = (Args){out, q, kv, block_tables, context_lens, is_bf16, max_blocks, layer,
-                         num_layers, bs, hkv, group, dim, scale,
-                         (int)((int64_t)items * i / nt), (int)((int64_t)items * (i + 1) / nt)};
+#pragma omp parallel num_threads(nt)
+    {
+        const int i = omp_get_thread_num(), n = omp_get_num_threads();
+        Args a = {out, q, kv, block_tables, context_lens, is_bf16, max_blocks, layer, num_layers,
+                  bs, hkv, group, dim, scale, (int)((int64_t)items * i / n),
+                  (int)((int64_t)items * (i + 1) / n)};
+        work(&a);
     }
-    for (int i = 1; i < nt; i++) pthread_create(&th[i], NULL, work, &args[i]);
-    work(&args[0]);
-    for (int i = 1; i < nt; i++) pthread_join(th[i], NULL);
     return 0;
 }

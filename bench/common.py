@@ -1,0 +1,73 @@
+"""Helpers shared by Baton's benchmarks: the machine description, workload prompts, result files."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import socket
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict:
+    """What the numbers were measured on."""
+    info = {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "python": platform.python_version(), "cpus": os.cpu_count(),
+            "cpus_usable": len(os.sched_getaffinity(0))}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        for line in text.splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()
+        info["cpu_flags"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
+                             if f in flags]
+    except OSError:
+        pass
+    try:
+        mem = Path("/proc/meminfo").read_text().split("\n")[0].split()[1]
+        info["mem_gib"] = round(int(mem) / 2**20, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def random_word_prompts(tokenizer, lengths: list[int], seed: str) -> list[list[int]]:
+    """Prompts of exactly ``lengths[i]`` tokens of random vocabulary words (no shared prefixes,
+    so a prefix cache never serves them). Same recipe as the vLLM peer's ``peer_bench.py``."""
+    rng = random.Random(seed)
+    vocab = [tokenizer.token_to_str(i) for i in range(tokenizer.vocab_size)]
+    words = [t[1:] for t in vocab if t.startswith("\u0120") and t[1:].isalpha() and len(t) > 3]
+    out = []
+    for n in lengths:
+        text = " ".join(rng.choice(words) for _ in range(n + 8))
+        out.append(tokenizer.encode(text, add_special_tokens=False)[:n])
+    return out
+
+
+def write_result(name: str, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = RESULTS / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2

@@ -1,0 +1,53 @@
+"""Build and load Baton's native CPU kernels (``csrc/*.c``) with the system C compiler.
+
+Each kernel is compiled once into ``$BATON_CACHE_DIR/kernels`` (about a second) and cached by a hash
+of its source, the compiler and the flags. ``BATON_NATIVE=0`` turns every native kernel off (the
+engine then uses its torch code paths); without a compiler :func:`build` returns ``None`` too.
+
+Kernels that use OpenMP link ``libgomp.so.1``: PyTorch has loaded its own copy of that library by
+the time a kernel loads, so the dynamic linker hands the kernel the same one and they share a
+thread pool instead of two pools fighting over the cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+def enabled() -> bool:
+    return os.environ.get("BATON_NATIVE", "1") != "0"
+
+
+def build(name: str, extra_flags: list[str]) -> ctypes.CDLL | None:
+    if not enabled():
+        return None
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    src = CSRC / f"{name}.c"
+    flags = FLAGS + extra_flags
+    tag = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()
+    root = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
+    lib = root / "kernels" / f"{name}-{tag[:16]}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        r = subprocess.run([cc, *flags, "-o", str(tmp), str(src)], capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            print(f"[baton] native kernel {name} failed to compile, using torch:\n{r.stderr}",
+                  file=sys.stderr)
+            return None
+        tmp.rename(lib)
+    import torch  # noqa: F401  (its libgomp must be loaded before ours resolves)
+
+    return ctypes.CDLL(str(lib))

@@ -1,0 +1,43 @@
+"""Native CPU kernels against their torch references on small irregular shapes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from baton.kernels import cpu_attention, cpu_linear
+from baton.kernels.paged_attention import decode_attention
+
+pytestmark = pytest.mark.skipif(cpu_linear.load() is None, reason="no C compiler")
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 7, 13), (3, 9, 20), (4, 1, 8), (5, 33, 64),
+                                     (16, 100, 37), (2, 576, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_m_linear(m, n, k, dtype):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((m, k), (n, k), (n,)))
+    w = w.to(dtype)
+    for bias in (None, b):
+        want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        got = cpu_linear.linear(x, w, bias)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_small_m_linear_no_rows():
+    assert cpu_linear.linear(torch.empty(0, 8), torch.randn(5, 8)).shape == (0, 5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_reference(kv_dtype):
+    g = torch.Generator().manual_seed(1)
+    nb, layers, bs, hkv, group, d = 23, 2, 4, 3, 3, 16
+    kv = torch.randn(nb, layers, 2, bs, hkv, d, generator=g).to(kv_dtype)
+    lens = torch.tensor([1, 5, 13, 30])
+    perm = torch.randperm(nb, generator=g)
+    width = -(-int(lens.max()) // bs)
+    tables = torch.stack([perm[i * 2: i * 2 + width] for i in range(4)]) % nb
+    q = torch.randn(4, hkv * group, d, generator=g)
+    for layer in range(layers):
+        want = decode_attention(q, kv, layer, tables, lens, d ** -0.5)
+        got = cpu_attention.decode_attention(q, kv, layer, tables, lens, d ** -0.5)
+        torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=1e-4)
