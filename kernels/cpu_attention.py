@@ -20,7 +20,8 @@ from baton.kernels import native
 
 @cache
 def load() -> ctypes.CDLL | None:
-    dll = native.build("paged_decode_attention", ["-fopenmp", "-lm"])
+    dll = native.build("paged_decode_attention",
+                       ["-fopenmp", "-ffast-math", "-fno-finite-math-only", "-lmvec", "-lm"])
     if dll is None:
         return None
     dll.paged_decode_attention.restype = ctypes.c_int

@@ -41,7 +41,7 @@ def build(name: str, extra_flags: list[str]) -> ctypes.CDLL | None:
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cc, *flags, "-o", str(tmp), str(src)], capture_output=True,
+        r = subprocess.run([cc, str(src), *flags, "-o", str(tmp)], capture_output=True,
                            text=True)
         if r.returncode != 0:
             print(f"[baton] native kernel {name} failed to compile, using torch:\n{r.stderr}",

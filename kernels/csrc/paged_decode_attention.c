@@ -29,14 +29,17 @@ static inline float load(const void *base, int64_t i, int is_bf16) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
-static void *work(void *p) {
-    const Args *a = (const Args *)p;
-    const int D = a->dim, G = a->group, H = a->hkv, BS = a->bs;
+/* One (sequence, kv head) item. Always inlined with constant D and is_bf16 (see item_d), so the
+ * loops over D have a fixed trip count and the dtype test leaves the inner loops. */
+static inline __attribute__((always_inline)) void item_impl(const Args *a, int item, const int D,
+                                                            const int is_bf16) {
+    const int G = a->group, H = a->hkv, BS = a->bs;
+    const int esize = is_bf16 ? 2 : 4;
     const int64_t row = (int64_t)H * D;                   /* one token's K (or V) */
     const int64_t kv_part = (int64_t)BS * row;            /* one block's K (or V) of one layer */
     const int64_t block = (int64_t)a->num_layers * 2 * kv_part;
     float kf[MAX_DIM], vf[MAX_DIM];
-    for (int item = a->begin; item < a->end; item++) {
+    {
         const int b = item / H, h = item % H;
         const int64_t n = a->lens[b];
         const float *qb = a->q + ((int64_t)b * H * G + (int64_t)h * G) * D;
@@ -46,8 +49,18 @@ static void *work(void *p) {
             const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
             const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
             const int cnt = (int)((n - start) < BS ? (n - start) : BS);  /* partial last block */
+            if (start + BS < n) {  /* blocks are scattered: fetch the next one's rows early */
+                const int64_t nblk = a->bt[(int64_t)b * a->max_blocks + start / BS + 1];
+                const char *nk = (const char *)a->kv
+                    + (nblk * block + (int64_t)a->layer * 2 * kv_part + h * D) * esize;
+                for (int t = 0; t < BS; t++)
+                    for (int off = 0; off < D * esize; off += 64) {
+                        __builtin_prefetch(nk + t * row * esize + off);
+                        __builtin_prefetch(nk + (kv_part + t * row) * esize + off);
+                    }
+            }
             for (int t = 0; t < cnt; t++) {
-                for (int d = 0; d < D; d++) kf[d] = load(a->kv, kbase + t * row + d, a->is_bf16);
+                for (int d = 0; d < D; d++) kf[d] = load(a->kv, kbase + t * row + d, is_bf16);
                 for (int g = 0; g < G; g++) {
                     float dot = 0.f;
                     #pragma omp simd reduction(+:dot)
@@ -66,7 +79,7 @@ static void *work(void *p) {
             }
             for (int t = 0; t < cnt; t++) {
                 const int64_t vb = kbase + kv_part + t * row;
-                for (int d = 0; d < D; d++) vf[d] = load(a->kv, vb + d, a->is_bf16);
+                for (int d = 0; d < D; d++) vf[d] = load(a->kv, vb + d, is_bf16);
                 for (int g = 0; g < G; g++) {
                     const float w = s[g][t];
                     #pragma omp simd
@@ -78,7 +91,14 @@ static void *work(void *p) {
         for (int g = 0; g < G; g++)
             for (int d = 0; d < D; d++) ob[g * D + d] = acc[g][d] / l[g];
     }
-    return NULL;
+}
+
+static void item_d(const Args *a, int item) {
+    if (a->dim == 64 && a->is_bf16) item_impl(a, item, 64, 1);
+    else if (a->dim == 64) item_impl(a, item, 64, 0);
+    else if (a->dim == 128 && a->is_bf16) item_impl(a, item, 128, 1);
+    else if (a->dim == 128) item_impl(a, item, 128, 0);
+    else item_impl(a, item, a->dim, a->is_bf16);
 }
 
 int paged_decode_attention(float *out, const float *q, const void *kv, int is_bf16,
@@ -89,13 +109,10 @@ int paged_decode_attention(float *out, const float *q, const void *kv, int is_bf
     const int items = B * hkv;
     int nt = num_threads < 1 ? 1 : num_threads;
     if (nt > items) nt = items;
-#pragma omp parallel num_threads(nt)
-    {
-        const int i = omp_get_thread_num(), n = omp_get_num_threads();
-        Args a = {out, q, kv, block_tables, context_lens, is_bf16, max_blocks, layer, num_layers,
-                  bs, hkv, group, dim, scale, (int)((int64_t)items * i / n),
-                  (int)((int64_t)items * (i + 1) / n)};
-        work(&a);
-    }
+    const Args a = {out, q, kv, block_tables, context_lens, is_bf16, max_blocks, layer,
+                    num_layers, bs, hkv, group, dim, scale, 0, items};
+    /* sequences differ in length: hand items out one at a time */
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int i = 0; i < items; i++) item_d(&a, i);
     return 0;
 }
