@@ -76,6 +76,8 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op, same arithmetic
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -176,9 +178,10 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+            # q and k heads rotate together: one set of rotary ops per layer instead of two
+            qk = apply_rope(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             store_kv(kv, i, meta.slot_blocks, meta.slot_offsets, k, v)
             o = self._attention(q, k, v, meta, kv, i)
