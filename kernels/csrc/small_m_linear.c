@@ -94,9 +94,43 @@ static void rows2_mc(float *y, const float *x, const void *w, int is_bf16, int64
     }
 }
 
+#ifdef HAVE_AVX2
+/* M == 1 (one decode row): four rows of W and two k-chunks in flight, eight independent
+ * accumulators, so the loop is bound by memory rather than by FMA latency. Needs K % 16 == 0. */
+static inline __attribute__((always_inline)) void gemv4(float *y, const float *x, const void *w,
+                                                        const int is_bf16, int64_t n, int64_t K) {
+    __m256 a[4][2];
+    for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int r = 0; r < 4; r++) {
+            a[r][0] = _mm256_fmadd_ps(load8(w, (n + r) * K + k, is_bf16), x0, a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(load8(w, (n + r) * K + k + 8, is_bf16), x1, a[r][1]);
+        }
+    }
+    for (int r = 0; r < 4; r++) y[n + r] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
+}
+
+static void gemv(float *y, const float *x, const void *w, int is_bf16, int64_t N, int64_t K,
+                 int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t q = 0; q < N / 4; q++) {
+        if (is_bf16) gemv4(y, x, w, 1, 4 * q, K);
+        else gemv4(y, x, w, 0, 4 * q, K);
+    }
+    for (int64_t n = N / 4 * 4; n < N; n++) rows2(y, x, w, is_bf16, n, 0, 0, 1, N, K);
+}
+#endif
+
 int small_m_linear(float *y, const float *x, const void *w, int is_bf16, const float *bias,
                    int64_t M, int64_t N, int64_t K, int num_threads) {
     if (M < 1 || N < 1 || K < 1) return 1;
+#ifdef HAVE_AVX2
+    if (M == 1 && K % 16 == 0 && N >= 4) {
+        gemv(y, x, w, is_bf16, N, K, num_threads);
+        goto add_bias;
+    }
+#endif
     const int64_t pairs = (N + 1) / 2;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
@@ -107,6 +141,7 @@ int small_m_linear(float *y, const float *x, const void *w, int is_bf16, const f
             rows2_mc(y, x, w, is_bf16, n, two, m0, mc, N, K);
         }
     }
+add_bias:
     if (bias)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) y[m * N + n] += bias[n];

@@ -10,7 +10,8 @@ pytestmark = pytest.mark.skipif(cpu_linear.load() is None, reason="no C compiler
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 7, 13), (3, 9, 20), (4, 1, 8), (5, 33, 64),
-                                     (16, 100, 37), (2, 576, 576)])
+                                     (16, 100, 37), (2, 576, 576), (1, 37, 64),
+                                     (1, 5, 32), (1, 576, 576), (1, 3, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_m_linear(m, n, k, dtype):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
