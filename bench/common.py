@@ -65,9 +65,3 @@ def write_result(name: str, result: dict) -> Path:
     path = RESULTS / f"{name}-{stamp}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2

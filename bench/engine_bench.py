@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from statistics import median
 from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,7 +39,7 @@ from baton.engine.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.engine.loader import load_model  # noqa: E402
 from baton.engine.params import SamplingParams  # noqa: E402
-from common import machine, median, random_word_prompts, write_result  # noqa: E402
+from common import machine, random_word_prompts, write_result  # noqa: E402
 
 OUT_TOKENS = 128
 SINGLE_PROMPT = 500

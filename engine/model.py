@@ -98,16 +98,20 @@ SMALL_M = 16
 
 class Linear:
     """``y = x @ w.T + bias``. ``small`` is the same matrix for the native small-M kernel, in the
-    storage dtype (bfloat16 weights stream at half the bytes), or ``None`` to always use BLAS."""
+    storage dtype (bfloat16 weights stream at half the bytes), or ``None`` to always use BLAS.
+    With ``transposed``, ``w`` is stored as [K, N] for BLAS (faster for a very tall matrix)."""
 
-    __slots__ = ("w", "bias", "small")
+    __slots__ = ("w", "bias", "small", "transposed")
 
-    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, small: torch.Tensor | None):
-        self.w, self.bias, self.small = w, bias, small
+    def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, small: torch.Tensor | None,
+                 transposed: bool = False):
+        self.w, self.bias, self.small, self.transposed = w, bias, small, transposed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= SMALL_M:
             return cpu_linear.linear(x, self.small, self.bias)
+        if self.transposed:
+            return x @ self.w
         return F.linear(x, self.w, self.bias)
 
 
@@ -145,13 +149,13 @@ class LlamaModel:
         small_linear = (dtype == torch.float32 and attention_backend != "torch"
                         and cpu_linear.load() is not None)
         small_dtype = (storage_dtype or dtype) if small_linear else None
-        self.linear_backend = "native-small-m+blas" if small_linear else "blas"
         self.embed = weights["embed"]  # [vocab, hidden]
-        # stored transposed, [hidden, vocab]: x @ W^T with a tall W runs at half the bandwidth on
-        # CPU BLAS, x @ W_t at full
+        # for BLAS stored transposed, [hidden, vocab]: x @ W^T with a tall W runs at half the
+        # bandwidth on CPU BLAS, x @ W_t at full
         head = weights.get("lm_head", self.embed)
-        self.lm_head_t = head.t().contiguous()
-        self.lm_head_small = None if small_dtype is None else head.to(small_dtype).contiguous()
+        self.lm_head = Linear(head.t().contiguous(), None,
+                              None if small_dtype is None else head.to(small_dtype).contiguous(),
+                              transposed=True)
         self.norm = weights["norm"]
         self.layers = [
             Layer({k.split(".", 2)[2]: v for k, v in weights.items()
@@ -190,9 +194,7 @@ class LlamaModel:
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
-        if self.lm_head_small is not None and h.shape[0] <= SMALL_M:
-            return cpu_linear.linear(h, self.lm_head_small)
-        return (h @ self.lm_head_t).float()
+        return self.lm_head(h).float()
 
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,

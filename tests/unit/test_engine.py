@@ -21,11 +21,18 @@ def one_by_one(engine, ps, params=GREEDY) -> list[list[int]]:
     return [engine.generate([p], params)[0].token_ids for p in ps]
 
 
-def drain(engine) -> dict[str, list[int]]:
-    got: dict[str, list[int]] = {}
+def drain_outputs(engine) -> list:
+    outs = []
     while engine.has_unfinished():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outs += engine.step()
+    return outs
+
+
+def drain(engine) -> dict[str, list[int]]:
+    """Step to completion; each request's generated token ids."""
+    got: dict[str, list[int]] = {}
+    for out in drain_outputs(engine):
+        got.setdefault(out.request_id, []).extend(out.new_token_ids)
     return got
 
 
@@ -232,13 +239,6 @@ def _handoff(prefill, decode, ids, params, rid):
         tokens += out.new_token_ids
     tokens += drain(decode).get(rid, [])
     return tokens, slots
-
-
-def drain_outputs(engine):
-    outs = []
-    while engine.has_unfinished():
-        outs += engine.step()
-    return outs
 
 
 def test_handoff_between_engines_gives_same_tokens(tiny_engine):
