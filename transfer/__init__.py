@@ -1,5 +1,29 @@
-"""KV-block transfer between engines (NIXL agents, leases, handles).
+"""KV-block transfer between engines: NIXL agents, the lease protocol, handles.
 
-The engine side of a hand-off lives in :mod:`baton.engine.engine` (``prefill_only`` requests and
-``reserve_handoff`` / ``commit_handoff``); this package will move those blocks between processes.
+Two roles, as in every hand-off:
+
+* the **holder** (a prefill worker) pins a finished prompt's blocks under a :class:`Lease`
+  (:mod:`baton.transfer.lease`), and answers handshakes and lease releases;
+* the **reader** (a decode worker) allocates its own blocks, NIXL-READs the holder's blocks into
+  them (:class:`baton.transfer.reader.KVReader`), then releases the lease. Only if the release
+  says the lease stayed intact does it decode from what it read.
+
+Both register their whole KV pool with NIXL once at start-up (:class:`baton.transfer.agent.KVAgent`);
+a block is one contiguous region of the pool (see the README's "KV layout"), so a hand-off is one
+descriptor per block, and NIXL merges runs of consecutive block ids.
 """
+
+from baton.transfer.errors import (
+    FingerprintMismatchError,
+    LeaseLostError,
+    PeerUnavailableError,
+    TransferDeadlineError,
+    TransferError,
+)
+from baton.transfer.handle import KVHandle
+from baton.transfer.lease import Lease, LeaseTable
+
+__all__ = [
+    "FingerprintMismatchError", "KVHandle", "Lease", "LeaseLostError", "LeaseTable",
+    "PeerUnavailableError", "TransferDeadlineError", "TransferError",
+]

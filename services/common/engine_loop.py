@@ -1,0 +1,131 @@
+"""The engine on its own thread; RPC threads reach it through ``call`` and per-request streams.
+
+The engine is single-threaded by design (no locks in the hot path). Everything that touches it
+(adding, aborting, reserving and committing hand-offs, integrity checks) is posted here as a call
+and runs between two steps; outputs go to the queue of the request they belong to.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from baton.engine.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger("baton.services")
+
+
+class EngineDied(RuntimeError):
+    """The engine thread stopped on an unexpected error; every open stream gets this."""
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, *, on_tick: Callable[[], None] | None = None,
+                 tick_s: float = 0.05) -> None:
+        self.engine, self._on_tick, self._tick_s = engine, on_tick, tick_s
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, queue.SimpleQueue] = {}  # engine thread only
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        self._calls.put(None)
+        self._thread.join(timeout)
+
+    # ---- used from other threads -----------------------------------------------------------------
+
+    def call(self, fn: Callable, *args, **kwargs) -> Future:
+        """Run ``fn(*args, **kwargs)`` on the engine thread between steps."""
+        fut: Future = Future()
+        if self._error is not None:
+            fut.set_exception(EngineDied(f"engine stopped: {self._error!r}"))
+            return fut
+        self._calls.put((fut, fn, args, kwargs))
+        return fut
+
+    def run(self, fn: Callable, *args, **kwargs):
+        return self.call(fn, *args, **kwargs).result()
+
+    def open_stream(self, request_id: str) -> queue.SimpleQueue:
+        """Engine thread only (inside a ``call``): route ``request_id``'s outputs to a queue."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams[request_id] = q
+        return q
+
+    def submit(self, request_id: str, **add_request_kwargs) -> queue.SimpleQueue:
+        """Add a request (raises what ``add_request`` raises) and return its output queue."""
+        def add() -> queue.SimpleQueue:
+            q = self.open_stream(request_id)
+            try:
+                self.engine.add_request(request_id=request_id, **add_request_kwargs)
+            except BaseException:
+                del self._streams[request_id]
+                raise
+            return q
+        return self.run(add)
+
+    def abort(self, request_id: str) -> None:
+        """Abort from any thread; the stream (if any) is closed with an aborted output."""
+        self.call(self.engine.abort, request_id)
+
+    # ---- the engine thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                busy = self.engine.has_unfinished()
+                self._drain(block=not busy)
+                if self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
+                if self._on_tick is not None:
+                    self._on_tick()
+        except BaseException as e:  # a bug in the engine: fail every waiter loudly
+            log.exception("engine thread died")
+            self._error = e
+            for q in self._streams.values():
+                q.put(EngineDied(f"engine stopped: {e!r}"))
+            self._fail_pending(e)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._calls.get(timeout=self._tick_s) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fut, fn, args, kwargs = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # handed to the caller, who raises it
+                    fut.set_exception(e)
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is None:
+                continue
+            q.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_pending(self, e: BaseException) -> None:
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[0].set_exception(EngineDied(f"engine stopped: {e!r}"))

@@ -1,0 +1,88 @@
+"""Start worker processes and wait until they serve (used by tests, benchmarks, ``baton up``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from baton.v1 import worker_pb2, worker_pb2_grpc
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class WorkerProcess:
+    """``python -m baton.services.<role> --port 0 ARGS``; ready once it prints ``BATON_READY``.
+
+    stderr (the worker's log) goes to ``log_path``; stdout is drained on a thread.
+    """
+
+    def __init__(self, role: str, args: list[str] = (), *, env: dict | None = None,
+                 ready_timeout: float = 180.0, log_dir: str | None = None) -> None:
+        self.role = role
+        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="baton-workers-"))
+        self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
+        self._log = open(self.log_path, "wb")
+        cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
+                                     env={**os.environ, **(env or {})})
+        self.address = self.worker_id = self.incarnation = ""
+        ready = threading.Event()
+
+        def pump() -> None:
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").split()
+                if line[:1] == ["BATON_READY"]:
+                    self.address, self.worker_id, self.incarnation = line[1:4]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(ready_timeout) or not self.address:
+            self.kill()
+            raise WorkerStartError(f"{role} worker did not start; log:\n{self.log_tail()}")
+        self.channel = grpc.insecure_channel(self.address)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def info(self, check_integrity: bool = False, timeout: float = 30.0):
+        stub_cls = (worker_pb2_grpc.PrefillWorkerStub if self.role == "prefill"
+                    else worker_pb2_grpc.DecodeWorkerStub)
+        return stub_cls(self.channel).Info(
+            worker_pb2.InfoRequest(check_integrity=check_integrity), timeout=timeout)
+
+    def log_tail(self, n: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._close()
+
+    def _close(self) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+            self.channel = None
+        self._log.close()

@@ -1,0 +1,3 @@
+from baton.services.decode.server import main
+
+main()

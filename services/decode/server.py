@@ -1,0 +1,175 @@
+"""The decode worker: takes a prefilled request's KV handle, pulls the blocks over NIXL into its
+own pool, and streams the rest of the tokens.
+
+``python -m baton.services.decode --help``. Serves ``DecodeWorker`` (Decode, Info). Prints
+``BATON_READY <address> <worker id> <incarnation>`` once it serves.
+
+A Decode call, and who frees what on each exit::
+
+    reserve blocks ──► pull (handshake, READ, release lease) ──► commit ──► stream tokens
+      │ none free: wait     │ any TransferError: abort (frees        │ client cancels: abort
+      │ until the deadline  │ the reserved blocks), typed status     │ (frees the blocks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import queue
+import time
+import uuid
+from dataclasses import replace
+
+import grpc
+from baton.engine.engine import LLMEngine
+from baton.services.common.engine_loop import EngineLoop
+from baton.services.common.worker import (
+    abort_with,
+    add_engine_args,
+    add_server_args,
+    announce,
+    build_engine,
+    make_server,
+    new_incarnation,
+    params_from_proto,
+    serve_forever,
+    setup_logging,
+)
+from baton.services.prefill.server import worker_info
+from baton.transfer.agent import KVAgent, configure_ucx
+from baton.transfer.errors import TransferError
+from baton.transfer.handle import KVHandle
+from baton.transfer.reader import KVReader
+from baton.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("baton.services.decode")
+
+
+class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, loop: EngineLoop, reader: KVReader, worker_id: str, incarnation: str,
+                 transfer_timeout_s: float) -> None:
+        self.loop, self.reader, self.worker_id = loop, reader, worker_id
+        self.incarnation, self.transfer_timeout_s = incarnation, transfer_timeout_s
+        self.engine: LLMEngine = loop.engine
+
+    def Decode(self, request, context):
+        rid = request.request_id or uuid.uuid4().hex
+        handle = KVHandle.from_proto(request.handle)
+        budget = self.transfer_timeout_s
+        if context.time_remaining() is not None:
+            budget = min(budget, context.time_remaining())
+        deadline = time.monotonic() + budget
+        try:
+            params = params_from_proto(request.params)
+            if handle.num_tokens != len(request.prompt_token_ids):
+                raise _invalid("handle.num_tokens", handle.num_tokens,
+                               f"the prompt has {len(request.prompt_token_ids)} tokens")
+            slots = self._reserve(rid, request, params, deadline, context)
+        except Exception as e:
+            abort_with(context, e)
+        if slots is None:
+            return
+        if len(handle.block_ids) < len(slots.block_ids):
+            self.loop.run(self.engine.abort, rid)
+            abort_with(context, _invalid("handle.block_ids", len(handle.block_ids),
+                                         f"{len(slots.block_ids)} blocks are needed"))
+        try:
+            needed = replace(handle, block_ids=handle.block_ids[:len(slots.block_ids)])
+            res = self.reader.pull(needed, slots.block_ids, slots.num_local_blocks, deadline)
+        except TransferError as e:
+            self.loop.run(self.engine.abort, rid)
+            log.warning("request %s: hand-off from %s failed: %s", rid, handle.worker_id, e)
+            abort_with(context, e)
+        stream = self.loop.run(self._commit, rid)
+        context.add_callback(lambda: self.loop.abort(rid))
+        stats = worker_pb2.TransferStats(
+            bytes=res.bytes, blocks_read=res.blocks_read, blocks_local=res.blocks_local,
+            handshake_s=res.handshake_s, read_s=res.read_s, release_s=res.release_s,
+            transports=res.transports)
+        first = True
+        while True:
+            out = stream.get()
+            if isinstance(out, BaseException):
+                abort_with(context, out)
+            chunk = worker_pb2.DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
+                                           finish_reason=out.finish_reason or "")
+            if first:
+                chunk.transfer.CopyFrom(stats)
+                first = False
+            yield chunk
+            if out.finished:
+                return
+
+    def _reserve(self, rid, request, params, deadline, context):
+        """Blocks for the prompt, waiting (until the deadline) while the pool is full."""
+        while True:
+            slots = self.loop.run(self.engine.reserve_handoff, rid,
+                                  list(request.prompt_token_ids), request.first_token_id, params)
+            if slots is not None:
+                return slots
+            if time.monotonic() > deadline:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              "no free KV blocks for the hand-off before the deadline")
+            if not context.is_active():
+                return None
+            time.sleep(0.01)
+
+    def _commit(self, rid: str) -> queue.SimpleQueue:
+        stream = self.loop.open_stream(rid)
+        for out in self.engine.commit_handoff(rid):
+            stream.put(out)
+        return stream
+
+    def Info(self, request, context):
+        return worker_info(self.loop, "decode", self.worker_id, self.incarnation,
+                           self.reader.agent, request.check_integrity,
+                           num_peers=self.reader.num_peers)
+
+
+def _invalid(field, value, reason):
+    from baton.engine.errors import InvalidRequestError
+
+    return InvalidRequestError(field, value, reason)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m baton.services.decode",
+        description="Baton decode worker: pulls a prefilled request's KV blocks over NIXL from "
+                    "the prefill worker named in its handle, then streams the generated tokens.")
+    add_engine_args(ap)
+    add_server_args(ap)
+    g = ap.add_argument_group("KV hand-off")
+    g.add_argument("--transfer-timeout", type=float, default=10.0,
+                   help="deadline in seconds for one hand-off (handshake, read, lease release); "
+                        "a dead or stalled prefill worker fails the request within it")
+    g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    setup_logging(args.log_level)
+    configure_ucx()
+    engine = build_engine(args)
+    incarnation = new_incarnation()
+    server = make_server()
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    address = f"{args.host}:{port}"
+    worker_id = args.worker_id or f"decode-{args.host}-{port}"
+    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
+    reader = KVReader(agent, engine.fingerprint, worker_id, args.fault_delay_release)
+    loop = EngineLoop(engine).start()
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+        DecodeService(loop, reader, worker_id, incarnation, args.transfer_timeout), server)
+    server.start()
+    log.info("decode worker %s (incarnation %s) serving on %s, model fingerprint %s",
+             worker_id, incarnation, address, engine.fingerprint[:16])
+    announce(address, worker_id, incarnation)
+
+    def stop() -> None:
+        loop.stop()
+        reader.close()
+        agent.close()
+
+    serve_forever(server, stop)
+
+
+if __name__ == "__main__":
+    main()

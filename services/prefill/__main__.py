@@ -1,0 +1,3 @@
+from baton.services.prefill.server import main
+
+main()

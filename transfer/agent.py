@@ -1,0 +1,192 @@
+"""One NIXL agent per worker, with the engine's whole KV pool registered once at start-up.
+
+Block ``b`` of a pool is the region ``[base + b * block_nbytes, + block_nbytes)`` (block-major
+layout, README "KV layout"), so both sides prepare one descriptor list over all blocks once per
+peer, and a hand-off is a READ of index lists (NIXL merges runs of consecutive ids into one region).
+
+UCX picks its transports itself (on one machine: ``cma`` for DRAM, i.e. one ``process_vm_readv``
+per region, or CUDA IPC for VRAM). Which ones it actually used is read back from UCX's own protocol
+report (``UCX_PROTO_INFO``), which the agent turns on and sends to a log file it parses; that is
+how a silent fall back to TCP shows up in worker info instead of only in the bandwidth.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from baton.transfer.errors import PeerUnavailableError, TransferDeadlineError, TransferError
+
+log = logging.getLogger("baton.transfer")
+
+_LOCAL = "NIXL_INIT_AGENT"
+_RMA_TITLE = re.compile(r"remote memory (read|write) by")
+_ROW = re.compile(r"\|\s*[\d.]+(?:\.\.(?:\d+|inf))?\s*\|[^|]*\|\s*([\w./:-]+(?:,\s*[\w./:-]+)*)")
+
+
+def configure_ucx(log_dir: str | os.PathLike | None = None) -> Path | None:
+    """Ask UCX to report its protocol choices into a per-process log file. Must run before the
+    first agent is created (UCX reads its environment once). Returns the log path, or None if
+    the user set ``UCX_LOG_FILE`` themselves (then transports are reported as unknown)."""
+    if "UCX_LOG_FILE" in os.environ and "BATON_UCX_LOG" not in os.environ:
+        return None
+    d = Path(log_dir or tempfile.gettempdir())
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"baton-ucx.{os.getpid()}.log"
+    os.environ["UCX_PROTO_INFO"] = "y"
+    os.environ["UCX_LOG_FILE"] = str(path)
+    os.environ["BATON_UCX_LOG"] = str(path)
+    return path
+
+
+class _TransportLog:
+    """Reads the RMA protocol tables UCX appends to its log: ``| 0..inf | zero-copy | cma/memory |``."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path, self._offset, self.seen = path, 0, set()
+
+    def poll(self) -> list[str]:
+        if self.path is None or not self.path.exists():
+            return sorted(self.seen)
+        with open(self.path, errors="replace") as f:
+            f.seek(self._offset)
+            text = f.read()
+            self._offset = f.tell()
+        in_rma = False
+        for line in text.splitlines():
+            if "|" not in line:
+                continue
+            if _RMA_TITLE.search(line):
+                in_rma = True
+            elif " by " in line and "from" in line:  # another table's title
+                in_rma = False
+            elif in_rma and (m := _ROW.search(line)):
+                self.seen.update(t.strip() for t in m.group(1).split(","))
+        return sorted(self.seen)
+
+
+class KVAgent:
+    """The worker's NIXL agent and its registered KV pool ``kv: [num_blocks, ...]``.
+
+    Thread-safe (NIXL's strict sync mode): reads for different requests may run concurrently.
+    ``read`` writes only the given local blocks; the caller owns them (reserved, not scheduled).
+    """
+
+    def __init__(self, name: str, kv: torch.Tensor, num_threads: int = 0) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        assert kv.is_contiguous(), "the KV pool must be one contiguous tensor"
+        self.name, self.kv = name, kv
+        self.num_blocks = kv.shape[0]
+        self.block_nbytes = kv[0].nbytes
+        self.base = kv.data_ptr()
+        self.mem_type = "VRAM" if kv.is_cuda else "DRAM"
+        self.device_id = kv.device.index or 0
+        self.ucx_tls = os.environ.get("UCX_TLS", "")
+        ucx_log = os.environ.get("BATON_UCX_LOG")
+        self._transports = _TransportLog(Path(ucx_log) if ucx_log else None)
+        conf = nixl_agent_config(backends=["UCX"], num_threads=num_threads,
+                                 sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = nixl_agent(name, conf)
+        if "UCX" not in self.agent.backends:
+            raise TransferError("NIXL has no UCX backend here; cannot move KV blocks")
+        self._reg = self.agent.register_memory([kv])
+        self._local = self.agent.prep_xfer_dlist(
+            _LOCAL, self._blocks(self.base, self.block_nbytes, self.num_blocks, self.device_id),
+            self.mem_type)
+        self._remote: dict[str, object] = {}  # peer agent name -> prepped descriptor list
+        log.info("NIXL agent %s: %d KV blocks of %d bytes registered (%s), UCX_TLS=%s",
+                 name, self.num_blocks, self.block_nbytes, self.mem_type, self.ucx_tls or "default")
+
+    @staticmethod
+    def _blocks(base: int, nbytes: int, count: int, dev: int) -> np.ndarray:
+        # [count, 3]: (address, length, device id) per block
+        descs = np.empty((count, 3), dtype=np.uint64)
+        descs[:, 0] = base + np.arange(count, dtype=np.uint64) * np.uint64(nbytes)
+        descs[:, 1] = nbytes
+        descs[:, 2] = dev
+        return descs
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def transports(self) -> str:
+        """UCX transports the RMA protocols were set up over so far, e.g. ``cma/memory``."""
+        return ",".join(self._transports.poll())
+
+    # ---- peers ---------------------------------------------------------------------------------
+
+    def add_peer(self, metadata: bytes, base: int, block_nbytes: int, num_blocks: int,
+                 mem_type: str = "DRAM") -> str:
+        if block_nbytes != self.block_nbytes:
+            raise TransferError(f"peer blocks are {block_nbytes} bytes, ours {self.block_nbytes}")
+        name = self.agent.add_remote_agent(metadata)
+        if isinstance(name, bytes):
+            name = name.decode()
+        self._drop_dlist(name)
+        self._remote[name] = self.agent.prep_xfer_dlist(
+            name, self._blocks(base, block_nbytes, num_blocks, 0), mem_type)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        self._drop_dlist(name)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:  # already gone on NIXL's side; nothing of ours to free
+            log.debug("remove_remote_agent(%s): %s", name, e)
+
+    def _drop_dlist(self, name: str) -> None:
+        old = self._remote.pop(name, None)
+        if old is not None:
+            self.agent.release_dlist_handle(old)
+
+    # ---- transfer ------------------------------------------------------------------------------
+
+    def read(self, peer: str, remote_ids: list[int], local_ids: list[int], deadline: float) -> None:
+        """READ the peer's blocks ``remote_ids`` into our ``local_ids``; returns when the bytes are
+        in. Raises :class:`PeerUnavailableError` if the peer is gone, :class:`TransferDeadlineError`
+        past ``deadline`` (``time.monotonic()``)."""
+        assert len(remote_ids) == len(local_ids)
+        if not remote_ids:
+            return
+        remote = self._remote.get(peer)
+        if remote is None:
+            raise PeerUnavailableError(f"no handshake with {peer}")
+        try:
+            h = self.agent.make_prepped_xfer("READ", self._local, np.asarray(local_ids, np.int32),
+                                             remote, np.asarray(remote_ids, np.int32))
+        except Exception as e:
+            raise PeerUnavailableError(f"cannot start a read from {peer}: {e}") from e
+        try:
+            state = self.agent.transfer(h)
+            pause = 0.0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferDeadlineError(
+                        f"read of {len(remote_ids)} blocks from {peer} passed its deadline")
+                time.sleep(pause)
+                pause = min(0.001, pause * 2 or 2e-5)
+                state = self.agent.check_xfer_state(h)
+            if state != "DONE":
+                raise PeerUnavailableError(f"read from {peer} failed ({state})")
+        except TransferError:
+            raise
+        except Exception as e:  # nixlRemoteDisconnectError and friends
+            raise PeerUnavailableError(f"read from {peer} failed: {e}") from e
+        finally:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception as e:  # an aborted read NIXL could not cancel: it owns the handle
+                log.warning("releasing a read handle from %s: %s", peer, e)
+
+    def close(self) -> None:
+        for name in list(self._remote):
+            self.remove_peer(name)
+        self.agent.release_dlist_handle(self._local)
+        self.agent.deregister_memory(self._reg)

@@ -1,0 +1,39 @@
+"""Typed errors of a KV hand-off. Each says which peer and which lease it concerns."""
+
+from __future__ import annotations
+
+from baton.engine.errors import BatonError
+
+
+class TransferError(BatonError):
+    """A hand-off failed; the reader's blocks for it have been (or must be) freed."""
+
+
+class FingerprintMismatchError(TransferError):
+    """Holder and reader run different models, dtypes, block sizes or KV layouts."""
+
+    def __init__(self, ours: str, theirs: str, peer: str) -> None:
+        self.ours, self.theirs, self.peer = ours, theirs, peer
+        super().__init__(f"peer {peer} has model fingerprint {theirs[:16]}..., "
+                         f"this worker {ours[:16]}...: refusing to exchange KV")
+
+
+class LeaseLostError(TransferError):
+    """The holder's lease ended (expired, or the holder restarted) before the read was released:
+    what was read may have been overwritten, so it is discarded."""
+
+    def __init__(self, lease_id: str, peer: str, reason: str) -> None:
+        self.lease_id, self.peer, self.reason = lease_id, peer, reason
+        super().__init__(f"lease {lease_id} at {peer} was not intact: {reason}")
+
+
+class PeerUnavailableError(TransferError):
+    """The holder cannot be reached, died, or restarted (a new incarnation) during the hand-off."""
+
+
+class TransferDeadlineError(TransferError):
+    """The hand-off did not finish within its deadline."""
+
+
+class ChecksumMismatchError(TransferError):
+    """Per-block checksums (a debugging option) disagree after the read."""

@@ -1,0 +1,234 @@
+"""The reader's side of a hand-off (a decode worker): handshake, NIXL READ, lease release.
+
+A pull walks through :class:`TransferState` in order; any failure lands in ``FAILED`` with a
+typed :class:`TransferError`, and the caller frees the blocks it reserved (the reader never
+frees anything itself: it only fills blocks it was given).
+
+Streaming layer by layer (room left for it): the pool is block-major, so a block's layers are
+contiguous and a hand-off reads whole blocks after the prefill finished. To overlap the transfer
+with a long prefill, the holder would grant the lease when the request is scheduled (not when it
+finishes) and publish per-chunk progress (``num_computed_tokens``) on the lease; the reader would
+READ each block as soon as it is full and computed, chunk by chunk, and the final release still
+decides ``intact``. The protocol (lease, index lists, release) stays as it is; only the moment the
+holder grants and a progress field are new.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from baton.transfer.agent import KVAgent
+from baton.transfer.errors import (
+    ChecksumMismatchError,
+    FingerprintMismatchError,
+    LeaseLostError,
+    PeerUnavailableError,
+    TransferDeadlineError,
+    TransferError,
+)
+from baton.transfer.handle import KVHandle
+from baton.transfer.holder import block_crc32
+from baton.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("baton.transfer")
+
+
+class TransferState(enum.IntEnum):
+    BOOTSTRAPPING = 0  # handshake with the holder (first contact, or it restarted)
+    TRANSFERRING = 1  # NIXL READ in flight
+    RELEASING = 2  # asking the holder whether the lease held
+    SUCCESS = 3
+    FAILED = 4
+
+
+@dataclass
+class PullResult:
+    state: TransferState = TransferState.BOOTSTRAPPING
+    bytes: int = 0
+    blocks_read: int = 0
+    blocks_local: int = 0
+    handshake_s: float = 0.0
+    read_s: float = 0.0
+    release_s: float = 0.0
+    transports: str = ""
+    error: TransferError | None = field(default=None, repr=False)
+
+
+@dataclass
+class _Peer:
+    address: str
+    channel: grpc.Channel
+    stub: worker_pb2_grpc.KVSourceStub
+    worker_id: str = ""
+    incarnation: str = ""
+    agent_name: str = ""
+
+
+class KVReader:
+    """Pulls leased KV blocks from holders into this worker's pool.
+
+    Thread-safe; pulls for different requests run concurrently. Peers are keyed by address; a
+    handle naming a new incarnation (the holder restarted) re-handshakes, and any peer failure
+    drops the peer so the next pull starts afresh: no manual reconnect, ever.
+    """
+
+    def __init__(self, agent: KVAgent, fingerprint: str, reader_id: str,
+                 fault_delay_release_s: float = 0.0) -> None:
+        self.agent, self.fingerprint, self.reader_id = agent, fingerprint, reader_id
+        self.fault_delay_release_s = fault_delay_release_s  # tests only: widen the lease race
+        self._peers: dict[str, _Peer] = {}
+        self._lock = threading.Lock()
+        self._peer_locks: dict[str, threading.Lock] = {}
+
+    @property
+    def num_peers(self) -> int:
+        return len(self._peers)
+
+    def pull(self, handle: KVHandle, local_block_ids: tuple[int, ...], num_local: int,
+             deadline: float) -> PullResult:
+        """Fill ``local_block_ids[num_local:]`` with the holder's blocks and release the lease.
+
+        ``deadline`` is ``time.monotonic()`` seconds. Raises a :class:`TransferError` subclass;
+        on return the blocks hold exactly the KV the holder prefilled.
+        """
+        res = PullResult(blocks_local=num_local)
+        assert len(local_block_ids) == len(handle.block_ids)
+        try:
+            if handle.fingerprint != self.fingerprint:
+                raise FingerprintMismatchError(self.fingerprint, handle.fingerprint,
+                                               handle.worker_id)
+            t0 = time.monotonic()
+            peer = self._peer(handle, deadline)
+            res.handshake_s = time.monotonic() - t0
+            res.state = TransferState.TRANSFERRING
+            remote = list(handle.block_ids[num_local:])
+            local = list(local_block_ids[num_local:])
+            t0 = time.monotonic()
+            try:
+                self.agent.read(peer.agent_name, remote, local, deadline)
+            except PeerUnavailableError:
+                self._drop(peer)
+                raise
+            res.read_s = time.monotonic() - t0
+            res.blocks_read, res.bytes = len(remote), len(remote) * self.agent.block_nbytes
+            if handle.block_crc32:
+                got = block_crc32(self.agent.kv, local)
+                if got != tuple(handle.block_crc32[num_local:]):
+                    self._release(peer, handle, deadline)
+                    raise ChecksumMismatchError(
+                        f"blocks read from {handle.worker_id} differ from the holder's checksums")
+            if self.fault_delay_release_s:
+                time.sleep(self.fault_delay_release_s)
+            res.state = TransferState.RELEASING
+            t0 = time.monotonic()
+            intact, reason = self._release(peer, handle, deadline)
+            res.release_s = time.monotonic() - t0
+            if not intact:
+                raise LeaseLostError(handle.lease_id, handle.worker_id, reason)
+            res.transports = self.agent.transports()
+            res.state = TransferState.SUCCESS
+            return res
+        except TransferError as e:
+            if res.state == TransferState.TRANSFERRING:  # give the lease back early if we can
+                self.release_quietly(handle)
+            res.state, res.error = TransferState.FAILED, e
+            raise
+
+    # ---- peers ---------------------------------------------------------------------------------
+
+    def _peer(self, handle: KVHandle, deadline: float) -> _Peer:
+        with self._lock:
+            plock = self._peer_locks.setdefault(handle.address, threading.Lock())
+        with plock:
+            peer = self._peers.get(handle.address)
+            if peer is not None and peer.incarnation == handle.incarnation:
+                return peer
+            if peer is not None:  # the holder restarted: its old agent and leases are gone
+                log.info("holder %s at %s restarted (%s -> %s); reconnecting", handle.worker_id,
+                         handle.address, peer.incarnation, handle.incarnation)
+                self._drop(peer)
+            peer = self._handshake(handle.address, deadline)
+            if peer.incarnation != handle.incarnation:
+                raise LeaseLostError(handle.lease_id, handle.worker_id,
+                                     f"the holder restarted (now {peer.incarnation}); the "
+                                     "handle's blocks are gone")
+            return peer
+
+    def _handshake(self, address: str, deadline: float) -> _Peer:
+        channel = grpc.insecure_channel(address)
+        peer = _Peer(address, channel, worker_pb2_grpc.KVSourceStub(channel))
+        try:
+            resp = peer.stub.Handshake(
+                worker_pb2.HandshakeRequest(fingerprint=self.fingerprint,
+                                            reader_id=self.reader_id),
+                timeout=_left(deadline, address, "handshake"))
+            if resp.fingerprint != self.fingerprint:  # belt and braces: the holder checks too
+                raise FingerprintMismatchError(self.fingerprint, resp.fingerprint, address)
+            peer.agent_name = self.agent.add_peer(resp.agent_metadata, resp.kv_base_address,
+                                                  resp.block_nbytes, resp.num_blocks)
+        except grpc.RpcError as e:
+            channel.close()
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise FingerprintMismatchError(self.fingerprint, "?", address) from e
+            raise _rpc_error(e, address, "handshake") from e
+        except TransferError:
+            channel.close()
+            raise
+        peer.worker_id, peer.incarnation = resp.worker_id, resp.incarnation
+        self._peers[address] = peer
+        log.info("handshake with %s (%s, incarnation %s): %d blocks of %d bytes", address,
+                 resp.worker_id, resp.incarnation, resp.num_blocks, resp.block_nbytes)
+        return peer
+
+    def _release(self, peer: _Peer, handle: KVHandle, deadline: float) -> tuple[bool, str]:
+        try:
+            resp = peer.stub.ReleaseLease(
+                worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id,
+                                               incarnation=handle.incarnation),
+                timeout=_left(deadline, peer.address, "lease release"))
+        except grpc.RpcError as e:
+            self._drop(peer)
+            raise _rpc_error(e, peer.address, "lease release") from e
+        return resp.intact, resp.reason
+
+    def release_quietly(self, handle: KVHandle, timeout: float = 1.0) -> None:
+        """Give a lease back after a failed pull, so the holder frees its blocks before expiry."""
+        peer = self._peers.get(handle.address)
+        if peer is None or peer.incarnation != handle.incarnation:
+            return
+        try:
+            peer.stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(
+                lease_id=handle.lease_id, incarnation=handle.incarnation), timeout=timeout)
+        except grpc.RpcError as e:
+            log.info("could not give lease %s back to %s: %s", handle.lease_id, peer.address,
+                     e.code())
+
+    def _drop(self, peer: _Peer) -> None:
+        with self._lock:
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+        if peer.agent_name:
+            self.agent.remove_peer(peer.agent_name)
+        peer.channel.close()
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            self._drop(peer)
+
+
+def _left(deadline: float, address: str, what: str) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TransferDeadlineError(f"no time left for the {what} with {address}")
+    return left
+
+
+def _rpc_error(e: grpc.RpcError, address: str, what: str) -> TransferError:
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TransferDeadlineError(f"{what} with {address} passed its deadline")
+    return PeerUnavailableError(f"{what} with {address} failed: {e.code().name}: {e.details()}")
