@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache import KVCacheManager
@@ -9,6 +12,22 @@ from baton.engine.model import AttentionMetadata, LlamaModel, PrefillSeq
 from baton.engine.request import Request
 from baton.engine.sampler import TokenLogprobs, sample
 from baton.engine.scheduler import ScheduledBatch
+
+
+def alloc_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
+    """A zeroed KV pool. On CPU it is an anonymous mapping advised to use transparent huge pages:
+    a hand-off reads blocks from another process (``process_vm_readv`` under UCX's cma), which
+    pins the holder's pages one by one, so 2 MiB pages make it markedly cheaper; attention reads
+    gain a little from fewer TLB misses too."""
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    # the tensor keeps the mapping alive (it holds a reference to the buffer); fresh anonymous
+    # pages are zero already
+    return torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -22,8 +41,8 @@ class ModelRunner:
         self.model = model
         self.cfg = cfg
         mc = model.cfg
-        self.kv = torch.zeros(num_blocks, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads,
-                              mc.head_dim, dtype=cfg.torch_dtype, device=cfg.device)
+        self.kv = alloc_kv_pool((num_blocks, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads,
+                                 mc.head_dim), cfg.torch_dtype, cfg.device)
         self.generators: dict[str, torch.Generator] = {}
 
     @staticmethod

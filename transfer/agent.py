@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,7 +79,8 @@ class KVAgent:
     ``read`` writes only the given local blocks; the caller owns them (reserved, not scheduled).
     """
 
-    def __init__(self, name: str, kv: torch.Tensor, num_threads: int = 0) -> None:
+    def __init__(self, name: str, kv: torch.Tensor, num_threads: int = 0,
+                 progress_interval_s: float = 0.002) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         assert kv.is_contiguous(), "the KV pool must be one contiguous tensor"
@@ -91,7 +93,12 @@ class KVAgent:
         self.ucx_tls = os.environ.get("UCX_TLS", "")
         ucx_log = os.environ.get("BATON_UCX_LOG")
         self._transports = _TransportLog(Path(ucx_log) if ucx_log else None)
-        conf = nixl_agent_config(backends=["UCX"], num_threads=num_threads,
+        # No NIXL progress thread: it busy-polls a core per process, which on a small machine
+        # starves the engine. A reader progresses its own reads while it waits for them; the
+        # holder of one-sided READs only answers connection set-up, for which a thread that
+        # wakes every ``progress_interval_s`` is plenty.
+        conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                 num_threads=num_threads,
                                  sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self.agent = nixl_agent(name, conf)
         if "UCX" not in self.agent.backends:
@@ -101,6 +108,9 @@ class KVAgent:
             _LOCAL, self._blocks(self.base, self.block_nbytes, self.num_blocks, self.device_id),
             self.mem_type)
         self._remote: dict[str, object] = {}  # peer agent name -> prepped descriptor list
+        self._closed = threading.Event()
+        self._progress_interval_s = progress_interval_s
+        threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True).start()
         log.info("NIXL agent %s: %d KV blocks of %d bytes registered (%s), UCX_TLS=%s",
                  name, self.num_blocks, self.block_nbytes, self.mem_type, self.ucx_tls or "default")
 
@@ -112,6 +122,10 @@ class KVAgent:
         descs[:, 1] = nbytes
         descs[:, 2] = dev
         return descs
+
+    def _progress_loop(self) -> None:
+        while not self._closed.wait(self._progress_interval_s):
+            self.agent.get_new_notifs()  # progresses UCX: answers peers' connection set-up
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -186,6 +200,7 @@ class KVAgent:
                 log.warning("releasing a read handle from %s: %s", peer, e)
 
     def close(self) -> None:
+        self._closed.set()
         for name in list(self._remote):
             self.remove_peer(name)
         self.agent.release_dlist_handle(self._local)

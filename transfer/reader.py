@@ -119,6 +119,7 @@ class KVReader:
             if handle.block_crc32:
                 got = block_crc32(self.agent.kv, local)
                 if got != tuple(handle.block_crc32[num_local:]):
+                    res.state = TransferState.RELEASING
                     self._release(peer, handle, deadline)
                     raise ChecksumMismatchError(
                         f"blocks read from {handle.worker_id} differ from the holder's checksums")
@@ -134,12 +135,31 @@ class KVReader:
             res.state = TransferState.SUCCESS
             return res
         except TransferError as e:
-            if res.state == TransferState.TRANSFERRING:  # give the lease back early if we can
+            # give the lease back early if the holder may still hold it
+            if not isinstance(e, LeaseLostError | PeerUnavailableError) and (
+                    res.state != TransferState.RELEASING):
                 self.release_quietly(handle)
             res.state, res.error = TransferState.FAILED, e
             raise
 
     # ---- peers ---------------------------------------------------------------------------------
+
+    def connect(self, address: str, deadline: float, probe_block: int | None = None) -> str:
+        """Handshake with a holder ahead of any hand-off (a decode worker does this for its
+        configured peers before it reports ready). ``probe_block``: also READ that one block into
+        our block of the same index, so the transports are known now; only safe while the
+        local block is unused (at start-up). Returns the transports in use."""
+        with self._lock:
+            plock = self._peer_locks.setdefault(address, threading.Lock())
+        with plock:
+            peer = self._peers.get(address) or self._handshake(address, deadline)
+        if probe_block is not None:
+            try:
+                self.agent.read(peer.agent_name, [probe_block], [probe_block], deadline)
+            except PeerUnavailableError:
+                self._drop(peer)
+                raise
+        return self.agent.transports()
 
     def _peer(self, handle: KVHandle, deadline: float) -> _Peer:
         with self._lock:
@@ -197,16 +217,24 @@ class KVReader:
         return resp.intact, resp.reason
 
     def release_quietly(self, handle: KVHandle, timeout: float = 1.0) -> None:
-        """Give a lease back after a failed pull, so the holder frees its blocks before expiry."""
+        """Give a lease back after a failed pull, so the holder frees its blocks before expiry.
+        Works without a handshake (a refused peer still gets its lease back)."""
         peer = self._peers.get(handle.address)
-        if peer is None or peer.incarnation != handle.incarnation:
-            return
+        channel = None
+        if peer is not None and peer.incarnation == handle.incarnation:
+            stub = peer.stub
+        else:
+            channel = grpc.insecure_channel(handle.address)
+            stub = worker_pb2_grpc.KVSourceStub(channel)
         try:
-            peer.stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(
+            stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(
                 lease_id=handle.lease_id, incarnation=handle.incarnation), timeout=timeout)
         except grpc.RpcError as e:
-            log.info("could not give lease %s back to %s: %s", handle.lease_id, peer.address,
+            log.info("could not give lease %s back to %s: %s", handle.lease_id, handle.address,
                      e.code())
+        finally:
+            if channel is not None:
+                channel.close()
 
     def _drop(self, peer: _Peer) -> None:
         with self._lock:

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import grpc
-
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -47,8 +46,13 @@ class WorkerProcess:
 
         threading.Thread(target=pump, daemon=True).start()
         if not ready.wait(ready_timeout) or not self.address:
-            self.kill()
-            raise WorkerStartError(f"{role} worker did not start; log:\n{self.log_tail()}")
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            tail = self.log_tail()
+            self._close()
+            raise WorkerStartError(f"{role} worker did not start (exit {self.proc.returncode}); "
+                                   f"log:\n{tail}")
         self.channel = grpc.insecure_channel(self.address)
 
     @property
@@ -62,7 +66,8 @@ class WorkerProcess:
             worker_pb2.InfoRequest(check_integrity=check_integrity), timeout=timeout)
 
     def log_tail(self, n: int = 40) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--transfer-timeout", type=float, default=10.0,
                    help="deadline in seconds for one hand-off (handshake, read, lease release); "
                         "a dead or stalled prefill worker fails the request within it")
+    g.add_argument("--peers", default="",
+                   help="comma-separated prefill worker addresses to handshake with (and probe "
+                        "with a one-block read) before reporting ready; a peer with another "
+                        "model fingerprint makes this worker exit with an error")
     g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
@@ -155,6 +159,14 @@ def main(argv: list[str] | None = None) -> None:
     worker_id = args.worker_id or f"decode-{args.host}-{port}"
     agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
     reader = KVReader(agent, engine.fingerprint, worker_id, args.fault_delay_release)
+    for peer in filter(None, args.peers.split(",")):
+        try:
+            transports = reader.connect(peer, time.monotonic() + args.transfer_timeout,
+                                        probe_block=0)
+        except TransferError as e:
+            log.error("refusing to start: peer %s: %s", peer, e)
+            raise SystemExit(2) from e
+        log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
     loop = EngineLoop(engine).start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeService(loop, reader, worker_id, incarnation, args.transfer_timeout), server)

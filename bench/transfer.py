@@ -1,0 +1,249 @@
+"""KV hand-off benchmark: NIXL bandwidth against memcpy, and a 2,000-token prompt's hand-off time
+against its prefill time. One run, one machine; results in bench/results/transfer-*.json.
+
+    python bench/transfer.py [--sizes-mib 1,16,256] [--repeats 7] [--ucx-tls default,cma,tcp]
+
+Part 1 (bandwidth): a holder process registers a KV pool of SmolLM2-shaped blocks (float32, 720
+KiB each) and grants leases; this process (the reader, its own registered pool) pulls them with
+the production path, ``KVReader.pull`` (NIXL READ + lease release RPC), and times a plain
+``memcpy`` of the same number of bytes between two buffers of this process. Block ids are either
+consecutive (NIXL merges them into one region) or scattered (one region per block). Each UCX_TLS
+setting runs in fresh processes (UCX reads its environment once).
+
+Part 2 (prompt): real prefill and decode worker processes on SmolLM2; a 2,000-token prompt is
+prefilled, then handed off; the hand-off time (READ + release, from the decode worker's transfer
+stats) is compared with the prefill time the prefill worker reports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, random_word_prompts, write_result  # noqa: E402
+
+BLOCK_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2, one block: layers, k/v, tokens, kv heads, head dim
+MIB = 1 << 20
+
+
+# ---- part 1: the holder process -------------------------------------------------------------------
+
+def holder_main(pool_blocks: int, leases_json: str) -> None:
+    """Register a pool, grant the leases asked for, print the handles, serve until killed."""
+    import torch
+    from baton.services.common.worker import make_server, new_incarnation
+    from baton.transfer.agent import KVAgent, configure_ucx
+    from baton.transfer.holder import KVHolder
+    from baton.transfer.lease import LeaseTable
+    from baton.v1 import worker_pb2_grpc
+
+    configure_ucx()
+    from baton.engine.runner import alloc_kv_pool
+
+    pool = alloc_kv_pool((pool_blocks, *BLOCK_SHAPE), torch.float32)
+    pool.copy_(torch.rand(pool.shape))
+    server = make_server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    incarnation = new_incarnation()
+    agent = KVAgent(f"bench-holder/{incarnation}", pool)
+    holder = KVHolder(worker_id="bench-holder", incarnation=incarnation,
+                      address=f"127.0.0.1:{port}", fingerprint="bench", agent=agent,
+                      leases=LeaseTable(ttl_s=600), free=lambda rid: None)
+    worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
+    server.start()
+    for i, blocks in enumerate(json.loads(leases_json)):
+        h = holder.grant(f"bench-{i}", tuple(blocks), len(blocks) * BLOCK_SHAPE[2])
+        print("HANDLE", h.to_proto().SerializeToString().hex(), flush=True)
+    print("HOLDER_READY", flush=True)
+    time.sleep(3600)
+
+
+def memcpy_gbps(nbytes: int, repeats: int) -> float:
+    import torch
+
+    src = torch.rand(nbytes // 4)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def bandwidth_main(sizes_mib: list[int], repeats: int) -> dict:
+    """The reader: one UCX configuration (from this process's environment)."""
+    import random
+
+    import torch
+    from baton.transfer.agent import KVAgent, configure_ucx
+    from baton.transfer.handle import KVHandle
+    from baton.transfer.reader import KVReader
+    from baton.v1 import worker_pb2
+
+    block_nbytes = torch.empty(BLOCK_SHAPE).nbytes
+    max_blocks = max(sizes_mib) * MIB // block_nbytes + 1
+    pool_blocks = 2 * max_blocks + 8
+    rng = random.Random(0)
+    plan = []  # (size, layout, blocks) for 1 warm-up + repeats of each
+    for size in sizes_mib:
+        n = max(1, round(size * MIB / block_nbytes))
+        for layout in ("consecutive", "scattered"):
+            for _ in range(repeats + 1):
+                blocks = (list(range(n)) if layout == "consecutive"
+                          else rng.sample(range(pool_blocks), n))
+                plan.append((size, layout, blocks))
+    configure_ucx()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--_holder", str(pool_blocks),
+         json.dumps([b for _, _, b in plan])], stdout=subprocess.PIPE, text=True)
+    try:
+        handles = []
+        for line in proc.stdout:
+            if line.startswith("HANDLE"):
+                handles.append(KVHandle.from_proto(
+                    worker_pb2.KVHandle.FromString(bytes.fromhex(line.split()[1]))))
+            elif line.startswith("HOLDER_READY"):
+                break
+        from baton.engine.runner import alloc_kv_pool
+
+        pool = alloc_kv_pool((pool_blocks, *BLOCK_SHAPE), torch.float32)
+        pool.zero_()  # fault the pages in: an engine's pool is warm
+        agent = KVAgent("bench-reader", pool, num_threads=int(os.environ.get("BATON_NIXL_THREADS", "0")))
+        reader = KVReader(agent, "bench", "bench-reader")
+        rows = {}
+        for (size, layout, blocks), handle in zip(plan, handles):
+            local = tuple(rng.sample(range(pool_blocks), len(blocks)) if layout == "scattered"
+                          else range(pool_blocks - len(blocks), pool_blocks))
+            res = reader.pull(handle, local, 0, time.monotonic() + 60)
+            rows.setdefault((size, layout), []).append(
+                (res.read_s, res.read_s + res.release_s, res.bytes))
+        out = {"ucx_tls": os.environ.get("UCX_TLS", "default"), "transports": agent.transports(),
+               "block_nbytes": block_nbytes, "sizes": []}
+        for (size, layout), samples in rows.items():
+            samples = samples[1:]  # the first one pays the connection set-up
+            nbytes = samples[0][2]
+            read = statistics.median(s[0] for s in samples)
+            handoff = statistics.median(s[1] for s in samples)
+            mc = memcpy_gbps(nbytes, repeats)
+            out["sizes"].append({
+                "size_mib": size, "layout": layout, "bytes": nbytes, "blocks": len(
+                    next(b for s, lay, b in plan if s == size and lay == layout)),
+                "read_gbps": nbytes / read / 1e9, "handoff_gbps": nbytes / handoff / 1e9,
+                "memcpy_gbps": mc, "handoff_vs_memcpy": nbytes / handoff / 1e9 / mc,
+                "read_ms": read * 1e3, "handoff_ms": handoff * 1e3})
+        reader.close()
+        agent.close()
+        return out
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ---- part 2: a 2,000-token prompt between real workers -----------------------------------------
+
+def prompt_main(prompt_tokens: int, repeats: int, dtype: str) -> dict:
+    from baton.engine.loader import load_model
+    from baton.engine.params import SamplingParams
+    from baton.services.common.launch import WorkerProcess
+    from baton.services.common.worker import params_to_proto
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    tokenizer = load_model(None).tokenizer
+    prompts = random_word_prompts(tokenizer, [prompt_tokens] * (repeats + 1), "transfer-bench")
+    common = ["--dtype", dtype, "--num-blocks", str(3 * (prompt_tokens // 16 + 2))]
+    prefill = WorkerProcess("prefill", common)
+    decode = WorkerProcess("decode", [*common, "--peers", prefill.address])
+    try:
+        pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
+        dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
+        params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
+        rows = []
+        for i, ids in enumerate(prompts):
+            print(f"  prompt {i + 1}/{len(prompts)}: prefilling {len(ids)} tokens", flush=True)
+            pre = pstub.Prefill(worker_pb2.PrefillRequest(
+                request_id=f"p{i}", prompt_token_ids=ids, params=params), timeout=600)
+            stats = None
+            for chunk in dstub.Decode(worker_pb2.DecodeRequest(
+                    request_id=f"p{i}", prompt_token_ids=ids, first_token_id=pre.first_token_id,
+                    params=params, handle=pre.handle), timeout=120):
+                if chunk.HasField("transfer"):
+                    stats = chunk.transfer
+            rows.append({"prefill_s": pre.prefill_s, "read_s": stats.read_s,
+                         "release_s": stats.release_s, "handshake_s": stats.handshake_s,
+                         "bytes": stats.bytes, "transports": stats.transports})
+        rows = rows[1:]  # the first pays the worker's warm-up
+        prefill_s = statistics.median(r["prefill_s"] for r in rows)
+        handoff_s = statistics.median(r["read_s"] + r["release_s"] for r in rows)
+        return {"prompt_tokens": prompt_tokens, "dtype": dtype, "runs": rows,
+                "prefill_s": prefill_s, "handoff_s": handoff_s,
+                "handoff_fraction_of_prefill": handoff_s / prefill_s}
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--_holder":
+        return holder_main(int(sys.argv[2]), sys.argv[3])
+    if len(sys.argv) > 1 and sys.argv[1] == "--_bandwidth":
+        sizes, repeats = [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
+        print("RESULT", json.dumps(bandwidth_main(sizes, repeats)), flush=True)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", default="1,16,256")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--ucx-tls", default="default,cma,tcp",
+                    help="UCX_TLS settings to compare ('default' leaves UCX_TLS unset)")
+    ap.add_argument("--prompt-tokens", type=int, default=2000)
+    ap.add_argument("--prompt-repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--skip-prompt", action="store_true")
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+
+    result = {"machine": machine(), "bandwidth": [], "prompt": None}
+    for tls in args.ucx_tls.split(","):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+        if tls != "default":
+            env["UCX_TLS"] = tls if tls in ("tcp",) else f"{tls},self,tcp"
+        print(f"bandwidth, UCX_TLS={env.get('UCX_TLS', 'default')} ...", flush=True)
+        r = subprocess.run([sys.executable, __file__, "--_bandwidth", args.sizes_mib,
+                            str(args.repeats)], env=env, capture_output=True, text=True)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), None)
+        if line is None:
+            print(f"  failed:\n{r.stderr[-2000:]}")
+            result["bandwidth"].append({"ucx_tls": env.get("UCX_TLS", "default"),
+                                        "error": r.stderr[-2000:]})
+            continue
+        result["bandwidth"].append(json.loads(line.split(" ", 1)[1]))
+    if not args.skip_prompt:
+        print(f"prompt hand-off, {args.prompt_tokens} tokens ...", flush=True)
+        result["prompt"] = prompt_main(args.prompt_tokens, args.prompt_repeats, args.dtype)
+
+    print(f"\n{'UCX_TLS':<16}{'transports':<14}{'MiB':>5} {'layout':<12}{'read GB/s':>10}"
+          f"{'hand-off GB/s':>14}{'memcpy GB/s':>12}{'ratio':>7}")
+    for b in result["bandwidth"]:
+        for s in b.get("sizes", []):
+            print(f"{b['ucx_tls']:<16}{b['transports']:<14}{s['size_mib']:>5} {s['layout']:<12}"
+                  f"{s['read_gbps']:>10.2f}{s['handoff_gbps']:>14.2f}{s['memcpy_gbps']:>12.2f}"
+                  f"{s['handoff_vs_memcpy']:>7.0%}")
+    if result["prompt"]:
+        p = result["prompt"]
+        print(f"\n{p['prompt_tokens']}-token prompt ({p['dtype']}): prefill {p['prefill_s']:.3f}s, "
+              f"hand-off {p['handoff_s'] * 1e3:.1f} ms = {p['handoff_fraction_of_prefill']:.2%} "
+              "of the prefill")
+    if not args.no_save:
+        print(f"wrote {write_result('transfer', result)}")
+
+
+if __name__ == "__main__":
+    main()

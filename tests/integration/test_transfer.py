@@ -1,0 +1,324 @@
+"""KV hand-off between real processes over real NIXL (UCX, DRAM): a prefill worker prefills
+SmolLM2 prompts, a decode worker pulls the blocks and decodes. Faults: lease expiry during a
+read, a killed / stalled / restarted prefill worker, mismatched peers, bad handles."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+from baton.engine.engine import LLMEngine
+from baton.engine.params import SamplingParams
+from baton.services.common.launch import WorkerProcess, WorkerStartError
+from baton.services.common.worker import params_to_proto
+from baton.v1 import worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a haiku about the sea."),
+    ("chat", "日本の首都はどこですか？"),
+    ("chat", "Explain paged attention to a new engineer, with an example."),
+    ("text", "The capital of France is"),
+    ("text", "def fibonacci(n):\n    "),
+    ("text", "Once upon a time, in a village by the river,"),
+    ("text", "1, 1, 2, 3, 5, 8,"),
+    ("text", " ".join(f"Item {i}: the {w} report." for i, w in
+                      enumerate(["first", "second", "third", "fourth"] * 30))),  # ~380 tokens
+    ("text", "Ünïcödé: ça marche très bien, naïve café —"),
+    ("chat", "Summarise: " + "The decode worker pulls KV blocks over NIXL. " * 40),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pair:
+    """A prefill and a decode worker and the calls a router would make."""
+
+    def __init__(self, prefill: WorkerProcess, decode: WorkerProcess) -> None:
+        self.prefill, self.decode = prefill, decode
+
+    def prefill_call(self, ids, params, rid, timeout=120.0):
+        stub = worker_pb2_grpc.PrefillWorkerStub(self.prefill.channel)
+        return stub.Prefill(worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=ids, params=params_to_proto(params)),
+            timeout=timeout)
+
+    def decode_call(self, ids, params, rid, pre, timeout=120.0):
+        stub = worker_pb2_grpc.DecodeWorkerStub(self.decode.channel)
+        tokens, stats = [], None
+        for chunk in stub.Decode(worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
+                params=params_to_proto(params), handle=pre.handle), timeout=timeout):
+            tokens += chunk.token_ids
+            if chunk.HasField("transfer"):
+                stats = chunk.transfer
+        return tokens, stats
+
+    def handoff(self, ids, params, rid):
+        pre = self.prefill_call(ids, params, rid)
+        if pre.finish_reason:
+            return [pre.first_token_id], None
+        return self.decode_call(ids, params, rid, pre)
+
+    def assert_idle_and_intact(self):
+        for w in (self.prefill, self.decode):
+            info = _eventually(lambda w=w: w.info(check_integrity=True),
+                               lambda i: i.num_free_blocks == i.num_blocks)
+            assert info.integrity_ok, info.integrity_error
+            assert info.num_free_blocks == info.num_blocks, (w.role, info)
+
+    def stop(self):
+        for w in (self.decode, self.prefill):
+            w.stop()
+
+
+def _eventually(get, ok, timeout=10.0):
+    end = time.monotonic() + timeout
+    while True:
+        value = get()
+        if ok(value) or time.monotonic() > end:
+            return value
+        time.sleep(0.05)
+
+
+def start_pair(prefill_args=(), decode_args=(), peers=True) -> Pair:
+    prefill = WorkerProcess("prefill", ["--num-blocks", "256", *prefill_args])
+    try:
+        extra = ["--peers", prefill.address] if peers else []
+        decode = WorkerProcess("decode", ["--num-blocks", "256", *extra, *decode_args])
+    except BaseException:
+        prefill.stop()
+        raise
+    return Pair(prefill, decode)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLMEngine.from_path(None)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    p = start_pair()
+    yield p
+    p.stop()
+
+
+def encode(engine, kind, text):
+    if kind == "chat":
+        return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    return engine.tokenizer.encode(text)
+
+
+def test_disaggregated_tokens_equal_colocated(pair, reference):
+    params = SamplingParams(max_tokens=24)
+    prompts = [encode(reference, k, t) for k, t in PROMPTS]
+    expected = [c.token_ids for c in reference.generate(prompts, params)]
+    got: dict[int, list[int]] = {}
+
+    def run(i):  # three at a time: the workers batch them, the pulls overlap
+        got[i] = pair.handoff(prompts[i], params, f"eq-{i}")[0]
+
+    for start in range(0, len(prompts), 3):
+        threads = [threading.Thread(target=run, args=(i,))
+                   for i in range(start, min(start + 3, len(prompts)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, ids in enumerate(prompts):
+        assert got[i] == expected[i], (PROMPTS[i], got[i], expected[i])
+    _, stats = pair.handoff(prompts[8], params, "stats")
+    assert stats.blocks_read + stats.blocks_local == -(-len(prompts[8]) // 16)
+    assert stats.bytes == stats.blocks_read * 30 * 2 * 16 * 3 * 64 * 4
+    assert "cma" in stats.transports or "tcp" in stats.transports, stats
+    info = pair.decode.info()
+    assert info.transports == stats.transports and info.known_peers == 1
+    pair.assert_idle_and_intact()
+
+
+def test_bad_handles_get_typed_errors_and_the_workers_keep_serving(pair, reference):
+    params = SamplingParams(max_tokens=4)
+    ids = encode(reference, "text", "The capital of France is")
+    pre = pair.prefill_call(ids, params, "bad-0")
+    forged = worker_pb2.PrefillResponse()
+    forged.CopyFrom(pre)
+    forged.handle.lease_id = "0" * 24
+    with pytest.raises(grpc.RpcError) as e:
+        pair.decode_call(ids, params, "bad-1", forged)
+    assert e.value.code() == grpc.StatusCode.ABORTED and "unknown lease" in e.value.details()
+    forged.handle.fingerprint = "not-this-model"
+    with pytest.raises(grpc.RpcError) as e:
+        pair.decode_call(ids, params, "bad-2", forged)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(grpc.RpcError) as e:
+        pair.decode_call(ids[:-1], params, "bad-3", pre)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_tokens" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        pair.prefill_call([], params, "bad-4")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    tokens, _ = pair.decode_call(ids, params, "bad-0", pre)  # the real handle still works
+    assert tokens == reference.generate([ids], params)[0].token_ids
+    pair.assert_idle_and_intact()
+
+
+def test_lease_expiry_during_the_read_is_detected_and_nothing_is_decoded(reference):
+    # The decode worker holds the read 2.5 s before releasing; the lease lasts 1 s. Meanwhile
+    # another prompt is prefilled into the freed blocks, so the read really went stale.
+    p = start_pair(["--lease-ttl", "1.0", "--num-blocks", "8"], ["--fault-delay-release", "2.5"])
+    try:
+        params = SamplingParams(max_tokens=8)
+        ids = encode(reference, "text", "A" + " tale of two cities" * 12)  # 4 blocks
+        other = encode(reference, "text", "B" + " different words entirely" * 12)
+        pre = p.prefill_call(ids, params, "stale")
+        errors = []
+
+        def decode():
+            try:
+                p.decode_call(ids, params, "stale", pre)
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=decode)
+        t.start()
+        time.sleep(1.3)  # the lease expired and its blocks were freed
+        p.prefill_call(other, SamplingParams(max_tokens=1), "overwrite")  # reuses them
+        t.join()
+        assert len(errors) == 1, "decoded from an expired lease"
+        assert errors[0].code() == grpc.StatusCode.ABORTED
+        assert "not intact" in errors[0].details() and "expired" in errors[0].details()
+        assert p.prefill.info().leases_expired >= 1
+        p.assert_idle_and_intact()
+    finally:
+        p.stop()
+
+
+def test_killed_stalled_and_restarted_prefill_worker(reference, tmp_path):
+    port = free_port()
+    prefill_args = ["--port", str(port), "--num-blocks", "64"]
+    prefill = WorkerProcess("prefill", prefill_args)
+    decode = WorkerProcess("decode", ["--num-blocks", "64", "--peers", prefill.address,
+                                      "--transfer-timeout", "3"])
+    p = Pair(prefill, decode)
+    params = SamplingParams(max_tokens=8)
+    ids = encode(reference, "text", "The capital of France is")
+    expected = reference.generate([ids], params)[0].token_ids
+    try:
+        assert p.handoff(ids, params, "before")[0] == expected
+        # stalled: SIGSTOP after the prefill; the decode side fails within its 3 s deadline
+        pre = p.prefill_call(ids, params, "stalled")
+        os.kill(prefill.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                p.decode_call(ids, params, "stalled", pre)
+        finally:
+            os.kill(prefill.pid, signal.SIGCONT)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
+        assert time.monotonic() - t0 < 5.0
+        # killed between prefill and read: a typed error at once, not at the deadline
+        pre = p.prefill_call(ids, params, "killed")
+        prefill.kill()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            p.decode_call(ids, params, "killed", pre)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        assert time.monotonic() - t0 < 3.0
+        # restarted on the same address: a new incarnation, picked up without touching decode
+        p.prefill = prefill = WorkerProcess("prefill", prefill_args)
+        assert prefill.incarnation != pre.handle.incarnation
+        assert p.handoff(ids, params, "after")[0] == expected
+        with pytest.raises(grpc.RpcError) as e:  # a handle from the dead incarnation
+            p.decode_call(ids, params, "stale-incarnation", pre)
+        assert e.value.code() == grpc.StatusCode.ABORTED and "restarted" in e.value.details()
+        assert decode.proc.poll() is None
+        p.assert_idle_and_intact()
+    finally:
+        p.stop()
+
+
+def test_mismatched_peers_refuse_each_other(pair, reference):
+    with pytest.raises(WorkerStartError, match="fingerprint"):
+        WorkerProcess("decode", ["--num-blocks", "64", "--dtype", "bfloat16",
+                                 "--peers", pair.prefill.address])
+    other = WorkerProcess("decode", ["--num-blocks", "64", "--dtype", "bfloat16"])
+    try:
+        params = SamplingParams(max_tokens=4)
+        ids = encode(reference, "text", "The capital of France is")
+        pre = pair.prefill_call(ids, params, "mismatch")
+        stub = worker_pb2_grpc.DecodeWorkerStub(other.channel)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(worker_pb2.DecodeRequest(
+                request_id="mismatch", prompt_token_ids=ids, first_token_id=pre.first_token_id,
+                params=params_to_proto(params), handle=pre.handle), timeout=30))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "fingerprint" in e.value.details()
+        info = other.info(check_integrity=True)
+        assert info.integrity_ok and info.num_free_blocks == info.num_blocks
+    finally:
+        other.stop()
+    # the unread lease expires or is released by the reader's give-back; either way it ends
+    _eventually(lambda: pair.prefill.info(), lambda i: i.active_leases == 0, timeout=35)
+
+
+def test_checksummed_handoff(reference):
+    p = start_pair(["--kv-checksums"])
+    try:
+        params = SamplingParams(max_tokens=8)
+        ids = encode(reference, "chat", "Write a haiku about the sea.")
+        pre = p.prefill_call(ids, params, "crc")
+        assert len(pre.handle.block_crc32) == len(pre.handle.block_ids) > 0
+        tokens, _ = p.decode_call(ids, params, "crc", pre)
+        assert tokens == reference.generate([ids], params)[0].token_ids
+    finally:
+        p.stop()
+
+
+SOAK_HANDOFFS = int(os.environ.get("BATON_SOAK_HANDOFFS", "2000"))
+
+
+def test_soak_consecutive_handoffs_leak_nothing(tiny_llama):
+    """2,000 consecutive hand-offs between two processes. A tiny random model keeps the forward
+    passes short; the transfer path (handshake, lease, NIXL READ, release) is the real one."""
+    path, _ = tiny_llama
+    args = ["--model", str(path), "--block-size", "4", "--num-blocks", "64", "--threads", "1"]
+    p = start_pair(args, args)
+    try:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+        def run(n, offset):
+            for i in range(n):
+                ids = [(7 * (i + offset) + j) % 300 + 4 for j in range(5 + (i + offset) % 23)]
+                tokens, stats = p.handoff(ids, params, f"soak-{offset + i}")
+                assert len(tokens) == 2 and stats.blocks_read + stats.blocks_local >= 2
+
+        def usage():
+            return [(w.info().rss_bytes, w.info().open_fds) for w in (p.prefill, p.decode)]
+
+        run(200, 0)  # warm-up: allocator pools, gRPC and UCX caches fill to their steady size
+        before = usage()
+        t0 = time.monotonic()
+        run(SOAK_HANDOFFS, 200)
+        elapsed = time.monotonic() - t0
+        after = usage()
+        for role, (rss0, fd0), (rss1, fd1) in zip(("prefill", "decode"), before, after):
+            print(f"soak {role}: {SOAK_HANDOFFS} hand-offs in {elapsed:.1f}s, "
+                  f"RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB "
+                  f"({(rss1 - rss0) / 2**20:+.1f}), fds {fd0} -> {fd1}")
+            assert fd1 - fd0 <= 2, (role, fd0, fd1)
+            assert rss1 - rss0 < 16 * 2**20, (role, rss0, rss1)
+        assert p.prefill.info().leases_granted >= SOAK_HANDOFFS + 200
+        p.assert_idle_and_intact()
+    finally:
+        p.stop()
