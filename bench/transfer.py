@@ -53,11 +53,13 @@ def holder_main(pool_blocks: int, leases_json: str) -> None:
     server = make_server()
     port = server.add_insecure_port("127.0.0.1:0")
     incarnation = new_incarnation()
-    agent = KVAgent(f"bench-holder/{incarnation}", pool)
+    agent = KVAgent(f"bench-holder/{incarnation}", pool,
+                    progress_interval_s=float(os.environ.get("BATON_PROGRESS_S", "0.002")))
     holder = KVHolder(worker_id="bench-holder", incarnation=incarnation,
                       address=f"127.0.0.1:{port}", fingerprint="bench", agent=agent,
                       leases=LeaseTable(ttl_s=600), free=lambda rid: None)
     worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
+    holder.serve_lease_channel("127.0.0.1")
     server.start()
     for i, blocks in enumerate(json.loads(leases_json)):
         h = holder.grant(f"bench-{i}", tuple(blocks), len(blocks) * BLOCK_SHAPE[2])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ class _Peer:
     worker_id: str = ""
     incarnation: str = ""
     agent_name: str = ""
+    lease_sock: socket.socket | None = None  # the holder's lease channel (see holder.py)
+    lease_file: object = None
+    lease_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class KVReader:
@@ -200,12 +204,25 @@ class KVReader:
             channel.close()
             raise
         peer.worker_id, peer.incarnation = resp.worker_id, resp.incarnation
+        if resp.lease_port:
+            host = address.rsplit(":", 1)[0]
+            try:
+                peer.lease_sock = socket.create_connection(
+                    (host, resp.lease_port), timeout=_left(deadline, address, "lease channel"))
+            except OSError as e:
+                self.agent.remove_peer(peer.agent_name)
+                channel.close()
+                raise PeerUnavailableError(f"lease channel of {address}: {e}") from e
+            peer.lease_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            peer.lease_file = peer.lease_sock.makefile("rb")
         self._peers[address] = peer
         log.info("handshake with %s (%s, incarnation %s): %d blocks of %d bytes", address,
                  resp.worker_id, resp.incarnation, resp.num_blocks, resp.block_nbytes)
         return peer
 
     def _release(self, peer: _Peer, handle: KVHandle, deadline: float) -> tuple[bool, str]:
+        if peer.lease_sock is not None:
+            return self._release_on_channel(peer, handle, deadline)
         try:
             resp = peer.stub.ReleaseLease(
                 worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id,
@@ -215,6 +232,26 @@ class KVReader:
             self._drop(peer)
             raise _rpc_error(e, peer.address, "lease release") from e
         return resp.intact, resp.reason
+
+    def _release_on_channel(self, peer: _Peer, handle: KVHandle,
+                            deadline: float) -> tuple[bool, str]:
+        line = f"R {handle.incarnation} {handle.lease_id}\n".encode()
+        try:
+            with peer.lease_lock:
+                peer.lease_sock.settimeout(_left(deadline, peer.address, "lease release"))
+                peer.lease_sock.sendall(line)
+                answer = peer.lease_file.readline().decode(errors="replace")
+        except TimeoutError as e:
+            self._drop(peer)
+            raise TransferDeadlineError(
+                f"lease release with {peer.address} passed its deadline") from e
+        except OSError as e:
+            self._drop(peer)
+            raise PeerUnavailableError(f"lease release with {peer.address} failed: {e}") from e
+        if not answer.endswith("\n"):
+            self._drop(peer)
+            raise PeerUnavailableError(f"lease channel of {peer.address} closed")
+        return answer.startswith("1"), answer[2:].strip()
 
     def release_quietly(self, handle: KVHandle, timeout: float = 1.0) -> None:
         """Give a lease back after a failed pull, so the holder frees its blocks before expiry.
@@ -242,6 +279,9 @@ class KVReader:
                 del self._peers[peer.address]
         if peer.agent_name:
             self.agent.remove_peer(peer.agent_name)
+        if peer.lease_sock is not None:
+            peer.lease_file.close()
+            peer.lease_sock.close()
         peer.channel.close()
 
     def close(self) -> None:

@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
                       leases=LeaseTable(args.lease_ttl),
                       free=lambda rid: loop.call(engine.release_handoff, rid),
                       checksums=args.kv_checksums)
+    holder.serve_lease_channel(args.host)
     loop.start()
     service = PrefillService(loop, holder, worker_id)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(service, server)

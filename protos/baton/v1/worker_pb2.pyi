@@ -127,7 +127,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., reader_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports")
+    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports", "lease_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class HandshakeResponse(_message.Message):
     BLOCK_NBYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     fingerprint: str
@@ -144,7 +145,8 @@ class HandshakeResponse(_message.Message):
     block_nbytes: int
     num_blocks: int
     transports: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ...) -> None: ...
+    lease_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ..., lease_port: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "incarnation")
