@@ -17,17 +17,20 @@ from baton.engine.scheduler import ScheduledBatch
 def alloc_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
     """A zeroed KV pool. On CPU it is an anonymous mapping advised to use transparent huge pages:
     a hand-off reads blocks from another process (``process_vm_readv`` under UCX's cma), which
-    pins the holder's pages one by one, so 2 MiB pages make it markedly cheaper; attention reads
-    gain a little from fewer TLB misses too."""
+    pins pages one by one, so 2 MiB pages make it markedly cheaper."""
     if device != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
-    # the tensor keeps the mapping alive (it holds a reference to the buffer); fresh anonymous
-    # pages are zero already
-    return torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
+    # the tensor keeps the mapping alive (it holds a reference to the buffer)
+    kv = torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
+    # Fault every page in now: a first touch inside a hand-off (another process's
+    # process_vm_readv filling a fresh page) costs ~20x the copy itself, and the pool's memory
+    # should be committed at start-up, not discovered under load.
+    kv.zero_()
+    return kv
 
 
 class ModelRunner:

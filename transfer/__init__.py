@@ -8,9 +8,10 @@ Two roles, as in every hand-off:
   them (:class:`baton.transfer.reader.KVReader`), then releases the lease. Only if the release
   says the lease stayed intact does it decode from what it read.
 
-Both register their whole KV pool with NIXL once at start-up (:class:`baton.transfer.agent.KVAgent`);
-a block is one contiguous region of the pool (see the README's "KV layout"), so a hand-off is one
-descriptor per block, and NIXL merges runs of consecutive block ids.
+Both register their whole KV pool with NIXL once at start-up
+(:class:`baton.transfer.agent.KVAgent`); a block is one contiguous region of the pool (see the
+README's "KV layout"), so a hand-off is one descriptor per block, and NIXL merges runs of
+consecutive block ids.
 """
 
 from baton.transfer.errors import (

@@ -12,6 +12,7 @@ how a silent fall back to TCP shows up in worker info instead of only in the ban
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
@@ -27,8 +28,10 @@ from baton.transfer.errors import PeerUnavailableError, TransferDeadlineError, T
 log = logging.getLogger("baton.transfer")
 
 _LOCAL = "NIXL_INIT_AGENT"
-_RMA_TITLE = re.compile(r"remote memory (read|write) by")
-_ROW = re.compile(r"\|\s*[\d.]+(?:\.\.(?:\d+|inf))?\s*\|[^|]*\|\s*([\w./:-]+(?:,\s*[\w./:-]+)*)")
+_libc = ctypes.CDLL(None)
+_READ_TITLE = re.compile(r"remote memory read by")
+_ROW = re.compile(r"\|\s*\d+(?:\.\.(?:\d+|inf))?\s*\|[^|]*\|([^|]*)\|")  # range | how | config
+_TRANSPORT = re.compile(r"\b([a-z][\w]*/[\w:.-]+)")  # cma/memory, tcp/lo, rc_mlx5/mlx5_0:1
 
 
 def configure_ucx(log_dir: str | os.PathLike | None = None) -> Path | None:
@@ -47,7 +50,9 @@ def configure_ucx(log_dir: str | os.PathLike | None = None) -> Path | None:
 
 
 class _TransportLog:
-    """Reads the RMA protocol tables UCX appends to its log: ``| 0..inf | zero-copy | cma/memory |``."""
+    """Reads the READ protocol tables UCX appends to its log, rows like
+    ``| 0..inf | zero-copy | cma/memory |`` or ``| 0..inf | zero-copy | 52% on tcp/lo and 48% on
+    tcp/eth0 |``."""
 
     def __init__(self, path: Path | None) -> None:
         self.path, self._offset, self.seen = path, 0, set()
@@ -55,6 +60,7 @@ class _TransportLog:
     def poll(self) -> list[str]:
         if self.path is None or not self.path.exists():
             return sorted(self.seen)
+        _libc.fflush(None)  # UCX writes its log through a buffered FILE*
         with open(self.path, errors="replace") as f:
             f.seek(self._offset)
             text = f.read()
@@ -63,12 +69,12 @@ class _TransportLog:
         for line in text.splitlines():
             if "|" not in line:
                 continue
-            if _RMA_TITLE.search(line):
+            if _READ_TITLE.search(line):
                 in_rma = True
             elif " by " in line and "from" in line:  # another table's title
                 in_rma = False
             elif in_rma and (m := _ROW.search(line)):
-                self.seen.update(t.strip() for t in m.group(1).split(","))
+                self.seen.update(_TRANSPORT.findall(m.group(1)))
         return sorted(self.seen)
 
 
@@ -201,6 +207,9 @@ class KVAgent:
 
     def close(self) -> None:
         self._closed.set()
+        if self._transports.path is not None and os.environ.get("BATON_UCX_LOG") == str(
+                self._transports.path):
+            self._transports.path.unlink(missing_ok=True)
         for name in list(self._remote):
             self.remove_peer(name)
         self.agent.release_dlist_handle(self._local)

@@ -1,10 +1,11 @@
 """Leases on a holder's KV blocks: the guarantee that a reader saw what was prefilled.
 
 A prefill worker pins a finished prompt's blocks and grants a lease (random id, expiry). The reader
-NIXL-READs the blocks, then releases the lease; the release answers ``intact=True`` only if the lease
-was still held at that moment, that is, the blocks were never freed (so never overwritten) between
-the grant and the end of the read. A lease that expires first (the reader vanished, stalled, or was
-too slow) frees its blocks, and its late release answers ``intact=False`` with the reason.
+NIXL-READs the blocks, then releases the lease; the release answers ``intact=True`` only if the
+lease was still held at that moment, that is, the blocks were never freed (so never overwritten)
+between the grant and the end of the read. A lease that expires first (the reader vanished,
+stalled, or was too slow) frees its blocks, and its late release answers ``intact=False`` with
+the reason.
 
 ::
 
@@ -56,7 +57,8 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._active)
 
-    def grant(self, request_id: str, block_ids: tuple[int, ...], ttl_s: float | None = None) -> Lease:
+    def grant(self, request_id: str, block_ids: tuple[int, ...],
+              ttl_s: float | None = None) -> Lease:
         lease = Lease(secrets.token_hex(12), request_id, tuple(block_ids),
                       self._clock() + (ttl_s or self.ttl_s))
         with self._lock:

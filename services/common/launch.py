@@ -29,7 +29,7 @@ class WorkerProcess:
         self.role = role
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="baton-workers-"))
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
                                      env={**os.environ, **(env or {})})

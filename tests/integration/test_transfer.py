@@ -4,9 +4,12 @@ read, a killed / stalled / restarted prefill worker, mismatched peers, bad handl
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -137,7 +140,7 @@ def test_disaggregated_tokens_equal_colocated(pair, reference):
             t.start()
         for t in threads:
             t.join()
-    for i, ids in enumerate(prompts):
+    for i in range(len(prompts)):
         assert got[i] == expected[i], (PROMPTS[i], got[i], expected[i])
     _, stats = pair.handoff(prompts[8], params, "stats")
     assert stats.blocks_read + stats.blocks_local == -(-len(prompts[8]) // 16)
@@ -146,6 +149,24 @@ def test_disaggregated_tokens_equal_colocated(pair, reference):
     info = pair.decode.info()
     assert info.transports == stats.transports and info.known_peers == 1
     pair.assert_idle_and_intact()
+
+
+def test_cli_handoff(pair, reference):
+    r = subprocess.run([sys.executable, "-m", "baton.cli.main", "handoff", "--json", "--chat",
+                        "--max-tokens", "12", "--prefill", pair.prefill.address, "--decode",
+                        pair.decode.address, "Write a haiku about the sea."],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    ids = encode(reference, "chat", "Write a haiku about the sea.")
+    expected = reference.generate([ids], SamplingParams(max_tokens=12))[0]
+    assert out["prompt_token_ids"] == ids and out["token_ids"] == expected.token_ids
+    assert out["text"] == expected.text
+    assert out["transfer"]["bytes"] > 0 and out["transfer"]["transports"]
+    r = subprocess.run([sys.executable, "-m", "baton.cli.main", "handoff", "hi", "--prefill",
+                        "127.0.0.1:1", "--decode", pair.decode.address, "--timeout", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
 
 
 def test_bad_handles_get_typed_errors_and_the_workers_keep_serving(pair, reference):

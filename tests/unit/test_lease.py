@@ -73,7 +73,8 @@ def test_revoke_all_and_bounded_memory_of_ended_leases():
     clock = Clock()
     leases = LeaseTable(ttl_s=1.0, clock=clock, remember=3)
     granted = [leases.grant(f"r{i}", (i,)) for i in range(5)]
-    assert sorted(x.request_id for x in leases.revoke_all("shutdown")) == [f"r{i}" for i in range(5)]
+    revoked = leases.revoke_all("shutdown")
+    assert sorted(x.request_id for x in revoked) == [f"r{i}" for i in range(5)]
     assert len(leases) == 0
     assert leases.release(granted[4].lease_id).reason == "shutdown"
     assert "unknown lease" in leases.release(granted[0].lease_id).reason  # forgotten (bounded)
@@ -82,3 +83,4 @@ def test_revoke_all_and_bounded_memory_of_ended_leases():
 def test_ttl_must_be_positive():
     with pytest.raises(ValueError, match="ttl_s=0"):
         LeaseTable(ttl_s=0)
+
