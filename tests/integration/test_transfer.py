@@ -221,6 +221,19 @@ def test_lease_expiry_during_the_read_is_detected_and_nothing_is_decoded(referen
         assert "not intact" in errors[0].details() and "expired" in errors[0].details()
         assert p.prefill.info().leases_expired >= 1
         p.assert_idle_and_intact()
+        # the holder killed mid-hand-off (read done, release pending): the release fails typed
+        pre = p.prefill_call(ids, params, "orphan")
+        t = threading.Thread(target=decode)
+        t.start()
+        time.sleep(0.8)
+        p.prefill.kill()
+        t0 = time.monotonic()
+        t.join()
+        assert len(errors) == 2 and errors[1].code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 3.0  # the rest of the 2.5 s delay, then the error
+        info = _eventually(lambda: p.decode.info(check_integrity=True),
+                           lambda i: i.num_free_blocks == i.num_blocks)
+        assert info.integrity_ok and info.num_free_blocks == info.num_blocks
     finally:
         p.stop()
 
