@@ -1,7 +1,7 @@
 """KV hand-off benchmark: NIXL bandwidth against memcpy, and a 2,000-token prompt's hand-off time
 against its prefill time. One run, one machine; results in bench/results/transfer-*.json.
 
-    python bench/transfer.py [--sizes-mib 1,16,256] [--repeats 7] [--ucx-tls default,cma,tcp]
+    python bench/transfer.py [--sizes-mib 1,16,256] [--repeats 15] [--ucx-tls default,cma,tcp]
 
 Part 1 (bandwidth): a holder process registers a KV pool of SmolLM2-shaped blocks (float32, 720
 KiB each) and grants leases; this process (the reader, its own registered pool) pulls them with
@@ -205,7 +205,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", default="1,16,256")
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--ucx-tls", default="default,cma,tcp",
                     help="UCX_TLS settings to compare ('default' leaves UCX_TLS unset)")
     ap.add_argument("--prompt-tokens", type=int, default=2000)
