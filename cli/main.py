@@ -74,7 +74,9 @@ def _handoff(a: argparse.Namespace) -> int:
                 for chunk in worker_pb2_grpc.DecodeWorkerStub(dch).Decode(
                         worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
                                                  first_token_id=pre.first_token_id, params=p,
-                                                 handle=pre.handle), timeout=a.timeout):
+                                                 handle=pre.handle,
+                                                 sampler_state=pre.sampler_state),
+                        timeout=a.timeout):
                     tokens += chunk.token_ids
                     text += chunk.text
                     reason = chunk.finish_reason or reason

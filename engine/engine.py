@@ -46,6 +46,9 @@ class KVHandoff:
     num_tokens: int  # prompt tokens whose KV the blocks hold
     prompt_token_ids: tuple[int, ...]
     first_token_id: int
+    # the request's sampler state after drawing the first token (seeded, non-greedy requests
+    # only): the receiver continues from it, so a seed gives the same tokens as one engine would
+    sampler_state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class LLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; block b = kv_cache[b]."""
+        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; block b is kv[b]."""
         return self.runner.kv
 
     # =============================================================================================
@@ -210,7 +213,8 @@ class LLMEngine:
         return req
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request at any point and free its blocks. False if it is not (or no longer) here."""
+        """Stop a request at any point and free its blocks. False if it is not (or no longer)
+        here."""
         req = self.requests.get(request_id)
         if req is None:
             return False
@@ -241,15 +245,24 @@ class LLMEngine:
 
     def reserve_handoff(
         self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int,
-        params: SamplingParams,
+        params: SamplingParams, sampler_state: bytes | None = None,
     ) -> HandoffSlots | None:
         """Decode side: allocate blocks for a prompt whose KV comes from elsewhere.
 
         Returns ``None`` if the blocks are not free now (try later). Raises like ``add_request``
-        for a request that is invalid or can never fit.
+        for a request that is invalid or can never fit. ``sampler_state`` is the sender's
+        :attr:`KVHandoff.sampler_state`.
         """
         ids = self._prompt_ids(None, prompt_token_ids, None)
         req = self._make_request(request_id, ids, params, prefill_only=False)
+        if sampler_state:
+            try:
+                self.runner.generators[req.request_id].set_state(
+                    torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
+            except RuntimeError as e:
+                self._forget(req)
+                raise InvalidRequestError("sampler_state", f"<{len(sampler_state)} bytes>",
+                                          f"not a sampler state: {e}") from e
         req.append_token(first_token_id)
         hit = self.kv.get_prefix_hit(req)
         hit_blocks = min(len(hit.blocks), len(ids) // self.cfg.block_size)
@@ -320,12 +333,18 @@ class LLMEngine:
                 self._pinned[req.request_id] = req
                 handoff = KVHandoff(req.request_id, self.fingerprint,
                                     tuple(self.kv.block_ids(req.request_id)),
-                                    req.num_prompt_tokens, tuple(req.prompt_token_ids), token)
+                                    req.num_prompt_tokens, tuple(req.prompt_token_ids), token,
+                                    self._sampler_state(req))
             else:
                 self._forget(req)
         out = self._output(req, [token], [lp] if lp else None, new_text)
         out.handoff = handoff
         return out
+
+    def _sampler_state(self, req: Request) -> bytes | None:
+        if req.params.greedy or req.params.seed is None:
+            return None
+        return bytes(self.runner.generators[req.request_id].get_state().numpy())
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params

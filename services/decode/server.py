@@ -104,7 +104,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         """Blocks for the prompt, waiting (until the deadline) while the pool is full."""
         while True:
             slots = self.loop.run(self.engine.reserve_handoff, rid,
-                                  list(request.prompt_token_ids), request.first_token_id, params)
+                                  list(request.prompt_token_ids), request.first_token_id, params,
+                                  request.sampler_state or None)
             if slots is not None:
                 return slots
             if time.monotonic() > deadline:

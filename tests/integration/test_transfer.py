@@ -62,7 +62,8 @@ class Pair:
         tokens, stats = [], None
         for chunk in stub.Decode(worker_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
-                params=params_to_proto(params), handle=pre.handle), timeout=timeout):
+                params=params_to_proto(params), handle=pre.handle,
+                sampler_state=pre.sampler_state), timeout=timeout):
             tokens += chunk.token_ids
             if chunk.HasField("transfer"):
                 stats = chunk.transfer
@@ -142,6 +143,11 @@ def test_disaggregated_tokens_equal_colocated(pair, reference):
             t.join()
     for i in range(len(prompts)):
         assert got[i] == expected[i], (PROMPTS[i], got[i], expected[i])
+    # seeded sampling continues from the prefill's generator state: the same tokens as colocated
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    for i in (0, 5):
+        assert pair.handoff(prompts[i], seeded, f"seeded-{i}")[0] == \
+            reference.generate([prompts[i]], seeded)[0].token_ids
     _, stats = pair.handoff(prompts[8], params, "stats")
     assert stats.blocks_read + stats.blocks_local == -(-len(prompts[8]) // 16)
     assert stats.bytes == stats.blocks_read * 30 * 2 * 16 * 3 * 64 * 4

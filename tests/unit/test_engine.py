@@ -229,7 +229,8 @@ def _handoff(prefill, decode, ids, params, rid):
     h = first.handoff
     assert first.finished and first.finish_reason == "prefilled" and h is not None
     assert h.num_tokens == len(ids) and h.first_token_id == first.new_token_ids[0]
-    slots = decode.reserve_handoff(rid, h.prompt_token_ids, h.first_token_id, params)
+    slots = decode.reserve_handoff(rid, h.prompt_token_ids, h.first_token_id, params,
+                                   h.sampler_state)
     assert len(slots.block_ids) == len(h.block_ids)
     for src, dst in list(zip(h.block_ids, slots.block_ids))[slots.num_local_blocks:]:
         decode.kv_cache[dst].copy_(prefill.kv_cache[src])
@@ -258,6 +259,24 @@ def test_handoff_between_engines_gives_same_tokens(tiny_engine):
     for e in (pre, dec):
         e.check_integrity()
         assert e.kv.pool.num_free_blocks == e.num_blocks and not e.requests
+
+
+def test_seeded_sampling_continues_across_a_handoff(tiny_engine):
+    ps = prompts(3, seed=7, lo=9, hi=30)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=50, seed=99)
+    single = one_by_one(tiny_engine(), ps, params)
+    pre, dec = tiny_engine(), tiny_engine()
+    for i, p in enumerate(ps):
+        assert _handoff(pre, dec, p, params, f"s{i}")[0] == single[i]
+    greedy = SamplingParams(max_tokens=2)
+    pre.add_request(params=greedy, prompt_token_ids=ps[0], request_id="g", prefill_only=True)
+    (out,) = [o for o in drain_outputs(pre) if o.request_id == "g"]
+    assert out.handoff.sampler_state is None  # nothing to carry for greedy requests
+    pre.release_handoff("g")
+    with pytest.raises(InvalidRequestError, match="sampler_state"):
+        dec.reserve_handoff("bad", ps[0], 5, params, b"not a generator state")
+    assert "bad" not in dec.requests
+    dec.check_integrity()
 
 
 def test_handoff_reserve_then_abort_frees(tiny_engine):
