@@ -47,6 +47,14 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
     g.add_argument("--worker-id", default=None, help="stable name (default: role-host-port)")
     g.add_argument("--log-level", default="INFO")
+    g.add_argument("--redis-url", default=None,
+                   help="register in this Redis (worker registry, TTL heartbeat); "
+                        "e.g. redis://127.0.0.1:6379/0. Without it the worker is not discoverable")
+    g.add_argument("--registry-ttl", type=float, default=10.0,
+                   help="seconds a registry entry outlives its last heartbeat (default 10)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds to finish in-flight requests after deregistering "
+                        "and refusing new ones (default 30)")
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
@@ -64,14 +72,35 @@ def make_server(max_workers: int = 32) -> grpc.Server:
                        options=[("grpc.so_reuseport", 0)])
 
 
-def serve_forever(server: grpc.Server, on_stop) -> None:
-    """Block until SIGTERM/SIGINT, then stop accepting, finish ``on_stop`` and exit."""
+def register(args: argparse.Namespace, role: str, worker_id: str, address: str,
+             fingerprint: str, incarnation: str, model: str):
+    """Put this worker in the Redis registry (if ``--redis-url``); returns the Registration."""
+    if not args.redis_url:
+        return None
+    from baton.control.registry import Registration, WorkerRecord, WorkerRegistry
+
+    registry = WorkerRegistry.from_url(args.redis_url, args.registry_ttl)
+    record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model)
+    reg = Registration(registry, record).start()
+    log.info("registered as %s (%s) in %s", worker_id, role, args.redis_url)
+    return reg
+
+
+def serve_forever(server: grpc.Server, on_stop, registration=None,
+                  drain_timeout: float = 30.0) -> None:
+    """Block until SIGTERM/SIGINT, then drain: deregister (routers stop sending work), refuse new
+    RPCs, let the ones in flight finish (up to ``drain_timeout``), run ``on_stop``, return."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
-    server.stop(grace=2).wait()
+    log.info("draining: deregistering, finishing in-flight requests (up to %.0fs)",
+             drain_timeout)
+    if registration is not None:
+        registration.withdraw()
+    server.stop(grace=drain_timeout).wait()
     on_stop()
+    log.info("drained; exiting")
 
 
 def announce(address: str, worker_id: str, incarnation: str) -> None:

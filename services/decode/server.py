@@ -32,6 +32,7 @@ from baton.services.common.worker import (
     make_server,
     new_incarnation,
     params_from_proto,
+    register,
     serve_forever,
     setup_logging,
 )
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     server.start()
     log.info("decode worker %s (incarnation %s) serving on %s, model fingerprint %s",
              worker_id, incarnation, address, engine.fingerprint[:16])
+    registration = register(args, "decode", worker_id, address, engine.fingerprint, incarnation,
+                            engine.model_info.name)
     announce(address, worker_id, incarnation)
 
     def stop() -> None:
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         reader.close()
         agent.close()
 
-    serve_forever(server, stop)
+    serve_forever(server, stop, registration, args.drain_timeout)
 
 
 if __name__ == "__main__":

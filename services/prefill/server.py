@@ -25,6 +25,7 @@ from baton.services.common.worker import (
     new_incarnation,
     params_from_proto,
     process_stats,
+    register,
     serve_forever,
     setup_logging,
 )
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     server.start()
     log.info("prefill worker %s (incarnation %s) serving on %s, model fingerprint %s",
              worker_id, incarnation, address, engine.fingerprint[:16])
+    registration = register(args, "prefill", worker_id, address, engine.fingerprint, incarnation,
+                            engine.model_info.name)
     announce(address, worker_id, incarnation)
 
     def stop() -> None:
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         loop.stop()
         agent.close()
 
-    serve_forever(server, stop)
+    serve_forever(server, stop, registration, args.drain_timeout)
 
 
 if __name__ == "__main__":

