@@ -1,5 +1,6 @@
-"""What every worker process shares: engine construction from flags, the gRPC server, process
-stats for worker info, and typed errors mapped to gRPC status codes."""
+"""What every server process shares: engine construction from flags, the gRPC server, process
+stats for worker info, and typed errors mapped to gRPC status codes. Torch-free at import time
+(the router uses it too); ``build_engine`` imports the engine when called."""
 
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import threading
 from concurrent import futures
 
 import grpc
-from baton.engine.config import EngineConfig
-from baton.engine.engine import LLMEngine
 from baton.engine.errors import InvalidRequestError
 from baton.engine.params import SamplingParams
 from baton.transfer.errors import (
@@ -57,7 +56,10 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                         "and refusing new ones (default 30)")
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def build_engine(args: argparse.Namespace):
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
     cfg = EngineConfig(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, num_threads=args.threads)
     return LLMEngine.from_path(args.model, cfg)

@@ -36,7 +36,7 @@ from baton.services.common.worker import (
     serve_forever,
     setup_logging,
 )
-from baton.services.prefill.server import worker_info
+from baton.services.prefill.server import tokenizer_info, worker_info
 from baton.transfer.agent import KVAgent, configure_ucx
 from baton.transfer.errors import TransferError
 from baton.transfer.handle import KVHandle
@@ -87,19 +87,25 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             bytes=res.bytes, blocks_read=res.blocks_read, blocks_local=res.blocks_local,
             handshake_s=res.handshake_s, read_s=res.read_s, release_s=res.release_s,
             transports=res.transports)
-        first = True
-        while True:
-            out = stream.get()
-            if isinstance(out, BaseException):
-                abort_with(context, out)
-            chunk = worker_pb2.DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
-                                           finish_reason=out.finish_reason or "")
-            if first:
-                chunk.transfer.CopyFrom(stats)
-                first = False
-            yield chunk
-            if out.finished:
-                return
+        yield from _relay(stream, context, lambda chunk, out: chunk.transfer.CopyFrom(stats))
+
+    def Generate(self, request, context):
+        """The local path: prefill here too, then decode (colocated mode, short prompts)."""
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            params = params_from_proto(request.params)
+            stream = self.loop.submit(rid, prompt_token_ids=list(request.prompt_token_ids),
+                                      params=params)
+        except Exception as e:
+            abort_with(context, e)
+        context.add_callback(lambda: self.loop.abort(rid))
+
+        def first(chunk, out):
+            chunk.num_cached_tokens = out.num_cached_tokens
+        yield from _relay(stream, context, first)
+
+    def Tokenizer(self, request, context):
+        return tokenizer_info(self.engine)
 
     def _reserve(self, rid, request, params, deadline, context):
         """Blocks for the prompt, waiting (until the deadline) while the pool is full."""
@@ -126,6 +132,24 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_info(self.loop, "decode", self.worker_id, self.incarnation,
                            self.reader.agent, request.check_integrity,
                            num_peers=self.reader.num_peers)
+
+
+def _relay(stream, context, on_first):
+    """Engine outputs -> DecodeChunks until the request finishes; ``on_first(chunk, output)``
+    decorates the first chunk."""
+    first = True
+    while True:
+        out = stream.get()
+        if isinstance(out, BaseException):
+            abort_with(context, out)
+        chunk = worker_pb2.DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
+                                       finish_reason=out.finish_reason or "")
+        if first:
+            on_first(chunk, out)
+            first = False
+        yield chunk
+        if out.finished:
+            return
 
 
 def _invalid(field, value, reason):

@@ -8,6 +8,7 @@ over NIXL. Prints ``BATON_READY <address> <worker id> <incarnation>`` once it se
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import queue
@@ -83,8 +84,18 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_info(self.loop, "prefill", self.worker_id, self.holder.incarnation,
                            self.holder.agent, request.check_integrity, holder=self.holder)
 
+    def Tokenizer(self, request, context):
+        return tokenizer_info(self.engine)
+
     def _free(self, request_id: str) -> None:
         self.loop.call(self.engine.release_handoff, request_id)
+
+
+def tokenizer_info(engine):
+    """What a router needs to tokenize exactly as the workers do."""
+    return worker_pb2.TokenizerResponse(model=engine.model_info.name,
+                                        tokenizer_json=json.dumps(engine.tokenizer.to_json()),
+                                        max_model_len=engine.max_model_len)
 
 
 def worker_info(loop: EngineLoop, role: str, worker_id: str, incarnation: str, agent: KVAgent,

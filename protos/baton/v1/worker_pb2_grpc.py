@@ -159,6 +159,11 @@ class PrefillWorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.Tokenizer = channel.unary_unary(
+                '/baton.v1.PrefillWorker/Tokenizer',
+                request_serializer=baton_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.TokenizerResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -176,6 +181,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenizer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +199,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Tokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenizer,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.TokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -254,6 +270,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Tokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.PrefillWorker/Tokenizer',
+            baton_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.TokenizerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -269,10 +312,20 @@ class DecodeWorkerStub:
                 request_serializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/baton.v1.DecodeWorker/Generate',
+                request_serializer=baton_dot_v1_dot_worker__pb2.LocalRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.DecodeChunk.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/baton.v1.DecodeWorker/Info',
                 request_serializer=baton_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
                 response_deserializer=baton_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+        self.Tokenizer = channel.unary_unary(
+                '/baton.v1.DecodeWorker/Tokenizer',
+                request_serializer=baton_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.TokenizerResponse.FromString,
                 _registered_method=True)
 
 
@@ -285,7 +338,19 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenizer(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -299,10 +364,20 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     request_deserializer=baton_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.DecodeChunk.SerializeToString,
             ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.LocalRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.DecodeChunk.SerializeToString,
+            ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
                     request_deserializer=baton_dot_v1_dot_worker__pb2.InfoRequest.FromString,
                     response_serializer=baton_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'Tokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenizer,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.InfoRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.TokenizerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +418,33 @@ class DecodeWorker:
             _registered_method=True)
 
     @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/Generate',
+            baton_dot_v1_dot_worker__pb2.LocalRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Info(request,
             target,
             options=(),
@@ -359,6 +461,33 @@ class DecodeWorker:
             '/baton.v1.DecodeWorker/Info',
             baton_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
             baton_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.DecodeWorker/Tokenizer',
+            baton_dot_v1_dot_worker__pb2.InfoRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.TokenizerResponse.FromString,
             options,
             channel_credentials,
             insecure,

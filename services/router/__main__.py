@@ -1,0 +1,3 @@
+from baton.services.router.server import main
+
+main()
