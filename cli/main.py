@@ -106,6 +106,46 @@ def _handoff(a: argparse.Namespace) -> int:
     return 0
 
 
+def _request(a: argparse.Namespace) -> int:
+    """One request to a router's public API, streamed."""
+    import grpc
+    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+    params = worker_pb2.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
+                                       top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+    req = api_pb2.GenerateRequest(params=params)
+    if a.chat:
+        req.chat.messages.add(role="user", content=a.prompt)
+    else:
+        req.text = a.prompt
+    text, ids, final = "", [], None
+    try:
+        with grpc.insecure_channel(a.router) as ch:
+            for msg in api_pb2_grpc.BatonStub(ch).Generate(req, timeout=a.timeout):
+                if msg.HasField("delta"):
+                    text += msg.delta.text
+                    ids += msg.delta.token_ids
+                    if not a.json:
+                        print(msg.delta.text, end="", flush=True)
+                else:
+                    final = msg.final
+    except grpc.RpcError as e:
+        print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if a.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps({"text": text, "token_ids": ids,
+                          "final": MessageToDict(final, preserving_proto_field_name=True)}))
+    else:
+        print()
+        t = final.timing
+        print(f"[{final.finish_reason}; {final.path} path; {final.usage.prompt_tokens} prompt "
+              f"+ {final.usage.completion_tokens} tokens; first token {t.first_token_s * 1e3:.0f}"
+              f" ms, total {t.total_s * 1e3:.0f} ms]", file=sys.stderr)
+    return 0
+
+
 def _sampling_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
@@ -138,8 +178,54 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
     h.add_argument("--json", action="store_true",
                    help="print one JSON object with text, token ids and transfer stats")
+    u = sub.add_parser("up", help="run the whole cluster on this machine (redis, workers, router)",
+                       description="Start an embedded redis-server, prefill and decode workers "
+                                   "(or colocated ones) and the router as local processes; "
+                                   "Ctrl-C stops them all.")
+    from baton.cli.up import add_up_args
+
+    add_up_args(u)
+    r = sub.add_parser("request", help="send one prompt to a running router and stream the answer")
+    r.add_argument("prompt")
+    r.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
+    _sampling_args(r)
+    r.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    r.add_argument("--json", action="store_true",
+                   help="print one JSON object: text, token_ids and the final message")
+    for name in ("router", "worker"):
+        w = sub.add_parser(name, add_help=False,
+                           help=f"run one {name} process (see `baton {name} --help`)")
+        w.add_argument("args", nargs=argparse.REMAINDER)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["router"], ["worker"]):
+        return _piece(argv[0], argv[1:])
     a = ap.parse_args(argv)
-    return _handoff(a) if a.cmd == "handoff" else _generate(a)
+    if a.cmd == "up":
+        from baton.cli.up import up
+
+        return up(a)
+    return {"handoff": _handoff, "request": _request}.get(a.cmd, _generate)(a)
+
+
+def _piece(name: str, args: list[str]) -> int:
+    """``baton router ARGS`` and ``baton worker --role prefill|decode ARGS``."""
+    if name == "router":
+        from baton.services.router.server import main as run
+    else:
+        ap = argparse.ArgumentParser(prog="baton worker", add_help=False)
+        ap.add_argument("--role", choices=["prefill", "decode"])
+        known, rest = ap.parse_known_args(args)
+        if known.role is None:
+            print("usage: baton worker --role prefill|decode [worker flags; --help lists them]",
+                  file=sys.stderr)
+            return 2
+        if known.role == "prefill":
+            from baton.services.prefill.server import main as run
+        else:
+            from baton.services.decode.server import main as run
+        args = rest
+    run(args)
+    return 0
 
 
 if __name__ == "__main__":

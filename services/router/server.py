@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import random
 import threading
 import time
 import uuid
@@ -61,6 +60,7 @@ class WorkerPool:
         self._read_at = 0.0
         self._channels: dict[str, grpc.Channel] = {}
         self._inflight: dict[str, int] = {}
+        self._turn = 0
         self._lock = threading.Lock()
 
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
@@ -80,8 +80,9 @@ class WorkerPool:
                                 f"{len(exclude)} failed for this request)")
         with self._lock:
             least = min(self._inflight.get(w.address, 0) for w in candidates)
-            return random.choice([w for w in candidates
-                                  if self._inflight.get(w.address, 0) == least])
+            ties = [w for w in candidates if self._inflight.get(w.address, 0) == least]
+            self._turn += 1  # round-robin among the least loaded
+            return ties[self._turn % len(ties)]
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:

@@ -1,0 +1,105 @@
+"""``baton up``: the whole cluster on one machine, as local processes.
+
+Starts a real redis-server (the embedded one, unless ``--redis-url``), the prefill and decode
+workers (or colocated ones), and the router; waits until each serves; prints the endpoints;
+on Ctrl-C or SIGTERM stops them in reverse order (workers drain) and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+
+def add_up_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    ap.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    ap.add_argument("--colocated", type=int, default=0,
+                    help="instead of separate pools: N workers that prefill and decode")
+    ap.add_argument("--redis-url", default=None,
+                    help="use this Redis instead of starting the embedded redis-server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC API")
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                    help="prompts up to this many tokens skip the prefill pool (default 0)")
+    ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
+
+
+def up(a: argparse.Namespace) -> int:
+    from baton.control.redis_server import EmbeddedRedis, RedisStartError
+    from baton.services.common.launch import WorkerProcess, WorkerStartError
+
+    if a.colocated < 0 or a.prefill < 0 or a.decode < 0:
+        print("error: worker counts must be >= 0", file=sys.stderr)
+        return 2
+    if not a.colocated and a.decode < 1:
+        print("error: --decode must be >= 1 (or use --colocated N)", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    redis = None
+    procs: list[WorkerProcess] = []
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[baton up {time.monotonic() - t0:5.1f}s] {msg}", flush=True)
+
+    try:
+        url = a.redis_url
+        if url is None:
+            redis = EmbeddedRedis(a.host).start()
+            url = redis.url
+            say(f"redis-server on {url}")
+        common = ["--host", a.host, "--redis-url", url, "--dtype", a.dtype]
+        for flag, value in (("--model", a.model), ("--num-blocks", a.num_blocks),
+                            ("--threads", a.threads)):
+            if value is not None:
+                common += [flag, str(value)]
+        kw = {"log_dir": a.log_dir or tempfile.mkdtemp(prefix="baton-up-")}
+        prefill = [] if a.colocated else [
+            WorkerProcess("prefill", common, **kw) for _ in range(a.prefill)]
+        procs += prefill
+        for w in prefill:
+            say(f"prefill worker {w.worker_id} on {w.address}")
+        peers = ",".join(w.address for w in prefill)
+        for _ in range(a.colocated or a.decode):
+            w = WorkerProcess("decode", common + (["--peers", peers] if peers else []), **kw)
+            procs.append(w)
+            say(f"{'colocated' if a.colocated else 'decode'} worker {w.worker_id} on "
+                f"{w.address}")
+        local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens
+        router = WorkerProcess("router", ["--host", a.host, "--port", str(a.grpc_port),
+                                          "--redis-url", url, "--local-prefill-max-tokens",
+                                          str(local_max)], **kw)
+        procs.append(router)
+        logs = procs[0].log_path.parent
+        say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in {logs}")
+        print(f"  try: baton request \"Hello\" --router {router.address}", flush=True)
+        while not stop.is_set():
+            dead = [p for p in procs if p.proc.poll() is not None]
+            if dead:
+                say(f"{dead[0].role} worker {dead[0].worker_id} exited "
+                    f"({dead[0].proc.returncode}); stopping. Its log: {dead[0].log_path}")
+                return 1
+            stop.wait(0.5)
+        say("stopping")
+        return 0
+    except (WorkerStartError, RedisStartError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for p in reversed(procs):  # router first, then decode, then prefill: each drains
+            p.stop(timeout=40)
+        if redis is not None:
+            redis.stop()
+        if procs or redis:
+            say("stopped")
