@@ -141,7 +141,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
         context.add_callback(lambda: [c.cancel() for c in list(calls)])
         failed: set[str] = set()
         for attempt in range(self.max_retries + 1):
-            state = _State(rid, ids, t0, attempt)
+            # a retry is a new request on the workers (the failed attempt may still be known)
+            state = _State(rid if attempt == 0 else f"{rid}.retry{attempt}", ids, t0, attempt)
             try:
                 remote = (len(ids) > self.local_max_tokens and self.pool.workers("prefill"))
                 steps = (self._remote(request, state, calls, failed, context) if remote
@@ -186,13 +187,26 @@ class RouterService(api_pb2_grpc.BatonServicer):
             yield st.delta([pre.first_token_id], text)
             yield st.final(pre.finish_reason, "remote")
             return
-        decode = self.pool.pick("decode", failed)
-        yield from self._stream(
-            decode, "remote", st, calls, context,
-            lambda stub: stub.Decode(worker_pb2.DecodeRequest(
-                request_id=st.rid, prompt_token_ids=st.ids, first_token_id=pre.first_token_id,
-                params=p, handle=pre.handle, sampler_state=pre.sampler_state),
-                timeout=_left(context)))
+        try:
+            decode = self.pool.pick("decode", failed)
+            yield from self._stream(
+                decode, "remote", st, calls, context,
+                lambda stub: stub.Decode(worker_pb2.DecodeRequest(
+                    request_id=st.rid, prompt_token_ids=st.ids,
+                    first_token_id=pre.first_token_id, params=p, handle=pre.handle,
+                    sampler_state=pre.sampler_state), timeout=_left(context)))
+        except (_Retry, NoWorkerError):
+            self._give_back(prefill.address, pre.handle)  # free the blocks now, not at expiry
+            raise
+
+    def _give_back(self, address: str, handle) -> None:
+        try:
+            worker_pb2_grpc.KVSourceStub(self.pool.channel(address)).ReleaseLease(
+                worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id,
+                                               incarnation=handle.incarnation), timeout=2)
+        except grpc.RpcError as e:
+            log.info("could not give lease %s back to %s: %s", handle.lease_id, address,
+                     e.code())
 
     def _local(self, request, st, calls, failed, context):
         decode = self.pool.pick("decode", failed)

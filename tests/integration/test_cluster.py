@@ -1,0 +1,227 @@
+"""The cluster through the router's public API, with real processes on loopback: a real
+redis-server, one prefill worker, three decode workers, routers in disaggregated and colocated
+mode. Equality with the engine, concurrency, cancellation and deadlines, bad input, and workers
+that are killed or drained under load."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+from baton.control.redis_server import EmbeddedRedis
+from baton.engine.engine import LLMEngine
+from baton.engine.params import SamplingParams
+from baton.services.common.launch import WorkerProcess
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    ("chat", "What is the capital of France?"),
+    ("chat", "Write a haiku about the sea."),
+    ("chat", "日本の首都はどこですか？"),
+    ("chat", "List three prime numbers greater than 100."),
+    ("text", "The capital of France is"),
+    ("text", "def fibonacci(n):\n    "),
+    ("text", "Once upon a time, in a village by the river,"),
+    ("text", "1, 1, 2, 3, 5, 8,"),
+    ("text", "Ünïcödé: ça marche très bien, naïve café —"),
+    ("text", " ".join(f"Item {i}: the {w} report." for i, w in
+                      enumerate(["first", "second", "third", "fourth"] * 25))),
+]
+
+
+class Cluster:
+    def __init__(self) -> None:
+        self.redis = EmbeddedRedis().start()
+        common = ["--num-blocks", "160", "--redis-url", self.redis.url, "--registry-ttl", "3"]
+        self.prefill = WorkerProcess("prefill", common)
+        self.decode = [WorkerProcess("decode", [*common, "--peers", self.prefill.address])
+                       for _ in range(3)]
+        self.router = WorkerProcess("router", ["--redis-url", self.redis.url])
+        self.colocated = WorkerProcess("router", ["--redis-url", self.redis.url,
+                                                  "--local-prefill-max-tokens", "100000"])
+
+    def workers(self):
+        return [w for w in (self.prefill, *self.decode) if w.proc.poll() is None]
+
+    def assert_no_blocks_held(self, timeout=15.0):
+        end = time.monotonic() + timeout
+        while True:
+            infos = [w.info(check_integrity=True) for w in self.workers()]
+            if all(i.num_free_blocks == i.num_blocks for i in infos) or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        for i in infos:
+            assert i.integrity_ok, i.integrity_error
+            assert i.num_free_blocks == i.num_blocks, (i.worker_id, i.num_free_blocks)
+            assert i.active_leases == 0 and i.running_requests == 0, i
+
+    def stop(self):
+        for w in (self.colocated, self.router, *self.decode, self.prefill):
+            w.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine.from_path(None)
+
+
+def request(kind, text, max_tokens=16, **params):
+    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
+                                                                   **params))
+    if kind == "chat":
+        req.chat.messages.add(role="user", content=text)
+    else:
+        req.text = text
+    return req
+
+
+def generate(router, req, timeout=120.0):
+    """(token ids, text, final message) of one streamed Generate."""
+    ids, text, final = [], "", None
+    for msg in api_pb2_grpc.BatonStub(router.channel).Generate(req, timeout=timeout):
+        if msg.HasField("delta"):
+            ids += msg.delta.token_ids
+            text += msg.delta.text
+        else:
+            final = msg.final
+    return ids, text, final
+
+
+def expected(engine, kind, text, max_tokens=16):
+    ids = (engine.tokenizer.encode_chat([{"role": "user", "content": text}]) if kind == "chat"
+           else engine.tokenizer.encode(text))
+    return engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0]
+
+
+def test_disaggregated_and_colocated_equal_the_engine(cluster, engine):
+    for kind, text in PROMPTS:
+        want = expected(engine, kind, text)
+        for router, path in ((cluster.router, "remote"), (cluster.colocated, "local")):
+            ids, out, final = generate(router, request(kind, text))
+            assert ids == want.token_ids and out == want.text, (kind, text, path)
+            assert final.path == path and final.finish_reason == want.finish_reason
+            assert final.usage.completion_tokens == len(ids)
+            assert list(final.prompt_token_ids) == want.prompt_token_ids
+            if path == "remote":
+                assert final.transports and final.prefill_worker == cluster.prefill.worker_id
+    models = api_pb2_grpc.BatonStub(cluster.router.channel).ListModels(
+        api_pb2.ListModelsRequest())
+    assert [m.id for m in models.models] == ["SmolLM2-135M-Instruct.Q4_1"] or \
+        models.models[0].id.startswith("SmolLM2")
+    cluster.assert_no_blocks_held()
+
+
+def test_32_concurrent_streams(cluster, engine):
+    jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i % 9) for i in range(32)]
+    want = {}
+    for (kind, text), n in jobs:
+        want[(kind, text, n)] = expected(engine, kind, text, n).token_ids
+    got, errors = {}, []
+
+    def run(i, kind, text, n):
+        try:
+            got[i] = (generate(cluster.router, request(kind, text, n))[0], (kind, text, n))
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, k, t, n))
+               for i, ((k, t), n) in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(got) == 32
+    for ids, key in got.values():
+        assert ids == want[key], key
+    cluster.assert_no_blocks_held()
+
+
+def test_cancel_and_deadline_leave_no_blocks(cluster):
+    stub = api_pb2_grpc.BatonStub(cluster.router.channel)
+    call = stub.Generate(request("text", "Tell me a long story.", 300, ignore_eos=True),
+                         timeout=120)
+    for n, _ in enumerate(call):
+        if n == 3:
+            call.cancel()
+            break
+    with pytest.raises(grpc.RpcError) as e:
+        generate(cluster.router, request("text", "Count to a thousand.", 400, ignore_eos=True),
+                 timeout=1.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    cluster.assert_no_blocks_held()
+
+
+@pytest.mark.parametrize("req, field", [
+    (api_pb2.GenerateRequest(text=""), "text"),
+    (request("text", "hi", temperature=-1), "temperature"),
+    (request("text", "hi", top_p=1.5), "top_p"),
+    (api_pb2.GenerateRequest(text="hi", model="gpt-17"), "model"),
+    (api_pb2.GenerateRequest(text="hi", params=worker_pb2.SamplingParams(max_tokens=0)),
+     "max_tokens"),
+    (api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[5] * 9000)), "prompt"),
+    (api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[1, 999999])), "prompt_token_ids"),
+    (api_pb2.GenerateRequest(chat=api_pb2.ChatMessages(
+        messages=[api_pb2.ChatMessage(role="wizard", content="hi")])), "role"),
+    (api_pb2.GenerateRequest(), "input"),
+])
+def test_bad_input_is_invalid_argument(cluster, req, field):
+    with pytest.raises(grpc.RpcError) as e:
+        generate(cluster.router, req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert field in e.value.details()
+
+
+def test_sigterm_under_load_fails_nothing(cluster, engine):
+    draining = cluster.decode[2]
+    results, errors = [], []
+    want = [expected(engine, *PROMPTS[i % len(PROMPTS)], 24).token_ids for i in range(9)]
+
+    def run(i):
+        kind, text = PROMPTS[i % len(PROMPTS)]
+        try:
+            results.append((generate(cluster.router, request(kind, text, 24))[0], want[i]))
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(9)]
+    for t in threads[:6]:
+        t.start()
+    time.sleep(1.0)
+    draining.proc.send_signal(signal.SIGTERM)
+    for t in threads[6:]:  # arrive while it drains
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, [e.details() for e in errors]
+    assert len(results) == 9 and all(a == b for a, b in results)
+    assert draining.proc.wait(40) == 0
+    cluster.assert_no_blocks_held()
+
+
+def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
+    victim = cluster.decode[0]
+    victim.kill()
+    kind, text = PROMPTS[4]
+    want = expected(engine, kind, text).token_ids
+    finals = []
+    for _ in range(3):  # round-robin: one of these picks the dead worker first
+        ids, _, final = generate(cluster.router, request(kind, text))
+        assert ids == want
+        finals.append(final)
+    assert any(f.retries >= 1 for f in finals)
+    assert all(f.decode_worker == cluster.decode[1].worker_id for f in finals)
+    cluster.assert_no_blocks_held()  # the router gave the failed attempt's lease back
