@@ -88,8 +88,23 @@ def register(args: argparse.Namespace, role: str, worker_id: str, address: str,
     return reg
 
 
+def add_standard_services(server: grpc.Server, service_names: list[str]):
+    """The standard gRPC health-checking (overall and per service: SERVING) and reflection
+    services. Returns the health servicer; ``serve_forever`` flips it to NOT_SERVING on drain."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    for name in ("", *service_names):
+        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return hs
+
+
 def serve_forever(server: grpc.Server, on_stop, registration=None,
-                  drain_timeout: float = 30.0) -> None:
+                  drain_timeout: float = 30.0, health=None) -> None:
     """Block until SIGTERM/SIGINT, then drain: deregister (routers stop sending work), refuse new
     RPCs, let the ones in flight finish (up to ``drain_timeout``), run ``on_stop``, return."""
     done = threading.Event()
@@ -100,6 +115,8 @@ def serve_forever(server: grpc.Server, on_stop, registration=None,
              drain_timeout)
     if registration is not None:
         registration.withdraw()
+    if health is not None:
+        health.enter_graceful_shutdown()  # NOT_SERVING for every service
     server.stop(grace=drain_timeout).wait()
     on_stop()
     log.info("drained; exiting")

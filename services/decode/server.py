@@ -27,6 +27,7 @@ from baton.services.common.worker import (
     abort_with,
     add_engine_args,
     add_server_args,
+    add_standard_services,
     announce,
     build_engine,
     make_server,
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     loop = EngineLoop(engine).start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeService(loop, reader, worker_id, incarnation, args.transfer_timeout), server)
+    health = add_standard_services(server, ["baton.v1.DecodeWorker"])
     server.start()
     log.info("decode worker %s (incarnation %s) serving on %s, model fingerprint %s",
              worker_id, incarnation, address, engine.fingerprint[:16])
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         reader.close()
         agent.close()
 
-    serve_forever(server, stop, registration, args.drain_timeout)
+    serve_forever(server, stop, registration, args.drain_timeout, health=health)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from baton.services.common.worker import (
     abort_with,
     add_engine_args,
     add_server_args,
+    add_standard_services,
     announce,
     build_engine,
     make_server,
@@ -160,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     service = PrefillService(loop, holder, worker_id)
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(service, server)
     worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
+    health = add_standard_services(server, ["baton.v1.PrefillWorker", "baton.v1.KVSource"])
     server.start()
     log.info("prefill worker %s (incarnation %s) serving on %s, model fingerprint %s",
              worker_id, incarnation, address, engine.fingerprint[:16])
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         loop.stop()
         agent.close()
 
-    serve_forever(server, stop, registration, args.drain_timeout)
+    serve_forever(server, stop, registration, args.drain_timeout, health=health)
 
 
 if __name__ == "__main__":

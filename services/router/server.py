@@ -32,6 +32,7 @@ from baton.engine.errors import InvalidRequestError
 from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common.worker import (
     abort_with,
+    add_standard_services,
     announce,
     make_server,
     new_incarnation,
@@ -370,11 +371,12 @@ def main(argv: list[str] | None = None) -> None:
     server = make_server(max_workers=256)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     api_pb2_grpc.add_BatonServicer_to_server(service, server)
+    health = add_standard_services(server, ["baton.v1.Baton"])
     server.start()
     address = f"{args.host}:{port}"
     log.info("router serving %s on %s (workers from %s)", tok.model, address, args.redis_url)
     announce(address, f"router-{args.host}-{port}", new_incarnation())
-    serve_forever(server, lambda: None, None, args.drain_timeout)
+    serve_forever(server, lambda: None, None, args.drain_timeout, health=health)
 
 
 if __name__ == "__main__":

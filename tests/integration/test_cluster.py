@@ -185,6 +185,23 @@ def test_bad_input_is_invalid_argument(cluster, req, field):
     assert field in e.value.details()
 
 
+def test_health_and_reflection_on_every_server(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for proc, service in ((cluster.router, "baton.v1.Baton"),
+                          (cluster.prefill, "baton.v1.KVSource"),
+                          (cluster.decode[1], "baton.v1.DecodeWorker")):
+        hc = health_pb2_grpc.HealthStub(proc.channel)
+        for name in ("", service):
+            r = hc.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        answers = reflection_pb2_grpc.ServerReflectionStub(proc.channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for a in answers for s in a.list_services_response.service}
+        assert service in names and "grpc.health.v1.Health" in names
+
+
 def test_sigterm_under_load_fails_nothing(cluster, engine):
     draining = cluster.decode[2]
     results, errors = [], []
@@ -225,3 +242,4 @@ def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
     assert any(f.retries >= 1 for f in finals)
     assert all(f.decode_worker == cluster.decode[1].worker_id for f in finals)
     cluster.assert_no_blocks_held()  # the router gave the failed attempt's lease back
+
