@@ -1,0 +1,88 @@
+"""The router's added latency: the same one-token request sent to a colocated worker directly
+(DecodeWorker.Generate) and through the router (Baton.Generate, local path), alternating, in
+one run on one machine. Results in bench/results/router-*.json.
+
+    python bench/router_latency.py [--requests 300] [--max-tokens 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_result  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--max-tokens", type=int, default=1)
+    ap.add_argument("--no-save", action="store_true")
+    args = ap.parse_args()
+
+    from baton.control.redis_server import EmbeddedRedis
+    from baton.services.common.launch import WorkerProcess
+    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    prompt = [1, 504, 3575, 282, 4649, 314, 2, 198]
+    params = worker_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    with EmbeddedRedis() as redis:
+        print("starting a colocated worker and a router ...", flush=True)
+        worker = WorkerProcess("decode", ["--num-blocks", "64", "--redis-url", redis.url])
+        router = WorkerProcess("router", ["--redis-url", redis.url, "--port", "0",
+                                          "--local-prefill-max-tokens", "100000"])
+        try:
+            direct = worker_pb2_grpc.DecodeWorkerStub(worker.channel)
+            routed = api_pb2_grpc.BatonStub(router.channel)
+
+            def via_worker(i):
+                for _ in direct.Generate(worker_pb2.LocalRequest(
+                        request_id=f"d{i}", prompt_token_ids=prompt, params=params), timeout=30):
+                    pass
+
+            def via_router(i):
+                for _ in routed.Generate(api_pb2.GenerateRequest(
+                        token_ids=api_pb2.TokenIds(ids=prompt), params=params), timeout=30):
+                    pass
+
+            times = {"direct": [], "router": []}
+            for i in range(args.warmup + args.requests):
+                for name, fn in (("direct", via_worker), ("router", via_router)):
+                    t0 = time.perf_counter()
+                    fn(i)
+                    if i >= args.warmup:
+                        times[name].append(time.perf_counter() - t0)
+        finally:
+            router.stop()
+            worker.stop()
+    d, r = times["direct"], times["router"]
+    res = {"machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens,
+           "prompt_tokens": len(prompt)}
+    for name, xs in times.items():
+        res[name] = {"p50_ms": statistics.median(xs) * 1e3, "p99_ms": pct(xs, 0.99) * 1e3,
+                     "mean_ms": statistics.fmean(xs) * 1e3}
+    res["added_p50_ms"] = res["router"]["p50_ms"] - res["direct"]["p50_ms"]
+    res["added_p99_ms"] = res["router"]["p99_ms"] - res["direct"]["p99_ms"]
+    pairs = sorted(b - a for a, b in zip(d, r))  # same i, back to back
+    res["added_paired_p50_ms"] = pairs[len(pairs) // 2] * 1e3
+    print(f"\n{'':<8}{'p50 ms':>9}{'p99 ms':>9}")
+    for name in ("direct", "router"):
+        print(f"{name:<8}{res[name]['p50_ms']:>9.2f}{res[name]['p99_ms']:>9.2f}")
+    print(f"added by the router: p50 {res['added_p50_ms']:.2f} ms, p99 {res['added_p99_ms']:.2f} "
+          f"ms (paired p50 {res['added_paired_p50_ms']:.2f} ms)")
+    if not args.no_save:
+        print(f"wrote {write_result('router', res)}")
+
+
+if __name__ == "__main__":
+    main()
