@@ -243,3 +243,39 @@ def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
     assert all(f.decode_worker == cluster.decode[1].worker_id for f in finals)
     cluster.assert_no_blocks_held()  # the router gave the failed attempt's lease back
 
+
+
+def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.integration.test_transfer import free_port
+
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--num-blocks", "96",
+                           "--grpc-port", str(port), "--log-dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if "ready:" in line:
+                break
+        assert f"127.0.0.1:{port}" in lines[-1], "".join(lines)
+        r = subprocess.run([sys.executable, "-m", "baton.cli.main", "request", "--json",
+                            "--max-tokens", "10", "--router", f"127.0.0.1:{port}",
+                            "The capital of France is"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["token_ids"] == expected(engine, "text", "The capital of France is",
+                                            10).token_ids
+        assert out["final"]["path"] == "remote"
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=90)[0]
+    assert up.returncode == 0, rest
+    assert "stopped" in rest
+    ps = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", "a process outlived baton up"
