@@ -40,6 +40,7 @@ def main() -> None:
         print("starting a colocated worker and a router ...", flush=True)
         worker = WorkerProcess("decode", ["--num-blocks", "64", "--redis-url", redis.url])
         router = WorkerProcess("router", ["--redis-url", redis.url, "--port", "0",
+                                          "--http-port", "-1",
                                           "--local-prefill-max-tokens", "100000"])
         try:
             direct = worker_pb2_grpc.DecodeWorkerStub(worker.channel)

@@ -24,6 +24,8 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                     help="use this Redis instead of starting the embedded redis-server")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC API")
+    ap.add_argument("--http-port", type=int, default=8000,
+                    help="the router's OpenAI-compatible HTTP API (-1: none)")
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
@@ -78,11 +80,14 @@ def up(a: argparse.Namespace) -> int:
                 f"{w.address}")
         local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens
         router = WorkerProcess("router", ["--host", a.host, "--port", str(a.grpc_port),
+                                          "--http-port", str(a.http_port),
                                           "--redis-url", url, "--local-prefill-max-tokens",
                                           str(local_max)], **kw)
         procs.append(router)
         logs = procs[0].log_path.parent
         say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in {logs}")
+        if router.http_address:
+            say(f"ready: OpenAI-compatible API on http://{router.http_address}/v1")
         print(f"  try: baton request \"Hello\" --router {router.address}", flush=True)
         while not stop.is_set():
             dead = [p for p in procs if p.proc.poll() is not None]

@@ -33,12 +33,14 @@ class WorkerProcess:
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
                                      env={**os.environ, **(env or {})})
-        self.address = self.worker_id = self.incarnation = ""
+        self.address = self.worker_id = self.incarnation = self.http_address = ""
         ready = threading.Event()
 
         def pump() -> None:
             for raw in self.proc.stdout:
                 line = raw.decode(errors="replace").split()
+                if line[:1] == ["BATON_HTTP"]:
+                    self.http_address = line[1]
                 if line[:1] == ["BATON_READY"]:
                     self.address, self.worker_id, self.incarnation = line[1:4]
                     ready.set()

@@ -352,6 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--redis-url", required=True, help="the worker registry")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
+    ap.add_argument("--http-port", type=int, default=8000,
+                    help="OpenAI-compatible HTTP port (0: pick a free one, -1: no HTTP)")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
                     help="prompts up to this many tokens are prefilled on the decode worker "
                          "(local path); longer ones go to a prefill worker (default 0: all)")
@@ -375,6 +377,13 @@ def main(argv: list[str] | None = None) -> None:
     server.start()
     address = f"{args.host}:{port}"
     log.info("router serving %s on %s (workers from %s)", tok.model, address, args.redis_url)
+    if args.http_port >= 0:
+        from baton.services.router.openai_http import serve_http
+
+        http = serve_http(service, args.host, args.http_port)
+        http_address = f"{args.host}:{http.server_address[1]}"
+        log.info("OpenAI-compatible HTTP on http://%s/v1", http_address)
+        print(f"BATON_HTTP {http_address}", flush=True)
     announce(address, f"router-{args.host}-{port}", new_incarnation())
     serve_forever(server, lambda: None, None, args.drain_timeout, health=health)
 

@@ -41,8 +41,10 @@ class Cluster:
         self.prefill = WorkerProcess("prefill", common)
         self.decode = [WorkerProcess("decode", [*common, "--peers", self.prefill.address])
                        for _ in range(3)]
-        self.router = WorkerProcess("router", ["--redis-url", self.redis.url])
+        self.router = WorkerProcess("router", ["--redis-url", self.redis.url,
+                                               "--http-port", "0"])
         self.colocated = WorkerProcess("router", ["--redis-url", self.redis.url,
+                                                  "--http-port", "-1",
                                                   "--local-prefill-max-tokens", "100000"])
 
     def workers(self):
@@ -185,6 +187,49 @@ def test_bad_input_is_invalid_argument(cluster, req, field):
     assert field in e.value.details()
 
 
+def test_openai_http_api_with_the_official_client(cluster, engine):
+    import json
+    import urllib.request
+
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    assert model.startswith("SmolLM2")
+    for kind, text in PROMPTS[:3] + PROMPTS[4:7]:
+        want = expected(engine, kind, text).text
+        if kind == "chat":
+            msgs = [{"role": "user", "content": text}]
+            r = client.chat.completions.create(model=model, messages=msgs, max_tokens=16,
+                                               temperature=0)
+            assert r.choices[0].message.content == want
+            assert r.usage.completion_tokens == 16 or r.choices[0].finish_reason == "stop"
+            parts = client.chat.completions.create(model=model, messages=msgs, max_tokens=16,
+                                                   temperature=0, stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in parts if c.choices) == want
+        else:
+            r = client.completions.create(model=model, prompt=text, max_tokens=16,
+                                          temperature=0)
+            assert r.choices[0].text == want and r.choices[0].finish_reason in ("stop", "length")
+            parts = client.completions.create(model=model, prompt=text, max_tokens=16,
+                                              temperature=0, stream=True)
+            assert "".join(c.choices[0].text for c in parts) == want
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="hi", temperature=-1)
+    assert e.value.status_code == 400 and "temperature" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="gpt-17", messages=[{"role": "user",
+                                                                   "content": "hi"}])
+    base = f"http://{cluster.router.http_address}"
+    with urllib.request.urlopen(base + "/health", timeout=10) as h:
+        assert json.loads(h.read())["status"] == "ok"
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as m:
+        metrics = m.read().decode()
+    assert 'baton_requests_total{api="chat",path="remote",status="OK"}' in metrics
+    assert 'status="INVALID_ARGUMENT"' in metrics and "baton_generated_tokens_total" in metrics
+    cluster.assert_no_blocks_held()
+
+
 def test_health_and_reflection_on_every_server(cluster):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -254,7 +299,8 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
 
     port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--num-blocks", "96",
-                           "--grpc-port", str(port), "--log-dir", str(tmp_path)],
+                           "--grpc-port", str(port), "--http-port", "0",
+                           "--log-dir", str(tmp_path)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
