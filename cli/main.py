@@ -213,16 +213,19 @@ def _piece(name: str, args: list[str]) -> int:
         from baton.services.router.server import main as run
     else:
         ap = argparse.ArgumentParser(prog="baton worker", add_help=False)
-        ap.add_argument("--role", choices=["prefill", "decode"])
+        ap.add_argument("--role", choices=["prefill", "decode", "both"])
         known, rest = ap.parse_known_args(args)
         if known.role is None:
-            print("usage: baton worker --role prefill|decode [worker flags; --help lists them]",
+            print("usage: baton worker --role prefill|decode|both [worker flags; --help lists "
+                  "them]",
                   file=sys.stderr)
             return 2
         if known.role == "prefill":
             from baton.services.prefill.server import main as run
-        else:
+        else:  # decode, or both: the decode server that also serves as a prefill worker
             from baton.services.decode.server import main as run
+
+            rest = ["--role", known.role, *rest]
         args = rest
     run(args)
     return 0

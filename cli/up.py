@@ -74,7 +74,9 @@ def up(a: argparse.Namespace) -> int:
             say(f"prefill worker {w.worker_id} on {w.address}")
         peers = ",".join(w.address for w in prefill)
         for _ in range(a.colocated or a.decode):
-            w = WorkerProcess("decode", common + (["--peers", peers] if peers else []), **kw)
+            role = ["--role", "both"] if a.colocated else []
+            w = WorkerProcess("decode", common + role + (["--peers", peers] if peers else []),
+                              **kw)
             procs.append(w)
             say(f"{'colocated' if a.colocated else 'decode'} worker {w.worker_id} on "
                 f"{w.address}")

@@ -37,10 +37,12 @@ from baton.services.common.worker import (
     serve_forever,
     setup_logging,
 )
-from baton.services.prefill.server import tokenizer_info, worker_info
+from baton.services.prefill.server import PrefillService, tokenizer_info, worker_info
 from baton.transfer.agent import KVAgent, configure_ucx
 from baton.transfer.errors import TransferError
 from baton.transfer.handle import KVHandle
+from baton.transfer.holder import KVHolder
+from baton.transfer.lease import LeaseTable
 from baton.transfer.reader import KVReader
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
@@ -49,7 +51,8 @@ log = logging.getLogger("baton.services.decode")
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: EngineLoop, reader: KVReader, worker_id: str, incarnation: str,
-                 transfer_timeout_s: float) -> None:
+                 transfer_timeout_s: float, holder: KVHolder | None = None) -> None:
+        self.holder = holder  # role both: this worker also holds leased blocks
         self.loop, self.reader, self.worker_id = loop, reader, worker_id
         self.incarnation, self.transfer_timeout_s = incarnation, transfer_timeout_s
         self.engine: LLMEngine = loop.engine
@@ -130,9 +133,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return stream
 
     def Info(self, request, context):
-        return worker_info(self.loop, "decode", self.worker_id, self.incarnation,
-                           self.reader.agent, request.check_integrity,
-                           num_peers=self.reader.num_peers)
+        return worker_info(self.loop, "both" if self.holder else "decode", self.worker_id,
+                           self.incarnation, self.reader.agent, request.check_integrity,
+                           holder=self.holder, num_peers=self.reader.num_peers)
 
 
 def _relay(stream, context, on_first):
@@ -174,6 +177,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated prefill worker addresses to handshake with (and probe "
                         "with a one-block read) before reporting ready; a peer with another "
                         "model fingerprint makes this worker exit with an error")
+    g.add_argument("--role", choices=["decode", "both"], default="decode",
+                   help="both: also be a prefill worker (PrefillWorker and KVSource on the same "
+                        "engine), for colocated pools (default decode)")
+    g.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="with --role both: seconds prefilled blocks stay leased to a reader")
     g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     setup_logging(args.log_level)
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     server = make_server()
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     address = f"{args.host}:{port}"
-    worker_id = args.worker_id or f"decode-{args.host}-{port}"
+    worker_id = args.worker_id or f"{args.role}-{args.host}-{port}"
     agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
     reader = KVReader(agent, engine.fingerprint, worker_id, args.fault_delay_release)
     for peer in filter(None, args.peers.split(",")):
@@ -194,18 +202,34 @@ def main(argv: list[str] | None = None) -> None:
             log.error("refusing to start: peer %s: %s", peer, e)
             raise SystemExit(2) from e
         log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
-    loop = EngineLoop(engine).start()
+    holder: KVHolder | None = None
+    loop = EngineLoop(engine, on_tick=lambda: holder.sweep() if holder else None)
+    services = ["baton.v1.DecodeWorker"]
+    if args.role == "both":
+        holder = KVHolder(worker_id=worker_id, incarnation=incarnation, address=address,
+                          fingerprint=engine.fingerprint, agent=agent,
+                          leases=LeaseTable(args.lease_ttl),
+                          free=lambda rid: loop.call(engine.release_handoff, rid))
+        holder.serve_lease_channel(args.host)
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
+            PrefillService(loop, holder, worker_id), server)
+        worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
+        services += ["baton.v1.PrefillWorker", "baton.v1.KVSource"]
+    loop.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeService(loop, reader, worker_id, incarnation, args.transfer_timeout), server)
-    health = add_standard_services(server, ["baton.v1.DecodeWorker"])
+        DecodeService(loop, reader, worker_id, incarnation, args.transfer_timeout, holder),
+        server)
+    health = add_standard_services(server, services)
     server.start()
     log.info("decode worker %s (incarnation %s) serving on %s, model fingerprint %s",
              worker_id, incarnation, address, engine.fingerprint[:16])
-    registration = register(args, "decode", worker_id, address, engine.fingerprint, incarnation,
+    registration = register(args, args.role, worker_id, address, engine.fingerprint, incarnation,
                             engine.model_info.name)
     announce(address, worker_id, incarnation)
 
     def stop() -> None:
+        if holder is not None:
+            holder.shutdown()
         loop.stop()
         reader.close()
         agent.close()

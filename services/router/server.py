@@ -61,7 +61,7 @@ class WorkerPool:
         self._read_at = 0.0
         self._channels: dict[str, grpc.Channel] = {}
         self._inflight: dict[str, int] = {}
-        self._turn = 0
+        self._turns: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
@@ -82,8 +82,8 @@ class WorkerPool:
         with self._lock:
             least = min(self._inflight.get(w.address, 0) for w in candidates)
             ties = [w for w in candidates if self._inflight.get(w.address, 0) == least]
-            self._turn += 1  # round-robin among the least loaded
-            return ties[self._turn % len(ties)]
+            turn = self._turns[role] = self._turns.get(role, -1) + 1
+            return ties[turn % len(ties)]  # round-robin (per role) among the least loaded
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -166,6 +166,13 @@ class RouterService(api_pb2_grpc.BatonServicer):
 
     def _remote(self, request, st, calls, failed, context):
         prefill = self.pool.pick("prefill", failed)
+        try:  # never hand a request's KV from a worker to itself (a colocated worker)
+            decode = self.pool.pick("decode", failed | {prefill.address})
+        except NoWorkerError:
+            if prefill.role != "both":
+                raise
+            yield from self._local(request, st, calls, failed, context, worker=prefill)
+            return
         st.prefill_worker = prefill.worker_id
         p = request.params
         t = time.monotonic()
@@ -189,14 +196,13 @@ class RouterService(api_pb2_grpc.BatonServicer):
             yield st.final(pre.finish_reason, "remote")
             return
         try:
-            decode = self.pool.pick("decode", failed)
             yield from self._stream(
                 decode, "remote", st, calls, context,
                 lambda stub: stub.Decode(worker_pb2.DecodeRequest(
                     request_id=st.rid, prompt_token_ids=st.ids,
                     first_token_id=pre.first_token_id, params=p, handle=pre.handle,
                     sampler_state=pre.sampler_state), timeout=_left(context)))
-        except (_Retry, NoWorkerError):
+        except _Retry:
             self._give_back(prefill.address, pre.handle)  # free the blocks now, not at expiry
             raise
 
@@ -209,8 +215,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
             log.info("could not give lease %s back to %s: %s", handle.lease_id, address,
                      e.code())
 
-    def _local(self, request, st, calls, failed, context):
-        decode = self.pool.pick("decode", failed)
+    def _local(self, request, st, calls, failed, context, worker=None):
+        decode = worker or self.pool.pick("decode", failed)
         p = request.params
         yield from self._stream(
             decode, "local", st, calls, context,

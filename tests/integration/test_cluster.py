@@ -276,18 +276,30 @@ def test_sigterm_under_load_fails_nothing(cluster, engine):
 
 def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
     victim = cluster.decode[0]
-    victim.kill()
     kind, text = PROMPTS[4]
     want = expected(engine, kind, text).token_ids
-    finals = []
-    for _ in range(3):  # round-robin: one of these picks the dead worker first
-        ids, _, final = generate(cluster.router, request(kind, text))
-        assert ids == want
-        finals.append(final)
-    assert any(f.retries >= 1 for f in finals)
-    assert all(f.decode_worker == cluster.decode[1].worker_id for f in finals)
-    cluster.assert_no_blocks_held()  # the router gave the failed attempt's lease back
+    victim.kill()
+    finals, errors = [], []
 
+    def run():
+        try:
+            ids, _, final = generate(cluster.router, request(kind, text))
+            assert ids == want
+            finals.append(final)
+        except grpc.RpcError as e:
+            errors.append(e)
+
+    # at once, while the registry still lists the dead worker: least-loaded spreads these three
+    # over every registered decode worker, so one lands on the dead one and is retried
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(finals) == 3
+    assert any(f.retries >= 1 for f in finals)
+    assert all(f.decode_worker != victim.worker_id for f in finals)
+    cluster.assert_no_blocks_held()  # the router gave the failed attempt's lease back
 
 
 def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
@@ -325,3 +337,33 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
     assert "stopped" in rest
     ps = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", "a process outlived baton up"
+
+
+def test_colocated_workers_prefill_for_each_other(engine):
+    """Two `--role both` workers: remote prefill crosses between them (never to itself); when
+    one is left, its requests take the local path."""
+    with EmbeddedRedis() as redis:
+        common = ["--num-blocks", "96", "--redis-url", redis.url, "--role", "both"]
+        a = WorkerProcess("decode", common)
+        b = WorkerProcess("decode", [*common, "--peers", a.address])
+        router = WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1"])
+        try:
+            kind, text = PROMPTS[1]
+            want = expected(engine, kind, text).token_ids
+            finals = []
+            for _ in range(4):
+                ids, _, final = generate(router, request(kind, text))
+                assert ids == want
+                finals.append(final)
+            assert {f.path for f in finals} == {"remote"}
+            assert all(f.prefill_worker != f.decode_worker for f in finals)
+            assert {f.prefill_worker for f in finals} == {a.worker_id, b.worker_id}
+            b.stop()  # drains and deregisters
+            time.sleep(1.2)  # the router's registry view refreshes every second
+            ids, _, final = generate(router, request(kind, text))
+            assert ids == want and final.path == "local" and final.decode_worker == a.worker_id
+            info = a.info(check_integrity=True)
+            assert info.role == "both" and info.num_free_blocks == info.num_blocks
+        finally:
+            for w in (router, b, a):
+                w.stop()
