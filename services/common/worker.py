@@ -149,7 +149,8 @@ def params_from_proto(m) -> SamplingParams:
         top_p=m.top_p if m.HasField("top_p") else 1.0,
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
-        cache_salt=m.cache_salt if m.HasField("cache_salt") else None)
+        cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
+        logprobs=m.logprobs if m.HasField("logprobs") else None)
 
 
 def params_to_proto(p: SamplingParams):
@@ -158,7 +159,16 @@ def params_to_proto(p: SamplingParams):
     return worker_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        cache_salt=p.cache_salt)
+        cache_salt=p.cache_salt, logprobs=p.logprobs)
+
+
+def logprob_to_proto(lp):
+    """baton.engine.sampler.TokenLogprobs -> baton.v1.TokenLogprob."""
+    from baton.v1 import worker_pb2
+
+    return worker_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[worker_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
 _STATUS = [  # most specific first

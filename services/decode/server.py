@@ -30,6 +30,7 @@ from baton.services.common.worker import (
     add_standard_services,
     announce,
     build_engine,
+    logprob_to_proto,
     make_server,
     new_incarnation,
     params_from_proto,
@@ -147,7 +148,9 @@ def _relay(stream, context, on_first):
         if isinstance(out, BaseException):
             abort_with(context, out)
         chunk = worker_pb2.DecodeChunk(token_ids=out.new_token_ids, text=out.new_text,
-                                       finish_reason=out.finish_reason or "")
+                                       finish_reason=out.finish_reason or "",
+                                       logprobs=[logprob_to_proto(lp) for lp in out.logprobs or ()
+                                                 if lp is not None])
         if first:
             on_first(chunk, out)
             first = False

@@ -23,6 +23,7 @@ from baton.services.common.worker import (
     add_standard_services,
     announce,
     build_engine,
+    logprob_to_proto,
     make_server,
     new_incarnation,
     params_from_proto,
@@ -67,6 +68,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         resp = worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
                                           num_cached_tokens=out.num_cached_tokens,
                                           prefill_s=time.monotonic() - t0)
+        if out.logprobs:
+            resp.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
         if out.handoff is None:  # the first token ended it (EOS, stop, max_tokens=1)
             resp.finish_reason = out.finish_reason or ""
             return resp

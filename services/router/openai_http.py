@@ -107,19 +107,19 @@ class _BadRequest(Exception):
         self.param = param
 
 
-def _params(body: dict) -> worker_pb2.SamplingParams:
+def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     p = worker_pb2.SamplingParams()
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
             raise _BadRequest("max_tokens", f"max_tokens must be an integer, got {max_tokens!r}")
         p.max_tokens = max_tokens
-    for key, kind in (("temperature", float), ("top_p", float), ("seed", int)):
+    for key, cast in (("temperature", float), ("top_p", float), ("seed", int)):
         value = body.get(key)
         if value is not None:
             if not isinstance(value, int | float) or isinstance(value, bool):
                 raise _BadRequest(key, f"{key} must be a number, got {value!r}")
-            setattr(p, key, kind(value))
+            setattr(p, key, cast(value))
     if "temperature" not in body or body["temperature"] is None:
         p.temperature = 1.0  # the OpenAI API's default
     top_k = body.get("top_k")
@@ -133,13 +133,21 @@ def _params(body: dict) -> worker_pb2.SamplingParams:
         p.stop.extend(stops)
     if body.get("n", 1) != 1:
         raise _BadRequest("n", "only n=1 is supported")
-    if body.get("logprobs") not in (None, False):
-        raise _BadRequest("logprobs", "logprobs are not supported yet")
+    lp = body.get("logprobs")
+    if kind == "chat" and lp:  # logprobs: true, top_logprobs: n
+        top = body.get("top_logprobs") or 0
+        if not isinstance(top, int) or isinstance(top, bool):
+            raise _BadRequest("top_logprobs", f"top_logprobs must be an integer, got {top!r}")
+        p.logprobs = top
+    elif kind == "text" and lp is not None and lp is not False:  # logprobs: n
+        if not isinstance(lp, int) or isinstance(lp, bool):
+            raise _BadRequest("logprobs", f"logprobs must be an integer, got {lp!r}")
+        p.logprobs = lp
     return p
 
 
 def _generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
-    req = api_pb2.GenerateRequest(model=body.get("model") or "", params=_params(body))
+    req = api_pb2.GenerateRequest(model=body.get("model") or "", params=_params(body, kind))
     if kind == "chat":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -219,11 +227,12 @@ class OpenAIHandler(BaseHTTPRequestHandler):
 
     def _complete(self, kind: str, req) -> None:
         ctx = _Context(timeout=None)
-        text, final = "", None
+        text, final, lps = "", None, []
         try:
             for msg in self._run(req, ctx):
                 if msg.HasField("delta"):
                     text += msg.delta.text
+                    lps += msg.delta.logprobs
                 else:
                     final = msg.final
         except _Aborted as e:
@@ -235,12 +244,13 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         self.metrics.record(kind, final.path, "OK", final)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model()
         reason = _finish(final.finish_reason)
+        lp = self._logprobs(kind, lps) if req.params.HasField("logprobs") else None
         if kind == "chat":
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": reason, "logprobs": None}
+                      "finish_reason": reason, "logprobs": lp}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": lp}
             obj = "text_completion"
         self._json(200, {"id": rid, "object": obj, "created": created, "model": model,
                          "choices": [choice], "usage": _usage(final),
@@ -255,14 +265,18 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         started = False
 
-        def chunk(delta_text: str | None, reason: str | None, first: bool = False) -> dict:
+        want_lp = req.params.HasField("logprobs")
+
+        def chunk(delta_text: str | None, reason: str | None, first: bool = False,
+                  lps=()) -> dict:
+            lp = self._logprobs(kind, lps) if want_lp and lps else None
             if kind == "chat":
                 delta = {"role": "assistant", "content": ""} if first else (
                     {"content": delta_text} if delta_text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
-                          "logprobs": None}
+                          "logprobs": lp}
             return {"id": rid, "object": obj, "created": created, "model": model,
                     "choices": [choice]}
 
@@ -274,7 +288,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                     if kind == "chat":
                         self._event(chunk(None, None, first=True))
                 if msg.HasField("delta"):
-                    self._event(chunk(msg.delta.text, None))
+                    self._event(chunk(msg.delta.text, None, lps=msg.delta.logprobs))
                 else:
                     final = msg.final
                     self._event(chunk(None if kind == "chat" else "",
@@ -306,6 +320,29 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             self._gen = None
 
     # ---- output helpers --------------------------------------------------------------------------
+
+    def _logprobs(self, kind: str, lps) -> dict:
+        """baton.v1.TokenLogprob list -> the OpenAI chat or legacy completions shape."""
+        tok = self.router.tokenizer
+
+        def s(token_id: int) -> str:
+            return tok.decode([token_id], skip_special_tokens=False)
+
+        if kind == "chat":
+            return {"content": [
+                {"token": s(lp.token_id), "logprob": lp.logprob,
+                 "bytes": list(s(lp.token_id).encode()),
+                 "top_logprobs": [{"token": s(t.token_id), "logprob": t.logprob,
+                                   "bytes": list(s(t.token_id).encode())} for t in lp.top]}
+                for lp in lps]}
+        tokens = [s(lp.token_id) for lp in lps]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{s(t.token_id): t.logprob for t in lp.top} for lp in lps],
+                "text_offset": offsets}
 
     def _model(self) -> str:
         return self.router.model

@@ -189,12 +189,14 @@ class RouterService(api_pb2_grpc.BatonServicer):
                 calls.remove(fut)
         st.prefill_s = time.monotonic() - t
         st.cached = pre.num_cached_tokens
+        first_lp = [pre.first_logprob] if pre.HasField("first_logprob") else []
         if pre.finish_reason:  # the first token ended the request: nothing to hand off
             st.tokens.append(pre.first_token_id)
             text = self.tokenizer.decode([pre.first_token_id])
-            yield st.delta([pre.first_token_id], text)
+            yield st.delta([pre.first_token_id], text, first_lp)
             yield st.final(pre.finish_reason, "remote")
             return
+        st.first_logprob = first_lp
         try:
             yield from self._stream(
                 decode, "remote", st, calls, context,
@@ -237,8 +239,11 @@ class RouterService(api_pb2_grpc.BatonServicer):
                         st.transports = t.transports
                     if chunk.num_cached_tokens:
                         st.cached = chunk.num_cached_tokens
+                    lps = list(chunk.logprobs)
+                    if not st.tokens and st.first_logprob and len(lps) < len(chunk.token_ids):
+                        lps = st.first_logprob + lps  # the hand-off's first token: prefill's
                     st.tokens.extend(chunk.token_ids)
-                    yield st.delta(chunk.token_ids, chunk.text)
+                    yield st.delta(chunk.token_ids, chunk.text, lps)
                     reason = chunk.finish_reason or reason
             except grpc.RpcError as e:
                 _fail(e, decode.address, context, sent=st.sent)
@@ -291,13 +296,14 @@ class _State:
         self.prefill_s = self.transfer_s = 0.0
         self.first_at: float | None = None
         self.transports = self.prefill_worker = self.decode_worker = ""
+        self.first_logprob: list = []
 
-    def delta(self, token_ids, text):
+    def delta(self, token_ids, text, logprobs=()):
         if self.first_at is None:
             self.first_at = time.monotonic()
         self.sent = True
-        return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(text=text,
-                                                                     token_ids=token_ids))
+        return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
+            text=text, token_ids=token_ids, logprobs=logprobs))
 
     def final(self, reason: str, path: str):
         now = time.monotonic()

@@ -126,6 +126,31 @@ def test_disaggregated_and_colocated_equal_the_engine(cluster, engine):
     cluster.assert_no_blocks_held()
 
 
+def test_logprobs_on_both_paths(cluster, engine):
+    kind, text = PROMPTS[0]
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    want = engine.generate([ids], SamplingParams(max_tokens=8, logprobs=3))[0]
+    assert len(want.logprobs) == 8
+    for router, path in ((cluster.router, "remote"), (cluster.colocated, "local")):
+        got_ids, got_lps = [], []
+        for msg in api_pb2_grpc.BatonStub(router.channel).Generate(
+                request(kind, text, 8, logprobs=3), timeout=60):
+            if msg.HasField("delta"):
+                assert len(msg.delta.logprobs) == len(msg.delta.token_ids)
+                got_ids += msg.delta.token_ids
+                got_lps += msg.delta.logprobs
+            else:
+                assert msg.final.path == path
+        assert got_ids == want.token_ids
+        for g, w in zip(got_lps, want.logprobs, strict=True):
+            assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-4, path
+            assert [t.token_id for t in g.top] == [t for t, _ in w.top]
+            assert all(abs(t.logprob - v) < 1e-4 for t, (_, v) in zip(g.top, w.top))
+    with pytest.raises(grpc.RpcError) as e:
+        generate(cluster.router, request(kind, text, 4, logprobs=50))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in e.value.details()
+
+
 def test_32_concurrent_streams(cluster, engine):
     jobs = [(PROMPTS[i % len(PROMPTS)], 8 + i % 9) for i in range(32)]
     want = {}
@@ -214,6 +239,21 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
             parts = client.completions.create(model=model, prompt=text, max_tokens=16,
                                               temperature=0, stream=True)
             assert "".join(c.choices[0].text for c in parts) == want
+    # logprobs: chat (logprobs + top_logprobs) and legacy completions (logprobs: n)
+    kind, text = PROMPTS[0]
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+    want = engine.generate([ids], SamplingParams(max_tokens=6, logprobs=2))[0]
+    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                       max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert [round(c.logprob, 4) for c in content] == [round(w.logprob, 4) for w in want.logprobs]
+    assert all(len(c.top_logprobs) == 2 for c in content)
+    assert "".join(c.token for c in content) == want.text
+    r = client.completions.create(model=model, prompt=PROMPTS[4][1], max_tokens=6,
+                                  temperature=0, logprobs=2)
+    assert len(r.choices[0].logprobs.token_logprobs) == 6
+    assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model, prompt="hi", temperature=-1)
     assert e.value.status_code == 400 and "temperature" in str(e.value)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\"\xf8\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\ncache_salt\x18\t \x01(\tH\x03\x88\x01\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_cache_salt\"\xba\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x12\n\nexpires_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x62lock_crc32\x18\t \x03(\r\"h\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"\xb9\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x06handle\x18\x03 \x01(\x0b\x32\x12.baton.v1.KVHandleH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\x42\t\n\x07_handle\"\xba\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\"\n\x06handle\x18\x05 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\"\x8b\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x08transfer\x18\x04 \x01(\x0b\x32\x17.baton.v1.TransferStats\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"f\n\x0cLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"Q\n\x11TokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"\x95\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x13\n\x0b\x62locks_read\x18\x02 \x01(\x05\x12\x14\n\x0c\x62locks_local\x18\x03 \x01(\x05\x12\x13\n\x0bhandshake_s\x18\x04 \x01(\x01\x12\x0e\n\x06read_s\x18\x05 \x01(\x01\x12\x11\n\trelease_s\x18\x06 \x01(\x01\x12\x12\n\ntransports\x18\x07 \x01(\t\":\n\x10HandshakeRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\"\xd3\x01\n\x11HandshakeResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x17\n\x0fkv_base_address\x18\x05 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x12\n\ntransports\x18\x08 \x01(\t\x12\x12\n\nlease_port\x18\t \x01(\r\"<\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"6\n\x14ReleaseLeaseResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x0bInfoRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xf3\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x01(\t\x12\x0f\n\x07ucx_tls\x18\x06 \x01(\t\x12\x11\n\trss_bytes\x18\x07 \x01(\x03\x12\x10\n\x08open_fds\x18\x08 \x01(\x05\x12\x12\n\nnum_blocks\x18\t \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\n \x01(\x05\x12\x15\n\ractive_leases\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x14\n\x0cintegrity_ok\x18\r \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0e \x01(\t\x12\x16\n\x0eleases_granted\x18\x0f \x01(\x03\x12\x16\n\x0eleases_expired\x18\x10 \x01(\x03\x12\x13\n\x0bknown_peers\x18\x11 \x01(\x05\x32\x9f\x01\n\x08KVSource\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12M\n\x0cReleaseLease\x12\x1d.baton.v1.ReleaseLeaseRequest\x1a\x1e.baton.v1.ReleaseLeaseResponse2\xc5\x01\n\rPrefillWorker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponse2\xfd\x01\n\x0c\x44\x65\x63odeWorker\x12:\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12;\n\x08Generate\x12\x16.baton.v1.LocalRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\"\x9c\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\ncache_salt\x18\t \x01(\tH\x03\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x04\x88\x01\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_cache_saltB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"\xba\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x12\n\nexpires_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x62lock_crc32\x18\t \x03(\r\"h\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"\xe8\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x06handle\x18\x03 \x01(\x0b\x32\x12.baton.v1.KVHandleH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\x12-\n\rfirst_logprob\x18\x07 \x01(\x0b\x32\x16.baton.v1.TokenLogprobB\t\n\x07_handle\"\xba\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\"\n\x06handle\x18\x05 \x01(\x0b\x32\x12.baton.v1.KVHandle\x12\x15\n\rsampler_state\x18\x06 \x01(\x0c\"\xb5\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x08transfer\x18\x04 \x01(\x0b\x32\x17.baton.v1.TransferStats\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"f\n\x0cLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"Q\n\x11TokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"\x95\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x13\n\x0b\x62locks_read\x18\x02 \x01(\x05\x12\x14\n\x0c\x62locks_local\x18\x03 \x01(\x05\x12\x13\n\x0bhandshake_s\x18\x04 \x01(\x01\x12\x0e\n\x06read_s\x18\x05 \x01(\x01\x12\x11\n\trelease_s\x18\x06 \x01(\x01\x12\x12\n\ntransports\x18\x07 \x01(\t\":\n\x10HandshakeRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\"\xd3\x01\n\x11HandshakeResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x17\n\x0fkv_base_address\x18\x05 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x12\n\ntransports\x18\x08 \x01(\t\x12\x12\n\nlease_port\x18\t \x01(\r\"<\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"6\n\x14ReleaseLeaseResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x0bInfoRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xf3\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x01(\t\x12\x0f\n\x07ucx_tls\x18\x06 \x01(\t\x12\x11\n\trss_bytes\x18\x07 \x01(\x03\x12\x10\n\x08open_fds\x18\x08 \x01(\x05\x12\x12\n\nnum_blocks\x18\t \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\n \x01(\x05\x12\x15\n\ractive_leases\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x14\n\x0cintegrity_ok\x18\r \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0e \x01(\t\x12\x16\n\x0eleases_granted\x18\x0f \x01(\x03\x12\x16\n\x0eleases_expired\x18\x10 \x01(\x03\x12\x13\n\x0bknown_peers\x18\x11 \x01(\x05\x32\x9f\x01\n\x08KVSource\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12M\n\x0cReleaseLease\x12\x1d.baton.v1.ReleaseLeaseRequest\x1a\x1e.baton.v1.ReleaseLeaseResponse2\xc5\x01\n\rPrefillWorker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponse2\xfd\x01\n\x0c\x44\x65\x63odeWorker\x12:\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12;\n\x08Generate\x12\x16.baton.v1.LocalRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,39 +32,43 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.worker_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=284
-  _globals['_KVHANDLE']._serialized_start=287
-  _globals['_KVHANDLE']._serialized_end=473
-  _globals['_PREFILLREQUEST']._serialized_start=475
-  _globals['_PREFILLREQUEST']._serialized_end=579
-  _globals['_PREFILLRESPONSE']._serialized_start=582
-  _globals['_PREFILLRESPONSE']._serialized_end=767
-  _globals['_DECODEREQUEST']._serialized_start=770
-  _globals['_DECODEREQUEST']._serialized_end=956
-  _globals['_DECODECHUNK']._serialized_start=959
-  _globals['_DECODECHUNK']._serialized_end=1098
-  _globals['_LOCALREQUEST']._serialized_start=1100
-  _globals['_LOCALREQUEST']._serialized_end=1202
-  _globals['_TOKENIZERRESPONSE']._serialized_start=1204
-  _globals['_TOKENIZERRESPONSE']._serialized_end=1285
-  _globals['_TRANSFERSTATS']._serialized_start=1288
-  _globals['_TRANSFERSTATS']._serialized_end=1437
-  _globals['_HANDSHAKEREQUEST']._serialized_start=1439
-  _globals['_HANDSHAKEREQUEST']._serialized_end=1497
-  _globals['_HANDSHAKERESPONSE']._serialized_start=1500
-  _globals['_HANDSHAKERESPONSE']._serialized_end=1711
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1713
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1773
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1775
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1829
-  _globals['_INFOREQUEST']._serialized_start=1831
-  _globals['_INFOREQUEST']._serialized_end=1869
-  _globals['_WORKERINFO']._serialized_start=1872
-  _globals['_WORKERINFO']._serialized_end=2243
-  _globals['_KVSOURCE']._serialized_start=2246
-  _globals['_KVSOURCE']._serialized_end=2405
-  _globals['_PREFILLWORKER']._serialized_start=2408
-  _globals['_PREFILLWORKER']._serialized_end=2605
-  _globals['_DECODEWORKER']._serialized_start=2608
-  _globals['_DECODEWORKER']._serialized_end=2861
+  _globals['_SAMPLINGPARAMS']._serialized_end=320
+  _globals['_TOPLOGPROB']._serialized_start=322
+  _globals['_TOPLOGPROB']._serialized_end=369
+  _globals['_TOKENLOGPROB']._serialized_start=371
+  _globals['_TOKENLOGPROB']._serialized_end=455
+  _globals['_KVHANDLE']._serialized_start=458
+  _globals['_KVHANDLE']._serialized_end=644
+  _globals['_PREFILLREQUEST']._serialized_start=646
+  _globals['_PREFILLREQUEST']._serialized_end=750
+  _globals['_PREFILLRESPONSE']._serialized_start=753
+  _globals['_PREFILLRESPONSE']._serialized_end=985
+  _globals['_DECODEREQUEST']._serialized_start=988
+  _globals['_DECODEREQUEST']._serialized_end=1174
+  _globals['_DECODECHUNK']._serialized_start=1177
+  _globals['_DECODECHUNK']._serialized_end=1358
+  _globals['_LOCALREQUEST']._serialized_start=1360
+  _globals['_LOCALREQUEST']._serialized_end=1462
+  _globals['_TOKENIZERRESPONSE']._serialized_start=1464
+  _globals['_TOKENIZERRESPONSE']._serialized_end=1545
+  _globals['_TRANSFERSTATS']._serialized_start=1548
+  _globals['_TRANSFERSTATS']._serialized_end=1697
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1699
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1757
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1760
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1971
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1973
+  _globals['_RELEASELEASEREQUEST']._serialized_end=2033
+  _globals['_RELEASELEASERESPONSE']._serialized_start=2035
+  _globals['_RELEASELEASERESPONSE']._serialized_end=2089
+  _globals['_INFOREQUEST']._serialized_start=2091
+  _globals['_INFOREQUEST']._serialized_end=2129
+  _globals['_WORKERINFO']._serialized_start=2132
+  _globals['_WORKERINFO']._serialized_end=2503
+  _globals['_KVSOURCE']._serialized_start=2506
+  _globals['_KVSOURCE']._serialized_end=2665
+  _globals['_PREFILLWORKER']._serialized_start=2668
+  _globals['_PREFILLWORKER']._serialized_end=2865
+  _globals['_DECODEWORKER']._serialized_start=2868
+  _globals['_DECODEWORKER']._serialized_end=3121
 # @@protoc_insertion_point(module_scope)
