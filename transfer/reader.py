@@ -68,6 +68,9 @@ class _Peer:
     worker_id: str = ""
     incarnation: str = ""
     agent_name: str = ""
+    # UCX transports seen once the first READ from this peer set its protocols up; read from
+    # UCX's log once per peer, not per hand-off
+    transports: str = ""
     lease_sock: socket.socket | None = None  # the holder's lease channel (see holder.py)
     lease_file: object = None
     lease_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -135,7 +138,8 @@ class KVReader:
             res.release_s = time.monotonic() - t0
             if not intact:
                 raise LeaseLostError(handle.lease_id, handle.worker_id, reason)
-            res.transports = self.agent.transports()
+            peer.transports = peer.transports or self.agent.transports()
+            res.transports = peer.transports
             res.state = TransferState.SUCCESS
             return res
         except TransferError as e:
@@ -153,9 +157,7 @@ class KVReader:
         configured peers before it reports ready). ``probe_block``: also READ that one block into
         our block of the same index, so the transports are known now; only safe while the
         local block is unused (at start-up). Returns the transports in use."""
-        with self._lock:
-            plock = self._peer_locks.setdefault(address, threading.Lock())
-        with plock:
+        with self._peer_lock(address):
             peer = self._peers.get(address) or self._handshake(address, deadline)
         if probe_block is not None:
             try:
@@ -163,12 +165,16 @@ class KVReader:
             except PeerUnavailableError:
                 self._drop(peer)
                 raise
-        return self.agent.transports()
+            peer.transports = self.agent.transports()
+        return peer.transports
+
+    def _peer_lock(self, address: str) -> threading.Lock:
+        """One lock per holder address: concurrent first hand-offs share one handshake."""
+        with self._lock:
+            return self._peer_locks.setdefault(address, threading.Lock())
 
     def _peer(self, handle: KVHandle, deadline: float) -> _Peer:
-        with self._lock:
-            plock = self._peer_locks.setdefault(handle.address, threading.Lock())
-        with plock:
+        with self._peer_lock(handle.address):
             peer = self._peers.get(handle.address)
             if peer is not None and peer.incarnation == handle.incarnation:
                 return peer

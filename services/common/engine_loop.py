@@ -25,7 +25,9 @@ class EngineDied(RuntimeError):
 class EngineLoop:
     def __init__(self, engine: LLMEngine, *, on_tick: Callable[[], None] | None = None,
                  tick_s: float = 0.05) -> None:
-        self.engine, self._on_tick, self._tick_s = engine, on_tick, tick_s
+        # called between steps on the engine thread (a holder's lease sweep); may be set later
+        self.on_tick, self._tick_s = on_tick, tick_s
+        self.engine = engine
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, queue.SimpleQueue] = {}  # engine thread only
         self._stopped = threading.Event()
@@ -86,8 +88,8 @@ class EngineLoop:
                 self._drain(block=not busy)
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
-                if self._on_tick is not None:
-                    self._on_tick()
+                if self.on_tick is not None:
+                    self.on_tick()
         except BaseException as e:  # a bug in the engine: fail every waiter loudly
             log.exception("engine thread died")
             self._error = e

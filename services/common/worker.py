@@ -5,6 +5,7 @@ stats for worker info, and typed errors mapped to gRPC status codes. Torch-free 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import secrets
@@ -12,6 +13,7 @@ import signal
 import sys
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from baton.engine.errors import InvalidRequestError
@@ -23,6 +25,7 @@ from baton.transfer.errors import (
     PeerUnavailableError,
     TransferDeadlineError,
 )
+from baton.v1 import worker_pb2
 
 log = logging.getLogger("baton.services")
 
@@ -63,6 +66,83 @@ def build_engine(args: argparse.Namespace):
     cfg = EngineConfig(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_blocks,
                        max_num_seqs=args.max_num_seqs, num_threads=args.threads)
     return LLMEngine.from_path(args.model, cfg)
+
+
+@dataclass
+class WorkerBoot:
+    """What every worker process sets up first: engine, identity, gRPC server, NIXL agent."""
+
+    engine: object  # baton.engine.engine.LLMEngine
+    role: str
+    host: str
+    address: str
+    worker_id: str
+    incarnation: str
+    server: grpc.Server
+    agent: object  # baton.transfer.agent.KVAgent
+
+    def serve(self, args: argparse.Namespace, services: list[str], on_stop) -> None:
+        """Start serving, register, announce, and block until drained."""
+        health = add_standard_services(self.server, services)
+        self.server.start()
+        log.info("%s worker %s (incarnation %s) serving on %s, model fingerprint %s", self.role,
+                 self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
+        registration = register(args, self.role, self.worker_id, self.address,
+                                self.engine.fingerprint, self.incarnation,
+                                self.engine.model_info.name)
+        announce(self.address, self.worker_id, self.incarnation)
+        serve_forever(self.server, on_stop, registration, args.drain_timeout, health=health)
+
+
+def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
+    """Logging, UCX reporting, the engine, a bound (not started) gRPC server, the NIXL agent."""
+    from baton.transfer.agent import KVAgent, configure_ucx
+
+    setup_logging(args.log_level)
+    configure_ucx()  # before the agent: UCX reads its environment once
+    engine = build_engine(args)
+    incarnation = new_incarnation()
+    server = make_server()
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    worker_id = args.worker_id or f"{role}-{args.host}-{port}"
+    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
+    return WorkerBoot(engine, role, args.host, f"{args.host}:{port}", worker_id, incarnation,
+                      server, agent)
+
+
+def tokenizer_info(engine):
+    """What a router needs to tokenize exactly as the workers do."""
+    return worker_pb2.TokenizerResponse(model=engine.model_info.name,
+                                        tokenizer_json=json.dumps(engine.tokenizer.to_json()),
+                                        max_model_len=engine.max_model_len)
+
+
+def worker_info(loop, role: str, worker_id: str, incarnation: str, agent, check: bool,
+                holder=None, num_peers: int = 0):
+    """WorkerInfo for Info RPCs; pool counts and the integrity check run on the engine thread."""
+    engine = loop.engine
+    rss, fds = process_stats()
+
+    def snapshot():
+        ok, err = True, ""
+        if check:
+            try:
+                engine.check_integrity()
+            except AssertionError as e:
+                ok, err = False, str(e) or "check_integrity failed"
+        return (engine.kv.pool.num_free_blocks, len(engine.scheduler.running), ok, err)
+
+    free, running, ok, err = loop.run(snapshot)
+    info = worker_pb2.WorkerInfo(
+        worker_id=worker_id, incarnation=incarnation, role=role, fingerprint=engine.fingerprint,
+        transports=agent.transports(), ucx_tls=agent.ucx_tls, rss_bytes=rss, open_fds=fds,
+        num_blocks=engine.num_blocks, num_free_blocks=free, running_requests=running,
+        integrity_ok=ok, integrity_error=err, known_peers=num_peers)
+    if holder is not None:
+        info.active_leases = len(holder.leases)
+        info.leases_granted = holder.leases.num_granted
+        info.leases_expired = holder.leases.num_expired
+    return info
 
 
 def new_incarnation() -> str:
@@ -154,8 +234,6 @@ def params_from_proto(m) -> SamplingParams:
 
 
 def params_to_proto(p: SamplingParams):
-    from baton.v1 import worker_pb2
-
     return worker_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
@@ -164,8 +242,6 @@ def params_to_proto(p: SamplingParams):
 
 def logprob_to_proto(lp):
     """baton.engine.sampler.TokenLogprobs -> baton.v1.TokenLogprob."""
-    from baton.v1 import worker_pb2
-
     return worker_pb2.TokenLogprob(
         token_id=lp.token_id, logprob=lp.logprob,
         top=[worker_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

@@ -22,28 +22,22 @@ from dataclasses import replace
 
 import grpc
 from baton.engine.engine import LLMEngine
+from baton.engine.errors import InvalidRequestError
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.worker import (
     abort_with,
     add_engine_args,
     add_server_args,
-    add_standard_services,
-    announce,
-    build_engine,
+    boot_worker,
     logprob_to_proto,
-    make_server,
-    new_incarnation,
     params_from_proto,
-    register,
-    serve_forever,
-    setup_logging,
+    tokenizer_info,
+    worker_info,
 )
-from baton.services.prefill.server import PrefillService, tokenizer_info, worker_info
-from baton.transfer.agent import KVAgent, configure_ucx
+from baton.services.prefill.server import add_prefill_role
 from baton.transfer.errors import TransferError
 from baton.transfer.handle import KVHandle
 from baton.transfer.holder import KVHolder
-from baton.transfer.lease import LeaseTable
 from baton.transfer.reader import KVReader
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
@@ -68,7 +62,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             params = params_from_proto(request.params)
             if handle.num_tokens != len(request.prompt_token_ids):
-                raise _invalid("handle.num_tokens", handle.num_tokens,
+                raise InvalidRequestError("handle.num_tokens", handle.num_tokens,
                                f"the prompt has {len(request.prompt_token_ids)} tokens")
             slots = self._reserve(rid, request, params, deadline, context)
         except Exception as e:
@@ -77,7 +71,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             return
         if len(handle.block_ids) < len(slots.block_ids):
             self.loop.run(self.engine.abort, rid)
-            abort_with(context, _invalid("handle.block_ids", len(handle.block_ids),
+            abort_with(context, InvalidRequestError("handle.block_ids", len(handle.block_ids),
                                          f"{len(slots.block_ids)} blocks are needed"))
         try:
             needed = replace(handle, block_ids=handle.block_ids[:len(slots.block_ids)])
@@ -159,12 +153,6 @@ def _relay(stream, context, on_first):
             return
 
 
-def _invalid(field, value, reason):
-    from baton.engine.errors import InvalidRequestError
-
-    return InvalidRequestError(field, value, reason)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
         prog="python -m baton.services.decode",
@@ -187,16 +175,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="with --role both: seconds prefilled blocks stay leased to a reader")
     g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    setup_logging(args.log_level)
-    configure_ucx()
-    engine = build_engine(args)
-    incarnation = new_incarnation()
-    server = make_server()
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    address = f"{args.host}:{port}"
-    worker_id = args.worker_id or f"{args.role}-{args.host}-{port}"
-    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
-    reader = KVReader(agent, engine.fingerprint, worker_id, args.fault_delay_release)
+    boot = boot_worker(args, args.role)
+    reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
+                      args.fault_delay_release)
     for peer in filter(None, args.peers.split(",")):
         try:
             transports = reader.connect(peer, time.monotonic() + args.transfer_timeout,
@@ -205,39 +186,25 @@ def main(argv: list[str] | None = None) -> None:
             log.error("refusing to start: peer %s: %s", peer, e)
             raise SystemExit(2) from e
         log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
-    holder: KVHolder | None = None
-    loop = EngineLoop(engine, on_tick=lambda: holder.sweep() if holder else None)
+    loop = EngineLoop(boot.engine)
     services = ["baton.v1.DecodeWorker"]
+    holder = None
     if args.role == "both":
-        holder = KVHolder(worker_id=worker_id, incarnation=incarnation, address=address,
-                          fingerprint=engine.fingerprint, agent=agent,
-                          leases=LeaseTable(args.lease_ttl),
-                          free=lambda rid: loop.call(engine.release_handoff, rid))
-        holder.serve_lease_channel(args.host)
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-            PrefillService(loop, holder, worker_id), server)
-        worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
+        holder = add_prefill_role(boot.server, loop, boot, args.lease_ttl)
         services += ["baton.v1.PrefillWorker", "baton.v1.KVSource"]
     loop.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeService(loop, reader, worker_id, incarnation, args.transfer_timeout, holder),
-        server)
-    health = add_standard_services(server, services)
-    server.start()
-    log.info("decode worker %s (incarnation %s) serving on %s, model fingerprint %s",
-             worker_id, incarnation, address, engine.fingerprint[:16])
-    registration = register(args, args.role, worker_id, address, engine.fingerprint, incarnation,
-                            engine.model_info.name)
-    announce(address, worker_id, incarnation)
+        DecodeService(loop, reader, boot.worker_id, boot.incarnation, args.transfer_timeout,
+                      holder), boot.server)
 
     def stop() -> None:
         if holder is not None:
             holder.shutdown()
         loop.stop()
         reader.close()
-        agent.close()
+        boot.agent.close()
 
-    serve_forever(server, stop, registration, args.drain_timeout, health=health)
+    boot.serve(args, services, stop)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ over NIXL. Prints ``BATON_READY <address> <worker id> <incarnation>`` once it se
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import queue
@@ -17,22 +16,16 @@ import uuid
 
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.worker import (
+    WorkerBoot,
     abort_with,
     add_engine_args,
     add_server_args,
-    add_standard_services,
-    announce,
-    build_engine,
+    boot_worker,
     logprob_to_proto,
-    make_server,
-    new_incarnation,
     params_from_proto,
-    process_stats,
-    register,
-    serve_forever,
-    setup_logging,
+    tokenizer_info,
+    worker_info,
 )
-from baton.transfer.agent import KVAgent, configure_ucx
 from baton.transfer.holder import KVHolder
 from baton.transfer.lease import LeaseTable
 from baton.v1 import worker_pb2, worker_pb2_grpc
@@ -95,38 +88,23 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self.loop.call(self.engine.release_handoff, request_id)
 
 
-def tokenizer_info(engine):
-    """What a router needs to tokenize exactly as the workers do."""
-    return worker_pb2.TokenizerResponse(model=engine.model_info.name,
-                                        tokenizer_json=json.dumps(engine.tokenizer.to_json()),
-                                        max_model_len=engine.max_model_len)
-
-
-def worker_info(loop: EngineLoop, role: str, worker_id: str, incarnation: str, agent: KVAgent,
-                check: bool, holder: KVHolder | None = None, num_peers: int = 0):
+def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot, lease_ttl: float,
+                     checksums: bool = False) -> KVHolder:
+    """Serve PrefillWorker and KVSource for ``loop``'s engine on ``server``: leases on its pool,
+    the lease channel, and the expired-lease sweep on the engine thread. Used by prefill workers
+    and by decode workers started with ``--role both``."""
     engine = loop.engine
-    rss, fds = process_stats()
-
-    def snapshot():
-        ok, err = True, ""
-        if check:
-            try:
-                engine.check_integrity()
-            except AssertionError as e:
-                ok, err = False, str(e) or "check_integrity failed"
-        return (engine.kv.pool.num_free_blocks, len(engine.scheduler.running), ok, err)
-
-    free, running, ok, err = loop.run(snapshot)
-    info = worker_pb2.WorkerInfo(
-        worker_id=worker_id, incarnation=incarnation, role=role, fingerprint=engine.fingerprint,
-        transports=agent.transports(), ucx_tls=agent.ucx_tls, rss_bytes=rss, open_fds=fds,
-        num_blocks=engine.num_blocks, num_free_blocks=free, running_requests=running,
-        integrity_ok=ok, integrity_error=err, known_peers=num_peers)
-    if holder is not None:
-        info.active_leases = len(holder.leases)
-        info.leases_granted = holder.leases.num_granted
-        info.leases_expired = holder.leases.num_expired
-    return info
+    holder = KVHolder(worker_id=boot.worker_id, incarnation=boot.incarnation,
+                      address=boot.address, fingerprint=engine.fingerprint, agent=boot.agent,
+                      leases=LeaseTable(lease_ttl),
+                      free=lambda rid: loop.call(engine.release_handoff, rid),
+                      checksums=checksums)
+    holder.serve_lease_channel(boot.host)
+    loop.on_tick = holder.sweep
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
+        PrefillService(loop, holder, boot.worker_id), server)
+    worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
+    return holder
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -143,41 +121,17 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--kv-checksums", action="store_true",
                    help="send per-block CRC32s in each handle for readers to verify (debugging)")
     args = ap.parse_args(argv)
-    setup_logging(args.log_level)
-    configure_ucx()
-    engine = build_engine(args)
-    incarnation = new_incarnation()
-    server = make_server()
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    address = f"{args.host}:{port}"
-    worker_id = args.worker_id or f"prefill-{args.host}-{port}"
-    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
-    holder: KVHolder
-    loop = EngineLoop(engine, on_tick=lambda: holder.sweep())
-    holder = KVHolder(worker_id=worker_id, incarnation=incarnation, address=address,
-                      fingerprint=engine.fingerprint, agent=agent,
-                      leases=LeaseTable(args.lease_ttl),
-                      free=lambda rid: loop.call(engine.release_handoff, rid),
-                      checksums=args.kv_checksums)
-    holder.serve_lease_channel(args.host)
+    boot = boot_worker(args, "prefill")
+    loop = EngineLoop(boot.engine)
+    holder = add_prefill_role(boot.server, loop, boot, args.lease_ttl, args.kv_checksums)
     loop.start()
-    service = PrefillService(loop, holder, worker_id)
-    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(service, server)
-    worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
-    health = add_standard_services(server, ["baton.v1.PrefillWorker", "baton.v1.KVSource"])
-    server.start()
-    log.info("prefill worker %s (incarnation %s) serving on %s, model fingerprint %s",
-             worker_id, incarnation, address, engine.fingerprint[:16])
-    registration = register(args, "prefill", worker_id, address, engine.fingerprint, incarnation,
-                            engine.model_info.name)
-    announce(address, worker_id, incarnation)
 
     def stop() -> None:
         holder.shutdown()
         loop.stop()
-        agent.close()
+        boot.agent.close()
 
-    serve_forever(server, stop, registration, args.drain_timeout, health=health)
+    boot.serve(args, ["baton.v1.PrefillWorker", "baton.v1.KVSource"], stop)
 
 
 if __name__ == "__main__":
