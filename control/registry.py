@@ -7,7 +7,8 @@ routers stop sending it work before it stops serving. No other state: routers li
 
     baton:worker:prefill-127.0.0.1-40001  ->  {"worker_id": ..., "role": "prefill",
                                               "address": "127.0.0.1:40001", "fingerprint": ...,
-                                              "incarnation": ..., "model": ..., "started_at": ...}
+                                              "incarnation": ..., "model": ..., "started_at": ...,
+                                              "block_size": 16}
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class WorkerRecord:
     incarnation: str
     model: str = ""
     started_at: float = field(default_factory=time.time)
+    block_size: int = 16  # tokens per KV block: routers hash prompts with it
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -95,6 +95,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
     # auto | native (C kernels on CPU: paged decode attention, small-batch linear) | torch (reference)
     attention_backend: str = "auto"
+    # the KV pool records prefix-cache events (BlockPool.events) for the Redis prefix index
+    record_kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

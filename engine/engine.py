@@ -117,7 +117,8 @@ class LLMEngine:
         self.attention_backend = self.model.attention_backend
         self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // self.block_nbytes)
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 cfg.record_kv_events)
         self.scheduler = Scheduler(cfg, self.kv)
         self.runner = ModelRunner(self.model, cfg, num_blocks)
         self.requests: dict[str, Request] = {}

@@ -17,11 +17,14 @@ sequence is evicted before its (more shareable) beginning.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from baton.engine.request import Request
+
+# prefix-cache events (BlockPool.events)
+STORED, EVICTED, CLEARED = "stored", "evicted", "cleared"
 
 
 @dataclass(eq=False)
@@ -40,9 +43,14 @@ class BlockPool:
 
     ``get_new_blocks`` returns ``None`` when there are not enough free blocks ("not now"); misuse
     such as freeing a block twice is a bug and trips an assertion.
+
+    With ``record_events`` the pool appends what the prefix cache gains and loses to ``events``
+    (a deque another thread may pop from): ``(STORED, hash)`` when a block becomes findable,
+    ``(EVICTED, hash)`` when it stops being findable, ``(CLEARED, None)`` when every hash goes.
+    A worker publishes them to the Redis prefix index (``baton.control.prefix_index``).
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, record_events: bool = False) -> None:
         assert num_blocks > 0, num_blocks
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -50,6 +58,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self.events: deque[tuple[str, bytes | None]] | None = deque() if record_events else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +81,8 @@ class BlockPool:
             assert block.ref_cnt == 0, block
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append((EVICTED, block.block_hash))
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -102,6 +113,8 @@ class BlockPool:
         if block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            if self.events is not None:
+                self.events.append((STORED, block_hash))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is in use."""
@@ -110,6 +123,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append((CLEARED, None))
         return True
 
     def check_integrity(self) -> None:
@@ -139,9 +154,10 @@ class KVCacheManager:
     holds positions ``[i * block_size, (i + 1) * block_size)``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, record_events)
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_num_hashed: dict[str, int] = {}

@@ -120,3 +120,27 @@ def test_cache_salt_isolates_tenants():
     other = Request("x", list(range(9)), SamplingParams(cache_salt="t2"),
                     namespace_for("fp-test", "t2"), 4, 16)
     assert kv.get_prefix_hit(other).num_tokens == 0
+
+
+def test_events_follow_what_the_prefix_cache_can_find():
+    from baton.engine.kv_cache import CLEARED, EVICTED, STORED
+
+    kv = KVCacheManager(num_blocks=3, block_size=4, record_events=True)
+    a = make_request("a", range(9))  # two full blocks and one token
+    run(kv, a, 9)
+    ha = a.block_hashes
+    assert list(kv.pool.events) == [(STORED, ha[0]), (STORED, ha[1])]
+    kv.pool.events.clear()
+    kv.free("a")  # freed blocks stay findable: no event
+    assert not kv.pool.events
+    b = make_request("b", range(100, 108))  # needs 2 blocks: the free one, then a's tail
+    run(kv, b, 8)
+    # a's blocks are freed tail first, so a's last block is evicted before its first
+    assert list(kv.pool.events) == [(EVICTED, ha[1]), (STORED, b.block_hashes[0]),
+                                    (STORED, b.block_hashes[1])]
+    assert set(kv.pool.cached) == {ha[0], *b.block_hashes}
+    kv.free("b")
+    kv.pool.events.clear()
+    assert kv.pool.reset_prefix_cache()
+    assert list(kv.pool.events) == [(CLEARED, None)]
+    assert KVCacheManager(2, 4).pool.events is None  # off by default

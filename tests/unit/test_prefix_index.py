@@ -1,0 +1,186 @@
+"""The Redis prefix index on a real redis-server: worker events in, per-worker prefix overlap and
+load out, incarnations, TTL purge, shared in-flight counters, and Redis going away."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import pytest
+import redis
+from baton.control.prefix_index import IndexPublisher, PrefixIndex, index_key, inflight_key
+from baton.control.redis_server import EmbeddedRedis
+from baton.control.registry import WorkerRecord
+from baton.engine.block_hash import hash_blocks, namespace_for
+from baton.engine.kv_cache import CLEARED, EVICTED, STORED
+
+NS = namespace_for("fp")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedRedis() as r:
+        yield r
+
+
+@pytest.fixture
+def client(server):
+    c = redis.Redis.from_url(server.url, socket_timeout=1)
+    c.flushdb()
+    return c
+
+
+def rec(worker_id, incarnation="i1"):
+    return WorkerRecord(worker_id, "prefill", "127.0.0.1:1", "fp", incarnation)
+
+
+def publisher(client, worker_id, incarnation="i1", ttl_s=5.0):
+    events = deque()
+    load = [0, 0, 90, 100]
+    pub = IndexPublisher(client, worker_id, incarnation, events, lambda: load, ttl_s=ttl_s)
+    return pub, events, load
+
+
+def test_overlap_counts_leading_blocks_per_worker(client):
+    prompt = hash_blocks(list(range(64)), 4, NS)  # 16 blocks
+    a, ev_a, load_a = publisher(client, "a")
+    b, ev_b, _ = publisher(client, "b")
+    ev_a.extend((STORED, h) for h in prompt[:10])
+    ev_b.extend((STORED, h) for h in prompt[:3] + prompt[5:16])  # a hole at blocks 3-4
+    load_a[:] = [2, 5, 40, 100]
+    a.flush()
+    b.flush()
+    index = PrefixIndex(client, "r1")
+    sa, sb, sc = index.signals(prompt, [rec("a"), rec("b"), rec("c")])
+    assert (sa.hit_blocks, sb.hit_blocks, sc.hit_blocks) == (10, 3, 0)
+    assert (sa.waiting, sa.running, sa.free_blocks, sa.total_blocks) == (2, 5, 40, 100)
+    assert sc.waiting is None and sc.inflight == 0  # c never published
+    ev_a.extend([(EVICTED, prompt[9]), (EVICTED, prompt[4]), (STORED, prompt[9])])
+    a.flush()  # net effect: block 4 gone, block 9 still held
+    assert index.signals(prompt, [rec("a")])[0].hit_blocks == 4
+    ev_a.append((CLEARED, None))
+    a.flush()
+    assert index.signals(prompt, [rec("a")])[0].hit_blocks == 0
+    assert client.scard(index_key("a", "i1")) == 0
+    index.close()
+
+
+def test_salts_and_models_share_nothing(client):
+    tokens = list(range(32))
+    pub, events, _ = publisher(client, "a")
+    events.extend((STORED, h) for h in hash_blocks(tokens, 4, namespace_for("fp", "tenant-1")))
+    pub.flush()
+    index = PrefixIndex(client, "r1")
+    hit = lambda ns: index.signals(hash_blocks(tokens, 4, ns), [rec("a")])[0].hit_blocks  # noqa
+    assert hit(namespace_for("fp", "tenant-1")) == 8
+    assert hit(namespace_for("fp", "tenant-2")) == 0
+    assert hit(namespace_for("fp")) == 0
+    assert hit(namespace_for("other-model", "tenant-1")) == 0
+    index.close()
+
+
+def test_new_incarnation_starts_clean_and_dead_entries_expire(client):
+    prompt = hash_blocks(list(range(16)), 4, NS)
+    old, events, _ = publisher(client, "a", "i1", ttl_s=1.0)
+    events.extend((STORED, h) for h in prompt)
+    old.flush()
+    index = PrefixIndex(client, "r1")
+    assert index.signals(prompt, [rec("a", "i1")])[0].hit_blocks == 4
+    # the worker restarts: same id, new incarnation, nothing cached yet
+    new, _, _ = publisher(client, "a", "i2", ttl_s=1.0)
+    new.flush()
+    s = index.signals(prompt, [rec("a", "i2")])[0]
+    assert s.hit_blocks == 0 and s.total_blocks == 100
+    # the old incarnation stopped refreshing: its set is gone within the TTL
+    end = time.monotonic() + 3
+    while client.exists(index_key("a", "i1")) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not client.exists(index_key("a", "i1"))
+    # a drained worker deletes its own keys
+    new.stop(withdraw=True)
+    assert not client.exists(index_key("a", "i2"))
+    index.close()
+
+
+def test_publisher_thread_resends_everything_after_an_outage(tmp_path):
+    server = EmbeddedRedis().start()
+    port = server.port
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5,
+                         socket_connect_timeout=0.5)
+    prompt = hash_blocks(list(range(40)), 4, NS)
+    pub, events, _ = publisher(client, "a")
+    pub.interval_s = 0.01
+    pub.start()
+    events.extend((STORED, h) for h in prompt[:5])
+    key = index_key("a", "i1")
+    _wait(lambda: client.scard(key) == 5)
+    server.stop()  # Redis goes away (and comes back empty)
+    events.extend((STORED, h) for h in prompt[5:])
+    _wait(lambda: pub.num_errors > 0)
+    server = EmbeddedRedis(port=port).start()
+    try:
+        _wait(lambda: client.scard(key) == 10)
+        assert client.smembers(key) == set(prompt)
+        assert client.pttl(key) > 0
+    finally:
+        pub.stop()
+        server.stop()
+
+
+def test_inflight_counts_are_shared_released_and_expire(client):
+    w = [rec("a"), rec("b")]
+    r1, r2 = PrefixIndex(client, "r1", inflight_ttl_s=1.0), PrefixIndex(client, "r2")
+    r1.claim("q1", ["a", "b"])
+    r2.claim("q2", ["a"])
+    assert [s.inflight for s in r2.signals([], w)] == [2, 1]
+    r2.release("q2")
+    assert [s.inflight for s in r1.signals([], w)] == [1, 1]
+    # r1 "dies" with q1 in flight (its re-arm thread stops): the entries expire by TTL
+    r1.close()
+    end = time.monotonic() + 4
+    while r2.signals([], w)[0].inflight and time.monotonic() < end:
+        time.sleep(0.1)
+    assert [s.inflight for s in r2.signals([], w)] == [0, 0]
+    assert client.zcard(inflight_key("a")) == 0
+    r2.close()
+
+
+def test_inflight_claims_outlive_their_ttl_while_the_router_lives(client):
+    r = PrefixIndex(client, "r1", inflight_ttl_s=1.0)
+    r.claim("q1", ["a"])
+    time.sleep(2.0)  # two TTLs: re-armed every third of one
+    assert r.signals([], [rec("a")])[0].inflight == 1
+    r.release("q1")
+    assert r.signals([], [rec("a")])[0].inflight == 0
+    r.close()
+
+
+def test_redis_down_means_none_not_an_error():
+    server = EmbeddedRedis().start()
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=0.5,
+                         socket_connect_timeout=0.5)
+    index = PrefixIndex(client, "r1", retry_s=0.2)
+    assert index.signals([], [rec("a")]) is not None
+    port = server.port
+    server.stop()
+    assert index.signals([b"x" * 32], [rec("a")]) is None
+    assert not index.available and index.num_outages == 1
+    t = time.monotonic()
+    assert index.signals([], [rec("a")]) is None  # within retry_s: no connection attempt
+    assert time.monotonic() - t < 0.05
+    index.claim("q", ["a"])  # no error either
+    index.release("q")
+    server = EmbeddedRedis(port=port).start()
+    try:
+        time.sleep(0.25)
+        assert index.signals([], [rec("a")]) is not None and index.available
+    finally:
+        index.close()
+        server.stop()
+
+
+def _wait(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.02)
