@@ -30,8 +30,12 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                    help="prompts up to this many tokens skip the prefill pool (default 0)")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=64,
+                    help="the decode worker prefills itself when it lacks at most this many of "
+                         "a prompt's tokens (prefix-cache hits excluded) (default 64)")
+    ap.add_argument("--routing", default="cache-aware",
+                    choices=["cache-aware", "least-loaded", "round-robin"],
+                    help="the router's policy (default cache-aware: Redis prefix index + load)")
     ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
 
 
@@ -84,7 +88,7 @@ def up(a: argparse.Namespace) -> int:
         router = WorkerProcess("router", ["--host", a.host, "--port", str(a.grpc_port),
                                           "--http-port", str(a.http_port),
                                           "--redis-url", url, "--local-prefill-max-tokens",
-                                          str(local_max)], **kw)
+                                          str(local_max), "--routing", a.routing], **kw)
         procs.append(router)
         logs = procs[0].log_path.parent
         say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in {logs}")

@@ -46,9 +46,18 @@ def hash_blocks(
     namespace: bytes,
     parent: bytes | None = None,
 ) -> list[bytes]:
-    """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is skipped)."""
+    """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is
+    skipped). Same bytes as :func:`hash_block` in a loop; packs the ids once (a router hashes
+    8k-token prompts per request)."""
+    n = len(token_ids) // block_size
+    if n == 0:
+        return []
+    data = struct.pack(f"<{n * block_size}I", *token_ids[: n * block_size])
+    step, head = 4 * block_size, HASH_VERSION
+    sha = hashlib.sha256
+    p = parent if parent is not None else ROOT_PARENT
     out: list[bytes] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, namespace, token_ids[start : start + block_size])
-        out.append(parent)
+    for i in range(0, n * step, step):
+        p = sha(head + p + namespace + data[i : i + step]).digest()
+        out.append(p)
     return out

@@ -64,7 +64,8 @@ def build_engine(args: argparse.Namespace):
     from baton.engine.engine import LLMEngine
 
     cfg = EngineConfig(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_blocks,
-                       max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+                       max_num_seqs=args.max_num_seqs, num_threads=args.threads,
+                       record_kv_events=bool(getattr(args, "redis_url", None)))
     return LLMEngine.from_path(args.model, cfg)
 
 
@@ -89,9 +90,15 @@ class WorkerBoot:
                  self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
         registration = register(args, self.role, self.worker_id, self.address,
                                 self.engine.fingerprint, self.incarnation,
-                                self.engine.model_info.name)
+                                self.engine.model_info.name, self.engine.cfg.block_size)
+        publisher = publish_index(args, self.engine, self.worker_id, self.incarnation)
         announce(self.address, self.worker_id, self.incarnation)
-        serve_forever(self.server, on_stop, registration, args.drain_timeout, health=health)
+
+        def stop() -> None:
+            if publisher is not None:
+                publisher.stop(withdraw=True)
+            on_stop()
+        serve_forever(self.server, stop, registration, args.drain_timeout, health=health)
 
 
 def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
@@ -155,17 +162,36 @@ def make_server(max_workers: int = 32) -> grpc.Server:
 
 
 def register(args: argparse.Namespace, role: str, worker_id: str, address: str,
-             fingerprint: str, incarnation: str, model: str):
+             fingerprint: str, incarnation: str, model: str, block_size: int = 16):
     """Put this worker in the Redis registry (if ``--redis-url``); returns the Registration."""
     if not args.redis_url:
         return None
     from baton.control.registry import Registration, WorkerRecord, WorkerRegistry
 
     registry = WorkerRegistry.from_url(args.redis_url, args.registry_ttl)
-    record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model)
+    record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model,
+                          block_size=block_size)
     reg = Registration(registry, record).start()
     log.info("registered as %s (%s) in %s", worker_id, role, args.redis_url)
     return reg
+
+
+def publish_index(args: argparse.Namespace, engine, worker_id: str, incarnation: str):
+    """Publish the engine's prefix-cache events and load to the Redis prefix index (if
+    ``--redis-url``), with the registry's TTL; returns the running IndexPublisher."""
+    if not args.redis_url or engine.kv.pool.events is None:
+        return None
+    import redis
+    from baton.control.prefix_index import IndexPublisher
+
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    sched, pool = engine.scheduler, engine.kv.pool
+
+    def load() -> tuple[int, int, int, int]:  # plain counter reads, safe off the engine thread
+        return len(sched.waiting), len(sched.running), pool.num_free_blocks, pool.num_blocks
+
+    return IndexPublisher(client, worker_id, incarnation, pool.events, load,
+                          ttl_s=args.registry_ttl).start()
 
 
 def add_standard_services(server: grpc.Server, service_names: list[str]):

@@ -7,8 +7,10 @@ call the workers, relay the stream, end with usage, path and timings::
     remote: Prefill on a prefill worker ─handle─► Decode on a decode worker (KV by NIXL) ─► client
     local:  Generate on a decode worker (it prefills itself) ───────────────────────────► client
 
-The path is remote when the prompt is longer than ``--local-prefill-max-tokens`` and a prefill
-worker is registered; the final message always says which was taken. Nothing reaches the client
+Which workers, and which path, ``baton.services.router.routing`` decides from the Redis prefix
+index (how much of the prompt each worker's KV cache holds) and the load (requests in flight,
+counted across routers in Redis; queues; KV usage). The final message says which path was taken
+and why. Nothing reaches the client
 before the decode worker's first chunk, so a worker that is unavailable (down, killed, draining)
 before that is retried on another one (``--max-retries``); after it, a failure ends the stream
 with a typed status, never a truncated success. The client's deadline bounds every call, and a
@@ -27,6 +29,7 @@ import uuid
 from contextlib import contextmanager
 
 import grpc
+from baton.control.prefix_index import PrefixIndex
 from baton.control.registry import WorkerRecord, WorkerRegistry
 from baton.engine.errors import InvalidRequestError
 from baton.engine.tokenizer import BatonTokenizer
@@ -40,15 +43,20 @@ from baton.services.common.worker import (
     serve_forever,
     setup_logging,
 )
+from baton.services.router.routing import (
+    DEFAULT_WEIGHTS,
+    MODES,
+    Decision,
+    NoWorkerError,
+    RoutingPolicy,
+    parse_weights,
+)
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+from redis.exceptions import RedisError
 
 log = logging.getLogger("baton.services.router")
 
 DEFAULT_TIMEOUT_S = 600.0
-
-
-class NoWorkerError(Exception):
-    pass
 
 
 class WorkerPool:
@@ -61,29 +69,31 @@ class WorkerPool:
         self._read_at = 0.0
         self._channels: dict[str, grpc.Channel] = {}
         self._inflight: dict[str, int] = {}
-        self._turns: dict[str, int] = {}
+        self._registry_ok = True
         self._lock = threading.Lock()
 
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
         with self._lock:
             if time.monotonic() - self._read_at > self.refresh_s:
-                self._workers = self.registry.workers()
+                try:
+                    self._workers = self.registry.workers()
+                except (RedisError, OSError) as e:  # keep routing to the workers last seen
+                    if self._registry_ok:
+                        log.warning("worker registry unreadable (%s); using the %d workers "
+                                    "last seen", e, len(self._workers))
+                    self._registry_ok = False
+                else:
+                    if not self._registry_ok:
+                        log.info("worker registry readable again")
+                    self._registry_ok = True
                 self._read_at = time.monotonic()
             ws = self._workers
         return [w for w in ws if role is None or w.role == role or
                 (w.role == "both" and role != "both")]
 
-    def pick(self, role: str, exclude: set[str]) -> WorkerRecord:
-        candidates = [w for w in self.workers(role) if w.address not in exclude]
-        if not candidates:
-            known = len(self.workers(role))
-            raise NoWorkerError(f"no {role} worker available ({known} registered, "
-                                f"{len(exclude)} failed for this request)")
-        with self._lock:
-            least = min(self._inflight.get(w.address, 0) for w in candidates)
-            ties = [w for w in candidates if self._inflight.get(w.address, 0) == least]
-            turn = self._turns[role] = self._turns.get(role, -1) + 1
-            return ties[turn % len(ties)]  # round-robin (per role) among the least loaded
+    def inflight(self, address: str) -> int:
+        """Requests this router has in flight on ``address``."""
+        return self._inflight.get(address, 0)
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -116,13 +126,60 @@ class _Retry(Exception):
         self.address = address
 
 
+class RouteStats:
+    """Routing counters for /metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.decisions: dict[tuple[str, str], int] = {}  # (path, reason) -> count
+        self.index_cached_tokens = 0
+        self.without_index = 0
+        self.route_s_sum = 0.0
+        self.route_count = 0
+
+    def record(self, d: Decision) -> None:
+        with self._lock:
+            key = (d.path, d.reason)
+            self.decisions[key] = self.decisions.get(key, 0) + 1
+            self.index_cached_tokens += d.cached_tokens
+            self.without_index += not d.used_index
+            self.route_s_sum += d.decide_s
+            self.route_count += 1
+
+    def render(self, index: PrefixIndex | None) -> list[str]:
+        with self._lock:
+            out = ["# HELP baton_route_decisions_total Routing decisions by path and reason.",
+                   "# TYPE baton_route_decisions_total counter"]
+            out += [f'baton_route_decisions_total{{path="{p}",reason="{r}"}} {n}'
+                    for (p, r), n in sorted(self.decisions.items())]
+            out += ["# HELP baton_route_index_cached_tokens_total Prompt tokens the prefix index "
+                    "found on the chosen prefilling worker.",
+                    "# TYPE baton_route_index_cached_tokens_total counter",
+                    f"baton_route_index_cached_tokens_total {self.index_cached_tokens}",
+                    "# HELP baton_route_without_index_total Requests routed on load only.",
+                    "# TYPE baton_route_without_index_total counter",
+                    f"baton_route_without_index_total {self.without_index}",
+                    "# TYPE baton_route_decision_seconds summary",
+                    f"baton_route_decision_seconds_sum {self.route_s_sum}",
+                    f"baton_route_decision_seconds_count {self.route_count}"]
+        if index is not None:
+            out += ["# HELP baton_prefix_index_up 1 while the Redis prefix index answers.",
+                    "# TYPE baton_prefix_index_up gauge",
+                    f"baton_prefix_index_up {int(index.available)}",
+                    "# TYPE baton_prefix_index_outages_total counter",
+                    f"baton_prefix_index_outages_total {index.num_outages}"]
+        return out
+
+
 class RouterService(api_pb2_grpc.BatonServicer):
     def __init__(self, pool: WorkerPool, tokenizer: BatonTokenizer, model: str,
-                 max_model_len: int, fingerprint: str, local_max_tokens: int = 0,
+                 max_model_len: int, fingerprint: str, policy: RoutingPolicy | None = None,
                  max_retries: int = 2) -> None:
         self.pool, self.tokenizer, self.model = pool, tokenizer, model
         self.max_model_len, self.fingerprint = max_model_len, fingerprint
-        self.local_max_tokens, self.max_retries = local_max_tokens, max_retries
+        self.policy = policy or RoutingPolicy(pool, None)
+        self.max_retries = max_retries
+        self.stats = RouteStats()
 
     # ---- API -------------------------------------------------------------------------------------
 
@@ -141,14 +198,22 @@ class RouterService(api_pb2_grpc.BatonServicer):
         calls: list = []  # outbound calls in flight, cancelled if the client goes away
         context.add_callback(lambda: [c.cancel() for c in list(calls)])
         failed: set[str] = set()
+        hashes = None
         for attempt in range(self.max_retries + 1):
             # a retry is a new request on the workers (the failed attempt may still be known)
             state = _State(rid if attempt == 0 else f"{rid}.retry{attempt}", ids, t0, attempt)
             try:
-                remote = (len(ids) > self.local_max_tokens and self.pool.workers("prefill"))
-                steps = (self._remote(request, state, calls, failed, context) if remote
-                         else self._local(request, state, calls, failed, context))
-                yield from steps
+                t = time.perf_counter()
+                if hashes is None and self.policy.mode != "round-robin":
+                    workers = self.pool.workers()
+                    bs = workers[0].block_size if workers else 16
+                    salt = (request.params.cache_salt if request.params.HasField("cache_salt")
+                            else None)
+                    hashes = self.policy.prompt_hashes(ids, self.fingerprint, salt, bs)
+                decision = self.policy.decide(ids, hashes, failed)
+                state.route(decision, time.perf_counter() - t)
+                self.stats.record(decision)
+                yield from self._attempt(request, state, decision, calls, context)
                 return
             except _Retry as e:
                 failed.add(e.address)
@@ -162,17 +227,25 @@ class RouterService(api_pb2_grpc.BatonServicer):
         context.abort(grpc.StatusCode.UNAVAILABLE,
                       f"every attempt failed on an unavailable worker ({sorted(failed)})")
 
+    def _attempt(self, request, st, decision: Decision, calls, context):
+        """One attempt on the decided workers, counted in flight on them (in Redis too)."""
+        workers = [w for w in (decision.prefill, decision.decode) if w is not None]
+        index = self.policy.index
+        if index is not None:
+            index.claim(st.rid, [w.worker_id for w in workers])
+        try:
+            if decision.path == "remote":
+                yield from self._remote(request, st, decision.prefill, decision.decode, calls,
+                                        context)
+            else:
+                yield from self._local(request, st, decision.decode, calls, context)
+        finally:
+            if index is not None:
+                index.release(st.rid)
+
     # ---- paths -----------------------------------------------------------------------------------
 
-    def _remote(self, request, st, calls, failed, context):
-        prefill = self.pool.pick("prefill", failed)
-        try:  # never hand a request's KV from a worker to itself (a colocated worker)
-            decode = self.pool.pick("decode", failed | {prefill.address})
-        except NoWorkerError:
-            if prefill.role != "both":
-                raise
-            yield from self._local(request, st, calls, failed, context, worker=prefill)
-            return
+    def _remote(self, request, st, prefill, decode, calls, context):
         st.prefill_worker = prefill.worker_id
         p = request.params
         t = time.monotonic()
@@ -217,8 +290,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
             log.info("could not give lease %s back to %s: %s", handle.lease_id, address,
                      e.code())
 
-    def _local(self, request, st, calls, failed, context, worker=None):
-        decode = worker or self.pool.pick("decode", failed)
+    def _local(self, request, st, decode, calls, context):
         p = request.params
         yield from self._stream(
             decode, "local", st, calls, context,
@@ -297,6 +369,11 @@ class _State:
         self.first_at: float | None = None
         self.transports = self.prefill_worker = self.decode_worker = ""
         self.first_logprob: list = []
+        self.route_s = 0.0
+        self.decision: Decision | None = None
+
+    def route(self, decision: Decision, route_s: float) -> None:
+        self.decision, self.route_s = decision, route_s
 
     def delta(self, token_ids, text, logprobs=()):
         if self.first_at is None:
@@ -308,15 +385,18 @@ class _State:
     def final(self, reason: str, path: str):
         now = time.monotonic()
         first = self.first_at or now
+        d = self.decision
         return api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(
             finish_reason=reason, path=path, prefill_worker=self.prefill_worker,
             decode_worker=self.decode_worker, transports=self.transports, retries=self.attempt,
-            prompt_token_ids=self.ids,
+            prompt_token_ids=self.ids, route_reason=d.reason if d else "",
+            index_cached_tokens=d.cached_tokens if d else 0,
+            index_used=d.used_index if d else False,
             usage=api_pb2.Usage(prompt_tokens=len(self.ids), cached_tokens=self.cached,
                                 completion_tokens=len(self.tokens)),
             timing=api_pb2.Timing(prefill_s=self.prefill_s, transfer_s=self.transfer_s,
                                   first_token_s=first - self.t0, decode_s=now - first,
-                                  total_s=now - self.t0)))
+                                  total_s=now - self.t0, route_s=self.route_s)))
 
 
 def _left(context) -> float:
@@ -366,9 +446,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
     ap.add_argument("--http-port", type=int, default=8000,
                     help="OpenAI-compatible HTTP port (0: pick a free one, -1: no HTTP)")
-    ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                    help="prompts up to this many tokens are prefilled on the decode worker "
-                         "(local path); longer ones go to a prefill worker (default 0: all)")
+    g = ap.add_argument_group("routing")
+    g.add_argument("--routing", choices=MODES, default="cache-aware",
+                   help="cache-aware: score workers on the Redis prefix index and load; "
+                        "least-loaded: load only; round-robin: in turn, cache-blind "
+                        "(default cache-aware)")
+    g.add_argument("--scorers", default=DEFAULT_WEIGHTS,
+                   help="scorer weights, name=weight,...: prefix (share of the prompt's blocks "
+                        "the worker holds), inflight (requests in flight, all routers), queue "
+                        "(the worker's waiting requests), kv (free KV blocks) "
+                        f"(default {DEFAULT_WEIGHTS})")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=64,
+                   help="the chosen decode worker prefills the prompt itself when it lacks at "
+                        "most this many of its tokens (prefix-cache hits excluded); more go "
+                        "to a prefill worker (default 64; 0: always a prefill worker if any)")
+    g.add_argument("--prefill-saturation", type=int, default=8,
+                   help="a prefill worker with this many requests in flight plus queued is "
+                        "saturated; when all are, decode workers prefill locally (0: never) "
+                        "(default 8)")
+    g.add_argument("--inflight-ttl", type=float, default=30.0,
+                   help="seconds a router's in-flight entries in Redis outlive the router "
+                        "(re-armed while it runs) (default 30)")
     ap.add_argument("--max-retries", type=int, default=2,
                     help="other workers to try when one is unavailable before the first token")
     ap.add_argument("--startup-timeout", type=float, default=300.0,
@@ -376,14 +474,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
+    try:
+        weights = parse_weights(args.scorers)
+    except ValueError as e:
+        ap.error(f"--scorers: {e}")
     setup_logging(args.log_level)
-    pool = WorkerPool(WorkerRegistry.from_url(args.redis_url))
+    import redis
+
+    # short timeouts: a Redis that hangs must not stall routing (the index degrades instead)
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    pool = WorkerPool(WorkerRegistry(client))
     tok, worker = fetch_tokenizer(pool, args.startup_timeout)
-    service = RouterService(pool, BatonTokenizer.from_json(json.loads(tok.tokenizer_json)),
-                            tok.model, tok.max_model_len, worker.fingerprint,
-                            args.local_prefill_max_tokens, args.max_retries)
     server = make_server(max_workers=256)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
+    router_id = f"router-{args.host}-{port}-{new_incarnation()}"
+    index = (PrefixIndex(client, router_id, args.inflight_ttl)
+             if args.routing == "cache-aware" else None)
+    policy = RoutingPolicy(pool, index, mode=args.routing, weights=weights,
+                           local_max_new_tokens=args.local_prefill_max_tokens,
+                           prefill_saturation=args.prefill_saturation)
+    service = RouterService(pool, BatonTokenizer.from_json(json.loads(tok.tokenizer_json)),
+                            tok.model, tok.max_model_len, worker.fingerprint, policy,
+                            args.max_retries)
     api_pb2_grpc.add_BatonServicer_to_server(service, server)
     health = add_standard_services(server, ["baton.v1.Baton"])
     server.start()

@@ -42,7 +42,8 @@ class Cluster:
         self.decode = [WorkerProcess("decode", [*common, "--peers", self.prefill.address])
                        for _ in range(3)]
         self.router = WorkerProcess("router", ["--redis-url", self.redis.url,
-                                               "--http-port", "0"])
+                                               "--http-port", "0",
+                                               "--local-prefill-max-tokens", "0"])
         self.colocated = WorkerProcess("router", ["--redis-url", self.redis.url,
                                                   "--http-port", "-1",
                                                   "--local-prefill-max-tokens", "100000"])
@@ -386,7 +387,9 @@ def test_colocated_workers_prefill_for_each_other(engine):
         common = ["--num-blocks", "96", "--redis-url", redis.url, "--role", "both"]
         a = WorkerProcess("decode", common)
         b = WorkerProcess("decode", [*common, "--peers", a.address])
-        router = WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1"])
+        router = WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1",
+                                          "--routing", "round-robin",
+                                          "--local-prefill-max-tokens", "0"])
         try:
             kind, text = PROMPTS[1]
             want = expected(engine, kind, text).token_ids

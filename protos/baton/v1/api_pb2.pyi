@@ -54,18 +54,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s")
+    __slots__ = ("prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s", "route_s")
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_S_FIELD_NUMBER: _ClassVar[int]
     prefill_s: float
     transfer_s: float
     first_token_s: float
     decode_s: float
     total_s: float
-    def __init__(self, prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ...) -> None: ...
+    route_s: float
+    def __init__(self, prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., route_s: _Optional[float] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs")
@@ -78,7 +80,7 @@ class GenerateDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids")
+    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids", "route_reason", "index_cached_tokens", "index_used")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,9 @@ class GenerateFinal(_message.Message):
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     RETRIES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    INDEX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_USED_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     path: str
@@ -97,7 +102,10 @@ class GenerateFinal(_message.Message):
     transports: str
     retries: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    route_reason: str
+    index_cached_tokens: int
+    index_used: bool
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route_reason: _Optional[str] = ..., index_cached_tokens: _Optional[int] = ..., index_used: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")

@@ -1,0 +1,201 @@
+"""Routing decisions: which decode worker, whether to prefill there or on a prefill worker, and
+which one.
+
+Every candidate gets a score in [0, 1] from each scorer, combined with weights
+(``--scorers prefix=3,inflight=1,queue=1,kv=0.5``)::
+
+    prefix    leading prompt blocks the worker's KV cache holds / prompt blocks (Redis index)
+    inflight  1 / (1 + requests in flight on it, counted by every router in Redis)
+    queue     1 / (1 + requests waiting in its engine's queue)
+    kv        free KV blocks / total KV blocks
+
+The best-scoring decode worker is chosen first (prefix overlap there means fewer blocks to move).
+Then conditional disaggregation: the decode worker prefills the prompt itself (``local``) when the
+tokens it does not hold are at most ``local_max_new_tokens``, when no prefill worker is available,
+or when every prefill worker is saturated; otherwise the best-scoring prefill worker prefills it
+(``remote``). Each decision carries its reason, reported in the final message and counted in
+``/metrics``.
+
+Without the index (``--routing least-loaded``, or Redis unreachable) the prefix scorer is left out
+and the router's own in-flight counts replace the shared ones. ``--routing round-robin`` is the
+cache-blind baseline: workers in turn, the threshold applied to the whole prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from baton.control.prefix_index import PrefixIndex, Signals
+from baton.control.registry import WorkerRecord
+from baton.engine.block_hash import hash_blocks, namespace_for
+
+MODES = ("cache-aware", "least-loaded", "round-robin")
+DEFAULT_WEIGHTS = "prefix=3,inflight=1,queue=1,kv=0.5"
+
+# reasons, per path
+FEW_NEW_TOKENS = "few-new-tokens"  # local: the decode worker lacks at most the threshold
+NO_PREFILL_WORKER = "no-prefill-worker"  # local: none registered (or all failed / colocated)
+PREFILL_SATURATED = "prefill-saturated"  # local: every prefill worker is at its limit
+MANY_NEW_TOKENS = "many-new-tokens"  # remote
+
+
+class NoWorkerError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    """What a scorer sees about one candidate."""
+
+    signals: Signals
+    prompt_blocks: int  # blocks of the prompt that could be reused at all
+
+
+def _prefix(x: ScoreInput) -> float:
+    return x.signals.hit_blocks / x.prompt_blocks if x.prompt_blocks else 0.0
+
+
+def _inflight(x: ScoreInput) -> float:
+    return 1.0 / (1 + x.signals.inflight)
+
+
+def _queue(x: ScoreInput) -> float:
+    return 1.0 / (1 + (x.signals.waiting or 0))
+
+
+def _kv(x: ScoreInput) -> float:
+    s = x.signals
+    return s.free_blocks / s.total_blocks if s.total_blocks else 1.0
+
+
+SCORERS = {"prefix": _prefix, "inflight": _inflight, "queue": _queue, "kv": _kv}
+
+
+def parse_weights(spec: str) -> dict[str, float]:
+    """``"prefix=3,inflight=1"`` -> weights; raises ValueError naming a bad entry."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.partition("=")
+        if name not in SCORERS:
+            raise ValueError(f"unknown scorer {name!r} (known: {', '.join(SCORERS)})")
+        try:
+            w = float(value)
+        except ValueError:
+            raise ValueError(f"scorer weight {part!r} is not name=number") from None
+        if w < 0:
+            raise ValueError(f"scorer weight {part!r} must be >= 0")
+        out[name] = w
+    if not any(out.values()):
+        raise ValueError(f"scorer weights {spec!r}: at least one must be > 0")
+    return out
+
+
+@dataclass
+class Decision:
+    path: str  # remote | local
+    reason: str
+    decode: WorkerRecord
+    prefill: WorkerRecord | None
+    cached_tokens: int  # tokens the index says the prefilling worker holds (0 without it)
+    used_index: bool
+    decide_s: float
+
+
+class RoutingPolicy:
+    """Decides a request's workers. ``pool`` is the router's WorkerPool (registry view and local
+    in-flight counts); ``index`` may be None (no Redis index: load-only)."""
+
+    def __init__(self, pool, index: PrefixIndex | None, *, mode: str = "cache-aware",
+                 weights: dict[str, float] | None = None, local_max_new_tokens: int = 64,
+                 prefill_saturation: int = 8) -> None:
+        if mode not in MODES:
+            raise ValueError(f"routing mode {mode!r} must be one of {MODES}")
+        self.pool, self.index, self.mode = pool, index, mode
+        self.weights = weights or parse_weights(DEFAULT_WEIGHTS)
+        self.local_max_new_tokens, self.prefill_saturation = (local_max_new_tokens,
+                                                              prefill_saturation)
+        self._turns: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.num_without_index = 0
+
+    def prompt_hashes(self, ids: list[int], fingerprint: str, cache_salt: str | None,
+                      block_size: int) -> list[bytes]:
+        """Hashes of the blocks a worker could reuse: at most ``len(ids) - 1`` tokens (the last
+        prompt token always runs through the model)."""
+        usable = (len(ids) - 1) // block_size * block_size
+        return hash_blocks(ids[:usable], block_size, namespace_for(fingerprint, cache_salt))
+
+    def decide(self, ids: list[int], hashes: list[bytes] | None, exclude: set[str]) -> Decision:
+        """``hashes``: :meth:`prompt_hashes` (None in round-robin mode)."""
+        t0 = time.perf_counter()
+        decodes = [w for w in self.pool.workers("decode") if w.address not in exclude]
+        if not decodes:
+            known = len(self.pool.workers("decode"))
+            raise NoWorkerError(f"no decode worker available ({known} registered, "
+                                f"{len(exclude)} failed for this request)")
+        prefills = [w for w in self.pool.workers("prefill") if w.address not in exclude]
+        if self.mode == "round-robin":
+            d = self._turn("decode", decodes)
+            p_cands = [w for w in prefills if w.address != d.address]
+            p = self._turn("prefill", p_cands) if p_cands else None
+            return self._finish(ids, d, p, 0, 0, lambda _w: False, False, t0)
+
+        union = {w.worker_id: w for w in decodes + prefills}
+        records = list(union.values())
+        sig = None
+        if self.mode == "cache-aware" and self.index is not None:
+            sig = self.index.signals(hashes or [], records)
+        used_index = sig is not None
+        if sig is None:
+            self.num_without_index += 1 if self.mode == "cache-aware" else 0
+            sig = [Signals(inflight=self.pool.inflight(w.address)) for w in records]
+        by_id = dict(zip(union, sig))
+        weights = self.weights if used_index else {k: v for k, v in self.weights.items()
+                                                   if k != "prefix"} or {"inflight": 1.0}
+        n_blocks = len(hashes or [])
+
+        def score(w: WorkerRecord) -> float:
+            x = ScoreInput(by_id[w.worker_id], n_blocks)
+            total = sum(weights.values())
+            return sum(wt * SCORERS[name](x) for name, wt in weights.items()) / total
+
+        d = self._best("decode", decodes, score)
+        p_cands = [w for w in prefills if w.address != d.address]
+        p = self._best("prefill", p_cands, score) if p_cands else None
+        bs = d.block_size
+
+        def saturated(w: WorkerRecord) -> bool:
+            s = by_id[w.worker_id]
+            return (s.inflight + (s.waiting or 0)) >= self.prefill_saturation > 0
+
+        sat = all(saturated(w) for w in p_cands) if p_cands else False
+        return self._finish(ids, d, p, by_id[d.worker_id].hit_blocks * bs,
+                            by_id[p.worker_id].hit_blocks * bs if p else 0,
+                            lambda _w: sat, used_index, t0)
+
+    def _finish(self, ids, d, p, d_cached, p_cached, saturated, used_index, t0) -> Decision:
+        new_tokens = len(ids) - d_cached
+        if p is None:
+            path, reason = "local", NO_PREFILL_WORKER
+        elif new_tokens <= self.local_max_new_tokens:
+            path, reason = "local", FEW_NEW_TOKENS
+        elif saturated(p):
+            path, reason = "local", PREFILL_SATURATED
+        else:
+            path, reason = "remote", MANY_NEW_TOKENS
+        return Decision(path, reason, d, p if path == "remote" else None,
+                        d_cached if path == "local" else p_cached, used_index,
+                        time.perf_counter() - t0)
+
+    def _best(self, role: str, workers: list[WorkerRecord], score) -> WorkerRecord:
+        """Highest score; ties (within 1e-9) taken in turn, so equal workers share a burst."""
+        scored = [(score(w), w) for w in workers]
+        top = max(s for s, _ in scored)
+        return self._turn(role, [w for s, w in scored if s >= top - 1e-9])
+
+    def _turn(self, role: str, workers: list[WorkerRecord]) -> WorkerRecord:
+        with self._lock:
+            turn = self._turns[role] = self._turns.get(role, -1) + 1
+        return workers[turn % len(workers)]
