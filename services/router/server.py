@@ -308,6 +308,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
                     if chunk.HasField("transfer"):
                         t = chunk.transfer
                         st.transfer_s = t.handshake_s + t.read_s + t.release_s
+                        st.blocks_read, st.blocks_local = t.blocks_read, t.blocks_local
                         st.transports = t.transports
                     if chunk.num_cached_tokens:
                         st.cached = chunk.num_cached_tokens
@@ -371,6 +372,7 @@ class _State:
         self.first_logprob: list = []
         self.route_s = 0.0
         self.decision: Decision | None = None
+        self.blocks_read = self.blocks_local = 0
 
     def route(self, decision: Decision, route_s: float) -> None:
         self.decision, self.route_s = decision, route_s
@@ -391,7 +393,8 @@ class _State:
             decode_worker=self.decode_worker, transports=self.transports, retries=self.attempt,
             prompt_token_ids=self.ids, route_reason=d.reason if d else "",
             index_cached_tokens=d.cached_tokens if d else 0,
-            index_used=d.used_index if d else False,
+            index_used=d.used_index if d else False, kv_blocks_read=self.blocks_read,
+            kv_blocks_local=self.blocks_local,
             usage=api_pb2.Usage(prompt_tokens=len(self.ids), cached_tokens=self.cached,
                                 completion_tokens=len(self.tokens)),
             timing=api_pb2.Timing(prefill_s=self.prefill_s, transfer_s=self.transfer_s,

@@ -80,7 +80,7 @@ class GenerateDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids", "route_reason", "index_cached_tokens", "index_used")
+    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids", "route_reason", "index_cached_tokens", "index_used", "kv_blocks_read", "kv_blocks_local")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class GenerateFinal(_message.Message):
     ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     INDEX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_READ_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_LOCAL_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     path: str
@@ -105,7 +107,9 @@ class GenerateFinal(_message.Message):
     route_reason: str
     index_cached_tokens: int
     index_used: bool
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route_reason: _Optional[str] = ..., index_cached_tokens: _Optional[int] = ..., index_used: _Optional[bool] = ...) -> None: ...
+    kv_blocks_read: int
+    kv_blocks_local: int
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route_reason: _Optional[str] = ..., index_cached_tokens: _Optional[int] = ..., index_used: _Optional[bool] = ..., kv_blocks_read: _Optional[int] = ..., kv_blocks_local: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")

@@ -1,0 +1,219 @@
+"""Cache- and load-aware routing on a real cluster: a real redis-server, two prefill workers, one
+decode worker and two routers as processes on loopback. The workers run a tiny random Llama (the
+routing does not depend on the weights; the cluster tests use the real model), with 4-token
+blocks so that short prompts span many blocks."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis as redis_py
+from baton.control.prefix_index import INDEX_PREFIX
+from baton.control.redis_server import EmbeddedRedis
+from baton.services.common.launch import WorkerProcess
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+pytestmark = pytest.mark.slow
+
+BS = 4  # tokens per KV block
+TTL = 2.0  # registry / index TTL, seconds
+
+
+def start_all(*specs):
+    """Start workers in parallel: ``(role, args)`` pairs -> WorkerProcess list."""
+    with ThreadPoolExecutor(len(specs)) as ex:
+        return list(ex.map(lambda s: WorkerProcess(*s), specs))
+
+
+class Cluster:
+    def __init__(self, model_dir) -> None:
+        self.redis = EmbeddedRedis().start()
+        self.common = ["--model", str(model_dir), "--block-size", str(BS), "--num-blocks", "512",
+                       "--redis-url", self.redis.url, "--registry-ttl", str(TTL),
+                       "--threads", "1"]
+        self.p1, self.p2, self.decode = start_all(("prefill", self.common),
+                                                  ("prefill", self.common),
+                                                  ("decode", self.common))
+        # r1 lets decode workers prefill few new tokens; r2 always uses a prefill worker
+        self.r1, self.r2 = start_all(*self.router_specs())
+
+    def router_specs(self):
+        return [("router", ["--redis-url", self.redis.url, "--http-port", "0",
+                            "--local-prefill-max-tokens", "8"]),
+                ("router", ["--redis-url", self.redis.url, "--http-port", "-1",
+                            "--local-prefill-max-tokens", "0"])]
+
+    @property
+    def prefills(self):
+        return [self.p1, self.p2]
+
+    def stop(self):
+        for w in (self.r1, self.r2, self.decode, self.p1, self.p2):
+            w.stop()
+        self.redis.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama):
+    c = Cluster(tiny_llama[0])
+    yield c
+    c.stop()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 400) for _ in range(n)]
+
+
+def generate(router, ids, max_tokens=4, salt=None, timeout=60.0):
+    params = worker_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if salt is not None:
+        params.cache_salt = salt
+    req = api_pb2.GenerateRequest(params=params)
+    req.token_ids.ids.extend(ids)
+    out, final = [], None
+    for msg in api_pb2_grpc.BatonStub(router.channel).Generate(req, timeout=timeout):
+        if msg.HasField("delta"):
+            out += msg.delta.token_ids
+        else:
+            final = msg.final
+    assert final is not None and final.finish_reason == "length"
+    return out, final
+
+
+def settle():
+    time.sleep(0.15)  # workers publish index changes every ~20 ms
+
+
+def test_requests_sharing_a_prefix_go_where_it_is_cached(cluster):
+    systems = [tokens(s, 96) for s in (1, 2, 3, 4)]
+    first = {}
+    for i, sys_ids in enumerate(systems):
+        _, f = generate(cluster.r2, sys_ids + tokens(100 + i, 12))
+        assert f.path == "remote" and f.route_reason == "many-new-tokens" and f.index_used
+        first[i] = f.prefill_worker
+    settle()
+    assert set(first.values()) == {cluster.p1.worker_id, cluster.p2.worker_id}  # spread
+    for round_ in range(2):
+        for i, sys_ids in enumerate(systems):
+            for k, router in enumerate((cluster.r2, cluster.r1)):  # the index is shared
+                _, f = generate(router, sys_ids + tokens(1000 * round_ + 10 * i + k, 30))
+                assert f.path == "remote" and f.prefill_worker == first[i], (i, f)
+                assert f.index_cached_tokens == 96  # the whole system prompt, 24 blocks
+                assert f.usage.cached_tokens == 96  # and the worker did reuse them
+    # the same prompt under another cache salt shares nothing
+    _, f = generate(cluster.r2, systems[0] + tokens(7, 30), salt="tenant-b")
+    assert f.index_cached_tokens == 0 and f.usage.cached_tokens == 0
+
+
+def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
+    turn1 = tokens(20, 61)
+    out1, f1 = generate(cluster.r2, turn1, max_tokens=12)
+    assert f1.path == "remote" and f1.kv_blocks_local == 0
+    settle()
+    # turn 2 = turn 1 + its answer + a short question: the decode worker holds all but the
+    # last few tokens (blocks produced by decoding included) and prefills them itself
+    turn2 = turn1 + out1 + tokens(21, 5)
+    _, f2 = generate(cluster.r1, turn2)
+    held = (len(turn1) + len(out1) - 1) // BS * BS  # the last answer token has no KV yet
+    assert f2.path == "local" and f2.route_reason == "few-new-tokens"
+    assert f2.decode_worker == f1.decode_worker
+    assert f2.index_cached_tokens == held and f2.usage.cached_tokens == held
+    # through a router that always prefills remotely, only the blocks the decode worker lacks
+    # move: the prefill worker computes the turn, the hand-off reads just the new blocks
+    turn3 = turn2 + tokens(22, 40)
+    settle()
+    _, f3 = generate(cluster.r2, turn3)
+    assert f3.path == "remote"
+    total_blocks = -(-len(turn3) // BS)
+    assert f3.kv_blocks_local >= held // BS
+    assert f3.kv_blocks_read + f3.kv_blocks_local == total_blocks
+    assert f3.kv_blocks_read <= total_blocks - held // BS
+
+
+def test_a_burst_across_two_routers_spreads_over_the_workers(cluster):
+    prompt = tokens(30, 200)  # identical prompts, arriving at once at both routers
+    results = []
+
+    def one(i):
+        router = (cluster.r1, cluster.r2)[i % 2]
+        results.append(generate(router, prompt, max_tokens=24)[1])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    per_worker = {w.worker_id: 0 for w in cluster.prefills}
+    for f in results:
+        per_worker[f.prefill_worker] += 1
+    counts = list(per_worker.values())
+    print(f"burst of 12 over 2 prefill workers: {per_worker} max/mean "
+          f"{max(counts) / (sum(counts) / len(counts)):.2f}")
+    assert len(results) == 12 and min(counts) >= 3, per_worker
+
+
+def test_metrics_count_decisions_and_reasons(cluster):
+    generate(cluster.r1, tokens(40, 50))
+    body = urllib.request.urlopen(f"http://{cluster.r1.http_address}/metrics",
+                                  timeout=10).read().decode()
+    assert 'baton_route_decisions_total{path="remote",reason="many-new-tokens"}' in body
+    assert "baton_prefix_index_up 1" in body
+    assert "baton_route_decision_seconds_count" in body
+
+
+def test_router_restart_keeps_the_index(cluster):
+    prompt = tokens(50, 80)
+    _, f = generate(cluster.r1, prompt + tokens(51, 20))
+    settle()
+    cluster.r1.stop()
+    cluster.r1 = WorkerProcess(*cluster.router_specs()[0])
+    _, g = generate(cluster.r1, prompt + tokens(52, 20))
+    assert g.index_cached_tokens == 80 and g.prefill_worker == f.prefill_worker
+
+
+def test_redis_outage_degrades_to_load_only_and_recovers(cluster):
+    prompt = tokens(60, 64)
+    generate(cluster.r2, prompt + tokens(61, 20))
+    settle()
+    port = cluster.redis.port
+    cluster.redis.stop()
+    try:
+        for i in range(4):  # no request fails while the index is down
+            _, f = generate(cluster.r2, prompt + tokens(62 + i, 20))
+            assert not f.index_used and f.index_cached_tokens == 0
+    finally:
+        cluster.redis = EmbeddedRedis(port=port).start()  # back, and empty
+    # workers re-register on their next heartbeat and resend their whole index
+    end, k = time.monotonic() + 10, 70
+    while True:
+        k += 1
+        _, f = generate(cluster.r2, prompt + tokens(k, 20))
+        if f.index_used and f.index_cached_tokens == 64:
+            break
+        assert time.monotonic() < end, f
+        time.sleep(0.3)
+    assert f.usage.cached_tokens == 64
+
+
+def test_a_killed_workers_entries_expire_within_the_ttl(cluster):
+    r = redis_py.Redis.from_url(cluster.redis.url)
+    victim = cluster.p2
+    generate(cluster.r2, tokens(80, 100))
+    settle()
+    keys = lambda: r.keys(f"{INDEX_PREFIX}{victim.worker_id}:*")  # noqa: E731
+    victim.kill()
+    t = time.monotonic()
+    while keys():
+        assert time.monotonic() - t < TTL + 1.0, "index entries outlived the TTL"
+        time.sleep(0.1)
+    print(f"index entries of a SIGKILLed worker gone after {time.monotonic() - t:.2f}s "
+          f"(TTL {TTL}s)")
+    # and routing carries on with the remaining prefill worker
+    _, f = generate(cluster.r2, tokens(81, 60))
+    assert f.prefill_worker == cluster.p1.worker_id
