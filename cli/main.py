@@ -113,6 +113,8 @@ def _request(a: argparse.Namespace) -> int:
 
     params = worker_pb2.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
                                        top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+    if a.cache_salt is not None:
+        params.cache_salt = a.cache_salt
     req = api_pb2.GenerateRequest(params=params)
     if a.chat:
         req.chat.messages.add(role="user", content=a.prompt)
@@ -140,8 +142,9 @@ def _request(a: argparse.Namespace) -> int:
     else:
         print()
         t = final.timing
-        print(f"[{final.finish_reason}; {final.path} path; {final.usage.prompt_tokens} prompt "
-              f"+ {final.usage.completion_tokens} tokens; first token {t.first_token_s * 1e3:.0f}"
+        print(f"[{final.finish_reason}; {final.path} path ({final.route_reason}); "
+              f"{final.usage.prompt_tokens} prompt ({final.usage.cached_tokens} cached) + "
+              f"{final.usage.completion_tokens} tokens; first token {t.first_token_s * 1e3:.0f}"
               f" ms, total {t.total_s * 1e3:.0f} ms]", file=sys.stderr)
     return 0
 
@@ -190,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
     _sampling_args(r)
     r.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds")
+    r.add_argument("--cache-salt", default=None,
+                   help="isolate this request's prefix cache (e.g. per tenant): prompts under "
+                        "different salts never share KV blocks")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids and the final message")
     for name in ("router", "worker"):

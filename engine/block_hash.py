@@ -53,11 +53,14 @@ def hash_blocks(
     if n == 0:
         return []
     data = struct.pack(f"<{n * block_size}I", *token_ids[: n * block_size])
-    step, head = 4 * block_size, HASH_VERSION
-    sha = hashlib.sha256
+    step, base = 4 * block_size, hashlib.sha256(HASH_VERSION)
     p = parent if parent is not None else ROOT_PARENT
     out: list[bytes] = []
     for i in range(0, n * step, step):
-        p = sha(head + p + namespace + data[i : i + step]).digest()
+        h = base.copy()
+        h.update(p)
+        h.update(namespace)
+        h.update(data[i : i + step])
+        p = h.digest()
         out.append(p)
     return out
