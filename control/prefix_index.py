@@ -21,8 +21,9 @@ usage and requests in flight. Routers write the third: a request is added to its
 in-flight sets when routed and removed when it ends (in batches, by a background thread, off the
 request path); each router re-arms its own entries' expiry every few seconds, so the entries of
 a router that dies expire within ``inflight_ttl_s`` instead of counting forever. All keys of one
-lookup must live on one Redis (no Redis Cluster slot routing). Redis being down is never a routing error:
-:meth:`PrefixIndex.signals` returns ``None`` and the router routes on its own counts.
+lookup must live on one Redis (no Redis Cluster slot routing). Redis being down is never a
+routing error: :meth:`PrefixIndex.signals` returns ``None`` and the router routes on its own
+counts.
 """
 
 from __future__ import annotations
