@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
 
-    rows = [json.loads(line) for line in open(args.trace)]
+    with open(args.trace) as f:
+        rows = [json.loads(line) for line in f]
     if args.requests:
         rows = rows[: args.requests]
     prompts = scaled_prompts(rows)
@@ -101,6 +102,7 @@ def main() -> None:
 
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.common.launch import WorkerProcess
+
     from tests.conftest import make_hf_model
 
     model_dir = Path(tempfile.mkdtemp(prefix="baton-trace-model-"))
