@@ -113,7 +113,7 @@ def main() -> None:
                 "mean_ms": round(statistics.fmean(xs), 4)}
 
     res = {"benchmark": "route_decision", "machine": machine(),
-           "prompt_tokens": args.prompt_tokens, "prompt_blocks": len(hashes),
+           "prompt_tokens": args.prompt_tokens, "prompt_blocks": len(hashes) // 32,
            "workers": args.workers, "blocks_per_worker": args.blocks_per_worker,
            "requests": args.requests, "decision": summary(decide),
            "of_which_hashing": summary(hashing), "redis_ping": summary(ping),
@@ -121,7 +121,7 @@ def main() -> None:
     res["decision_p50_over_ping_p50"] = round(res["decision"]["p50_ms"]
                                               / res["redis_ping"]["p50_ms"], 2)
     res["meets_target"] = res["decision"]["p99_ms"] <= 2.0
-    print(f"\nrouting decision, {args.prompt_tokens}-token prompt ({len(hashes)} blocks), "
+    print(f"\nrouting decision, {args.prompt_tokens}-token prompt ({len(hashes) // 32} blocks), "
           f"{args.workers} workers, {args.requests} requests")
     print(f"{'':26} {'p50 ms':>8} {'p99 ms':>8}")
     for name, key in (("decision (incl. Redis)", "decision"),

@@ -253,8 +253,9 @@ class PrefixIndex:
 
     # ---- reads -----------------------------------------------------------------------------------
 
-    def signals(self, hashes: list[bytes], workers) -> list[Signals] | None:
-        """One :class:`Signals` per worker record (same order), or ``None`` if Redis is down."""
+    def signals(self, hashes: bytes | list[bytes], workers) -> list[Signals] | None:
+        """One :class:`Signals` per worker record (same order), or ``None`` if Redis is down.
+        ``hashes``: the prompt's block hashes, as a list or concatenated."""
         if not self._usable():
             return None
         keys = []
@@ -268,7 +269,8 @@ class PrefixIndex:
                     inflight_key(w.worker_id))
             keys += k
         try:
-            reply = self._script(keys=keys, args=[_now_ms(), b"".join(hashes)])
+            blob = hashes if isinstance(hashes, bytes) else b"".join(hashes)
+            reply = self._script(keys=keys, args=[_now_ms(), blob])
         except (RedisError, OSError) as e:
             self._went_down(e)
             return None

@@ -10,10 +10,13 @@ get identical hashes in every process and on every machine (no Python ``hash()``
 block's hash commits to everything before it, and different models or tenants never share entries.
 
 This module imports nothing heavier than ``hashlib`` so that the router can use it without torch.
+Long chains go through a small native helper (``kernels/csrc/block_hash.c``, OpenSSL's SHA-256,
+same bytes) when a C compiler is available; ``BATON_NATIVE=0`` keeps everything in Python.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -47,20 +50,70 @@ def hash_blocks(
     parent: bytes | None = None,
 ) -> list[bytes]:
     """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is
-    skipped). Same bytes as :func:`hash_block` in a loop; packs the ids once (a router hashes
-    8k-token prompts per request)."""
+    skipped)."""
+    raw = hash_chain(token_ids, block_size, namespace, parent)
+    return [raw[i : i + 32] for i in range(0, len(raw), 32)]
+
+
+def hash_chain(
+    token_ids: Sequence[int],
+    block_size: int,
+    namespace: bytes,
+    parent: bytes | None = None,
+) -> bytes:
+    """:func:`hash_blocks`, concatenated (32 bytes per block): what the router sends to the
+    Redis index. Same bytes as :func:`hash_block` in a loop; long chains are hashed natively."""
     n = len(token_ids) // block_size
     if n == 0:
-        return []
+        return b""
     data = struct.pack(f"<{n * block_size}I", *token_ids[: n * block_size])
-    step, base = 4 * block_size, hashlib.sha256(HASH_VERSION)
     p = parent if parent is not None else ROOT_PARENT
-    out: list[bytes] = []
+    if n >= _NATIVE_MIN_BLOCKS and len(namespace) == 32 and len(p) == 32:
+        native = _native()
+        if native is not None:
+            out = ctypes.create_string_buffer(32 * n)
+            if native(*_SHA256, HASH_VERSION, len(HASH_VERSION), p, namespace, data,
+                      4 * block_size, n, out) == 0:
+                return out.raw
+    step, base = 4 * block_size, hashlib.sha256(HASH_VERSION)
+    out_list: list[bytes] = []
     for i in range(0, n * step, step):
         h = base.copy()
         h.update(p)
         h.update(namespace)
         h.update(data[i : i + step])
         p = h.digest()
-        out.append(p)
-    return out
+        out_list.append(p)
+    return b"".join(out_list)
+
+
+_NATIVE_MIN_BLOCKS = 8  # below this, ctypes' call overhead outweighs the gain
+_SHA256 = None
+_native_fn: object = False  # False: not tried yet; None: unavailable
+
+
+def _native():
+    """The native chain function, built on first use; None without a compiler or libcrypto."""
+    global _native_fn, _SHA256
+    if _native_fn is False:
+        _native_fn = None
+        try:
+            import ctypes.util
+
+            from baton.kernels.native import build
+
+            crypto = ctypes.util.find_library("crypto")
+            lib = build("block_hash", [], torch_runtime=False) if crypto else None
+            if lib is not None:
+                libcrypto = ctypes.CDLL(crypto)
+                _SHA256 = tuple(ctypes.cast(getattr(libcrypto, f"SHA256_{name}"),
+                                            ctypes.c_void_p) for name in ("Init", "Update", "Final"))
+                fn = lib.baton_chain_hash
+                fn.restype = ctypes.c_int
+                fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_char_p, ctypes.c_size_t,
+                               ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                               ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p]
+                _native_fn = fn
+        except (OSError, AttributeError, ImportError):
+            _native_fn = None
+    return _native_fn

@@ -27,7 +27,9 @@ def enabled() -> bool:
     return os.environ.get("BATON_NATIVE", "1") != "0"
 
 
-def build(name: str, extra_flags: list[str]) -> ctypes.CDLL | None:
+def build(name: str, extra_flags: list[str], torch_runtime: bool = True) -> ctypes.CDLL | None:
+    """Compile (once) and load ``csrc/<name>.c``. ``torch_runtime=False`` for kernels that use no
+    OpenMP and must load without torch (the router's block hashing)."""
     if not enabled():
         return None
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
@@ -48,6 +50,7 @@ def build(name: str, extra_flags: list[str]) -> ctypes.CDLL | None:
                   file=sys.stderr)
             return None
         tmp.rename(lib)
-    import torch  # noqa: F401  (its libgomp must be loaded before ours resolves)
+    if torch_runtime:
+        import torch  # noqa: F401  (its libgomp must be loaded before ours resolves)
 
     return ctypes.CDLL(str(lib))

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from baton.control.prefix_index import PrefixIndex, Signals
 from baton.control.registry import WorkerRecord
-from baton.engine.block_hash import hash_blocks, namespace_for
+from baton.engine.block_hash import hash_chain, namespace_for
 
 MODES = ("cache-aware", "least-loaded", "round-robin")
 DEFAULT_WEIGHTS = "prefix=3,inflight=1,queue=1,kv=0.5"
@@ -121,13 +121,13 @@ class RoutingPolicy:
         self.num_without_index = 0
 
     def prompt_hashes(self, ids: list[int], fingerprint: str, cache_salt: str | None,
-                      block_size: int) -> list[bytes]:
-        """Hashes of the blocks a worker could reuse: at most ``len(ids) - 1`` tokens (the last
-        prompt token always runs through the model)."""
+                      block_size: int) -> bytes:
+        """Hashes (concatenated, 32 bytes each) of the blocks a worker could reuse: at most
+        ``len(ids) - 1`` tokens (the last prompt token always runs through the model)."""
         usable = (len(ids) - 1) // block_size * block_size
-        return hash_blocks(ids[:usable], block_size, namespace_for(fingerprint, cache_salt))
+        return hash_chain(ids[:usable], block_size, namespace_for(fingerprint, cache_salt))
 
-    def decide(self, ids: list[int], hashes: list[bytes] | None, exclude: set[str]) -> Decision:
+    def decide(self, ids: list[int], hashes: bytes | None, exclude: set[str]) -> Decision:
         """``hashes``: :meth:`prompt_hashes` (None in round-robin mode)."""
         t0 = time.perf_counter()
         decodes = [w for w in self.pool.workers("decode") if w.address not in exclude]
@@ -146,7 +146,7 @@ class RoutingPolicy:
         records = list(union.values())
         sig = None
         if self.mode == "cache-aware" and self.index is not None:
-            sig = self.index.signals(hashes or [], records)
+            sig = self.index.signals(hashes or b"", records)
         used_index = sig is not None
         if sig is None:
             self.num_without_index += 1 if self.mode == "cache-aware" else 0
@@ -154,7 +154,7 @@ class RoutingPolicy:
         by_id = dict(zip(union, sig))
         weights = self.weights if used_index else {k: v for k, v in self.weights.items()
                                                    if k != "prefix"} or {"inflight": 1.0}
-        n_blocks = len(hashes or [])
+        n_blocks = len(hashes or b"") // 32
 
         def score(w: WorkerRecord) -> float:
             x = ScoreInput(by_id[w.worker_id], n_blocks)

@@ -496,6 +496,7 @@ def main(argv: list[str] | None = None) -> None:
     policy = RoutingPolicy(pool, index, mode=args.routing, weights=weights,
                            local_max_new_tokens=args.local_prefill_max_tokens,
                            prefill_saturation=args.prefill_saturation)
+    policy.prompt_hashes([0] * 256, worker.fingerprint, None, 16)  # builds the native hasher
     service = RouterService(pool, BatonTokenizer.from_json(json.loads(tok.tokenizer_json)),
                             tok.model, tok.max_model_len, worker.fingerprint, policy,
                             args.max_retries)

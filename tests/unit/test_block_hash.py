@@ -54,3 +54,29 @@ def test_stable_across_processes_and_torch_free():
     assert outs[0] == outs[1]
     assert outs[0][1] == "False"
     assert outs[0][0] == hash_blocks(list(range(8)), 4, namespace_for("fp-test"))[1].hex()
+
+
+def test_native_chain_equals_the_python_chain():
+    import random
+
+    from baton.engine import block_hash
+
+    rng = random.Random(3)
+    ids = [rng.randrange(1 << 20) for _ in range(16 * 40 + 5)]
+    ns = namespace_for("fp", "salt")
+    parent = hash_block(None, ns, [9] * 16)
+    reference = []
+    p = parent
+    for i in range(0, 16 * 40, 16):
+        p = hash_block(p, ns, ids[i : i + 16])
+        reference.append(p)
+    fast = block_hash.hash_chain(ids, 16, ns, parent)  # 40 blocks: the native path if built
+    assert fast == b"".join(reference)
+    assert block_hash.hash_blocks(ids, 16, ns, parent) == reference
+    if block_hash._native() is None:  # no C compiler here: the Python path was checked
+        return
+    saved, block_hash._native_fn = block_hash._native_fn, None  # force the Python path
+    try:
+        assert block_hash.hash_chain(ids, 16, ns, parent) == fast
+    finally:
+        block_hash._native_fn = saved
