@@ -106,8 +106,8 @@ def _native():
             lib = build("block_hash", [], torch_runtime=False) if crypto else None
             if lib is not None:
                 libcrypto = ctypes.CDLL(crypto)
-                _SHA256 = tuple(ctypes.cast(getattr(libcrypto, f"SHA256_{name}"),
-                                            ctypes.c_void_p) for name in ("Init", "Update", "Final"))
+                _SHA256 = tuple(ctypes.cast(getattr(libcrypto, f"SHA256_{name}"), ctypes.c_void_p)
+                                for name in ("Init", "Update", "Final"))
                 fn = lib.baton_chain_hash
                 fn.restype = ctypes.c_int
                 fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_char_p, ctypes.c_size_t,
