@@ -79,6 +79,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     handoff: KVHandoff | None = None
+    queue_s: float | None = None  # arrival to first scheduled (None: not scheduled here)
 
 
 @dataclass
@@ -392,7 +393,9 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=tokens, new_text=new_text or "",
             finished=req.is_finished, finish_reason=FINISH_REASONS.get(req.status),
             stop_reason=req.stop_reason, logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens, num_output_tokens=req.num_output_tokens)
+            num_cached_tokens=req.num_cached_tokens, num_output_tokens=req.num_output_tokens,
+            queue_s=(None if req.first_scheduled_time is None
+                     else req.first_scheduled_time - req.arrival_time))
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)

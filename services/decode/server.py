@@ -101,6 +101,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
         def first(chunk, out):
             chunk.num_cached_tokens = out.num_cached_tokens
+            chunk.queue_s = out.queue_s or 0.0
         yield from _relay(stream, context, first)
 
     def Tokenizer(self, request, context):

@@ -60,7 +60,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 abort_with(context, out)
         resp = worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
                                           num_cached_tokens=out.num_cached_tokens,
-                                          prefill_s=time.monotonic() - t0)
+                                          prefill_s=time.monotonic() - t0,
+                                          queue_s=out.queue_s or 0.0)
         if out.logprobs:
             resp.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
         if out.handoff is None:  # the first token ended it (EOS, stop, max_tokens=1)

@@ -261,6 +261,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
             finally:
                 calls.remove(fut)
         st.prefill_s = time.monotonic() - t
+        st.queue_s = pre.queue_s
         st.cached = pre.num_cached_tokens
         first_lp = [pre.first_logprob] if pre.HasField("first_logprob") else []
         if pre.finish_reason:  # the first token ended the request: nothing to hand off
@@ -312,6 +313,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
                         st.transports = t.transports
                     if chunk.num_cached_tokens:
                         st.cached = chunk.num_cached_tokens
+                    if chunk.queue_s:
+                        st.queue_s = chunk.queue_s
                     lps = list(chunk.logprobs)
                     if not st.tokens and st.first_logprob and len(lps) < len(chunk.token_ids):
                         lps = st.first_logprob + lps  # the hand-off's first token: prefill's
@@ -370,7 +373,8 @@ class _State:
         self.first_at: float | None = None
         self.transports = self.prefill_worker = self.decode_worker = ""
         self.first_logprob: list = []
-        self.route_s = 0.0
+        self.route_s = self.queue_s = 0.0
+        self.second_at: float | None = None  # when the token after the first one was sent
         self.decision: Decision | None = None
         self.blocks_read = self.blocks_local = 0
 
@@ -380,6 +384,8 @@ class _State:
     def delta(self, token_ids, text, logprobs=()):
         if self.first_at is None:
             self.first_at = time.monotonic()
+        elif self.second_at is None and token_ids:
+            self.second_at = time.monotonic()
         self.sent = True
         return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
             text=text, token_ids=token_ids, logprobs=logprobs))
@@ -399,7 +405,10 @@ class _State:
                                 completion_tokens=len(self.tokens)),
             timing=api_pb2.Timing(prefill_s=self.prefill_s, transfer_s=self.transfer_s,
                                   first_token_s=first - self.t0, decode_s=now - first,
-                                  total_s=now - self.t0, route_s=self.route_s)))
+                                  total_s=now - self.t0, route_s=self.route_s,
+                                  queue_s=self.queue_s,
+                                  first_decode_step_s=(self.second_at - first
+                                                       if self.second_at else 0.0))))
 
 
 def _left(context) -> float:

@@ -115,6 +115,9 @@ def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
     turn1 = tokens(20, 61)
     out1, f1 = generate(cluster.r2, turn1, max_tokens=12)
     assert f1.path == "remote" and f1.kv_blocks_local == 0
+    t = f1.timing  # the breakdown: route, queue (inside prefill), transfer, first decode step
+    assert 0 < t.route_s < t.first_token_s and 0 <= t.queue_s <= t.prefill_s
+    assert t.transfer_s > 0 and 0 < t.first_decode_step_s <= t.decode_s < t.total_s
     settle()
     # turn 2 = turn 1 + its answer + a short question: the decode worker holds all but the
     # last few tokens (blocks produced by decoding included) and prefills them itself
@@ -122,6 +125,7 @@ def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
     _, f2 = generate(cluster.r1, turn2)
     held = (len(turn1) + len(out1) - 1) // BS * BS  # the last answer token has no KV yet
     assert f2.path == "local" and f2.route_reason == "few-new-tokens"
+    assert f2.timing.prefill_s == 0 and 0 < f2.timing.first_decode_step_s
     assert f2.decode_worker == f1.decode_worker
     assert f2.index_cached_tokens == held and f2.usage.cached_tokens == held
     # through a router that always prefills remotely, only the blocks the decode worker lacks

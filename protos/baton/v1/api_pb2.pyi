@@ -54,20 +54,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s", "route_s")
+    __slots__ = ("prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s", "route_s", "queue_s", "first_decode_step_s")
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     ROUTE_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
     prefill_s: float
     transfer_s: float
     first_token_s: float
     decode_s: float
     total_s: float
     route_s: float
-    def __init__(self, prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., route_s: _Optional[float] = ...) -> None: ...
+    queue_s: float
+    first_decode_step_s: float
+    def __init__(self, prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., route_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs")

@@ -81,7 +81,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "handle", "num_cached_tokens", "prefill_s", "sampler_state", "first_logprob")
+    __slots__ = ("first_token_id", "finish_reason", "handle", "num_cached_tokens", "prefill_s", "sampler_state", "first_logprob", "queue_s")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class PrefillResponse(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
     handle: KVHandle
@@ -96,7 +97,8 @@ class PrefillResponse(_message.Message):
     prefill_s: float
     sampler_state: bytes
     first_logprob: TokenLogprob
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sampler_state: _Optional[bytes] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
+    queue_s: float
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sampler_state: _Optional[bytes] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "params", "handle", "sampler_state")
@@ -115,20 +117,22 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "transfer", "num_cached_tokens", "logprobs")
+    __slots__ = ("token_ids", "text", "finish_reason", "transfer", "num_cached_tokens", "logprobs", "queue_s")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
     transfer: TransferStats
     num_cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    queue_s: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
 class LocalRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
