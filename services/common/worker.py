@@ -45,7 +45,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 
 def add_server_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0: every interface)")
+    g.add_argument("--advertise-host", default=os.environ.get("BATON_ADVERTISE_HOST"),
+                   help="address routers and peers reach this worker at, registered in Redis "
+                        "(default $BATON_ADVERTISE_HOST, else --host, else this host's IP when "
+                        "--host is 0.0.0.0; in Kubernetes: the pod IP)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
     g.add_argument("--worker-id", default=None, help="stable name (default: role-host-port)")
     g.add_argument("--log-level", default="INFO")
@@ -111,10 +116,22 @@ def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
     incarnation = new_incarnation()
     server = make_server()
     port = server.add_insecure_port(f"{args.host}:{args.port}")
-    worker_id = args.worker_id or f"{role}-{args.host}-{port}"
+    host = advertised_host(args)
+    worker_id = args.worker_id or f"{role}-{host}-{port}"
     agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
-    return WorkerBoot(engine, role, args.host, f"{args.host}:{port}", worker_id, incarnation,
+    return WorkerBoot(engine, role, args.host, f"{host}:{port}", worker_id, incarnation,
                       server, agent)
+
+
+def advertised_host(args: argparse.Namespace) -> str:
+    """The host part of the address this worker registers (see ``--advertise-host``)."""
+    if getattr(args, "advertise_host", None):
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "", "::"):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return args.host
 
 
 def tokenizer_info(engine):

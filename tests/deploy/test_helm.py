@@ -1,0 +1,199 @@
+"""The Helm chart: `helm lint --strict` and `helm template` over the values files in
+deploy/helm/baton/ci/, and checks on the rendered manifests. No Kubernetes API server runs here,
+so this is what can be tested: the manifests themselves, not a cluster running them.
+
+helm comes from $BATON_HELM, PATH, or deploy/helm/get-helm.sh's cache (.ci/run fetches it). When
+none is found the tests are skipped, except when BATON_HELM is set (CI), where that fails."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "baton"
+VALUES = {"defaults": None, **{p.stem.removesuffix("-values"): p
+                               for p in sorted((CHART / "ci").glob("*-values.yaml"))}}
+
+
+def helm_binary() -> str:
+    env = os.environ.get("BATON_HELM")
+    if env:
+        assert Path(env).exists(), f"BATON_HELM={env} does not exist"
+        return env
+    cached = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
+    for cand in (shutil.which("helm"), cached / "helm" / "helm"):
+        if cand and Path(cand).exists():
+            return str(cand)
+    pytest.skip("no helm binary (run deploy/helm/get-helm.sh, or set BATON_HELM)")
+
+
+@pytest.fixture(scope="module")
+def helm():
+    return helm_binary()
+
+
+def render(helm, values: Path | None, *sets: str) -> list[dict]:
+    cmd = [helm, "template", "rel", str(CHART), "--namespace", "serving"]
+    if values is not None:
+        cmd += ["-f", str(values)]
+    for s in sets:
+        cmd += ["--set", s]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def by_kind(docs, kind):
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_lint_strict(helm, name):
+    cmd = [helm, "lint", "--strict", str(CHART)]
+    if VALUES[name] is not None:
+        cmd += ["-f", str(VALUES[name])]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_rendered_manifests_hang_together(helm, name):
+    docs = render(helm, VALUES[name])
+    deployments = by_kind(docs, "Deployment")
+    services = by_kind(docs, "Service")
+    assert {"rel-baton-router", "rel-baton-prefill", "rel-baton-decode"} <= set(deployments)
+    for dname, d in deployments.items():
+        spec = d["spec"]
+        pod_labels = spec["template"]["metadata"]["labels"]
+        sel = spec["selector"]["matchLabels"]
+        assert sel.items() <= pod_labels.items(), f"{dname}: selector does not match its pods"
+        for c in spec["template"]["spec"]["containers"]:
+            assert c["resources"].get("requests"), f"{dname}/{c['name']}: no resource requests"
+            assert "memory" in c["resources"].get("limits", {}), f"{dname}: no memory limit"
+            assert c.get("readinessProbe") and c.get("livenessProbe"), f"{dname}: probes"
+            ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                pr = c.get(probe)
+                if pr and "grpc" in pr:  # native gRPC probes: no tool needed in the image
+                    assert pr["grpc"]["port"] in ports.values(), (dname, probe)
+    # every Service selects pods of exactly one Deployment, on ports those pods expose
+    for sname, s in services.items():
+        targets = [d for d in deployments.values() if s["spec"]["selector"].items()
+                   <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(targets) == 1, f"service {sname} selects {len(targets)} deployments"
+        c = targets[0]["spec"]["template"]["spec"]["containers"][0]
+        named = {p["name"] for p in c["ports"]}
+        for p in s["spec"]["ports"]:
+            assert p["targetPort"] in named, (sname, p)
+    # PDBs and HPAs point at real things
+    for pdb in by_kind(docs, "PodDisruptionBudget").values():
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        assert any(sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+                   for d in deployments.values()), pdb["metadata"]["name"]
+    for hpa in by_kind(docs, "HorizontalPodAutoscaler").values():
+        target = hpa["spec"]["scaleTargetRef"]["name"]
+        assert target in deployments
+        assert "replicas" not in deployments[target]["spec"], "HPA and fixed replicas fight"
+
+
+def worker_env(dep) -> dict:
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def test_defaults_wire_workers_to_the_in_chart_redis(helm):
+    docs = render(helm, None)
+    deps = by_kind(docs, "Deployment")
+    assert "rel-baton-redis" in deps and "rel-baton-redis" in by_kind(docs, "Service")
+    for role in ("prefill", "decode"):
+        dep = deps[f"rel-baton-{role}"]
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        args = c["args"]
+        assert args[:3] == ["worker", "--role", role]
+        assert args[args.index("--redis-url") + 1] == "$(BATON_REDIS_URL)"
+        env = worker_env(dep)
+        assert env["BATON_REDIS_URL"]["value"] == "redis://rel-baton-redis:6379/0"
+        # workers register their pod IP, bind every interface
+        assert env["BATON_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert args[args.index("--host") + 1] == "0.0.0.0"
+        grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > int(args[args.index("--drain-timeout") + 1])  # drain before SIGKILL
+        assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+    router = deps["rel-baton-router"]["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][0] == "router"
+    assert router["args"][router["args"].index("--routing") + 1] == "cache-aware"
+    svc = by_kind(docs, "Service")["rel-baton-router"]
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "http": 8000}
+
+
+def test_gpu_pools(helm):
+    docs = render(helm, VALUES["gpu-pools"])
+    deps = by_kind(docs, "Deployment")
+    for role, replicas in (("prefill", 2), ("decode", 4)):
+        spec = deps[f"rel-baton-{role}"]["spec"]
+        pod = spec["template"]["spec"]
+        c = pod["containers"][0]
+        assert spec["replicas"] == replicas
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert worker_env(deps[f"rel-baton-{role}"])["UCX_TLS"]["value"] == "rc,cuda_copy,cuda_ipc"
+        assert c["args"][c["args"].index("--model") + 1] == "/models/Llama-3.1-8B-Instruct"
+        assert c["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
+        assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "models"}
+    assert "UCX_NET_DEVICES" in worker_env(deps["rel-baton-prefill"])
+    assert "UCX_NET_DEVICES" not in worker_env(deps["rel-baton-decode"])  # per pool
+
+
+def test_external_redis_from_a_secret_with_tracing_and_monitoring(helm):
+    docs = render(helm, VALUES["external-redis"])
+    assert "rel-baton-redis" not in by_kind(docs, "Deployment")
+    for name, dep in by_kind(docs, "Deployment").items():
+        env = worker_env(dep)
+        assert env["BATON_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "baton-redis",
+                                                                       "key": "url"}, name
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"].startswith("http://otel-collector")
+        assert env["OTEL_SERVICE_NAME"]["value"].startswith("baton-")
+    (sm,) = by_kind(docs, "ServiceMonitor").values()
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+
+
+def test_autoscaling_renders_one_hpa_per_pool(helm):
+    docs = render(helm, VALUES["autoscaling"])
+    hpas = by_kind(docs, "HorizontalPodAutoscaler")
+    assert set(hpas) == {"rel-baton-router", "rel-baton-prefill", "rel-baton-decode"}
+    d = hpas["rel-baton-decode"]["spec"]
+    assert (d["minReplicas"], d["maxReplicas"]) == (2, 16)
+    assert d["metrics"][0]["resource"]["target"]["averageUtilization"] == 60
+    assert d["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60  # no flapping
+    # no RBAC: HPAs are Kubernetes' own controller; the chart grants nothing
+    assert not [x for x in docs if x["kind"] in ("Role", "ClusterRole", "RoleBinding")]
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("prefill.replicaz=2", "additional properties 'replicaz' not allowed"),
+    ("router.routing=fastest", "value must be one of 'cache-aware'"),
+    ("decode.replicas=-1", "minimum"),
+    ("model.dtype=int3", "value must be one of"),
+    ("router.scorers=speed=1", "does not match pattern"),
+    ("redis.external.url=http://x", "does not match pattern"),
+])
+def test_invalid_values_fail_with_a_clear_message(helm, setting, message):
+    out = subprocess.run([helm, "template", "rel", str(CHART), "--set", setting],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr
+    assert setting.split("=")[0].split(".")[0] in out.stderr  # names where
+
+
+def test_external_redis_needs_a_url(helm):
+    out = subprocess.run([helm, "template", "rel", str(CHART), "--set", "redis.enabled=false"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "set redis.external.url or redis.external.urlSecret.name" in out.stderr
