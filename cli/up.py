@@ -37,6 +37,15 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                     choices=["cache-aware", "least-loaded", "round-robin"],
                     help="the router's policy (default cache-aware: Redis prefix index + load)")
     ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
+    g = ap.add_argument_group("Ray")
+    g.add_argument("--ray", default=None, metavar="ADDRESS|local",
+                   help="run the workers as Ray actors: 'local' starts a Ray instance on this "
+                        "machine, an address (ray://host:10001 or host:6379) joins a cluster; "
+                        "the router and Redis run here, workers register in that Redis")
+    g.add_argument("--ray-cpus-per-worker", type=float, default=None,
+                   help="Ray CPUs each worker actor asks for (default: --threads, else 1)")
+    g.add_argument("--ray-gpus-per-worker", type=float, default=0.0,
+                   help="Ray GPUs each worker actor asks for (default 0)")
 
 
 def up(a: argparse.Namespace) -> int:
@@ -59,28 +68,49 @@ def up(a: argparse.Namespace) -> int:
     def say(msg: str) -> None:
         print(f"[baton up {time.monotonic() - t0:5.1f}s] {msg}", flush=True)
 
+    ray_local = a.ray == "local"
     try:
+        redis_host = a.host
+        if a.ray:
+            import ray
+
+            say(f"starting Ray ({'a local instance' if ray_local else a.ray}) ...")
+            ray.init(address=None if ray_local else a.ray, include_dashboard=False,
+                     logging_level="WARNING", log_to_driver=False)
+            if not ray_local:  # workers on other nodes must reach Redis
+                redis_host = ray.util.get_node_ip_address()
+            say(f"Ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs, "
+                f"{ray.cluster_resources().get('GPU', 0):.0f} GPUs")
         url = a.redis_url
         if url is None:
-            redis = EmbeddedRedis(a.host).start()
+            redis = EmbeddedRedis(redis_host).start()
             url = redis.url
             say(f"redis-server on {url}")
-        common = ["--host", a.host, "--redis-url", url, "--dtype", a.dtype]
+        common = ["--redis-url", url, "--dtype", a.dtype]
         for flag, value in (("--model", a.model), ("--num-blocks", a.num_blocks),
                             ("--threads", a.threads)):
             if value is not None:
                 common += [flag, str(value)]
         kw = {"log_dir": a.log_dir or tempfile.mkdtemp(prefix="baton-up-")}
-        prefill = [] if a.colocated else [
-            WorkerProcess("prefill", common, **kw) for _ in range(a.prefill)]
+
+        def spawn(role: str, args: list[str]):
+            if not a.ray:
+                return WorkerProcess(role, ["--host", a.host, *args], **kw)
+            from baton.services.common.ray_launch import RayWorker
+
+            w = RayWorker(role, args, num_cpus=a.ray_cpus_per_worker or a.threads or 1,
+                          num_gpus=a.ray_gpus_per_worker, local=ray_local, **kw)
+            say(f"Ray actor for a {role} worker on node {w.node_ip} ({w.start_s:.0f}s)")
+            return w
+
+        prefill = [] if a.colocated else [spawn("prefill", common) for _ in range(a.prefill)]
         procs += prefill
         for w in prefill:
             say(f"prefill worker {w.worker_id} on {w.address}")
         peers = ",".join(w.address for w in prefill)
         for _ in range(a.colocated or a.decode):
             role = ["--role", "both"] if a.colocated else []
-            w = WorkerProcess("decode", common + role + (["--peers", peers] if peers else []),
-                              **kw)
+            w = spawn("decode", common + role + (["--peers", peers] if peers else []))
             procs.append(w)
             say(f"{'colocated' if a.colocated else 'decode'} worker {w.worker_id} on "
                 f"{w.address}")
@@ -107,10 +137,19 @@ def up(a: argparse.Namespace) -> int:
     except (WorkerStartError, RedisStartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Exception as e:  # Ray's errors (a worker actor that failed to start) and the like
+        if not a.ray:
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     finally:
         for p in reversed(procs):  # router first, then decode, then prefill: each drains
             p.stop(timeout=40)
         if redis is not None:
             redis.stop()
+        if a.ray:
+            import ray
+
+            ray.shutdown()
         if procs or redis:
             say("stopped")

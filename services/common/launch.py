@@ -18,6 +18,17 @@ class WorkerStartError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM (a drain) when the parent dies (Linux), so a worker
+    never outlives the Ray actor that supervises it."""
+    import contextlib
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class WorkerProcess:
     """``python -m baton.services.<role> --port 0 ARGS``; ready once it prints ``BATON_READY``.
 
@@ -25,14 +36,16 @@ class WorkerProcess:
     """
 
     def __init__(self, role: str, args: list[str] = (), *, env: dict | None = None,
-                 ready_timeout: float = 180.0, log_dir: str | None = None) -> None:
+                 ready_timeout: float = 180.0, log_dir: str | None = None,
+                 die_with_parent: bool = False) -> None:
         self.role = role
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="baton-workers-"))
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **(env or {})},
+                                     preexec_fn=_die_with_parent if die_with_parent else None)
         self.address = self.worker_id = self.incarnation = self.http_address = ""
         ready = threading.Event()
 

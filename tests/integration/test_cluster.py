@@ -412,3 +412,45 @@ def test_colocated_workers_prefill_for_each_other(engine):
         finally:
             for w in (router, b, a):
                 w.stop()
+
+
+def test_baton_up_on_ray_serves_the_same_output(engine, tmp_path):
+    """`baton up --ray local`: the workers run under Ray actors (a real local Ray instance);
+    a short prompt (local path) and a long one (remote path: a KV hand-off between the two
+    actors' workers) give the engine's own tokens, as `baton up` does."""
+    pytest.importorskip("ray")
+    import json
+    import subprocess
+    import sys
+
+    from tests.integration.test_transfer import free_port
+
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--ray", "local",
+                           "--num-blocks", "96", "--grpc-port", str(port), "--http-port", "-1",
+                           "--log-dir", str(tmp_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if "ready:" in line or "error" in line:
+                break
+        assert "ready:" in lines[-1], "".join(lines)
+        assert sum("Ray actor for a" in x for x in lines) == 2, "".join(lines)
+        long_prompt = PROMPTS[-1][1]
+        for text, path in (("The capital of France is", "local"), (long_prompt, "remote")):
+            r = subprocess.run([sys.executable, "-m", "baton.cli.main", "request", "--json",
+                                "--max-tokens", "10", "--router", f"127.0.0.1:{port}", text],
+                               capture_output=True, text=True, timeout=180)
+            assert r.returncode == 0, r.stderr
+            out = json.loads(r.stdout)
+            assert out["token_ids"] == expected(engine, "text", text, 10).token_ids
+            assert out["final"]["path"] == path
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=120)[0]
+    assert up.returncode == 0, rest
+    (url,) = [x.split("redis-server on ")[1].strip() for x in lines if "redis-server on" in x]
+    ps = subprocess.run(["pgrep", "-f", f"--redis-url {url}"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", "a worker outlived baton up --ray"
