@@ -51,3 +51,17 @@ def test_entries_expire_without_heartbeat_and_live_with_it(registry):
     assert [w.worker_id for w in registry.workers()] == ["alive"]
     beat.withdraw()
     assert registry.workers() == []  # withdrawn at once, not at expiry
+
+
+def test_workers_advertise_a_reachable_host():
+    import argparse
+    import socket
+
+    from baton.services.common.worker import advertised_host
+
+    ns = argparse.Namespace
+    assert advertised_host(ns(host="127.0.0.1", advertise_host=None)) == "127.0.0.1"
+    assert advertised_host(ns(host="0.0.0.0", advertise_host="10.1.2.3")) == "10.1.2.3"
+    # bound to every interface and nothing given: this host's address, never 0.0.0.0
+    got = advertised_host(ns(host="0.0.0.0", advertise_host=None))
+    assert got == socket.gethostbyname(socket.gethostname()) and got != "0.0.0.0"
