@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -121,9 +122,16 @@ def _request(a: argparse.Namespace) -> int:
     else:
         req.text = a.prompt
     text, ids, final = "", [], None
+    metadata = (("authorization", f"Bearer {a.token}"),) if a.token else ()
     try:
-        with grpc.insecure_channel(a.router) as ch:
-            for msg in api_pb2_grpc.BatonStub(ch).Generate(req, timeout=a.timeout):
+        if a.tls_ca:
+            with open(a.tls_ca, "rb") as f:
+                ch = grpc.secure_channel(a.router, grpc.ssl_channel_credentials(f.read()))
+        else:
+            ch = grpc.insecure_channel(a.router)
+        with ch:
+            for msg in api_pb2_grpc.BatonStub(ch).Generate(req, timeout=a.timeout,
+                                                           metadata=metadata):
                 if msg.HasField("delta"):
                     text += msg.delta.text
                     ids += msg.delta.token_ids
@@ -196,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cache-salt", default=None,
                    help="isolate this request's prefix cache (e.g. per tenant): prompts under "
                         "different salts never share KV blocks")
+    r.add_argument("--token", default=os.environ.get("BATON_AUTH_TOKEN"),
+                   help="bearer token for a router started with --auth-token "
+                        "(default $BATON_AUTH_TOKEN)")
+    r.add_argument("--tls-ca", default=None,
+                   help="PEM CA certificate: connect over TLS, trusting it")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids and the final message")
     for name in ("router", "worker"):

@@ -37,6 +37,12 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                     choices=["cache-aware", "least-loaded", "round-robin"],
                     help="the router's policy (default cache-aware: Redis prefix index + load)")
     ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
+    sec = ap.add_argument_group("security (the router's public APIs)")
+    sec.add_argument("--auth-token", default=None,
+                     help="require this bearer token on gRPC calls and /v1/* (default: "
+                          "$BATON_AUTH_TOKEN if set, else none)")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve over TLS")
+    sec.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     g = ap.add_argument_group("Ray")
     g.add_argument("--ray", default=None, metavar="ADDRESS|local",
                    help="run the workers as Ray actors: 'local' starts a Ray instance on this "
@@ -115,15 +121,22 @@ def up(a: argparse.Namespace) -> int:
             say(f"{'colocated' if a.colocated else 'decode'} worker {w.worker_id} on "
                 f"{w.address}")
         local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens
+        security = []
+        for flag, value in (("--auth-token", a.auth_token), ("--tls-cert", a.tls_cert),
+                            ("--tls-key", a.tls_key)):
+            if value:
+                security += [flag, value]
         router = WorkerProcess("router", ["--host", a.host, "--port", str(a.grpc_port),
                                           "--http-port", str(a.http_port),
                                           "--redis-url", url, "--local-prefill-max-tokens",
-                                          str(local_max), "--routing", a.routing], **kw)
+                                          str(local_max), "--routing", a.routing,
+                                          *security], **kw)
         procs.append(router)
         logs = procs[0].log_path.parent
         say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in {logs}")
         if router.http_address:
-            say(f"ready: OpenAI-compatible API on http://{router.http_address}/v1")
+            say(f"ready: OpenAI-compatible API on http{'s' if a.tls_cert else ''}://"
+                f"{router.http_address}/v1")
         print(f"  try: baton request \"Hello\" --router {router.address}", flush=True)
         while not stop.is_set():
             dead = [p for p in procs if p.proc.poll() is not None]

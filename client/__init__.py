@@ -1,1 +1,31 @@
-"""gRPC client SDK for Baton's public API."""
+"""Baton's client SDK for the public gRPC API: :class:`Client` (sync) and :class:`AsyncClient`
+(asyncio), streaming and unary, with deadlines, cancellation, safe retries and typed errors.
+See ``baton.client.client`` for an example."""
+
+from baton.client.client import (
+    AsyncClient,
+    AsyncStream,
+    Client,
+    Delta,
+    Result,
+    Stream,
+    Timing,
+    TokenLogprob,
+    Usage,
+    build_request,
+)
+from baton.client.errors import (
+    AuthenticationError,
+    BatonError,
+    CancelledError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    ResourceExhaustedError,
+    ServerError,
+    UnavailableError,
+)
+
+__all__ = ["AsyncClient", "AsyncStream", "AuthenticationError", "BatonError", "CancelledError",
+           "Client", "DeadlineExceededError", "Delta", "InvalidRequestError",
+           "ResourceExhaustedError", "Result", "ServerError", "Stream", "Timing", "TokenLogprob",
+           "UnavailableError", "Usage", "build_request"]

@@ -173,9 +173,9 @@ def new_incarnation() -> str:
     return secrets.token_hex(6)
 
 
-def make_server(max_workers: int = 32) -> grpc.Server:
+def make_server(max_workers: int = 32, interceptors=()) -> grpc.Server:
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       options=[("grpc.so_reuseport", 0)])
+                       interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)])
 
 
 def register(args: argparse.Namespace, role: str, worker_id: str, address: str,

@@ -176,6 +176,21 @@ class OpenAIHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     router = None  # set by serve_http
     metrics: Metrics = None
+    token: str | None = None  # --auth-token: /v1/* needs "Authorization: Bearer <token>"
+
+    def _authorized(self) -> bool:
+        """/v1/* with --auth-token set needs the bearer token (the OpenAI client's api_key);
+        /health and /metrics stay open for probes and scrapers."""
+        if not self.token or not self.path.startswith("/v1/"):
+            return True
+        import hmac
+
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            return True
+        self._error(401, "missing or wrong API key (Authorization: Bearer ...)",
+                    "authentication_error")
+        return False
 
     def log_message(self, fmt, *args) -> None:  # through logging, not stderr
         log.debug("http %s", fmt % args)
@@ -183,6 +198,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
     # ---- routing ---------------------------------------------------------------------------------
 
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         path = self.path.split("?")[0]
         if path == "/v1/models":
             models = self.router.ListModels(None, None).models
@@ -202,6 +219,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             self._error(404, f"no route {path}", "not_found")
 
     def do_POST(self) -> None:
+        if not self._authorized():
+            return
         path = self.path.split("?")[0]
         kind = {"/v1/completions": "text", "/v1/chat/completions": "chat"}.get(path)
         if kind is None:
@@ -411,10 +430,19 @@ def _param(details: str) -> str | None:
     return None
 
 
-def serve_http(router, host: str, port: int) -> ThreadingHTTPServer:
-    """Start the HTTP front on a thread; returns the server (``server_address`` has the port)."""
-    handler = type("Handler", (OpenAIHandler,), {"router": router, "metrics": Metrics()})
+def serve_http(router, host: str, port: int, token: str | None = None,
+               tls: tuple[str, str] | None = None) -> ThreadingHTTPServer:
+    """Start the HTTP front on a thread; returns the server (``server_address`` has the port).
+    ``tls``: (certificate file, key file) to serve HTTPS."""
+    handler = type("Handler", (OpenAIHandler,), {"router": router, "metrics": Metrics(),
+                                                 "token": token})
     server = ThreadingHTTPServer((host, port), handler)
+    if tls is not None:
+        import ssl
+
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(*tls)
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="openai-http", daemon=True).start()
     return server

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -430,6 +431,41 @@ def _fail(e: grpc.RpcError, address: str, context, sent: bool):
     context.abort(code, e.details() or code.name)
 
 
+class TokenAuth(grpc.ServerInterceptor):
+    """Every call but health checks (probes cannot send tokens) needs
+    ``authorization: Bearer <token>`` metadata; others end UNAUTHENTICATED."""
+
+    OPEN = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, token: str) -> None:
+        import hmac
+
+        self._ok = lambda v: hmac.compare_digest(v.encode(), f"Bearer {token}".encode())
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong token (authorization: Bearer ...)")
+        self._deny = deny
+
+    def intercept_service(self, continuation, details):
+        if details.method.startswith(self.OPEN):
+            return continuation(details)
+        for key, value in details.invocation_metadata or ():
+            if key == "authorization" and self._ok(value):
+                return continuation(details)
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.response_streaming:
+            def deny_stream(request, context):
+                self._deny(request, context)
+                yield from ()
+            return grpc.unary_stream_rpc_method_handler(
+                deny_stream, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            self._deny, handler.request_deserializer, handler.response_serializer)
+
+
 def fetch_tokenizer(pool: WorkerPool, timeout: float) -> worker_pb2.TokenizerResponse:
     """Ask a registered worker for its tokenizer; waits until one is registered and serving."""
     end = time.monotonic() + timeout
@@ -485,7 +521,17 @@ def main(argv: list[str] | None = None) -> None:
                     help="seconds to wait for a first worker to register")
     ap.add_argument("--drain-timeout", type=float, default=30.0)
     ap.add_argument("--log-level", default="INFO")
+    sec = ap.add_argument_group("security")
+    sec.add_argument("--auth-token", default=os.environ.get("BATON_AUTH_TOKEN"),
+                     help="require 'authorization: Bearer TOKEN' on gRPC calls and "
+                          "'Authorization: Bearer TOKEN' (the OpenAI api_key) on /v1/*; health "
+                          "checks and /metrics stay open (default $BATON_AUTH_TOKEN)")
+    sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP "
+                                                      "over TLS (with --tls-key)")
+    sec.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     args = ap.parse_args(argv)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        ap.error("--tls-cert and --tls-key go together")
     try:
         weights = parse_weights(args.scorers)
     except ValueError as e:
@@ -497,8 +543,14 @@ def main(argv: list[str] | None = None) -> None:
     client = redis.Redis.from_url(args.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
     pool = WorkerPool(WorkerRegistry(client))
     tok, worker = fetch_tokenizer(pool, args.startup_timeout)
-    server = make_server(max_workers=256)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    interceptors = [TokenAuth(args.auth_token)] if args.auth_token else []
+    server = make_server(max_workers=256, interceptors=interceptors)
+    if args.tls_cert:
+        with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
+            creds = grpc.ssl_server_credentials([(k.read(), c.read())])
+        port = server.add_secure_port(f"{args.host}:{args.port}", creds)
+    else:
+        port = server.add_insecure_port(f"{args.host}:{args.port}")
     router_id = f"router-{args.host}-{port}-{new_incarnation()}"
     index = (PrefixIndex(client, router_id, args.inflight_ttl)
              if args.routing == "cache-aware" else None)
@@ -517,9 +569,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.http_port >= 0:
         from baton.services.router.openai_http import serve_http
 
-        http = serve_http(service, args.host, args.http_port)
+        http = serve_http(service, args.host, args.http_port, token=args.auth_token,
+                          tls=(args.tls_cert, args.tls_key) if args.tls_cert else None)
         http_address = f"{args.host}:{http.server_address[1]}"
-        log.info("OpenAI-compatible HTTP on http://%s/v1", http_address)
+        log.info("OpenAI-compatible HTTP on %s://%s/v1", "https" if args.tls_cert else "http",
+                 http_address)
         print(f"BATON_HTTP {http_address}", flush=True)
     announce(address, f"router-{args.host}-{port}", new_incarnation())
     serve_forever(server, lambda: None, None, args.drain_timeout, health=health)

@@ -1,0 +1,377 @@
+"""``Client`` and ``AsyncClient``: Baton's public gRPC API (``baton.v1.Baton``) for applications.
+
+    from baton.client import Client
+
+    with Client("127.0.0.1:50051") as c:
+        r = c.generate("The capital of France is", max_tokens=8)
+        print(r.text, r.usage, r.path, r.timing)
+        for delta in c.stream("Tell me a story", max_tokens=64):
+            print(delta.text, end="", flush=True)
+
+Every call has a deadline (``timeout``, default the client's); a request that is unavailable
+before its first token is retried with backoff (``max_retries``), never after (tokens would be
+repeated); failures raise the typed errors of :mod:`baton.client.errors`. Breaking out of a
+stream, or calling ``cancel()``, cancels the request on the cluster and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from baton.client.errors import CancelledError, UnavailableError, from_rpc_error
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class Delta:
+    """One streamed piece: new text and token ids (and their logprobs when asked for)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Timing:
+    """Seconds, measured by the router: where the time to first token went."""
+
+    route_s: float
+    queue_s: float
+    prefill_s: float
+    transfer_s: float
+    first_token_s: float
+    first_decode_step_s: float
+    decode_s: float
+    total_s: float
+
+
+@dataclass
+class Result:
+    """A finished request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length
+    usage: Usage
+    path: str  # remote (prefill worker -> decode worker) | local (decode worker prefilled)
+    route_reason: str
+    timing: Timing
+    prompt_token_ids: list[int]
+    prefill_worker: str
+    decode_worker: str
+    retries: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
+                  messages: Sequence[dict] | None = None, max_tokens: int = 16,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                  seed: int | None = None, stop: Sequence[str] = (),
+                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                  logprobs: int | None = None, cache_salt: str | None = None,
+                  model: str = "", request_id: str = "") -> api_pb2.GenerateRequest:
+    """The GenerateRequest for exactly one of ``prompt`` (text), ``token_ids`` or ``messages``
+    (chat, ``[{"role": ..., "content": ...}]``)."""
+    given = [x is not None for x in (prompt, token_ids, messages)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of prompt, token_ids or messages")
+    params = worker_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+    if seed is not None:
+        params.seed = seed
+    if logprobs is not None:
+        params.logprobs = logprobs
+    if cache_salt is not None:
+        params.cache_salt = cache_salt
+    req = api_pb2.GenerateRequest(params=params, model=model, request_id=request_id)
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    else:
+        for m in messages:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    return req
+
+
+def _logprobs(lps) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, {t.token_id: t.logprob for t in lp.top})
+            for lp in lps]
+
+
+def _result(final, text: str, ids: list[int], lps: list[TokenLogprob]) -> Result:
+    t, u = final.timing, final.usage
+    return Result(
+        text=text, token_ids=ids, finish_reason=final.finish_reason,
+        usage=Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens), path=final.path,
+        route_reason=final.route_reason,
+        timing=Timing(t.route_s, t.queue_s, t.prefill_s, t.transfer_s, t.first_token_s,
+                      t.first_decode_step_s, t.decode_s, t.total_s),
+        prompt_token_ids=list(final.prompt_token_ids), prefill_worker=final.prefill_worker,
+        decode_worker=final.decode_worker, retries=final.retries, logprobs=lps)
+
+
+def _channel_args(tls: bool, root_certificates: bytes | None, token: str | None):
+    creds = None
+    if tls:
+        creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    return creds, metadata
+
+
+class _Collector:
+    """Accumulates deltas into the final Result."""
+
+    def __init__(self) -> None:
+        self.text, self.ids, self.lps, self.result = "", [], [], None
+        self.started = False
+
+    def add(self, msg) -> Delta | None:
+        if msg.HasField("delta"):
+            d = msg.delta
+            self.started = True
+            delta = Delta(d.text, list(d.token_ids), _logprobs(d.logprobs))
+            self.text += delta.text
+            self.ids += delta.token_ids
+            self.lps += delta.logprobs
+            return delta
+        self.result = _result(msg.final, self.text, self.ids, self.lps)
+        return None
+
+
+class Stream:
+    """Iterator of :class:`Delta`; ``result`` is set once it is exhausted. Closing it early
+    (``break``, ``close()``, ``cancel()``, leaving a ``with`` block) cancels the request."""
+
+    def __init__(self, client: Client, request, timeout: float) -> None:
+        self._client, self._request = client, request
+        self._deadline = time.monotonic() + timeout
+        self._col = _Collector()
+        self._call = None
+        self._gen = self._run()
+
+    @property
+    def result(self) -> Result | None:
+        return self._col.result
+
+    def __iter__(self) -> Iterator[Delta]:
+        return self
+
+    def __next__(self) -> Delta:
+        return next(self._gen)
+
+    def _run(self) -> Iterator[Delta]:
+        attempt = 0
+        while True:
+            left = self._deadline - time.monotonic()
+            self._call = self._client._stub.Generate(self._request, timeout=max(left, 0.001),
+                                                      metadata=self._client._metadata)
+            try:
+                for msg in self._call:
+                    delta = self._col.add(msg)
+                    if delta is not None:
+                        yield delta
+                return
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                retry = (isinstance(err, UnavailableError) and not self._col.started
+                         and attempt < self._client.max_retries)
+                if not retry:
+                    raise err from None
+                attempt += 1
+                time.sleep(min(self._client.backoff_s * 2 ** (attempt - 1),
+                               max(self._deadline - time.monotonic(), 0)))
+            finally:
+                self._call.cancel()  # no-op when it finished; frees the request otherwise
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._gen.close()
+
+    close = cancel
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
+
+
+class Client:
+    """Synchronous client. ``tls=True`` uses TLS (``root_certificates``: PEM bytes of the CA,
+    default the system's); ``token`` is sent as ``authorization: Bearer <token>``."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, tls: bool = False,
+                 root_certificates: bytes | None = None, token: str | None = None,
+                 timeout: float = 600.0, max_retries: int = 2, backoff_s: float = 0.2,
+                 options: Sequence[tuple[str, object]] = ()) -> None:
+        creds, self._metadata = _channel_args(tls, root_certificates, token)
+        self._channel = (grpc.secure_channel(target, creds, options=list(options)) if creds
+                         else grpc.insecure_channel(target, options=list(options)))
+        self._stub = api_pb2_grpc.BatonStub(self._channel)
+        self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+               **kwargs) -> Stream:
+        """Stream a completion; keyword arguments as :func:`build_request`."""
+        return Stream(self, build_request(prompt, **kwargs), timeout or self.timeout)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                 **kwargs) -> Result:
+        """The whole completion at once (streamed underneath)."""
+        s = self.stream(prompt, timeout=timeout, **kwargs)
+        for _ in s:
+            pass
+        return s.result
+
+    def chat(self, messages: Sequence[dict], *, stream: bool = False, **kwargs):
+        """Chat messages rendered with the model's template; a Stream or a Result."""
+        if stream:
+            return self.stream(messages=messages, **kwargs)
+        return self.generate(messages=messages, **kwargs)
+
+    def models(self, timeout: float = 30.0) -> list[api_pb2.ModelCard]:
+        try:
+            return list(self._stub.ListModels(api_pb2.ListModelsRequest(), timeout=timeout,
+                                              metadata=self._metadata).models)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncStream:
+    """Async iterator of :class:`Delta` (``async for``); ``result`` once exhausted;
+    ``cancel()`` or ``aclose()`` cancels the request."""
+
+    def __init__(self, client: AsyncClient, request, timeout: float) -> None:
+        self._client, self._request = client, request
+        self._deadline = time.monotonic() + timeout
+        self._col = _Collector()
+        self._call = None
+        self._gen = self._run()
+
+    @property
+    def result(self) -> Result | None:
+        return self._col.result
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self
+
+    async def __anext__(self) -> Delta:
+        return await self._gen.__anext__()
+
+    async def _run(self) -> AsyncIterator[Delta]:
+        attempt = 0
+        while True:
+            left = self._deadline - time.monotonic()
+            self._call = self._client._stub.Generate(self._request, timeout=max(left, 0.001),
+                                                      metadata=self._client._metadata)
+            try:
+                async for msg in self._call:
+                    delta = self._col.add(msg)
+                    if delta is not None:
+                        yield delta
+                return
+            except grpc.RpcError as e:
+                err = from_rpc_error(e)
+                retry = (isinstance(err, UnavailableError) and not self._col.started
+                         and attempt < self._client.max_retries)
+                if not retry:
+                    raise err from None
+                attempt += 1
+                await asyncio.sleep(min(self._client.backoff_s * 2 ** (attempt - 1),
+                                        max(self._deadline - time.monotonic(), 0)))
+            except asyncio.CancelledError:
+                self._call.cancel()
+                raise
+            finally:
+                self._call.cancel()
+
+    def cancel(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+        await self._gen.aclose()
+
+
+class AsyncClient:
+    """asyncio client (grpc.aio); same arguments and methods as :class:`Client`, awaitable."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, tls: bool = False,
+                 root_certificates: bytes | None = None, token: str | None = None,
+                 timeout: float = 600.0, max_retries: int = 2, backoff_s: float = 0.2,
+                 options: Sequence[tuple[str, object]] = ()) -> None:
+        creds, self._metadata = _channel_args(tls, root_certificates, token)
+        self._channel = (grpc.aio.secure_channel(target, creds, options=list(options)) if creds
+                         else grpc.aio.insecure_channel(target, options=list(options)))
+        self._stub = api_pb2_grpc.BatonStub(self._channel)
+        self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+               **kwargs) -> AsyncStream:
+        return AsyncStream(self, build_request(prompt, **kwargs), timeout or self.timeout)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
+                       **kwargs) -> Result:
+        s = self.stream(prompt, timeout=timeout, **kwargs)
+        async for _ in s:
+            pass
+        return s.result
+
+    async def chat(self, messages: Sequence[dict], *, stream: bool = False, **kwargs):
+        if stream:
+            return self.stream(messages=messages, **kwargs)
+        return await self.generate(messages=messages, **kwargs)
+
+    async def models(self, timeout: float = 30.0) -> list[api_pb2.ModelCard]:
+        try:
+            resp = await self._stub.ListModels(api_pb2.ListModelsRequest(), timeout=timeout,
+                                               metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return list(resp.models)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+__all__ = ["AsyncClient", "AsyncStream", "CancelledError", "Client", "Delta", "Result",
+           "Stream", "Timing", "TokenLogprob", "Usage", "build_request"]
