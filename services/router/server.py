@@ -489,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m baton.services.router",
         description="Baton router: the public gRPC API (baton.v1.Baton) in front of the prefill "
                     "and decode workers registered in Redis.")
-    ap.add_argument("--redis-url", required=True, help="the worker registry")
+    ap.add_argument("--redis-url", required=True,
+                    help="Redis: the worker registry, the prefix index, shared in-flight counts")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
     ap.add_argument("--http-port", type=int, default=8000,
