@@ -80,6 +80,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     handoff: KVHandoff | None = None
     queue_s: float | None = None  # arrival to first scheduled (None: not scheduled here)
+    first_token_s: float | None = None  # arrival to the first token sampled here
 
 
 @dataclass
@@ -395,7 +396,9 @@ class LLMEngine:
             stop_reason=req.stop_reason, logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens, num_output_tokens=req.num_output_tokens,
             queue_s=(None if req.first_scheduled_time is None
-                     else req.first_scheduled_time - req.arrival_time))
+                     else req.first_scheduled_time - req.arrival_time),
+            first_token_s=(None if req.first_token_time is None
+                           else req.first_token_time - req.arrival_time))
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.request_id, None)

@@ -27,6 +27,7 @@ class EngineLoop:
                  tick_s: float = 0.05) -> None:
         # called between steps on the engine thread (a holder's lease sweep); may be set later
         self.on_tick, self._tick_s = on_tick, tick_s
+        self.on_outputs: Callable[[list], None] | None = None  # metrics, on the engine thread
         self.engine = engine
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, queue.SimpleQueue] = {}  # engine thread only
@@ -115,6 +116,8 @@ class EngineLoop:
                 return
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        if self.on_outputs is not None:
+            self.on_outputs(outputs)
         for out in outputs:
             q = self._streams.get(out.request_id)
             if q is None:

@@ -47,6 +47,7 @@ class WorkerProcess:
                                      env={**os.environ, **(env or {})},
                                      preexec_fn=_die_with_parent if die_with_parent else None)
         self.address = self.worker_id = self.incarnation = self.http_address = ""
+        self.metrics_address = ""
         ready = threading.Event()
 
         def pump() -> None:
@@ -54,6 +55,8 @@ class WorkerProcess:
                 line = raw.decode(errors="replace").split()
                 if line[:1] == ["BATON_HTTP"]:
                     self.http_address = line[1]
+                if line[:1] == ["BATON_METRICS"]:
+                    self.metrics_address = line[1]
                 if line[:1] == ["BATON_READY"]:
                     self.address, self.worker_id, self.incarnation = line[1:4]
                     ready.set()

@@ -57,6 +57,9 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--redis-url", default=None,
                    help="register in this Redis (worker registry, TTL heartbeat); "
                         "e.g. redis://127.0.0.1:6379/0. Without it the worker is not discoverable")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics port (0: a free one, printed as BATON_METRICS; "
+                        "-1: none)")
     g.add_argument("--registry-ttl", type=float, default=10.0,
                    help="seconds a registry entry outlives its last heartbeat (default 10)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
@@ -86,11 +89,17 @@ class WorkerBoot:
     incarnation: str
     server: grpc.Server
     agent: object  # baton.transfer.agent.KVAgent
+    metrics: object  # baton.services.common.metrics.WorkerMetrics
 
     def serve(self, args: argparse.Namespace, services: list[str], on_stop) -> None:
         """Start serving, register, announce, and block until drained."""
         health = add_standard_services(self.server, services)
         self.server.start()
+        if args.metrics_port >= 0:
+            mport = self.metrics.serve(self.host, args.metrics_port)
+            host = self.address.rsplit(":", 1)[0]
+            log.info("Prometheus metrics on http://%s:%d/metrics", host, mport)
+            print(f"BATON_METRICS {host}:{mport}", flush=True)
         log.info("%s worker %s (incarnation %s) serving on %s, model fingerprint %s", self.role,
                  self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
         registration = register(args, self.role, self.worker_id, self.address,
@@ -119,8 +128,10 @@ def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
     host = advertised_host(args)
     worker_id = args.worker_id or f"{role}-{host}-{port}"
     agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
+    from baton.services.common.metrics import WorkerMetrics
+
     return WorkerBoot(engine, role, args.host, f"{host}:{port}", worker_id, incarnation,
-                      server, agent)
+                      server, agent, WorkerMetrics(engine, role))
 
 
 def advertised_host(args: argparse.Namespace) -> str:

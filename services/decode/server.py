@@ -46,8 +46,10 @@ log = logging.getLogger("baton.services.decode")
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: EngineLoop, reader: KVReader, worker_id: str, incarnation: str,
-                 transfer_timeout_s: float, holder: KVHolder | None = None) -> None:
+                 transfer_timeout_s: float, holder: KVHolder | None = None,
+                 metrics=None) -> None:
         self.holder = holder  # role both: this worker also holds leased blocks
+        self.metrics = metrics
         self.loop, self.reader, self.worker_id = loop, reader, worker_id
         self.incarnation, self.transfer_timeout_s = incarnation, transfer_timeout_s
         self.engine: LLMEngine = loop.engine
@@ -77,9 +79,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             needed = replace(handle, block_ids=handle.block_ids[:len(slots.block_ids)])
             res = self.reader.pull(needed, slots.block_ids, slots.num_local_blocks, deadline)
         except TransferError as e:
+            if self.metrics is not None:
+                self.metrics.transfer_failures.labels(type(e).__name__).inc()
             self.loop.run(self.engine.abort, rid)
             log.warning("request %s: hand-off from %s failed: %s", rid, handle.worker_id, e)
             abort_with(context, e)
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.inc(res.bytes)
+            self.metrics.transfer_seconds.observe(res.handshake_s + res.read_s + res.release_s)
         stream = self.loop.run(self._commit, rid)
         context.add_callback(lambda: self.loop.abort(rid))
         stats = worker_pb2.TransferStats(
@@ -124,7 +131,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _commit(self, rid: str) -> queue.SimpleQueue:
         stream = self.loop.open_stream(rid)
-        for out in self.engine.commit_handoff(rid):
+        outs = self.engine.commit_handoff(rid)
+        if self.loop.on_outputs is not None:
+            self.loop.on_outputs(outs)
+        for out in outs:
             stream.put(out)
         return stream
 
@@ -188,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from e
         log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
     loop = EngineLoop(boot.engine)
+    loop.on_outputs = boot.metrics.observe_outputs
     services = ["baton.v1.DecodeWorker"]
     holder = None
     if args.role == "both":
@@ -196,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     loop.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeService(loop, reader, boot.worker_id, boot.incarnation, args.transfer_timeout,
-                      holder), boot.server)
+                      holder, boot.metrics), boot.server)
 
     def stop() -> None:
         if holder is not None:

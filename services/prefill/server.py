@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     boot = boot_worker(args, "prefill")
     loop = EngineLoop(boot.engine)
+    loop.on_outputs = boot.metrics.observe_outputs
     holder = add_prefill_role(boot.server, loop, boot, args.lease_ttl, args.kv_checksums)
     loop.start()
 

@@ -82,7 +82,7 @@ class Metrics:
 
     def render(self, workers: dict[str, int]) -> str:
         with self._lock:
-            out = ["# HELP baton_requests_total Requests by API, path taken and status.",
+            out = ["# HELP baton_requests_total HTTP requests by API, path taken and status.",
                    "# TYPE baton_requests_total counter"]
             out += [f'baton_requests_total{{api="{a}",path="{p}",status="{s}"}} {n}'
                     for (a, p, s), n in sorted(self.requests.items())]
@@ -90,12 +90,12 @@ class Metrics:
                     f"baton_prompt_tokens_total {self.prompt_tokens}",
                     "# TYPE baton_generated_tokens_total counter",
                     f"baton_generated_tokens_total {self.completion_tokens}",
-                    "# TYPE baton_request_seconds summary",
-                    f"baton_request_seconds_sum {self.latency_sum}",
-                    f"baton_request_seconds_count {self.latency_count}",
-                    "# TYPE baton_time_to_first_token_seconds summary",
-                    f"baton_time_to_first_token_seconds_sum {self.ttft_sum}",
-                    f"baton_time_to_first_token_seconds_count {self.latency_count}",
+                    "# TYPE baton_http_request_seconds summary",
+                    f"baton_http_request_seconds_sum {self.latency_sum}",
+                    f"baton_http_request_seconds_count {self.latency_count}",
+                    "# TYPE baton_http_time_to_first_token_seconds summary",
+                    f"baton_http_time_to_first_token_seconds_sum {self.ttft_sum}",
+                    f"baton_http_time_to_first_token_seconds_count {self.latency_count}",
                     "# TYPE baton_workers gauge"]
             out += [f'baton_workers{{role="{r}"}} {n}' for r, n in sorted(workers.items())]
         return "\n".join(out) + "\n"
@@ -213,7 +213,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                                             "workers": counts})
         elif path == "/metrics":
             body = (self.metrics.render(self._worker_counts()) + "\n".join(
-                self.router.stats.render(self.router.policy.index)) + "\n").encode()
+                self.router.stats.render(self.router.policy.index)) + "\n"
+                + self.router.metrics.render()).encode()
             self._send(200, body, "text/plain; version=0.0.4")
         else:
             self._error(404, f"no route {path}", "not_found")

@@ -181,6 +181,9 @@ class RouterService(api_pb2_grpc.BatonServicer):
         self.policy = policy or RoutingPolicy(pool, None)
         self.max_retries = max_retries
         self.stats = RouteStats()
+        from baton.services.common.metrics import RouterMetrics
+
+        self.metrics = RouterMetrics()
 
     # ---- API -------------------------------------------------------------------------------------
 
@@ -189,6 +192,20 @@ class RouterService(api_pb2_grpc.BatonServicer):
             id=self.model, max_model_len=self.max_model_len, fingerprint=self.fingerprint)])
 
     def Generate(self, request, context):
+        ended = False
+        try:
+            for msg in self._generate(request, context):
+                if msg.HasField("final"):
+                    ended = True
+                    self.metrics.finished(msg.final)
+                yield msg
+        finally:
+            if not ended:
+                code = getattr(context, "code", lambda: None)()
+                self.metrics.failed(code.name if isinstance(code, grpc.StatusCode)
+                                    else "CANCELLED" if not context.is_active() else "ERROR")
+
+    def _generate(self, request, context):
         t0 = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
         try:
@@ -202,7 +219,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
         hashes = None
         for attempt in range(self.max_retries + 1):
             # a retry is a new request on the workers (the failed attempt may still be known)
-            state = _State(rid if attempt == 0 else f"{rid}.retry{attempt}", ids, t0, attempt)
+            state = _State(rid if attempt == 0 else f"{rid}.retry{attempt}", ids, t0, attempt,
+                           self.metrics)
             try:
                 t = time.perf_counter()
                 if hashes is None and self.policy.mode != "round-robin":
@@ -365,8 +383,10 @@ class RouterService(api_pb2_grpc.BatonServicer):
 class _State:
     """One attempt's progress: what was sent and the timings for the final message."""
 
-    def __init__(self, rid: str, ids: list[int], t0: float, attempt: int) -> None:
+    def __init__(self, rid: str, ids: list[int], t0: float, attempt: int,
+                 metrics=None) -> None:
         self.rid, self.ids, self.t0, self.attempt = rid, ids, t0, attempt
+        self.metrics, self.last_at = metrics, None
         self.tokens: list[int] = []
         self.sent = False
         self.cached = 0
@@ -383,10 +403,14 @@ class _State:
         self.decision, self.route_s = decision, route_s
 
     def delta(self, token_ids, text, logprobs=()):
+        now = time.monotonic()
         if self.first_at is None:
-            self.first_at = time.monotonic()
+            self.first_at = now
         elif self.second_at is None and token_ids:
-            self.second_at = time.monotonic()
+            self.second_at = now
+        if self.last_at is not None and self.metrics is not None:
+            self.metrics.itl.observe(now - self.last_at)
+        self.last_at = now
         self.sent = True
         return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
             text=text, token_ids=token_ids, logprobs=logprobs))

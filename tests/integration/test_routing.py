@@ -221,3 +221,44 @@ def test_a_killed_workers_entries_expire_within_the_ttl(cluster):
     # and routing carries on with the remaining prefill worker
     _, f = generate(cluster.r2, tokens(81, 60))
     assert f.prefill_worker == cluster.p1.worker_id
+
+
+def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
+    """Prometheus text -> {sample name with labels: value}."""
+    body = urllib.request.urlopen(f"http://{address}{path}", timeout=10).read().decode()
+    out = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_every_process_serves_its_metrics(cluster):
+    for i in range(3):
+        generate(cluster.r1, tokens(90 + i, 70), max_tokens=6)
+    settle()
+    d = scrape(cluster.decode.metrics_address)
+    p = [scrape(w.metrics_address) for w in (cluster.p1,) if w.proc.poll() is None]
+    for m in [d, *p]:
+        total = m["baton_worker_kv_blocks_total"]
+        assert total == 512
+        assert m["baton_worker_kv_blocks_free"] + m["baton_worker_kv_blocks_used"] == total
+        assert m["baton_worker_queue_depth"] >= 0 and m["baton_worker_running_requests"] >= 0
+        assert m["baton_worker_time_to_first_token_seconds_count"] >= 1
+        assert 0 <= m["baton_worker_prefix_hit_tokens_total"] <= m[
+            "baton_worker_prompt_tokens_total"]
+    assert d["baton_kv_transfer_bytes_total"] > 0
+    assert d["baton_kv_transfer_seconds_count"] >= 1
+    assert d["baton_worker_inter_token_seconds_count"] >= 5
+    assert d['baton_worker_requests_total{finish_reason="length"}'] >= 3
+    r = scrape(cluster.r1.http_address)
+    assert r["baton_time_to_first_token_seconds_count"] >= 3
+    assert r['baton_time_to_first_token_seconds_bucket{le="+Inf"}'] == r[
+        "baton_time_to_first_token_seconds_count"]
+    assert r["baton_time_per_output_token_seconds_count"] >= 3
+    assert 0 < r["baton_time_per_output_token_seconds_sum"] / r[
+        "baton_time_per_output_token_seconds_count"] < 5
+    assert r["baton_inter_token_latency_seconds_count"] >= 15
+    assert r['baton_router_requests_total{path="remote",status="OK"}'] >= 3
+    assert r["baton_prefix_index_up"] == 1

@@ -1,0 +1,122 @@
+"""Prometheus metrics of Baton's processes (names in README's metrics table).
+
+Workers serve theirs on ``--metrics-port`` (``/metrics``); the router adds its own to the
+OpenAI HTTP front's ``/metrics``. Latency histograms share one set of buckets, from 5 ms to 60 s.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class WorkerMetrics:
+    """One worker's metrics. ``observe_outputs`` is called on the engine thread with each step's
+    outputs; the gauges read the engine when scraped."""
+
+    def __init__(self, engine, role: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.engine, self.role = engine, role
+        sched, pool = engine.scheduler, engine.kv.pool
+        Gauge("baton_worker_queue_depth", "Requests waiting in the engine's queue.",
+              registry=r).set_function(lambda: len(sched.waiting))
+        Gauge("baton_worker_running_requests", "Requests in the running batch.",
+              registry=r).set_function(lambda: len(sched.running))
+        Gauge("baton_worker_kv_blocks_free", "Free KV blocks (cached ones included).",
+              registry=r).set_function(lambda: pool.num_free_blocks)
+        Gauge("baton_worker_kv_blocks_used", "KV blocks held by requests.",
+              registry=r).set_function(lambda: pool.num_blocks - pool.num_free_blocks)
+        Gauge("baton_worker_kv_blocks_total", "KV blocks in the pool.",
+              registry=r).set_function(lambda: pool.num_blocks)
+        self.requests = Counter("baton_worker_requests", "Requests ended, by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("baton_worker_prompt_tokens",
+                                     "Prompt tokens admitted.", registry=r)
+        self.cached_tokens = Counter("baton_worker_prefix_hit_tokens",
+                                     "Prompt tokens served from the prefix cache.", registry=r)
+        self.generated = Counter("baton_worker_generated_tokens", "Tokens sampled.",
+                                 registry=r)
+        self.ttft = Histogram("baton_worker_time_to_first_token_seconds",
+                              "Arrival at this engine to its first token (queue included).",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("baton_worker_inter_token_seconds",
+                             "Time between a request's consecutive tokens on this engine.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("baton_kv_transfer_bytes", "KV bytes read over NIXL.",
+                                      registry=r)
+        self.transfer_seconds = Histogram("baton_kv_transfer_seconds",
+                                          "KV hand-off time (handshake + READ + release).",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_failures = Counter("baton_kv_transfer_failures",
+                                         "KV hand-offs that failed, by error.", ["error"],
+                                         registry=r)
+        self._last: dict[str, float] = {}  # request id -> time of its last token
+
+    def observe_outputs(self, outputs) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            rid = out.request_id
+            if out.new_token_ids:
+                self.generated.inc(len(out.new_token_ids))
+                last = self._last.get(rid)
+                if last is None:
+                    if out.first_token_s is not None and out.num_output_tokens == 1:
+                        self.ttft.observe(out.first_token_s)
+                    self.prompt_tokens.inc(out.num_prompt_tokens)
+                    self.cached_tokens.inc(out.num_cached_tokens)
+                else:
+                    self.itl.observe(now - last)
+                self._last[rid] = now
+            if out.finished:
+                self._last.pop(rid, None)
+                self.requests.labels(out.finish_reason or "unknown").inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on ``port`` (0: a free one); returns the port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_address[1]
+
+
+class RouterMetrics:
+    """The router's request latencies, as clients see them (both APIs)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("baton_time_to_first_token_seconds",
+                              "Request start at the router to the first token sent.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("baton_time_per_output_token_seconds",
+                              "(last token - first token) / (tokens - 1), per request.",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("baton_inter_token_latency_seconds",
+                             "Gap between consecutive streamed chunks.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("baton_e2e_request_seconds", "Request start to its final message.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("baton_router_requests", "Requests ended, by path and status.",
+                                ["path", "status"], registry=r)
+        self.cached = Counter("baton_router_cached_prompt_tokens",
+                              "Prompt tokens the workers served from their prefix caches.",
+                              registry=r)
+        self.prompt = Counter("baton_router_prompt_tokens", "Prompt tokens routed.", registry=r)
+
+    def finished(self, final) -> None:
+        t, u = final.timing, final.usage
+        self.ttft.observe(t.first_token_s)
+        self.e2e.observe(t.total_s)
+        if u.completion_tokens > 1:
+            self.tpot.observe(t.decode_s / (u.completion_tokens - 1))
+        self.requests.labels(final.path or "none", "OK").inc()
+        self.prompt.inc(u.prompt_tokens)
+        self.cached.inc(u.cached_tokens)
+
+    def failed(self, code: str) -> None:
+        self.requests.labels("none", code).inc()
+
+    def render(self) -> str:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry).decode()
