@@ -162,6 +162,13 @@ def test_external_redis_from_a_secret_with_tracing_and_monitoring(helm):
     (sm,) = by_kind(docs, "ServiceMonitor").values()
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
     assert sm["metadata"]["labels"]["release"] == "prometheus"
+    (pm,) = by_kind(docs, "PodMonitor").values()  # the workers' own /metrics
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    for role in ("prefill", "decode"):
+        c = by_kind(docs, "Deployment")[f"rel-baton-{role}"]["spec"]["template"]["spec"][
+            "containers"][0]
+        port = int(c["args"][c["args"].index("--metrics-port") + 1])
+        assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in c["ports"]
 
 
 def test_autoscaling_renders_one_hpa_per_pool(helm):
