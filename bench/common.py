@@ -59,6 +59,12 @@ def random_word_prompts(tokenizer, lengths: list[int], seed: str) -> list[list[i
     return out
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile (0..1) of xs, nearest rank."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")

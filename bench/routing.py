@@ -27,12 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, random_word_prompts, write_result  # noqa: E402
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+from common import machine, pct, random_word_prompts, write_result  # noqa: E402
 
 
 def main() -> None:

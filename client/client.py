@@ -160,6 +160,17 @@ class _Collector:
         return None
 
 
+def _retry_delay(e: grpc.RpcError, col: _Collector, attempt: int, client,
+                 deadline: float) -> float:
+    """Seconds to wait before retry number ``attempt``; raises the typed error instead when a
+    retry is not safe (not UNAVAILABLE, or a token already reached the caller) or none is left.
+    """
+    err = from_rpc_error(e)
+    if not isinstance(err, UnavailableError) or col.started or attempt > client.max_retries:
+        raise err from None
+    return min(client.backoff_s * 2 ** (attempt - 1), max(deadline - time.monotonic(), 0))
+
+
 class Stream:
     """Iterator of :class:`Delta`; ``result`` is set once it is exhausted. Closing it early
     (``break``, ``close()``, ``cancel()``, leaving a ``with`` block) cancels the request."""
@@ -194,14 +205,8 @@ class Stream:
                         yield delta
                 return
             except grpc.RpcError as e:
-                err = from_rpc_error(e)
-                retry = (isinstance(err, UnavailableError) and not self._col.started
-                         and attempt < self._client.max_retries)
-                if not retry:
-                    raise err from None
                 attempt += 1
-                time.sleep(min(self._client.backoff_s * 2 ** (attempt - 1),
-                               max(self._deadline - time.monotonic(), 0)))
+                time.sleep(_retry_delay(e, self._col, attempt, self._client, self._deadline))
             finally:
                 self._call.cancel()  # no-op when it finished; frees the request otherwise
 
@@ -303,14 +308,9 @@ class AsyncStream:
                         yield delta
                 return
             except grpc.RpcError as e:
-                err = from_rpc_error(e)
-                retry = (isinstance(err, UnavailableError) and not self._col.started
-                         and attempt < self._client.max_retries)
-                if not retry:
-                    raise err from None
                 attempt += 1
-                await asyncio.sleep(min(self._client.backoff_s * 2 ** (attempt - 1),
-                                        max(self._deadline - time.monotonic(), 0)))
+                await asyncio.sleep(_retry_delay(e, self._col, attempt, self._client,
+                                                 self._deadline))
             except asyncio.CancelledError:
                 self._call.cancel()
                 raise

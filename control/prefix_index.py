@@ -230,7 +230,7 @@ class PrefixIndex:
 
     ``client`` should have short socket timeouts: a Redis that hangs must not stall routing.
     While Redis is unreachable, calls return ``None`` at once and one retry is made every
-    ``retry_s``; ``num_unavailable`` counts requests routed without the index.
+    ``retry_s``; ``num_outages`` counts the times it became unreachable.
     """
 
     def __init__(self, client, router_id: str, inflight_ttl_s: float = 30.0,
@@ -243,7 +243,6 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._down_until = 0.0
         self.available = True
-        self.num_unavailable = 0
         self.num_outages = 0
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -363,10 +362,7 @@ class PrefixIndex:
     # ---- availability ----------------------------------------------------------------------------
 
     def _usable(self) -> bool:
-        if self.available or time.monotonic() >= self._down_until:
-            return True
-        self.num_unavailable += 1
-        return False
+        return self.available or time.monotonic() >= self._down_until
 
     def _went_down(self, e: BaseException) -> None:
         if self.available:
@@ -374,7 +370,6 @@ class PrefixIndex:
             log.warning("prefix index unavailable (%s): routing on load only, retrying every "
                         "%.1fs", e, self.retry_s)
         self.available = False
-        self.num_unavailable += 1
         self._down_until = time.monotonic() + self.retry_s
 
     def _came_back(self) -> None:

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+    start_http_server,
+)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -81,10 +89,25 @@ class WorkerMetrics:
 
 
 class RouterMetrics:
-    """The router's request latencies, as clients see them (both APIs)."""
+    """The router's request latencies, as clients see them (both APIs), and its routing
+    decisions; ``index`` (a PrefixIndex, or None) adds the index's availability."""
 
-    def __init__(self) -> None:
+    def __init__(self, index=None) -> None:
         self.registry = r = CollectorRegistry()
+        self.decisions = Counter("baton_route_decisions", "Routing decisions by path and reason.",
+                                 ["path", "reason"], registry=r)
+        self.index_cached = Counter("baton_route_index_cached_tokens",
+                                    "Prompt tokens the prefix index found on the chosen "
+                                    "prefilling worker.", registry=r)
+        self.without_index = Counter("baton_route_without_index",
+                                     "Requests routed on load only.", registry=r)
+        self.decision_s = Summary("baton_route_decision_seconds",
+                                  "Routing decision time (block hashing + Redis).", registry=r)
+        if index is not None:
+            Gauge("baton_prefix_index_up", "1 while the Redis prefix index answers.",
+                  registry=r).set_function(lambda: int(index.available))
+            Gauge("baton_prefix_index_outages_total", "Times the Redis prefix index became "
+                  "unreachable.", registry=r).set_function(lambda: index.num_outages)
         self.ttft = Histogram("baton_time_to_first_token_seconds",
                               "Request start at the router to the first token sent.",
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -103,6 +126,14 @@ class RouterMetrics:
                               registry=r)
         self.prompt = Counter("baton_router_prompt_tokens", "Prompt tokens routed.", registry=r)
 
+    def routed(self, d) -> None:
+        """One routing decision (baton.services.router.routing.Decision)."""
+        self.decisions.labels(d.path, d.reason).inc()
+        self.index_cached.inc(d.cached_tokens)
+        if not d.used_index:
+            self.without_index.inc()
+        self.decision_s.observe(d.decide_s)
+
     def finished(self, final) -> None:
         t, u = final.timing, final.usage
         self.ttft.observe(t.first_token_s)
@@ -117,6 +148,4 @@ class RouterMetrics:
         self.requests.labels("none", code).inc()
 
     def render(self) -> str:
-        from prometheus_client import generate_latest
-
         return generate_latest(self.registry).decode()

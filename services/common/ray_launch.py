@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 
 class _WorkerActor:
@@ -54,7 +55,6 @@ class RayWorker:
 
     def __init__(self, role: str, args: list[str], *, num_cpus: float, num_gpus: float,
                  log_dir: str | None, local: bool, ready_timeout: float = 600.0) -> None:
-        from pathlib import Path
 
         import ray
 

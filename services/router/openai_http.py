@@ -212,9 +212,8 @@ class OpenAIHandler(BaseHTTPRequestHandler):
             self._json(200 if ok else 503, {"status": "ok" if ok else "no decode worker",
                                             "workers": counts})
         elif path == "/metrics":
-            body = (self.metrics.render(self._worker_counts()) + "\n".join(
-                self.router.stats.render(self.router.policy.index)) + "\n"
-                + self.router.metrics.render()).encode()
+            body = (self.metrics.render(self._worker_counts())
+                    + self.router.metrics.render()).encode()
             self._send(200, body, "text/plain; version=0.0.4")
         else:
             self._error(404, f"no route {path}", "not_found")

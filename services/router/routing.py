@@ -118,7 +118,6 @@ class RoutingPolicy:
                                                               prefill_saturation)
         self._turns: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.num_without_index = 0
 
     def prompt_hashes(self, ids: list[int], fingerprint: str, cache_salt: str | None,
                       block_size: int) -> bytes:
@@ -140,7 +139,7 @@ class RoutingPolicy:
             d = self._turn("decode", decodes)
             p_cands = [w for w in prefills if w.address != d.address]
             p = self._turn("prefill", p_cands) if p_cands else None
-            return self._finish(ids, d, p, 0, 0, lambda _w: False, False, t0)
+            return self._finish(ids, d, p, 0, 0, False, False, t0)
 
         union = {w.worker_id: w for w in decodes + prefills}
         records = list(union.values())
@@ -149,16 +148,15 @@ class RoutingPolicy:
             sig = self.index.signals(hashes or b"", records)
         used_index = sig is not None
         if sig is None:
-            self.num_without_index += 1 if self.mode == "cache-aware" else 0
             sig = [Signals(inflight=self.pool.inflight(w.address)) for w in records]
         by_id = dict(zip(union, sig))
         weights = self.weights if used_index else {k: v for k, v in self.weights.items()
                                                    if k != "prefix"} or {"inflight": 1.0}
         n_blocks = len(hashes or b"") // 32
+        total = sum(weights.values())
 
         def score(w: WorkerRecord) -> float:
             x = ScoreInput(by_id[w.worker_id], n_blocks)
-            total = sum(weights.values())
             return sum(wt * SCORERS[name](x) for name, wt in weights.items()) / total
 
         d = self._best("decode", decodes, score)
@@ -170,18 +168,19 @@ class RoutingPolicy:
             s = by_id[w.worker_id]
             return (s.inflight + (s.waiting or 0)) >= self.prefill_saturation > 0
 
-        sat = all(saturated(w) for w in p_cands) if p_cands else False
         return self._finish(ids, d, p, by_id[d.worker_id].hit_blocks * bs,
                             by_id[p.worker_id].hit_blocks * bs if p else 0,
-                            lambda _w: sat, used_index, t0)
+                            bool(p_cands) and all(saturated(w) for w in p_cands),
+                            used_index, t0)
 
-    def _finish(self, ids, d, p, d_cached, p_cached, saturated, used_index, t0) -> Decision:
+    def _finish(self, ids, d, p, d_cached, p_cached, saturated: bool, used_index,
+                t0) -> Decision:
         new_tokens = len(ids) - d_cached
         if p is None:
             path, reason = "local", NO_PREFILL_WORKER
         elif new_tokens <= self.local_max_new_tokens:
             path, reason = "local", FEW_NEW_TOKENS
-        elif saturated(p):
+        elif saturated:
             path, reason = "local", PREFILL_SATURATED
         else:
             path, reason = "remote", MANY_NEW_TOKENS

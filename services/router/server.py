@@ -34,6 +34,7 @@ from baton.control.prefix_index import PrefixIndex
 from baton.control.registry import WorkerRecord, WorkerRegistry
 from baton.engine.errors import InvalidRequestError
 from baton.engine.tokenizer import BatonTokenizer
+from baton.services.common.metrics import RouterMetrics
 from baton.services.common.worker import (
     abort_with,
     add_standard_services,
@@ -127,51 +128,6 @@ class _Retry(Exception):
         self.address = address
 
 
-class RouteStats:
-    """Routing counters for /metrics."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.decisions: dict[tuple[str, str], int] = {}  # (path, reason) -> count
-        self.index_cached_tokens = 0
-        self.without_index = 0
-        self.route_s_sum = 0.0
-        self.route_count = 0
-
-    def record(self, d: Decision) -> None:
-        with self._lock:
-            key = (d.path, d.reason)
-            self.decisions[key] = self.decisions.get(key, 0) + 1
-            self.index_cached_tokens += d.cached_tokens
-            self.without_index += not d.used_index
-            self.route_s_sum += d.decide_s
-            self.route_count += 1
-
-    def render(self, index: PrefixIndex | None) -> list[str]:
-        with self._lock:
-            out = ["# HELP baton_route_decisions_total Routing decisions by path and reason.",
-                   "# TYPE baton_route_decisions_total counter"]
-            out += [f'baton_route_decisions_total{{path="{p}",reason="{r}"}} {n}'
-                    for (p, r), n in sorted(self.decisions.items())]
-            out += ["# HELP baton_route_index_cached_tokens_total Prompt tokens the prefix index "
-                    "found on the chosen prefilling worker.",
-                    "# TYPE baton_route_index_cached_tokens_total counter",
-                    f"baton_route_index_cached_tokens_total {self.index_cached_tokens}",
-                    "# HELP baton_route_without_index_total Requests routed on load only.",
-                    "# TYPE baton_route_without_index_total counter",
-                    f"baton_route_without_index_total {self.without_index}",
-                    "# TYPE baton_route_decision_seconds summary",
-                    f"baton_route_decision_seconds_sum {self.route_s_sum}",
-                    f"baton_route_decision_seconds_count {self.route_count}"]
-        if index is not None:
-            out += ["# HELP baton_prefix_index_up 1 while the Redis prefix index answers.",
-                    "# TYPE baton_prefix_index_up gauge",
-                    f"baton_prefix_index_up {int(index.available)}",
-                    "# TYPE baton_prefix_index_outages_total counter",
-                    f"baton_prefix_index_outages_total {index.num_outages}"]
-        return out
-
-
 class RouterService(api_pb2_grpc.BatonServicer):
     def __init__(self, pool: WorkerPool, tokenizer: BatonTokenizer, model: str,
                  max_model_len: int, fingerprint: str, policy: RoutingPolicy | None = None,
@@ -180,10 +136,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
         self.max_model_len, self.fingerprint = max_model_len, fingerprint
         self.policy = policy or RoutingPolicy(pool, None)
         self.max_retries = max_retries
-        self.stats = RouteStats()
-        from baton.services.common.metrics import RouterMetrics
-
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.policy.index)
 
     # ---- API -------------------------------------------------------------------------------------
 
@@ -231,7 +184,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
                     hashes = self.policy.prompt_hashes(ids, self.fingerprint, salt, bs)
                 decision = self.policy.decide(ids, hashes, failed)
                 state.route(decision, time.perf_counter() - t)
-                self.stats.record(decision)
+                self.metrics.routed(decision)
                 yield from self._attempt(request, state, decision, calls, context)
                 return
             except _Retry as e:
