@@ -242,17 +242,20 @@ def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
 def test_every_process_serves_its_metrics(cluster):
     for i in range(3):
         generate(cluster.r1, tokens(90 + i, 70), max_tokens=6)
+    assert generate(cluster.r1, tokens(95, 6))[1].path == "local"  # prefilled on decode
     settle()
     d = scrape(cluster.decode.metrics_address)
-    p = [scrape(w.metrics_address) for w in (cluster.p1,) if w.proc.poll() is None]
+    p = [scrape(w.metrics_address) for w in cluster.prefills if w.proc.poll() is None]
     for m in [d, *p]:
         total = m["baton_worker_kv_blocks_total"]
         assert total == 512
         assert m["baton_worker_kv_blocks_free"] + m["baton_worker_kv_blocks_used"] == total
         assert m["baton_worker_queue_depth"] >= 0 and m["baton_worker_running_requests"] >= 0
-        assert m["baton_worker_time_to_first_token_seconds_count"] >= 1
         assert 0 <= m["baton_worker_prefix_hit_tokens_total"] <= m[
             "baton_worker_prompt_tokens_total"]
+    # each of the three requests was prefilled on one of the live prefill workers
+    assert sum(m["baton_worker_time_to_first_token_seconds_count"] for m in p) >= 3
+    assert d["baton_worker_time_to_first_token_seconds_count"] >= 1  # the local one
     assert d["baton_kv_transfer_bytes_total"] > 0
     assert d["baton_kv_transfer_seconds_count"] >= 1
     assert d["baton_worker_inter_token_seconds_count"] >= 5
