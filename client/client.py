@@ -140,6 +140,26 @@ def _channel_args(tls: bool, root_certificates: bytes | None, token: str | None)
     return creds, metadata
 
 
+_inject = None
+
+
+def _trace_metadata() -> tuple:
+    """The caller's current OpenTelemetry context as W3C trace-context metadata, so that the
+    cluster's spans join the caller's trace (nothing without OpenTelemetry installed)."""
+    global _inject
+    if _inject is None:
+        try:
+            from opentelemetry.propagate import inject
+        except ImportError:
+            inject = False
+        _inject = inject
+    if not _inject:
+        return ()
+    carrier: dict[str, str] = {}
+    _inject(carrier)
+    return tuple(carrier.items())
+
+
 class _Collector:
     """Accumulates deltas into the final Result."""
 
@@ -178,6 +198,7 @@ class Stream:
     def __init__(self, client: Client, request, timeout: float) -> None:
         self._client, self._request = client, request
         self._deadline = time.monotonic() + timeout
+        self._metadata = client._metadata + _trace_metadata()
         self._col = _Collector()
         self._call = None
         self._gen = self._run()
@@ -197,7 +218,7 @@ class Stream:
         while True:
             left = self._deadline - time.monotonic()
             self._call = self._client._stub.Generate(self._request, timeout=max(left, 0.001),
-                                                      metadata=self._client._metadata)
+                                                      metadata=self._metadata)
             try:
                 for msg in self._call:
                     delta = self._col.add(msg)
@@ -281,6 +302,7 @@ class AsyncStream:
     def __init__(self, client: AsyncClient, request, timeout: float) -> None:
         self._client, self._request = client, request
         self._deadline = time.monotonic() + timeout
+        self._metadata = client._metadata + _trace_metadata()
         self._col = _Collector()
         self._call = None
         self._gen = self._run()
@@ -300,7 +322,7 @@ class AsyncStream:
         while True:
             left = self._deadline - time.monotonic()
             self._call = self._client._stub.Generate(self._request, timeout=max(left, 0.001),
-                                                      metadata=self._client._metadata)
+                                                      metadata=self._metadata)
             try:
                 async for msg in self._call:
                     delta = self._col.add(msg)

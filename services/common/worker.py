@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import grpc
 from baton.engine.errors import InvalidRequestError
 from baton.engine.params import SamplingParams
+from baton.services.common import tracing
 from baton.transfer.errors import (
     ChecksumMismatchError,
     FingerprintMismatchError,
@@ -112,6 +113,7 @@ class WorkerBoot:
             if publisher is not None:
                 publisher.stop(withdraw=True)
             on_stop()
+            tracing.shutdown()
         serve_forever(self.server, stop, registration, args.drain_timeout, health=health)
 
 
@@ -127,6 +129,7 @@ def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     host = advertised_host(args)
     worker_id = args.worker_id or f"{role}-{host}-{port}"
+    tracing.setup(role, worker_id)
     agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
     from baton.services.common.metrics import WorkerMetrics
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 import grpc
 from baton.engine.engine import LLMEngine
 from baton.engine.errors import InvalidRequestError
+from baton.services.common import tracing
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.worker import (
     abort_with,
@@ -34,7 +35,7 @@ from baton.services.common.worker import (
     tokenizer_info,
     worker_info,
 )
-from baton.services.prefill.server import add_prefill_role
+from baton.services.prefill.server import add_prefill_role, engine_spans
 from baton.transfer.errors import TransferError
 from baton.transfer.handle import KVHandle
 from baton.transfer.holder import KVHolder
@@ -56,6 +57,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Decode(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
+        span = tracing.server_span(context, "baton.v1.DecodeWorker/Decode", {
+            "baton.request_id": rid, "baton.worker.id": self.worker_id,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
+        yield from tracing.traced_stream(span, context,
+                                         self._decode(request, context, rid, span))
+
+    def _decode(self, request, context, rid: str, span):
         handle = KVHandle.from_proto(request.handle)
         budget = self.transfer_timeout_s
         if context.time_remaining() is not None:
@@ -75,15 +83,25 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self.loop.run(self.engine.abort, rid)
             abort_with(context, InvalidRequestError("handle.block_ids", len(handle.block_ids),
                                          f"{len(slots.block_ids)} blocks are needed"))
+        ts = span.child("baton.kv.transfer", attrs={
+            "baton.kv.source_worker": handle.worker_id, "server.address": handle.address,
+            "baton.kv.lease_id": handle.lease_id})
         try:
             needed = replace(handle, block_ids=handle.block_ids[:len(slots.block_ids)])
             res = self.reader.pull(needed, slots.block_ids, slots.num_local_blocks, deadline)
         except TransferError as e:
+            ts.end(error=e)
             if self.metrics is not None:
                 self.metrics.transfer_failures.labels(type(e).__name__).inc()
             self.loop.run(self.engine.abort, rid)
             log.warning("request %s: hand-off from %s failed: %s", rid, handle.worker_id, e)
             abort_with(context, e)
+        ts.set({"baton.kv.bytes": res.bytes, "baton.kv.blocks_read": res.blocks_read,
+                "baton.kv.blocks_local": res.blocks_local,
+                "baton.kv.transport": res.transports or None,
+                "baton.kv.handshake_s": res.handshake_s, "baton.kv.read_s": res.read_s,
+                "baton.kv.release_s": res.release_s})
+        ts.end()
         if self.metrics is not None:
             self.metrics.transfer_bytes.inc(res.bytes)
             self.metrics.transfer_seconds.observe(res.handshake_s + res.read_s + res.release_s)
@@ -93,11 +111,20 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             bytes=res.bytes, blocks_read=res.blocks_read, blocks_local=res.blocks_local,
             handshake_s=res.handshake_s, read_s=res.read_s, release_s=res.release_s,
             transports=res.transports)
-        yield from _relay(stream, context, lambda chunk, out: chunk.transfer.CopyFrom(stats))
+        yield from _relay(stream, context, lambda chunk, out: chunk.transfer.CopyFrom(stats),
+                          span)
 
     def Generate(self, request, context):
         """The local path: prefill here too, then decode (colocated mode, short prompts)."""
+        t0 = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
+        span = tracing.server_span(context, "baton.v1.DecodeWorker/Generate", {
+            "baton.request_id": rid, "baton.worker.id": self.worker_id,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)}, at=t0)
+        yield from tracing.traced_stream(span, context,
+                                         self._generate(request, context, rid, t0, span))
+
+    def _generate(self, request, context, rid: str, t0: float, span):
         try:
             params = params_from_proto(request.params)
             stream = self.loop.submit(rid, prompt_token_ids=list(request.prompt_token_ids),
@@ -109,7 +136,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         def first(chunk, out):
             chunk.num_cached_tokens = out.num_cached_tokens
             chunk.queue_s = out.queue_s or 0.0
-        yield from _relay(stream, context, first)
+            if span.recording:
+                engine_spans(span, t0, out)
+        yield from _relay(stream, context, first, span)
 
     def Tokenizer(self, request, context):
         return tokenizer_info(self.engine)
@@ -144,9 +173,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                            holder=self.holder, num_peers=self.reader.num_peers)
 
 
-def _relay(stream, context, on_first):
+def _relay(stream, context, on_first, span=tracing.NO_SPAN):
     """Engine outputs -> DecodeChunks until the request finishes; ``on_first(chunk, output)``
-    decorates the first chunk."""
+    decorates the first chunk; ``span`` gets the first token's time and the usage."""
     first = True
     while True:
         out = stream.get()
@@ -158,9 +187,12 @@ def _relay(stream, context, on_first):
                                                  if lp is not None])
         if first:
             on_first(chunk, out)
+            span.event("baton.first_token")
             first = False
         yield chunk
         if out.finished:
+            span.set({"gen_ai.usage.output_tokens": out.num_output_tokens,
+                      "gen_ai.response.finish_reasons": [out.finish_reason or ""]})
             return
 
 

@@ -14,6 +14,7 @@ import queue
 import time
 import uuid
 
+from baton.services.common import tracing
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.worker import (
     WorkerBoot,
@@ -41,6 +42,13 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def Prefill(self, request, context):
         t0 = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
+        span = tracing.server_span(context, "baton.v1.PrefillWorker/Prefill", {
+            "baton.request_id": rid, "baton.worker.id": self.worker_id,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)}, at=t0)
+        return tracing.traced_call(span, context, self._prefill, request, context, rid, t0,
+                                   span)
+
+    def _prefill(self, request, context, rid: str, t0: float, span):
         try:
             params = params_from_proto(request.params)
             stream = self.loop.submit(rid, prompt_token_ids=list(request.prompt_token_ids),
@@ -64,6 +72,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                                           queue_s=out.queue_s or 0.0)
         if out.logprobs:
             resp.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
+        if span.recording:
+            engine_spans(span, t0, out)
         if out.handoff is None:  # the first token ended it (EOS, stop, max_tokens=1)
             resp.finish_reason = out.finish_reason or ""
             return resp
@@ -76,6 +86,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 self._free(rid)
             return resp
         resp.handle.CopyFrom(handle.to_proto())
+        span.set({"baton.kv.lease_id": handle.lease_id, "baton.kv.blocks_leased": len(blocks)})
         return resp
 
     def Info(self, request, context):
@@ -87,6 +98,19 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _free(self, request_id: str) -> None:
         self.loop.call(self.engine.release_handoff, request_id)
+
+
+def engine_spans(span, t0: float, out) -> None:
+    """Queue and prefill spans under ``span`` for a request that arrived at ``t0`` and whose
+    first output is ``out``."""
+    start = t0 + (out.queue_s or 0.0)
+    first = t0 + out.first_token_s if out.first_token_s is not None else time.monotonic()
+    span.child("baton.engine.queue", at=t0).end(at=start)
+    span.child("baton.engine.prefill", attrs={
+        "baton.usage.cached_tokens": out.num_cached_tokens,
+        "gen_ai.usage.input_tokens": out.num_prompt_tokens}, at=start).end(at=max(first, start))
+    span.set({"baton.usage.cached_tokens": out.num_cached_tokens,
+              "baton.timing.queue_s": out.queue_s or 0.0})
 
 
 def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot, lease_ttl: float,

@@ -36,10 +36,16 @@ class _Aborted(Exception):
 class _Context:
     """What RouterService.Generate uses of a grpc.ServicerContext."""
 
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None, headers=None) -> None:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._callbacks: list = []
         self._active = True
+        # the trace context of the caller (W3C traceparent / tracestate headers)
+        self._metadata = tuple((k, headers[k]) for k in ("traceparent", "tracestate")
+                               if headers is not None and headers.get(k))
+
+    def invocation_metadata(self):
+        return self._metadata
 
     def abort(self, code, details):
         raise _Aborted(code, details)
@@ -246,7 +252,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         return self._gen
 
     def _complete(self, kind: str, req) -> None:
-        ctx = _Context(timeout=None)
+        ctx = _Context(timeout=None, headers=self.headers)
         text, final, lps = "", None, []
         try:
             for msg in self._run(req, ctx):
@@ -279,7 +285,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                                    "decode_worker": final.decode_worker}})
 
     def _stream(self, kind: str, req, body: dict) -> None:
-        ctx = _Context(timeout=None)
+        ctx = _Context(timeout=None, headers=self.headers)
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model()
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_usage = bool((body.get("stream_options") or {}).get("include_usage"))

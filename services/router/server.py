@@ -34,6 +34,7 @@ from baton.control.prefix_index import PrefixIndex
 from baton.control.registry import WorkerRecord, WorkerRegistry
 from baton.engine.errors import InvalidRequestError
 from baton.engine.tokenizer import BatonTokenizer
+from baton.services.common import tracing
 from baton.services.common.metrics import RouterMetrics
 from baton.services.common.worker import (
     abort_with,
@@ -114,10 +115,14 @@ class WorkerPool:
             with self._lock:
                 self._inflight[address] -= 1
 
-    def forget(self) -> None:
-        """Re-read the registry on the next pick (a worker just failed)."""
+    def forget(self, if_older_than: float = 0.0) -> bool:
+        """Re-read the registry on the next pick (a worker just failed, or none was found), if
+        the last read is older than ``if_older_than`` seconds; whether it will be."""
         with self._lock:
+            if time.monotonic() - self._read_at < if_older_than:
+                return False
             self._read_at = 0.0
+            return True
 
 
 class _Retry(Exception):
@@ -145,22 +150,30 @@ class RouterService(api_pb2_grpc.BatonServicer):
             id=self.model, max_model_len=self.max_model_len, fingerprint=self.fingerprint)])
 
     def Generate(self, request, context):
+        t0 = time.monotonic()
+        rid = request.request_id or uuid.uuid4().hex
+        span = tracing.NO_SPAN
+        if tracing.enabled():
+            span = tracing.server_span(context, *_request_span(request, self.model, rid), at=t0)
         ended = False
         try:
-            for msg in self._generate(request, context):
+            for msg in self._generate(request, context, t0, rid, span):
                 if msg.HasField("final"):
                     ended = True
                     self.metrics.finished(msg.final)
+                    span.set(_final_attrs(msg.final))
                 yield msg
         finally:
-            if not ended:
+            if ended:
+                span.end()
+            else:
                 code = getattr(context, "code", lambda: None)()
-                self.metrics.failed(code.name if isinstance(code, grpc.StatusCode)
-                                    else "CANCELLED" if not context.is_active() else "ERROR")
+                status = (code.name if isinstance(code, grpc.StatusCode)
+                          else "CANCELLED" if not context.is_active() else "ERROR")
+                self.metrics.failed(status)
+                span.end(error=status)
 
-    def _generate(self, request, context):
-        t0 = time.monotonic()
-        rid = request.request_id or uuid.uuid4().hex
+    def _generate(self, request, context, t0: float, rid: str, span):
         try:
             ids = self._prompt_ids(request)
             params_from_proto(request.params)  # validation only: the workers get the proto
@@ -173,21 +186,28 @@ class RouterService(api_pb2_grpc.BatonServicer):
         for attempt in range(self.max_retries + 1):
             # a retry is a new request on the workers (the failed attempt may still be known)
             state = _State(rid if attempt == 0 else f"{rid}.retry{attempt}", ids, t0, attempt,
-                           self.metrics)
+                           self.metrics, span)
             try:
-                t = time.perf_counter()
+                t = time.monotonic()
                 if hashes is None and self.policy.mode != "round-robin":
                     workers = self.pool.workers()
                     bs = workers[0].block_size if workers else 16
                     salt = (request.params.cache_salt if request.params.HasField("cache_salt")
                             else None)
                     hashes = self.policy.prompt_hashes(ids, self.fingerprint, salt, bs)
-                decision = self.policy.decide(ids, hashes, failed)
-                state.route(decision, time.perf_counter() - t)
+                try:
+                    decision = self.policy.decide(ids, hashes, failed)
+                except NoWorkerError:  # the registry read may predate a worker's start
+                    if not self.pool.forget(if_older_than=0.1):
+                        raise
+                    decision = self.policy.decide(ids, hashes, failed)
+                state.route(decision, t, time.monotonic())
                 self.metrics.routed(decision)
                 yield from self._attempt(request, state, decision, calls, context)
                 return
             except _Retry as e:
+                span.event("baton.retry", {"baton.worker.address": e.address,
+                                           "baton.retry.reason": str(e)})
                 failed.add(e.address)
                 self.pool.forget()
                 log.warning("request %s: %s; retrying elsewhere (attempt %d)", rid, e,
@@ -222,16 +242,20 @@ class RouterService(api_pb2_grpc.BatonServicer):
         p = request.params
         t = time.monotonic()
         with self.pool.busy(prefill.address):
+            cs = _call_span(st.span, prefill, "PrefillWorker", "Prefill")
             fut = worker_pb2_grpc.PrefillWorkerStub(self.pool.channel(prefill.address)).Prefill \
                 .future(worker_pb2.PrefillRequest(request_id=st.rid, prompt_token_ids=st.ids,
-                                                  params=p), timeout=_left(context))
+                                                  params=p), timeout=_left(context),
+                        metadata=cs.metadata())
             calls.append(fut)
             try:
                 pre = fut.result()
             except grpc.RpcError as e:
+                cs.end(error=e.code())
                 _fail(e, prefill.address, context, sent=False)
             finally:
                 calls.remove(fut)
+            cs.end()
         st.prefill_s = time.monotonic() - t
         st.queue_s = pre.queue_s
         st.cached = pre.num_cached_tokens
@@ -246,10 +270,10 @@ class RouterService(api_pb2_grpc.BatonServicer):
         try:
             yield from self._stream(
                 decode, "remote", st, calls, context,
-                lambda stub: stub.Decode(worker_pb2.DecodeRequest(
+                lambda stub, md: stub.Decode(worker_pb2.DecodeRequest(
                     request_id=st.rid, prompt_token_ids=st.ids,
                     first_token_id=pre.first_token_id, params=p, handle=pre.handle,
-                    sampler_state=pre.sampler_state), timeout=_left(context)))
+                    sampler_state=pre.sampler_state), timeout=_left(context), metadata=md))
         except _Retry:
             self._give_back(prefill.address, pre.handle)  # free the blocks now, not at expiry
             raise
@@ -267,13 +291,17 @@ class RouterService(api_pb2_grpc.BatonServicer):
         p = request.params
         yield from self._stream(
             decode, "local", st, calls, context,
-            lambda stub: stub.Generate(worker_pb2.LocalRequest(
-                request_id=st.rid, prompt_token_ids=st.ids, params=p), timeout=_left(context)))
+            lambda stub, md: stub.Generate(worker_pb2.LocalRequest(
+                request_id=st.rid, prompt_token_ids=st.ids, params=p), timeout=_left(context),
+                metadata=md))
 
     def _stream(self, decode, path, st, calls, context, start):
         st.decode_worker = decode.worker_id
+        method = "Decode" if path == "remote" else "Generate"
         with self.pool.busy(decode.address):
-            call = start(worker_pb2_grpc.DecodeWorkerStub(self.pool.channel(decode.address)))
+            cs = _call_span(st.span, decode, "DecodeWorker", method)
+            call = start(worker_pb2_grpc.DecodeWorkerStub(self.pool.channel(decode.address)),
+                         cs.metadata())
             calls.append(call)
             reason = ""
             try:
@@ -283,6 +311,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
                         st.transfer_s = t.handshake_s + t.read_s + t.release_s
                         st.blocks_read, st.blocks_local = t.blocks_read, t.blocks_local
                         st.transports = t.transports
+                        st.span.set({"baton.kv.bytes": t.bytes})
                     if chunk.num_cached_tokens:
                         st.cached = chunk.num_cached_tokens
                     if chunk.queue_s:
@@ -294,9 +323,11 @@ class RouterService(api_pb2_grpc.BatonServicer):
                     yield st.delta(chunk.token_ids, chunk.text, lps)
                     reason = chunk.finish_reason or reason
             except grpc.RpcError as e:
+                cs.end(error=e.code())
                 _fail(e, decode.address, context, sent=st.sent)
             finally:
                 calls.remove(call)
+            cs.end()
         if not reason:  # the stream ended without a finish: never report that as success
             context.abort(grpc.StatusCode.INTERNAL,
                           f"decode worker {decode.worker_id} ended the stream unfinished")
@@ -337,9 +368,9 @@ class _State:
     """One attempt's progress: what was sent and the timings for the final message."""
 
     def __init__(self, rid: str, ids: list[int], t0: float, attempt: int,
-                 metrics=None) -> None:
+                 metrics=None, span=tracing.NO_SPAN) -> None:
         self.rid, self.ids, self.t0, self.attempt = rid, ids, t0, attempt
-        self.metrics, self.last_at = metrics, None
+        self.metrics, self.last_at, self.span = metrics, None, span
         self.tokens: list[int] = []
         self.sent = False
         self.cached = 0
@@ -352,8 +383,17 @@ class _State:
         self.decision: Decision | None = None
         self.blocks_read = self.blocks_local = 0
 
-    def route(self, decision: Decision, route_s: float) -> None:
-        self.decision, self.route_s = decision, route_s
+    def route(self, decision: Decision, start: float, end: float) -> None:
+        self.decision, self.route_s = decision, end - start
+        if self.span.recording:
+            d = decision
+            self.span.child("baton.route", attrs={
+                "baton.route.path": d.path, "baton.route.reason": d.reason,
+                "baton.route.index_used": d.used_index,
+                "baton.route.cached_tokens": d.cached_tokens,
+                "baton.prefill.worker": d.prefill.worker_id if d.prefill else None,
+                "baton.decode.worker": d.decode.worker_id if d.decode else None,
+                "baton.attempt": self.attempt}, at=start).end(at=end)
 
     def delta(self, token_ids, text, logprobs=()):
         now = time.monotonic()
@@ -387,6 +427,52 @@ class _State:
                                   queue_s=self.queue_s,
                                   first_decode_step_s=(self.second_at - first
                                                        if self.second_at else 0.0))))
+
+
+def _request_span(request, model: str, rid: str) -> tuple[str, dict]:
+    """The request span's name and attributes (OpenTelemetry GenAI conventions, plus Baton's)."""
+    op = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+    p = request.params
+    return f"{op} {model}", {
+        "gen_ai.operation.name": op, "gen_ai.provider.name": "baton",
+        "gen_ai.request.model": request.model or model,
+        "gen_ai.request.max_tokens": p.max_tokens if p.HasField("max_tokens") else 16,
+        "gen_ai.request.temperature": p.temperature,
+        "gen_ai.request.top_p": p.top_p if p.HasField("top_p") else None,
+        "gen_ai.request.top_k": p.top_k or None,
+        "gen_ai.request.seed": p.seed if p.HasField("seed") else None,
+        "gen_ai.request.stop_sequences": list(p.stop) or None,
+        "gen_ai.response.id": rid, "gen_ai.response.model": model,
+        "baton.request_id": rid}
+
+
+def _final_attrs(f) -> dict:
+    t, u = f.timing, f.usage
+    return {"gen_ai.response.finish_reasons": [f.finish_reason],
+            "gen_ai.usage.input_tokens": u.prompt_tokens,
+            "gen_ai.usage.output_tokens": u.completion_tokens,
+            "baton.usage.cached_tokens": u.cached_tokens, "baton.path": f.path,
+            "baton.route.reason": f.route_reason, "baton.retries": f.retries,
+            "baton.prefill.worker": f.prefill_worker or None,
+            "baton.decode.worker": f.decode_worker or None,
+            "baton.kv.blocks_read": f.kv_blocks_read, "baton.kv.blocks_local": f.kv_blocks_local,
+            "baton.kv.transport": f.transports or None,
+            "baton.timing.route_s": t.route_s, "baton.timing.queue_s": t.queue_s,
+            "baton.timing.prefill_s": t.prefill_s, "baton.timing.transfer_s": t.transfer_s,
+            "baton.timing.first_token_s": t.first_token_s,
+            "baton.timing.first_decode_step_s": t.first_decode_step_s,
+            "baton.timing.total_s": t.total_s}
+
+
+def _call_span(span, worker: WorkerRecord, service: str, method: str):
+    """The client span of a call to a worker, under the request's ``span``."""
+    if not span.recording:
+        return tracing.NO_SPAN
+    host, _, port = worker.address.rpartition(":")
+    return span.child(f"baton.v1.{service}/{method}", "client", {
+        "rpc.system": "grpc", "rpc.service": f"baton.v1.{service}", "rpc.method": method,
+        "server.address": host, "server.port": int(port) if port.isdigit() else None,
+        "baton.worker.id": worker.worker_id})
 
 
 def _left(context) -> float:
@@ -530,6 +616,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         port = server.add_insecure_port(f"{args.host}:{args.port}")
     router_id = f"router-{args.host}-{port}-{new_incarnation()}"
+    tracing.setup("router", router_id)
     index = (PrefixIndex(client, router_id, args.inflight_ttl)
              if args.routing == "cache-aware" else None)
     policy = RoutingPolicy(pool, index, mode=args.routing, weights=weights,
@@ -554,7 +641,7 @@ def main(argv: list[str] | None = None) -> None:
                  http_address)
         print(f"BATON_HTTP {http_address}", flush=True)
     announce(address, f"router-{args.host}-{port}", new_incarnation())
-    serve_forever(server, lambda: None, None, args.drain_timeout, health=health)
+    serve_forever(server, tracing.shutdown, None, args.drain_timeout, health=health)
 
 
 if __name__ == "__main__":
