@@ -211,6 +211,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="PEM CA certificate: connect over TLS, trusting it")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids and the final message")
+    from baton.cli import status
+
+    st = sub.add_parser("status", help="the cluster at a glance: routers and workers, load, KV "
+                                       "usage, prefix hits, TTFT/TPOT percentiles",
+                        description="List the routers and workers registered in Redis, with "
+                                    "what their /metrics say: requests, load, KV blocks used, "
+                                    "prefix-cache hit rate, TTFT/TPOT percentiles (since each "
+                                    "process started). `baton top` keeps it refreshed.")
+    status.add_args(st, top=False)
+    tp = sub.add_parser("top", help="`baton status`, refreshed, over a sliding window",
+                        description="Redraw `baton status` every --interval seconds, with "
+                                    "latency percentiles, hit rates and throughput over the "
+                                    "last --window seconds. Ctrl-C quits.")
+    status.add_args(tp, top=True)
     for name in ("router", "worker"):
         w = sub.add_parser(name, add_help=False,
                            help=f"run one {name} process (see `baton {name} --help`)")
@@ -223,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         from baton.cli.up import up
 
         return up(a)
-    return {"handoff": _handoff, "request": _request}.get(a.cmd, _generate)(a)
+    return {"handoff": _handoff, "request": _request, "status": status.status,
+            "top": status.top}.get(a.cmd, _generate)(a)
 
 
 def _piece(name: str, args: list[str]) -> int:

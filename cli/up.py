@@ -8,6 +8,8 @@ on Ctrl-C or SIGTERM stops them in reverse order (workers drain) and exits.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import sys
 import tempfile
@@ -67,7 +69,7 @@ def up(a: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    redis = None
+    redis = state = None
     procs: list[WorkerProcess] = []
     t0 = time.monotonic()
 
@@ -138,6 +140,8 @@ def up(a: argparse.Namespace) -> int:
             say(f"ready: OpenAI-compatible API on http{'s' if a.tls_cert else ''}://"
                 f"{router.http_address}/v1")
         print(f"  try: baton request \"Hello\" --router {router.address}", flush=True)
+        print("       baton status   (or baton top)", flush=True)
+        state = _leave_address(url, router)
         while not stop.is_set():
             dead = [p for p in procs if p.proc.poll() is not None]
             if dead:
@@ -156,6 +160,8 @@ def up(a: argparse.Namespace) -> int:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
+        if state is not None:
+            _forget_address(state)
         for p in reversed(procs):  # router first, then decode, then prefill: each drains
             p.stop(timeout=40)
         if redis is not None:
@@ -166,3 +172,26 @@ def up(a: argparse.Namespace) -> int:
             ray.shutdown()
         if procs or redis:
             say("stopped")
+
+
+def _leave_address(redis_url: str, router):
+    """Write where this cluster is for `baton status` / `baton top` (removed at exit)."""
+    from baton.cli.status import state_file
+
+    path = state_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"pid": os.getpid(), "redis_url": redis_url,
+                                    "router": router.address,
+                                    "http": router.http_address}))
+    except OSError:
+        return None
+    return path
+
+
+def _forget_address(path) -> None:
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():  # not a later cluster's
+            path.unlink()
+    except (OSError, ValueError):
+        pass

@@ -4,11 +4,13 @@ Each worker owns one key, ``baton:worker:<worker id>``, holding its record as JS
 a heartbeat thread rewrites it every ``ttl / 3``. A worker that dies stops renewing and vanishes
 from the registry within ``ttl`` seconds; a draining worker deletes its key first thing, so
 routers stop sending it work before it stops serving. No other state: routers list the keys.
+Routers register the same way under ``baton:router:<router id>`` (for ``baton status``).
 
     baton:worker:prefill-127.0.0.1-40001  ->  {"worker_id": ..., "role": "prefill",
                                               "address": "127.0.0.1:40001", "fingerprint": ...,
                                               "incarnation": ..., "model": ..., "started_at": ...,
-                                              "block_size": 16}
+                                              "block_size": 16,
+                                              "metrics_address": "127.0.0.1:40002"}
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import json
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from redis.exceptions import RedisError
 
 log = logging.getLogger("baton.control")
 
 PREFIX = "baton:worker:"
+ROUTER_PREFIX = "baton:router:"
 ROLES = ("prefill", "decode", "both")
 
 
@@ -37,10 +40,35 @@ class WorkerRecord:
     model: str = ""
     started_at: float = field(default_factory=time.time)
     block_size: int = 16  # tokens per KV block: routers hash prompts with it
+    metrics_address: str = ""  # host:port of its Prometheus /metrics ("" when it serves none)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} must be one of {ROLES}")
+
+    @property
+    def key(self) -> str:
+        return PREFIX + self.worker_id
+
+
+@dataclass(frozen=True)
+class RouterRecord:
+    router_id: str
+    address: str  # its public gRPC API
+    http_address: str = ""  # the OpenAI-compatible HTTP front and /metrics ("" when none)
+    model: str = ""
+    tls: bool = False  # the HTTP front speaks https
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> str:
+        return ROUTER_PREFIX + self.router_id
+
+
+def _from_json(cls, raw):
+    """A record from its JSON, ignoring fields this version does not know (a newer peer's)."""
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 class WorkerRegistry:
@@ -57,31 +85,32 @@ class WorkerRegistry:
 
         return cls(redis.Redis.from_url(url, socket_timeout=5), ttl_s)
 
-    def put(self, record: WorkerRecord) -> None:
-        self.redis.set(PREFIX + record.worker_id, json.dumps(asdict(record)),
-                       px=int(self.ttl_s * 1000))
+    def put(self, record: WorkerRecord | RouterRecord) -> None:
+        self.redis.set(record.key, json.dumps(asdict(record)), px=int(self.ttl_s * 1000))
 
     def remove(self, worker_id: str) -> None:
         self.redis.delete(PREFIX + worker_id)
 
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
         """Live workers (of ``role``; a ``both`` worker counts for prefill and decode too)."""
-        keys = sorted(self.redis.scan_iter(match=PREFIX + "*", count=500))
+        return [rec for rec in self._read(PREFIX, WorkerRecord)
+                if role is None or rec.role == role or (rec.role == "both" and role != "both")]
+
+    def routers(self) -> list[RouterRecord]:
+        """Live routers."""
+        return self._read(ROUTER_PREFIX, RouterRecord)
+
+    def _read(self, prefix: str, cls) -> list:
+        keys = sorted(self.redis.scan_iter(match=prefix + "*", count=500))
         values = self.redis.mget(keys) if keys else []
-        out = []
-        for raw in values:
-            if raw is None:  # expired between SCAN and MGET
-                continue
-            rec = WorkerRecord(**json.loads(raw))
-            if role is None or rec.role == role or (rec.role == "both" and role != "both"):
-                out.append(rec)
-        return out
+        # None: expired between SCAN and MGET
+        return [_from_json(cls, raw) for raw in values if raw is not None]
 
 
 class Registration:
     """A worker's own entry: put at start, renewed by a heartbeat thread, removed on drain."""
 
-    def __init__(self, registry: WorkerRegistry, record: WorkerRecord) -> None:
+    def __init__(self, registry: WorkerRegistry, record: WorkerRecord | RouterRecord) -> None:
         self.registry, self.record = registry, record
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="registry-heartbeat",
@@ -97,13 +126,13 @@ class Registration:
             try:
                 self.registry.put(self.record)
             except (RedisError, OSError) as e:  # Redis away for a moment: the TTL decides
-                log.warning("registry heartbeat for %s failed: %s", self.record.worker_id, e)
+                log.warning("registry heartbeat for %s failed: %s", self.record.key, e)
 
     def withdraw(self) -> None:
         """Stop the heartbeat and delete the entry (first step of a drain)."""
         self._stop.set()
         try:
-            self.registry.remove(self.record.worker_id)
+            self.registry.redis.delete(self.record.key)
         except (RedisError, OSError) as e:
             log.warning("could not deregister %s: %s (its entry expires in %.0fs)",
-                        self.record.worker_id, e, self.registry.ttl_s)
+                        self.record.key, e, self.registry.ttl_s)

@@ -96,16 +96,19 @@ class WorkerBoot:
         """Start serving, register, announce, and block until drained."""
         health = add_standard_services(self.server, services)
         self.server.start()
+        metrics_address = ""
         if args.metrics_port >= 0:
             mport = self.metrics.serve(self.host, args.metrics_port)
             host = self.address.rsplit(":", 1)[0]
-            log.info("Prometheus metrics on http://%s:%d/metrics", host, mport)
-            print(f"BATON_METRICS {host}:{mport}", flush=True)
+            metrics_address = f"{host}:{mport}"
+            log.info("Prometheus metrics on http://%s/metrics", metrics_address)
+            print(f"BATON_METRICS {metrics_address}", flush=True)
         log.info("%s worker %s (incarnation %s) serving on %s, model fingerprint %s", self.role,
                  self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
         registration = register(args, self.role, self.worker_id, self.address,
                                 self.engine.fingerprint, self.incarnation,
-                                self.engine.model_info.name, self.engine.cfg.block_size)
+                                self.engine.model_info.name, self.engine.cfg.block_size,
+                                metrics_address)
         publisher = publish_index(args, self.engine, self.worker_id, self.incarnation)
         announce(self.address, self.worker_id, self.incarnation)
 
@@ -193,7 +196,8 @@ def make_server(max_workers: int = 32, interceptors=()) -> grpc.Server:
 
 
 def register(args: argparse.Namespace, role: str, worker_id: str, address: str,
-             fingerprint: str, incarnation: str, model: str, block_size: int = 16):
+             fingerprint: str, incarnation: str, model: str, block_size: int = 16,
+             metrics_address: str = ""):
     """Put this worker in the Redis registry (if ``--redis-url``); returns the Registration."""
     if not args.redis_url:
         return None
@@ -201,7 +205,7 @@ def register(args: argparse.Namespace, role: str, worker_id: str, address: str,
 
     registry = WorkerRegistry.from_url(args.redis_url, args.registry_ttl)
     record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model,
-                          block_size=block_size)
+                          block_size=block_size, metrics_address=metrics_address)
     reg = Registration(registry, record).start()
     log.info("registered as %s (%s) in %s", worker_id, role, args.redis_url)
     return reg

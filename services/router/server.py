@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import grpc
 from baton.control.prefix_index import PrefixIndex
-from baton.control.registry import WorkerRecord, WorkerRegistry
+from baton.control.registry import Registration, RouterRecord, WorkerRecord, WorkerRegistry
 from baton.engine.errors import InvalidRequestError
 from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common import tracing
@@ -39,6 +39,7 @@ from baton.services.common.metrics import RouterMetrics
 from baton.services.common.worker import (
     abort_with,
     add_standard_services,
+    advertised_host,
     announce,
     make_server,
     new_incarnation,
@@ -555,6 +556,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--redis-url", required=True,
                     help="Redis: the worker registry, the prefix index, shared in-flight counts")
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--advertise-host", default=os.environ.get("BATON_ADVERTISE_HOST"),
+                    help="address this router registers in Redis for `baton status` (default "
+                         "$BATON_ADVERTISE_HOST, else --host, else this host's IP when --host "
+                         "is 0.0.0.0)")
     ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: pick a free one)")
     ap.add_argument("--http-port", type=int, default=8000,
                     help="OpenAI-compatible HTTP port (0: pick a free one, -1: no HTTP)")
@@ -630,6 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     health = add_standard_services(server, ["baton.v1.Baton"])
     server.start()
     address = f"{args.host}:{port}"
+    http_address = ""
     log.info("router serving %s on %s (workers from %s)", tok.model, address, args.redis_url)
     if args.http_port >= 0:
         from baton.services.router.openai_http import serve_http
@@ -640,8 +646,14 @@ def main(argv: list[str] | None = None) -> None:
         log.info("OpenAI-compatible HTTP on %s://%s/v1", "https" if args.tls_cert else "http",
                  http_address)
         print(f"BATON_HTTP {http_address}", flush=True)
+    # in the registry for `baton status` (routers do not route to each other)
+    host = advertised_host(args)
+    registration = Registration(WorkerRegistry(client), RouterRecord(
+        router_id, f"{host}:{port}",
+        f"{host}:{http_address.rsplit(':', 1)[1]}" if http_address else "", tok.model,
+        tls=bool(args.tls_cert))).start()
     announce(address, f"router-{args.host}-{port}", new_incarnation())
-    serve_forever(server, tracing.shutdown, None, args.drain_timeout, health=health)
+    serve_forever(server, tracing.shutdown, registration, args.drain_timeout, health=health)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ blocks so that short prompts span many blocks."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -270,3 +273,52 @@ def test_every_process_serves_its_metrics(cluster):
     assert r["baton_inter_token_latency_seconds_count"] >= 15
     assert r['baton_router_requests_total{path="remote",status="OK"}'] >= 3
     assert r["baton_prefix_index_up"] == 1
+
+
+def _baton(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "baton.cli.main", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_baton_status_and_top_show_the_cluster(cluster):
+    for i in range(3):
+        generate(cluster.r1, tokens(300 + i, 40), max_tokens=6)
+    live = [w for w in (*cluster.prefills, cluster.decode) if w.proc.poll() is None]
+    end = time.monotonic() + 15  # entries come back within a heartbeat after Redis restarts
+    while True:
+        s = json.loads(_baton("status", "--redis-url", cluster.redis.url, "--json"))
+        if (len(s["routers"]) == 2
+                and {w["id"] for w in s["workers"]} == {w.worker_id for w in live}):
+            break
+        assert time.monotonic() < end, s
+        time.sleep(0.5)
+    routers = {r["address"]: r for r in s["routers"]}
+    r1, r2 = routers[cluster.r1.address], routers[cluster.r2.address]
+    assert r1["metrics"] and not r2["metrics"]  # r2 runs without the HTTP front
+    assert r1["requests"] >= 3 and r1["errors"] == 0 and r1["index_up"] == 1
+    assert 0 < r1["ttft"]["p50"] <= r1["ttft"]["p99"] < 60
+    assert r1["tpot"]["count"] >= 3 and r1["tpot"]["p50"] > 0
+    for w in s["workers"]:
+        assert w["metrics"] and w["kv_total"] == 512 and 0 <= w["kv_used"] <= 512
+        assert w["running"] == 0 and w["queued"] == 0  # all finished
+        assert w["hit_rate"] is None or 0 <= w["hit_rate"] <= 1
+    (d,) = [w for w in s["workers"] if w["role"] == "decode"]
+    assert d["transfer_bytes"] > 0 and d["generated_tokens"] >= 15
+    assert 0 < s["hit_rate"] <= 1  # the earlier tests shared prefixes
+    table = _baton("status", "--redis-url", cluster.redis.url)
+    assert cluster.decode.worker_id in table and "prefix-cache hit rate" in table
+    # top: windowed figures; the second frame covers the requests sent between the two
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "top", "--redis-url",
+                             cluster.redis.url, "--interval", "2", "--iterations", "2"],
+                            stdout=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    generate(cluster.r1, tokens(310, 40), max_tokens=6)
+    out, _ = proc.communicate(timeout=60)
+    first, second = out.split("Baton  ")[1:]
+    assert "since start" in first and "last 2s" in second
+    host, port = cluster.r1.address.rsplit(":", 1)
+    row = next(line for line in second.splitlines()
+               if line.startswith(f"router-{host}-{port}-"))
+    assert row.split()[2] == "1"  # REQS in the window: the one request

@@ -6,7 +6,7 @@ import time
 
 import pytest
 from baton.control.redis_server import EmbeddedRedis
-from baton.control.registry import Registration, WorkerRecord, WorkerRegistry
+from baton.control.registry import Registration, RouterRecord, WorkerRecord, WorkerRegistry
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,25 @@ def test_roles_and_records(registry):
     assert ids("prefill") == ["b0"]
     with pytest.raises(ValueError, match="role='router'"):
         rec("x", "router")
+
+
+def test_routers_register_apart_and_newer_fields_are_ignored(registry):
+    import json
+
+    beat = Registration(registry, RouterRecord("r0", "127.0.0.1:50051", "127.0.0.1:8000",
+                                               "m", tls=True)).start()
+    registry.put(rec("d0", "decode"))
+    (r0,) = registry.routers()
+    assert (r0.router_id, r0.http_address, r0.tls) == ("r0", "127.0.0.1:8000", True)
+    assert [w.worker_id for w in registry.workers()] == ["d0"]  # routers are not workers
+    # a record written by a newer Baton, with a field this one does not know
+    registry.redis.set("baton:worker:d1", json.dumps(
+        {"worker_id": "d1", "role": "decode", "address": "h:1", "fingerprint": "fp",
+         "incarnation": "i", "metrics_address": "h:2", "gpu": "H100"}))
+    d1 = [w for w in registry.workers() if w.worker_id == "d1"][0]
+    assert d1.metrics_address == "h:2"
+    beat.withdraw()
+    assert registry.routers() == []
 
 
 def test_entries_expire_without_heartbeat_and_live_with_it(registry):
