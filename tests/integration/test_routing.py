@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -322,3 +323,36 @@ def test_baton_status_and_top_show_the_cluster(cluster):
     row = next(line for line in second.splitlines()
                if line.startswith(f"router-{host}-{port}-"))
     assert row.split()[2] == "1"  # REQS in the window: the one request
+
+
+def documented_metrics() -> list[str]:
+    """Every metric name in README's metrics table (``_used``-style shorthands expanded)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    names = []
+    for line in table.splitlines():
+        if not line.startswith("| `baton"):
+            continue
+        last = None
+        for name in re.findall(r"`([a-z0-9_]+)(?:\{[a-z_,]*\})?`", line.split("|")[1]):
+            if name.startswith("_"):  # `_used` after `baton_worker_kv_blocks_free`
+                name = last.rsplit("_", 1)[0] + name
+            names.append(name)
+            last = name
+    return names
+
+
+def test_every_documented_metric_is_served(cluster):
+    generate(cluster.r1, tokens(400, 50))
+    names = documented_metrics()
+    assert len(names) >= 33
+    assert {"baton_e2e_request_seconds", "baton_worker_kv_blocks_used"} <= set(names)
+    bodies = [urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode()
+              for a in (cluster.r1.http_address, cluster.decode.metrics_address,
+                        cluster.p1.metrics_address)]
+    families = {line.split()[2] for b in bodies for line in b.splitlines()
+                if line.startswith("# TYPE ")}
+    missing = [n for n in names if n not in families and n.removesuffix("_total") not in families]
+    assert not missing, missing
