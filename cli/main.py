@@ -225,6 +225,14 @@ def main(argv: list[str] | None = None) -> int:
                                     "latency percentiles, hit rates and throughput over the "
                                     "last --window seconds. Ctrl-C quits.")
     status.add_args(tp, top=True)
+    from baton.bench.cli import add_bench_args
+
+    b = sub.add_parser("bench", help="load generator: latency percentiles, throughput, SLO "
+                                     "attainment, goodput; disaggregated vs colocated",
+                       description="Drive Baton (gRPC) or any OpenAI-compatible server with "
+                                   "synthetic, shared-prefix or trace workloads. `baton bench "
+                                   "run TARGET`, `baton bench compare`; --help on each.")
+    add_bench_args(b)
     for name in ("router", "worker"):
         w = sub.add_parser(name, add_help=False,
                            help=f"run one {name} process (see `baton {name} --help`)")
@@ -237,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         from baton.cli.up import up
 
         return up(a)
+    if a.cmd == "bench":
+        return a.func(a)
     return {"handoff": _handoff, "request": _request, "status": status.status,
             "top": status.top}.get(a.cmd, _generate)(a)
 

@@ -37,15 +37,22 @@ class WorkerProcess:
 
     def __init__(self, role: str, args: list[str] = (), *, env: dict | None = None,
                  ready_timeout: float = 180.0, log_dir: str | None = None,
-                 die_with_parent: bool = False) -> None:
+                 die_with_parent: bool = False, cpus: set[int] | None = None) -> None:
+        """``cpus``: pin the process to these cores (benchmarks give setups equal cores)."""
         self.role = role
         log_dir = Path(log_dir or tempfile.mkdtemp(prefix="baton-workers-"))
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
+        def setup() -> None:  # in the child, before exec
+            if die_with_parent:
+                _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
                                      env={**os.environ, **(env or {})},
-                                     preexec_fn=_die_with_parent if die_with_parent else None)
+                                     preexec_fn=setup if die_with_parent or cpus else None)
         self.address = self.worker_id = self.incarnation = self.http_address = ""
         self.metrics_address = ""
         ready = threading.Event()

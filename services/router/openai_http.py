@@ -137,6 +137,11 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise _BadRequest("stop", "stop must be a string or a list of strings")
         p.stop.extend(stops)
+    ignore_eos = body.get("ignore_eos")  # vLLM's extension: generate exactly max_tokens
+    if ignore_eos is not None:
+        if not isinstance(ignore_eos, bool):
+            raise _BadRequest("ignore_eos", f"ignore_eos must be a boolean, got {ignore_eos!r}")
+        p.ignore_eos = ignore_eos
     if body.get("n", 1) != 1:
         raise _BadRequest("n", "only n=1 is supported")
     lp = body.get("logprobs")

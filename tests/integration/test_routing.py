@@ -356,3 +356,24 @@ def test_every_documented_metric_is_served(cluster):
                 if line.startswith("# TYPE ")}
     missing = [n for n in names if n not in families and n.removesuffix("_total") not in families]
     assert not missing, missing
+
+
+def test_baton_bench_drives_both_apis(cluster, tmp_path):
+    common = ["--requests", "6", "--vocab", "5:400", "--input-len", "8:40", "--output-len", "3",
+              "--ttft-slo", "30", "--tpot-slo", "5", "--no-plots", "--quiet"]
+    for target in (cluster.r1.address, f"http://{cluster.r1.http_address}/v1"):
+        out = tmp_path / target.replace("/", "_").replace(":", "_")
+        _baton("bench", "run", target, "--rate", "20", "--out", str(out), *common)
+        (path,) = out.glob("bench-run-*.json")
+        res = json.loads(path.read_text())
+        (run,) = res["results"][0]["runs"]
+        assert run["succeeded"] == 6 and run["errors"] == {} and run["attainment"] == 1.0
+        assert run["ttft_s"]["n"] == 6 and 0 < run["ttft_s"]["p50"] <= run["ttft_s"]["p99"]
+        assert run["tpot_s"]["n"] == 6 and run["output_tokens_per_s"] > 0
+        assert res["machine"]["cpus"] >= 1
+    # a goodput search: all rates pass the loose SLOs, so it doubles up to the cap
+    out = tmp_path / "goodput"
+    _baton("bench", "run", cluster.r1.address, "--goodput", "--start-rate", "8", "--max-rate",
+           "16", "--out", str(out), *common)
+    res = json.loads(next(out.glob("bench-run-*.json")).read_text())["results"][0]
+    assert res["goodput_rps"] == 16 and [p[0] for p in res["points"]] == [8, 16]

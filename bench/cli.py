@@ -1,0 +1,307 @@
+"""``baton bench run`` and ``baton bench compare`` (see ``baton bench --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from baton.bench import loadgen as lg
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: want N or LO:HI") from None
+    if a < 1 or b < a:
+        raise argparse.ArgumentTypeError(f"{text!r}: want 1 <= LO <= HI")
+    return a, b
+
+
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("workload")
+    g.add_argument("--workload", default="synthetic",
+                   choices=["synthetic", "shared-prefix", "azure", "mooncake"],
+                   help="synthetic: uniform lengths; shared-prefix: system prompts + own "
+                        "suffixes; azure: an Azure LLM trace CSV's lengths (and arrivals); "
+                        "mooncake: the Mooncake JSONL trace (shared prefixes, arrivals)")
+    g.add_argument("--trace", default=None,
+                   help="trace file (default ../shared/data/azure_llm_2023_conv.csv or "
+                        "mooncake_synthetic_trace.jsonl)")
+    g.add_argument("--trace-start", type=int, default=0, help="first trace row used")
+    g.add_argument("--requests", type=int, default=50, help="requests per run (default 50)")
+    g.add_argument("--input-len", type=_range, default=(64, 512),
+                   help="synthetic prompt tokens, N or LO:HI (default 64:512)")
+    g.add_argument("--output-len", type=_range, default=(16, 64),
+                   help="output tokens, N or LO:HI (default 16:64)")
+    g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt "
+                                                               "tokens (default 256)")
+    g.add_argument("--groups", type=int, default=4, help="shared-prefix: system prompts")
+    g.add_argument("--scale", type=float, default=1.0,
+                   help="azure: multiply the trace's lengths (fit a small model / machine)")
+    g.add_argument("--max-input", type=int, default=1024, help="cap on prompt tokens")
+    g.add_argument("--max-output", type=int, default=256, help="cap on output tokens")
+    g.add_argument("--vocab", type=_range, default=(100, 10000),
+                   help="prompt token ids are drawn from LO:HI (default 100:10000)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def add_load_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("load (one of)")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    m.add_argument("--speedup", type=float, default=None,
+                   help="the trace's own arrival times, this many times faster")
+    m.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: this many requests in flight")
+    m.add_argument("--goodput", action="store_true",
+                   help="search the highest Poisson rate at which --attainment of requests "
+                        "meet both SLOs (runs at doubling rates, then bisects)")
+    g.add_argument("--start-rate", type=float, default=0.5,
+                   help="--goodput: first rate tried (default 0.5/s)")
+    g.add_argument("--max-rate", type=float, default=64.0,
+                   help="--goodput: stop doubling here (default 64/s)")
+    g.add_argument("--refine", type=int, default=3, help="--goodput: bisection steps")
+    s = ap.add_argument_group("SLOs")
+    s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default 2)")
+    s.add_argument("--tpot-slo", type=float, default=0.2, help="seconds per token (default 0.2)")
+    s.add_argument("--attainment", type=float, default=0.9,
+                   help="share of requests that must meet both SLOs (default 0.9)")
+    o = ap.add_argument_group("output")
+    o.add_argument("--out", default=None,
+                   help="folder for the JSON and PNG files (default bench/results in a "
+                        "checkout, else ./baton-bench)")
+    o.add_argument("--no-plots", action="store_true")
+    o.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def workload(a: argparse.Namespace, salt: str) -> list[lg.Req]:
+    toks = lg.Tokens(a.vocab[0], a.vocab[1], salt)
+    if a.workload == "synthetic":
+        return lg.synthetic(a.requests, a.input_len, a.output_len, toks, a.seed)
+    if a.workload == "shared-prefix":
+        return lg.shared_prefix(a.requests, a.groups, a.prefix_len, a.input_len, a.output_len,
+                                toks, a.seed)
+    if a.workload == "azure":
+        path = a.trace or DATA / "azure_llm_2023_conv.csv"
+        return lg.azure(path, a.requests, toks, a.scale, a.max_input, a.max_output,
+                        a.trace_start)
+    path = a.trace or DATA / "mooncake_synthetic_trace.jsonl"
+    return lg.mooncake(path, a.requests, toks, max_input=a.max_input, max_output=a.max_output)
+
+
+class Progress:
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.label, self.t0 = quiet, "", time.monotonic()
+
+    def start(self, label: str) -> None:
+        self.label, self.t0 = label, time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.quiet:
+            print(f"\r  {self.label}: {done}/{total} requests, {time.monotonic() - self.t0:.0f}s",
+                  end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+
+def measure(target, a: argparse.Namespace, name: str, progress: Progress) -> dict:
+    """One target: a single run (rate / speedup / concurrency / the trace's times) or a goodput
+    search; returns the JSON-able result."""
+    runs: list[dict] = []
+
+    def once(rate: float | None, label: str) -> dict:
+        salt = f"{name}/{len(runs)}/{time.time_ns()}"  # no run finds another's prompts cached
+        reqs = workload(a, salt)
+        if rate is not None:
+            reqs = lg.poisson(reqs, rate, a.seed)
+        elif a.speedup:
+            reqs = lg.speed_up(reqs, a.speedup)
+        elif a.workload not in ("azure", "mooncake") and not a.concurrency:
+            reqs = lg.poisson(reqs, 1.0, a.seed)  # no timing given: 1 request/s
+        progress.start(f"{name} {label}")
+        records, wall = lg.run(target, reqs, a.concurrency or 0, progress)
+        s = lg.summarize(records, wall, a.ttft_slo, a.tpot_slo)
+        s.update(rate=rate, label=label, ttft_values=[r.ttft for r in records if r.ttft],
+                 tpot_values=[r.tpot for r in records if r.tpot])
+        runs.append(s)
+        return s
+
+    if a.goodput:
+        goodput, points = lg.find_goodput(
+            lambda r: once(r, f"{r:.3g} req/s")["attainment"], a.start_rate, a.attainment,
+            max_rate=a.max_rate, refine=a.refine)
+        return {"target": name, "goodput_rps": goodput, "points": points, "runs": runs}
+    label = (f"{a.rate} req/s" if a.rate else f"trace x{a.speedup}" if a.speedup
+             else f"{a.concurrency} concurrent" if a.concurrency else "default")
+    once(a.rate, label)
+    return {"target": name, "runs": runs}
+
+
+def table(results: list[dict]) -> str:
+    def ms(x):
+        return "-" if x is None else f"{x * 1000:.0f}"
+
+    head = (f"{'target':<22} {'run':<14} {'ok':>7} {'attain':>6} {'tok/s':>7} "
+            f"{'TTFT ms p50/p90/p99':>20} {'TPOT ms p50/p90/p99':>20} {'ITL p99':>7} "
+            f"{'E2E p50':>7}")
+    lines = [head]
+    for res in results:
+        for r in res["runs"]:
+            t, p = r["ttft_s"], r["tpot_s"]
+            lines.append(
+                f"{res['target'][:22]:<22} {r['label'][:14]:<14} "
+                f"{r['succeeded']:>3}/{r['requests']:<3} {100 * (r['attainment'] or 0):>5.0f}% "
+                f"{(r['output_tokens_per_s'] or 0):>7.1f} "
+                f"{ms(t['p50']) + '/' + ms(t['p90']) + '/' + ms(t['p99']):>20} "
+                f"{ms(p['p50']) + '/' + ms(p['p90']) + '/' + ms(p['p99']):>20} "
+                f"{ms(r['itl_s']['p99']):>7} {ms(r['e2e_s']['p50']):>7}")
+        if "goodput_rps" in res:
+            lines.append(f"{res['target'][:22]:<22} goodput {res['goodput_rps']:.3g} req/s")
+    return "\n".join(lines)
+
+
+def out_dir(a: argparse.Namespace) -> Path:
+    if a.out:
+        return Path(a.out)
+    here = Path(__file__).resolve().parent / "results"
+    return here if here.parent.joinpath("loadgen.py").exists() and os.access(
+        here.parent, os.W_OK) else Path("baton-bench")
+
+
+def save(a: argparse.Namespace, kind: str, result: dict) -> list[Path]:
+    from baton.bench.common import machine
+
+    d = out_dir(a)
+    d.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    result = {"kind": kind, "machine": machine(), "args": {k: v for k, v in vars(a).items()
+                                                           if k != "func"}, **result}
+    path = d / f"bench-{kind}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    paths = [path]
+    if not a.no_plots:
+        paths += plots(result["results"], d / f"bench-{kind}-{stamp}")
+    return paths
+
+
+def plots(results: list[dict], stem: Path) -> list[Path]:
+    """Latency CDFs (TTFT, TPOT; each target's last run) and attainment against rate."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plots: pip install matplotlib)", file=sys.stderr)
+        return []
+    out = []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in ((axes[0], "ttft_values", "TTFT"), (axes[1], "tpot_values", "TPOT")):
+        for res in results:
+            r = res["runs"][-1]
+            xs = sorted(r[key])
+            if xs:
+                ax.plot([x * 1000 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))],
+                        label=f"{res['target']} ({r['label']})")
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(f"{stem}-cdf.png", dpi=110)
+    out.append(Path(f"{stem}-cdf.png"))
+    plt.close(fig)
+    if any("points" in r for r in results):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for res in results:
+            if "points" in res:
+                pts = sorted(res["points"])
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o",
+                        label=f"{res['target']} (goodput {res['goodput_rps']:.3g}/s)")
+        ax.axhline(90, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(f"{stem}-attainment.png", dpi=110)
+        out.append(Path(f"{stem}-attainment.png"))
+        plt.close(fig)
+    return out
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    target = lg.target_for(a.target, token=a.token, tls_ca=a.tls_ca, model=a.model)
+    try:
+        res = measure(target, a, a.target, Progress(a.quiet))
+    finally:
+        target.close()
+    print(table([res]))
+    for p in save(a, "run", {"results": [res]}):
+        print(f"wrote {p}")
+    return 0
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from baton.bench.compare import compare
+
+    return compare(a)
+
+
+def add_bench_args(ap: argparse.ArgumentParser) -> None:
+    sub = ap.add_subparsers(dest="bench_cmd", required=True)
+    r = sub.add_parser("run", help="measure one target (Baton's gRPC API or any OpenAI API)",
+                       description="Drive TARGET with a workload and report TTFT, TPOT, "
+                                   "inter-token and end-to-end latency (mean, p50/p90/p99), "
+                                   "throughput, SLO attainment, and with --goodput the highest "
+                                   "rate meeting the SLOs. Writes JSON and PNG plots.")
+    r.add_argument("target", help="host:port (Baton gRPC) or http(s)://host:port/v1 (OpenAI)")
+    r.add_argument("--token", default=os.environ.get("BATON_AUTH_TOKEN"),
+                   help="bearer token / API key")
+    r.add_argument("--tls-ca", default=None, help="gRPC over TLS, trusting this CA (PEM)")
+    r.add_argument("--model", default=None, help="OpenAI targets: model name (default: the "
+                                                 "first /v1/models lists)")
+    add_workload_args(r)
+    add_load_args(r)
+    r.set_defaults(func=cmd_run)
+    c = sub.add_parser("compare", help="disaggregated vs colocated Baton on the same cores, "
+                                       "same workload (plus OpenAI peers)",
+                       description="Start the same model on the same cores as prefill + decode "
+                                   "pools and as colocated workers, run the identical workload "
+                                   "(a goodput search by default) against each and against "
+                                   "any --peer, and print the side-by-side table and the "
+                                   "goodput ratio.")
+    c.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2)")
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    c.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    c.add_argument("--colocated", type=int, default=2, help="colocated workers (default 2)")
+    c.add_argument("--cores", default=None,
+                   help="comma-separated cores, one per worker in each setup (default: the "
+                        "first cores of this process's affinity)")
+    c.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    c.add_argument("--local-prefill-max-tokens", type=int, default=None,
+                   help="the disaggregated router's setting (default: the router's)")
+    c.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                   help="also measure this OpenAI-compatible server (e.g. vLLM) with the same "
+                        "workload; repeatable")
+    c.add_argument("--only", default=None, help="comma-separated: disaggregated,colocated "
+                                                "(default both)")
+    add_workload_args(c)
+    add_load_args(c)
+    c.set_defaults(func=cmd_compare)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="baton bench", description="Baton's load generator.")
+    add_bench_args(ap)
+    a = ap.parse_args(argv)
+    return a.func(a)

@@ -1,0 +1,151 @@
+"""``baton bench compare``: disaggregated against colocated Baton on the same cores.
+
+Each setup runs alone (the other is stopped) on the same cores: disaggregated is
+``--prefill`` prefill workers and ``--decode`` decode workers, colocated is ``--colocated``
+workers that prefill and decode themselves (``--role both``), each worker pinned to one core
+with one torch thread; a router and an embedded redis-server serve both. The identical workload
+(same seeds; fresh prompt tokens per run, so no run hits another's prefix cache) is sent to
+each, and to every ``--peer`` (an OpenAI-compatible server started separately, e.g. vLLM).
+After a goodput search, every target is also run at the colocated setup's goodput rate, where
+the p99 TPOT of each is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from baton.bench import loadgen as lg
+from baton.bench.cli import Progress, measure, save, table
+
+
+def _cores(a: argparse.Namespace, n: int) -> list[int]:
+    cores = ([int(c) for c in a.cores.split(",")] if a.cores
+             else sorted(os.sched_getaffinity(0)))
+    if len(cores) < n:  # more workers than cores: they share, round-robin
+        cores = [cores[i % len(cores)] for i in range(n)]
+    return cores[:n]
+
+
+class Setup:
+    """A running Baton cluster: redis, workers pinned one per core, a router."""
+
+    def __init__(self, a: argparse.Namespace, kind: str, redis_url: str) -> None:
+        from baton.services.common.launch import WorkerProcess
+
+        self.kind, self.procs = kind, []
+        common = ["--redis-url", redis_url, "--dtype", a.dtype, "--threads", "1",
+                  "--metrics-port", "-1"]
+        if a.model:
+            common += ["--model", a.model]
+        if a.num_blocks:
+            common += ["--num-blocks", str(a.num_blocks)]
+        roles = (["prefill"] * a.prefill + ["decode"] * a.decode if kind == "disaggregated"
+                 else ["both"] * a.colocated)
+        cores = _cores(a, len(roles))
+        try:
+            for role, core in zip(roles, cores):
+                args = list(common)
+                if role == "both":
+                    args += ["--role", "both"]
+                self.procs.append(WorkerProcess("prefill" if role == "prefill" else "decode",
+                                                args, cpus={core}))
+                print(f"  {kind}: {role} worker {self.procs[-1].worker_id} on core {core}",
+                      file=sys.stderr)
+            router = ["--redis-url", redis_url, "--http-port", "-1"]
+            if kind == "disaggregated" and a.local_prefill_max_tokens is not None:
+                router += ["--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
+            self.router = WorkerProcess("router", router)
+            self.procs.append(self.router)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop(timeout=30)
+
+
+def compare(a: argparse.Namespace) -> int:
+    from baton.control.redis_server import EmbeddedRedis
+
+    kinds = (a.only or "disaggregated,colocated").split(",")
+    if not (a.goodput or a.rate or a.speedup or a.concurrency):
+        a.goodput = True
+    progress = Progress(a.quiet)
+    results: list[dict] = []
+    targets: dict[str, tuple] = {}  # name -> (start, stop) of its target
+    for kind in kinds:
+        targets[f"baton-{kind}"] = ("baton", kind)
+    for spec in a.peer:
+        name, _, url = spec.partition("=")
+        if not url:
+            print(f"error: --peer {spec!r}: want NAME=URL", file=sys.stderr)
+            return 2
+        targets[name] = ("peer", url)
+
+    def open_target(name: str):
+        how, what = targets[name]
+        if how == "peer":
+            return lg.OpenAITarget(what), None
+        redis = EmbeddedRedis().start()
+        try:
+            setup = Setup(a, what, redis.url)
+        except BaseException:
+            redis.stop()
+            raise
+        t = lg.GrpcTarget(setup.router.address)
+        return t, lambda: (t.close(), setup.stop(), redis.stop())
+
+    for name in targets:
+        print(f"== {name}", file=sys.stderr)
+        target, close = open_target(name)
+        try:
+            lg.run(target, lg.synthetic(2, (32, 32), (4, 4), lg.Tokens(*a.vocab, "warm")), 1)
+            results.append(measure(target, a, name, progress))
+        finally:
+            (close or target.close)()
+    # the colocated setup's goodput rate: every target once more at that rate (p99 TPOT there)
+    ref = next((r for r in results if r["target"] == "baton-colocated"), None)
+    if a.goodput and ref and ref["goodput_rps"] > 0:
+        rate = ref["goodput_rps"]
+        for res in results:
+            name = res["target"]
+            target, close = open_target(name)
+            try:
+                extra = argparse.Namespace(**{**vars(a), "goodput": False, "rate": rate})
+                res["at_colocated_goodput"] = measure(target, extra, name, progress)["runs"][0]
+                res["runs"].append(res["at_colocated_goodput"])
+            finally:
+                (close or target.close)()
+    summary = _summary(results)
+    print(table(results))
+    for line in summary["lines"]:
+        print(line)
+    for p in save(a, "compare", {"results": results, "summary": summary}):
+        print(f"wrote {p}")
+    return 0
+
+
+def _summary(results: list[dict]) -> dict:
+    by = {r["target"]: r for r in results}
+    out: dict = {"lines": []}
+    d, c = by.get("baton-disaggregated"), by.get("baton-colocated")
+    if d and c and "goodput_rps" in d:
+        ratio = d["goodput_rps"] / c["goodput_rps"] if c["goodput_rps"] else None
+        out["goodput_ratio_disaggregated_over_colocated"] = ratio
+        out["lines"].append(f"goodput: disaggregated {d['goodput_rps']:.3g} req/s, colocated "
+                            f"{c['goodput_rps']:.3g} req/s, ratio "
+                            f"{'-' if ratio is None else f'{ratio:.2f}'}")
+        if "at_colocated_goodput" in d and "at_colocated_goodput" in c:
+            pd_, pc = (x["at_colocated_goodput"]["tpot_s"]["p99"] for x in (d, c))
+            if pd_ and pc:
+                out["p99_tpot_ratio_colocated_over_disaggregated"] = pc / pd_
+                out["lines"].append(
+                    f"p99 TPOT at the colocated goodput rate: disaggregated {pd_ * 1000:.0f} ms, "
+                    f"colocated {pc * 1000:.0f} ms ({pc / pd_:.2f}x)")
+    for name, r in by.items():
+        if not name.startswith("baton-") and "goodput_rps" in r:
+            out["lines"].append(f"goodput {name}: {r['goodput_rps']:.3g} req/s")
+    return out

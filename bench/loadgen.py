@@ -1,0 +1,408 @@
+"""Baton's load generator: workloads, arrivals, targets, and the metric arithmetic.
+
+A *workload* is a list of :class:`Req` (prompt token ids, output length, arrival offset). A
+*target* runs one request and returns a :class:`Record` of when each token arrived: Baton's
+gRPC API (:class:`GrpcTarget`) or any OpenAI-compatible ``/v1/completions`` (:class:`OpenAITarget`:
+Baton's HTTP front, vLLM, ...). :func:`run` drives a target open-loop (each request at its
+arrival time, however many are in flight) or closed-loop (``concurrency`` in flight).
+:func:`summarize` turns records into TTFT / TPOT / ITL / end-to-end statistics, throughput and
+SLO attainment; :func:`find_goodput` searches the highest rate at which a share (90%) of requests
+meet both SLOs.
+
+Prompts are token ids, so every target sees exactly the same lengths; every run salts its
+random tokens so that one run never finds another's prompts in a prefix cache (shared-prefix
+workloads share within a run, on purpose). Outputs are exact lengths (``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import csv
+import http.client
+import json
+import math
+import random
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# ---- workloads -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    max_tokens: int
+    at: float = 0.0  # seconds after the run's start (open loop)
+
+
+@dataclass
+class Tokens:
+    """Where prompt tokens come from: ids in ``[lo, hi)``, pseudo-random per ``salt``."""
+
+    lo: int = 100
+    hi: int = 10000
+    salt: str = ""
+
+    def random(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(self.lo, self.hi) for _ in range(n)]
+
+
+def synthetic(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
+              tokens: Tokens, seed: int = 0) -> list[Req]:
+    """Prompt and output lengths uniform in the given inclusive ranges."""
+    rng = random.Random(f"{seed}/{tokens.salt}")
+    return [Req(tokens.random(rng, rng.randint(*input_len)), rng.randint(*output_len))
+            for _ in range(n)]
+
+
+def shared_prefix(n: int, groups: int, prefix_len: int, suffix_len: tuple[int, int],
+                  output_len: tuple[int, int], tokens: Tokens, seed: int = 0) -> list[Req]:
+    """``groups`` system prompts of ``prefix_len`` tokens; each request takes one (in turn) and
+    adds its own suffix (the multi-tenant chat pattern a prefix cache serves)."""
+    rng = random.Random(f"{seed}/{tokens.salt}")
+    prefixes = [tokens.random(rng, prefix_len) for _ in range(groups)]
+    return [Req(prefixes[i % groups] + tokens.random(rng, rng.randint(*suffix_len)),
+                rng.randint(*output_len)) for i in range(n)]
+
+
+def azure(path: str | Path, n: int, tokens: Tokens, scale: float = 1.0,
+          max_input: int = 2048, max_output: int = 512, start: int = 0) -> list[Req]:
+    """The Azure LLM trace (CSV: TIMESTAMP, ContextTokens, GeneratedTokens): its lengths times
+    ``scale`` (capped), its arrival times; rows ``start`` .. ``start + n``."""
+    import datetime as dt
+
+    rng = random.Random(f"azure/{tokens.salt}")
+    out, t0 = [], None
+    with open(path, newline="") as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            if i < start:
+                continue
+            if len(out) >= n:
+                break
+            ts = dt.datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
+            t0 = ts if t0 is None else t0
+            nin = max(1, min(max_input, round(int(row["ContextTokens"]) * scale)))
+            nout = max(1, min(max_output, round(int(row["GeneratedTokens"]) * scale)))
+            out.append(Req(tokens.random(rng, nin), nout, ts - t0))
+    return out
+
+
+def mooncake(path: str | Path, n: int, tokens: Tokens, block_tokens: int = 16,
+             max_input: int = 2048, max_output: int = 512) -> list[Req]:
+    """The Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids): each
+    512-token block id becomes ``block_tokens`` fixed tokens (same id, same tokens: shared
+    prefixes stay shared) and lengths shrink by ``block_tokens / 512``."""
+    blocks: dict[int, list[int]] = {}
+    out = []
+    with open(path) as f:
+        for line in f:
+            if len(out) >= n:
+                break
+            r = json.loads(line)
+            ids: list[int] = []
+            for h in r["hash_ids"]:
+                if h not in blocks:
+                    blocks[h] = tokens.random(random.Random(f"{h}/{tokens.salt}"), block_tokens)
+                ids += blocks[h]
+            nin = max(2, min(max_input, round(r["input_length"] * block_tokens / 512)))
+            nout = max(1, min(max_output, r["output_length"]))
+            out.append(Req(ids[:nin], nout, r["timestamp"] / 1000.0))
+    return out
+
+
+def poisson(reqs: Sequence[Req], rate: float, seed: int = 0) -> list[Req]:
+    """The same requests arriving as a Poisson process of ``rate`` per second."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for r in reqs:
+        out.append(Req(r.prompt, r.max_tokens, t))
+        t += rng.expovariate(rate)
+    return out
+
+
+def speed_up(reqs: Sequence[Req], factor: float) -> list[Req]:
+    """A trace's own arrival times, ``factor`` times faster."""
+    return [Req(r.prompt, r.max_tokens, r.at / factor) for r in reqs]
+
+
+# ---- targets -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Record:
+    prompt_tokens: int
+    max_tokens: int
+    sent: float  # time.monotonic() seconds
+    first: float | None = None
+    end: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each piece of output
+    output_tokens: int = 0
+    error: str | None = None  # the status / exception name; None: succeeded
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first is None else self.first - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        """(last token - first token) / (tokens - 1); None with fewer than 2 tokens."""
+        if self.first is None or self.end is None or self.output_tokens < 2:
+            return None
+        return (self.end - self.first) / (self.output_tokens - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None else self.end - self.sent
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+class GrpcTarget:
+    """Baton's public gRPC API through :mod:`baton.client`."""
+
+    name = "grpc"
+
+    def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None,
+                 timeout: float = 600.0) -> None:
+        from baton.client import Client
+
+        roots = Path(tls_ca).read_bytes() if tls_ca else None
+        self.client = Client(address, tls=bool(tls_ca), root_certificates=roots, token=token,
+                             max_retries=0)
+        self.timeout = timeout
+
+    def __call__(self, req: Req) -> Record:
+        from baton.client.errors import BatonError
+
+        rec = Record(len(req.prompt), req.max_tokens, time.monotonic())
+        try:
+            stream = self.client.stream(token_ids=req.prompt, max_tokens=req.max_tokens,
+                                        ignore_eos=True, temperature=0.0, timeout=self.timeout)
+            for delta in stream:
+                now = time.monotonic()
+                if delta.token_ids:
+                    rec.first = rec.first or now
+                    rec.chunk_times.append(now)
+                    rec.output_tokens += len(delta.token_ids)
+            rec.end = time.monotonic()
+        except BatonError as e:
+            rec.error = e.code.name
+        return rec
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class OpenAITarget:
+    """Any OpenAI-compatible server's streaming ``/v1/completions`` (token-id prompts,
+    ``ignore_eos``: vLLM's extension, which Baton's HTTP front understands too)."""
+
+    name = "openai"
+
+    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
+                 timeout: float = 600.0) -> None:
+        u = urllib.parse.urlsplit(base_url.rstrip("/"))
+        self.https, self.host, self.prefix = u.scheme == "https", u.netloc, u.path or "/v1"
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        self.model = model or self._first_model()
+
+    def _conn(self):
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return cls(self.host, timeout=self.timeout)
+
+    def _first_model(self) -> str:
+        c = self._conn()
+        c.request("GET", f"{self.prefix}/models", headers=self.headers)
+        r = c.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{self.host}{self.prefix}/models: HTTP {r.status} {body[:200]}")
+        return json.loads(body)["data"][0]["id"]
+
+    def __call__(self, req: Req) -> Record:
+        rec = Record(len(req.prompt), req.max_tokens, time.monotonic())
+        body = json.dumps({"model": self.model, "prompt": req.prompt,
+                           "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
+                           "ignore_eos": True, "stream_options": {"include_usage": True}})
+        c = self._conn()
+        try:
+            c.request("POST", f"{self.prefix}/completions", body=body, headers=self.headers)
+            r = c.getresponse()
+            if r.status != 200:
+                rec.error = f"HTTP {r.status}"
+                r.read()
+                return rec
+            usage = None
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                msg = json.loads(data)
+                if msg.get("error"):
+                    rec.error = str(msg["error"].get("type") or "error")
+                    return rec
+                if msg.get("usage"):
+                    usage = msg["usage"]
+                if msg.get("choices") and msg["choices"][0].get("text"):
+                    now = time.monotonic()
+                    rec.first = rec.first or now
+                    rec.chunk_times.append(now)
+                    rec.output_tokens += 1
+            rec.end = time.monotonic()
+            if usage:  # a chunk may carry several tokens: the server's count is the truth
+                rec.output_tokens = usage.get("completion_tokens", rec.output_tokens)
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            rec.error = type(e).__name__
+        finally:
+            c.close()
+        return rec
+
+    def close(self) -> None:
+        pass
+
+
+def target_for(spec: str, **kw):
+    """``grpc://host:port`` or ``host:port`` (Baton's gRPC API) or ``http(s)://host:port/v1``
+    (OpenAI API)."""
+    if spec.startswith(("http://", "https://")):
+        return OpenAITarget(spec, model=kw.get("model"), api_key=kw.get("token"))
+    return GrpcTarget(spec.removeprefix("grpc://"), token=kw.get("token"),
+                      tls_ca=kw.get("tls_ca"))
+
+
+# ---- running -------------------------------------------------------------------------------------
+
+
+def run(target: Callable[[Req], Record], reqs: Sequence[Req], concurrency: int = 0,
+        progress: Callable[[int, int], None] | None = None) -> tuple[list[Record], float]:
+    """Send ``reqs``: open loop at their ``at`` times (``concurrency`` 0), or closed loop with
+    ``concurrency`` in flight. Returns the records (in request order) and the wall time."""
+    records: list[Record | None] = [None] * len(reqs)
+    done = 0
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        nonlocal done
+        records[i] = target(reqs[i])
+        with lock:
+            done += 1
+            if progress is not None:
+                progress(done, len(reqs))
+
+    t0 = time.monotonic()
+    if concurrency > 0:
+        with ThreadPoolExecutor(concurrency) as ex:
+            list(ex.map(one, range(len(reqs))))
+    else:
+        with ThreadPoolExecutor(min(512, max(1, len(reqs)))) as ex:
+            for i, r in enumerate(reqs):
+                wait = t0 + r.at - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                ex.submit(one, i)
+    return records, time.monotonic() - t0  # type: ignore[return-value]
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+
+
+def percentile(xs: Sequence[float], q: float) -> float | None:
+    """The ``q`` (0..100) percentile, linearly interpolated between closest ranks (numpy's
+    default); None for no values."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stats(xs: Sequence[float]) -> dict:
+    if not xs:
+        return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
+    return {"n": len(xs), "mean": sum(xs) / len(xs), "p50": percentile(xs, 50),
+            "p90": percentile(xs, 90), "p99": percentile(xs, 99)}
+
+
+def meets(r: Record, ttft_slo: float, tpot_slo: float) -> bool:
+    """Succeeded, first token within ``ttft_slo``, and (with 2+ tokens) TPOT within
+    ``tpot_slo``."""
+    if r.error is not None or r.ttft is None or r.ttft > ttft_slo:
+        return False
+    return r.tpot is None or r.tpot <= tpot_slo
+
+
+def summarize(records: Sequence[Record], wall_s: float, ttft_slo: float,
+              tpot_slo: float) -> dict:
+    ok = [r for r in records if r.error is None]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(records), "succeeded": len(ok), "errors": errors, "wall_s": wall_s,
+        "ttft_s": stats([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": stats([x for r in ok for x in r.itls()]),
+        "e2e_s": stats([r.e2e for r in ok if r.e2e is not None]),
+        "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
+        "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
+        "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
+        "attainment": (sum(meets(r, ttft_slo, tpot_slo) for r in records) / len(records)
+                       if records else None),
+    }
+
+
+def find_goodput(attainment_at: Callable[[float], float], start: float, target: float = 0.9,
+                 max_rate: float = 1e6, refine: int = 3) -> tuple[float, list[tuple[float, float]]]:
+    """The highest request rate whose attainment is >= ``target``: double from ``start`` until
+    a rate fails (or halve until one passes), then bisect ``refine`` times between the last
+    passing and first failing rates. Returns (goodput, [(rate, attainment), ...] as measured);
+    goodput 0 when even ``start / 64`` fails."""
+    points: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        a = attainment_at(rate)
+        points.append((rate, a))
+        return a >= target
+
+    rate = start
+    if ok(rate):
+        lo, hi = rate, None
+        while hi is None and rate * 2 <= max_rate:
+            rate *= 2
+            if ok(rate):
+                lo = rate
+            else:
+                hi = rate
+        if hi is None:
+            return lo, points
+    else:
+        hi, lo = rate, None
+        for _ in range(6):
+            rate /= 2
+            if ok(rate):
+                lo = rate
+                break
+            hi = rate
+        if lo is None:
+            return 0.0, points
+    for _ in range(refine):
+        mid = (lo + hi) / 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, points

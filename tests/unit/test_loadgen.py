@@ -1,0 +1,97 @@
+"""The load generator's arithmetic on hand-made timings: per-request TTFT/TPOT/ITL, percentiles,
+SLO attainment, the goodput search; and the workloads built from the shared traces."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from baton.bench import loadgen as lg
+
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def rec(sent, first, chunks, end, n, error=None):
+    return lg.Record(10, n, sent, first, end, chunks, n, error)
+
+
+def test_a_requests_latencies():
+    r = rec(0.0, 0.5, [0.5, 0.7, 1.0, 1.5], 1.5, n=5)  # the last chunk carried two tokens
+    assert r.ttft == 0.5 and r.e2e == 1.5
+    assert r.tpot == pytest.approx(1.0 / 4)  # (1.5 - 0.5) / (5 - 1)
+    assert r.itls() == pytest.approx([0.2, 0.3, 0.5])
+    assert rec(0.0, 0.5, [0.5], 0.5, n=1).tpot is None  # one token: no TPOT
+    assert rec(0.0, None, [], None, n=0, error="UNAVAILABLE").ttft is None
+
+
+def test_percentiles_interpolate_like_numpy():
+    xs = [1.0, 2.0, 3.0, 4.0]
+    assert lg.percentile(xs, 50) == 2.5
+    assert lg.percentile(xs, 0) == 1.0 and lg.percentile(xs, 100) == 4.0
+    assert lg.percentile(xs, 90) == pytest.approx(3.7)
+    assert lg.percentile(list(range(101)), 99) == 99
+    assert lg.percentile([], 50) is None
+    s = lg.stats([3.0, 1.0, 2.0])
+    assert (s["n"], s["mean"], s["p50"]) == (3, 2.0, 2.0)
+
+
+def test_attainment_counts_failures_and_both_slos():
+    records = [
+        rec(0.0, 0.1, [0.1, 0.2], 0.2, n=2),  # meets both
+        rec(0.0, 0.1, [0.1, 0.5], 0.5, n=2),  # TPOT 0.4 > 0.3
+        rec(0.0, 0.9, [0.9, 1.0], 1.0, n=2),  # TTFT 0.9 > 0.5
+        rec(0.0, 0.2, [0.2], 0.2, n=1),  # one token: TTFT alone decides
+        rec(0.0, None, [], None, n=0, error="RESOURCE_EXHAUSTED"),
+    ]
+    s = lg.summarize(records, wall_s=2.0, ttft_slo=0.5, tpot_slo=0.3)
+    assert s["attainment"] == pytest.approx(2 / 5)
+    assert s["succeeded"] == 4 and s["errors"] == {"RESOURCE_EXHAUSTED": 1}
+    assert s["output_tokens_per_s"] == pytest.approx(7 / 2.0)
+    assert s["ttft_s"]["n"] == 4 and s["tpot_s"]["n"] == 3
+    assert s["ttft_s"]["p50"] == pytest.approx(0.15)
+
+
+def test_goodput_search_brackets_then_bisects():
+    capacity = 3.3  # attainment falls off a cliff past this rate
+    seen = []
+
+    def attainment(rate):
+        seen.append(rate)
+        return 0.95 if rate <= capacity else 0.5
+
+    goodput, points = lg.find_goodput(attainment, start=0.5, refine=4)
+    assert seen[:4] == [0.5, 1.0, 2.0, 4.0]  # doubling until the first failure
+    assert 2.0 <= goodput <= capacity < goodput + (4.0 - 2.0) / 2**4 + 1e-9
+    assert [p[0] for p in points] == seen
+    # a start that already fails halves down
+    goodput, points = lg.find_goodput(attainment, start=16.0, refine=0)
+    assert [p[0] for p in points] == [16.0, 8.0, 4.0, 2.0] and goodput == 2.0
+    # nothing passes
+    assert lg.find_goodput(lambda r: 0.0, start=1.0)[0] == 0.0
+    # everything passes: the cap
+    assert lg.find_goodput(lambda r: 1.0, start=1.0, max_rate=8.0)[0] == 8.0
+
+
+def test_poisson_arrivals_have_the_rate():
+    reqs = lg.synthetic(4000, (5, 5), (1, 1), lg.Tokens(10, 20, "x"))
+    at = [r.at for r in lg.poisson(reqs, rate=4.0, seed=1)]
+    assert at[0] == 0.0 and all(b >= a for a, b in zip(at, at[1:]))
+    assert (len(at) - 1) / at[-1] == pytest.approx(4.0, rel=0.05)
+    assert all(len(r.prompt) == 5 and all(10 <= t < 20 for t in r.prompt) for r in reqs)
+    assert lg.synthetic(3, (5, 5), (1, 1), lg.Tokens(10, 20, "y"))[0].prompt != reqs[0].prompt
+
+
+@pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not next to this checkout")
+def test_trace_workloads():
+    toks = lg.Tokens(100, 1000, "s")
+    az = lg.azure(DATA / "azure_llm_2023_conv.csv", 50, toks, scale=0.5, max_input=300)
+    # the file's first rows: 374, 396, 879 context tokens; 44, 109, 55 generated
+    assert [len(r.prompt) for r in az[:3]] == [187, 198, 300]
+    assert [r.max_tokens for r in az[:3]] == [22, 54, 28]
+    assert az[0].at == 0.0 and az[1].at == pytest.approx(4.3145788, abs=1e-6)
+    mc = lg.mooncake(DATA / "mooncake_synthetic_trace.jsonl", 20, toks, block_tokens=16,
+                     max_input=10**6)
+    assert len(mc[0].prompt) == round(40160 * 16 / 512) and mc[0].max_tokens == 6
+    assert mc[2].at == pytest.approx(0.040)
+    assert not math.isnan(sum(r.at for r in mc))
