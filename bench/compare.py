@@ -49,12 +49,17 @@ class Setup:
                 args = list(common)
                 if role == "both":
                     args += ["--role", "both"]
+                peers = [p.address for p in self.procs if p.role == "prefill"]
+                if role == "decode" and peers:  # connect (and probe) before serving
+                    args += ["--peers", ",".join(peers)]
                 self.procs.append(WorkerProcess("prefill" if role == "prefill" else "decode",
                                                 args, cpus={core}))
                 print(f"  {kind}: {role} worker {self.procs[-1].worker_id} on core {core}",
                       file=sys.stderr)
             router = ["--redis-url", redis_url, "--http-port", "-1"]
-            if kind == "disaggregated" and a.local_prefill_max_tokens is not None:
+            if kind == "colocated":  # every request on one worker, as `baton up --colocated`
+                router += ["--local-prefill-max-tokens", str(1 << 30)]
+            elif a.local_prefill_max_tokens is not None:
                 router += ["--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
             self.router = WorkerProcess("router", router)
             self.procs.append(self.router)
