@@ -131,6 +131,10 @@ def measure(target, a: argparse.Namespace, name: str, progress: Progress) -> dic
         s.update(rate=rate, label=label, ttft_values=[r.ttft for r in records if r.ttft],
                  tpot_values=[r.tpot for r in records if r.tpot])
         runs.append(s)
+        t = s["ttft_s"]["p90"]
+        print(f"  {name} {label}: {s['succeeded']}/{s['requests']} ok, attainment "
+              f"{100 * (s['attainment'] or 0):.0f}%, TTFT p90 "
+              f"{'-' if t is None else f'{t * 1000:.0f} ms'}", file=sys.stderr, flush=True)
         return s
 
     if a.goodput:
@@ -290,6 +294,9 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     c.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     c.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="the disaggregated router's setting (default: the router's)")
+    c.add_argument("--router-args", default="",
+                   help="extra flags for the disaggregated setup's router, e.g. "
+                        "\"--prefill-saturation 2\" (see `baton router --help`)")
     c.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
                    help="also measure this OpenAI-compatible server (e.g. vLLM) with the same "
                         "workload; repeatable")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from baton.bench import loadgen as lg
@@ -59,8 +60,10 @@ class Setup:
             router = ["--redis-url", redis_url, "--http-port", "-1"]
             if kind == "colocated":  # every request on one worker, as `baton up --colocated`
                 router += ["--local-prefill-max-tokens", str(1 << 30)]
-            elif a.local_prefill_max_tokens is not None:
-                router += ["--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
+            else:
+                if a.local_prefill_max_tokens is not None:
+                    router += ["--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
+                router += shlex.split(a.router_args)
             self.router = WorkerProcess("router", router)
             self.procs.append(self.router)
         except BaseException:
