@@ -29,10 +29,11 @@ def _range(text: str) -> tuple[int, int]:
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("workload")
     g.add_argument("--workload", default="synthetic",
-                   choices=["synthetic", "shared-prefix", "azure", "mooncake"],
+                   choices=["synthetic", "shared-prefix", "multi-turn", "azure", "mooncake"],
                    help="synthetic: uniform lengths; shared-prefix: system prompts + own "
-                        "suffixes; azure: an Azure LLM trace CSV's lengths (and arrivals); "
-                        "mooncake: the Mooncake JSONL trace (shared prefixes, arrivals)")
+                        "suffixes; multi-turn: chats whose every turn extends the last; "
+                        "azure: an Azure LLM trace CSV's lengths (and arrivals); mooncake: the "
+                        "Mooncake JSONL trace (shared prefixes, arrivals)")
     g.add_argument("--trace", default=None,
                    help="trace file (default ../shared/data/azure_llm_2023_conv.csv or "
                         "mooncake_synthetic_trace.jsonl)")
@@ -44,7 +45,8 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                    help="output tokens, N or LO:HI (default 16:64)")
     g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt "
                                                                "tokens (default 256)")
-    g.add_argument("--groups", type=int, default=4, help="shared-prefix: system prompts")
+    g.add_argument("--groups", type=int, default=4,
+                   help="shared-prefix: system prompts; multi-turn: conversations")
     g.add_argument("--scale", type=float, default=1.0,
                    help="azure: multiply the trace's lengths (fit a small model / machine)")
     g.add_argument("--max-input", type=int, default=1024, help="cap on prompt tokens")
@@ -90,6 +92,9 @@ def workload(a: argparse.Namespace, salt: str) -> list[lg.Req]:
     if a.workload == "shared-prefix":
         return lg.shared_prefix(a.requests, a.groups, a.prefix_len, a.input_len, a.output_len,
                                 toks, a.seed)
+    if a.workload == "multi-turn":
+        return lg.multi_turn(a.requests, a.groups, a.prefix_len, a.input_len, a.output_len,
+                             toks, a.seed)
     if a.workload == "azure":
         path = a.trace or DATA / "azure_llm_2023_conv.csv"
         return lg.azure(path, a.requests, toks, a.scale, a.max_input, a.max_output,

@@ -69,6 +69,25 @@ def shared_prefix(n: int, groups: int, prefix_len: int, suffix_len: tuple[int, i
                 rng.randint(*output_len)) for i in range(n)]
 
 
+def multi_turn(n: int, conversations: int, system_len: int, user_len: tuple[int, int],
+               output_len: tuple[int, int], tokens: Tokens, seed: int = 0) -> list[Req]:
+    """Chats: each of ``conversations`` starts with its own system prompt; turn k's prompt is
+    turn k-1's prompt, an assistant reply of that turn's output length and a new user message,
+    so every turn extends the previous one (what a decode worker's prefix cache keeps). Turns
+    interleave across conversations: request i is turn ``i // conversations`` of conversation
+    ``i % conversations``."""
+    rng = random.Random(f"{seed}/{tokens.salt}")
+    history = [tokens.random(rng, system_len) for _ in range(conversations)]
+    out = []
+    for i in range(n):
+        c = i % conversations
+        history[c] = history[c] + tokens.random(rng, rng.randint(*user_len))
+        nout = rng.randint(*output_len)
+        out.append(Req(list(history[c]), nout))
+        history[c] += tokens.random(rng, nout)  # stands in for the reply
+    return out
+
+
 def azure(path: str | Path, n: int, tokens: Tokens, scale: float = 1.0,
           max_input: int = 2048, max_output: int = 512, start: int = 0) -> list[Req]:
     """The Azure LLM trace (CSV: TIMESTAMP, ContextTokens, GeneratedTokens): its lengths times

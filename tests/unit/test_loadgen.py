@@ -82,6 +82,20 @@ def test_poisson_arrivals_have_the_rate():
     assert lg.synthetic(3, (5, 5), (1, 1), lg.Tokens(10, 20, "y"))[0].prompt != reqs[0].prompt
 
 
+def test_shared_prefix_and_multi_turn_share_what_they_should():
+    toks = lg.Tokens(10, 10**6, "t")
+    sp = lg.shared_prefix(8, groups=2, prefix_len=20, suffix_len=(5, 5), output_len=(3, 3),
+                          tokens=toks)
+    assert sp[0].prompt[:20] == sp[2].prompt[:20] != sp[1].prompt[:20]
+    assert sp[0].prompt[20:] != sp[2].prompt[20:]
+    mt = lg.multi_turn(6, conversations=2, system_len=10, user_len=(4, 4), output_len=(3, 3),
+                       tokens=toks)
+    # turn 2 of conversation 0 extends turn 1 by its reply (3) and a user message (4)
+    assert mt[2].prompt[:len(mt[0].prompt)] == mt[0].prompt
+    assert len(mt[2].prompt) == len(mt[0].prompt) + 3 + 4
+    assert mt[1].prompt[:10] != mt[0].prompt[:10]
+
+
 @pytest.mark.skipif(not DATA.exists(), reason="../shared/data is not next to this checkout")
 def test_trace_workloads():
     toks = lg.Tokens(100, 1000, "s")
