@@ -71,6 +71,9 @@ def add_load_args(ap: argparse.ArgumentParser) -> None:
                    help="--goodput: first rate tried (default 0.5/s)")
     g.add_argument("--max-rate", type=float, default=64.0,
                    help="--goodput: stop doubling here (default 64/s)")
+    g.add_argument("--min-rate", type=float, default=None,
+                   help="--goodput: stop halving here; a target failing even this rate has "
+                        "goodput 0 (default --start-rate / 64)")
     g.add_argument("--refine", type=int, default=3, help="--goodput: bisection steps")
     s = ap.add_argument_group("SLOs")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default 2)")
@@ -145,7 +148,7 @@ def measure(target, a: argparse.Namespace, name: str, progress: Progress) -> dic
     if a.goodput:
         goodput, points = lg.find_goodput(
             lambda r: once(r, f"{r:.3g} req/s")["attainment"], a.start_rate, a.attainment,
-            max_rate=a.max_rate, refine=a.refine)
+            max_rate=a.max_rate, refine=a.refine, min_rate=a.min_rate)
         return {"target": name, "goodput_rps": goodput, "points": points, "runs": runs}
     label = (f"{a.rate} req/s" if a.rate else f"trace x{a.speedup}" if a.speedup
              else f"{a.concurrency} concurrent" if a.concurrency else "default")

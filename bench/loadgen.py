@@ -385,11 +385,13 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo: float,
 
 
 def find_goodput(attainment_at: Callable[[float], float], start: float, target: float = 0.9,
-                 max_rate: float = 1e6, refine: int = 3) -> tuple[float, list[tuple[float, float]]]:
+                 max_rate: float = 1e6, refine: int = 3,
+                 min_rate: float | None = None) -> tuple[float, list[tuple[float, float]]]:
     """The highest request rate whose attainment is >= ``target``: double from ``start`` until
     a rate fails (or halve until one passes), then bisect ``refine`` times between the last
     passing and first failing rates. Returns (goodput, [(rate, attainment), ...] as measured);
-    goodput 0 when even ``start / 64`` fails."""
+    goodput 0 when even ``min_rate`` (default ``start / 64``) fails."""
+    min_rate = start / 64 if min_rate is None else min_rate
     points: list[tuple[float, float]] = []
 
     def ok(rate: float) -> bool:
@@ -410,7 +412,7 @@ def find_goodput(attainment_at: Callable[[float], float], start: float, target: 
             return lo, points
     else:
         hi, lo = rate, None
-        for _ in range(6):
+        while rate / 2 >= min_rate * (1 - 1e-9):
             rate /= 2
             if ok(rate):
                 lo = rate

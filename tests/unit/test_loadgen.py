@@ -67,8 +67,10 @@ def test_goodput_search_brackets_then_bisects():
     # a start that already fails halves down
     goodput, points = lg.find_goodput(attainment, start=16.0, refine=0)
     assert [p[0] for p in points] == [16.0, 8.0, 4.0, 2.0] and goodput == 2.0
-    # nothing passes
-    assert lg.find_goodput(lambda r: 0.0, start=1.0)[0] == 0.0
+    # nothing passes: halving stops at min_rate
+    goodput, points = lg.find_goodput(lambda r: 0.0, start=1.0, min_rate=0.25)
+    assert goodput == 0.0 and [p[0] for p in points] == [1.0, 0.5, 0.25]
+    assert len(lg.find_goodput(lambda r: 0.0, start=1.0)[1]) == 7  # down to start / 64
     # everything passes: the cap
     assert lg.find_goodput(lambda r: 1.0, start=1.0, max_rate=8.0)[0] == 8.0
 
