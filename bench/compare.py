@@ -120,7 +120,13 @@ def compare(a: argparse.Namespace) -> int:
         rate = ref["goodput_rps"]
         for res in results:
             name = res["target"]
-            target, close = open_target(name)
+            try:  # a setup that fails to start again must not lose the searches above
+                target, close = open_target(name)
+            except Exception as e:
+                res["at_colocated_goodput_error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"  {name}: could not start for the run at {rate:.3g} req/s: "
+                      f"{type(e).__name__}", file=sys.stderr)
+                continue
             try:
                 extra = argparse.Namespace(**{**vars(a), "goodput": False, "rate": rate})
                 res["at_colocated_goodput"] = measure(target, extra, name, progress)["runs"][0]
