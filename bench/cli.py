@@ -182,9 +182,8 @@ def table(results: list[dict]) -> str:
 def out_dir(a: argparse.Namespace) -> Path:
     if a.out:
         return Path(a.out)
-    here = Path(__file__).resolve().parent / "results"
-    return here if here.parent.joinpath("loadgen.py").exists() and os.access(
-        here.parent, os.W_OK) else Path("baton-bench")
+    here = Path(__file__).resolve().parent / "results"  # a checkout's bench/results
+    return here if here.is_dir() and os.access(here, os.W_OK) else Path("baton-bench")
 
 
 def save(a: argparse.Namespace, kind: str, result: dict) -> list[Path]:
@@ -222,15 +221,9 @@ def plots(results: list[dict], stem: Path) -> list[Path]:
             if xs:
                 ax.plot([x * 1000 for x in xs], [(i + 1) / len(xs) for i in range(len(xs))],
                         label=f"{res['target']} ({r['label']})")
-        ax.set_xlabel(f"{title} (ms)")
-        ax.set_ylabel("fraction of requests")
         ax.set_xscale("log")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(f"{stem}-cdf.png", dpi=110)
-    out.append(Path(f"{stem}-cdf.png"))
-    plt.close(fig)
+        _finish(ax, f"{title} (ms)", "fraction of requests")
+    out.append(_save(plt, fig, f"{stem}-cdf.png"))
     if any("points" in r for r in results):
         fig, ax = plt.subplots(figsize=(6, 4))
         for res in results:
@@ -239,15 +232,23 @@ def plots(results: list[dict], stem: Path) -> list[Path]:
                 ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o",
                         label=f"{res['target']} (goodput {res['goodput_rps']:.3g}/s)")
         ax.axhline(90, color="grey", ls="--", lw=0.8)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("SLO attainment (%)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(f"{stem}-attainment.png", dpi=110)
-        out.append(Path(f"{stem}-attainment.png"))
-        plt.close(fig)
+        _finish(ax, "request rate (req/s)", "SLO attainment (%)")
+        out.append(_save(plt, fig, f"{stem}-attainment.png"))
     return out
+
+
+def _finish(ax, xlabel: str, ylabel: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _save(plt, fig, path: str) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
 
 
 def cmd_run(a: argparse.Namespace) -> int:

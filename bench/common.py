@@ -59,10 +59,16 @@ def random_word_prompts(tokenizer, lengths: list[int], seed: str) -> list[list[i
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    """The q-quantile (0..1) of xs, nearest rank."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-quantile (0..1) of xs, linearly interpolated between closest ranks (numpy's
+    default); None for no values."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def write_result(name: str, result: dict) -> Path:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import http.client
 import json
-import math
 import random
 import threading
 import time
@@ -28,6 +27,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from baton.bench.common import pct
 
 # ---- workloads -----------------------------------------------------------------------------------
 
@@ -335,23 +336,11 @@ def run(target: Callable[[Req], Record], reqs: Sequence[Req], concurrency: int =
 # ---- metrics -------------------------------------------------------------------------------------
 
 
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    """The ``q`` (0..100) percentile, linearly interpolated between closest ranks (numpy's
-    default); None for no values."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
 def stats(xs: Sequence[float]) -> dict:
     if not xs:
         return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}
-    return {"n": len(xs), "mean": sum(xs) / len(xs), "p50": percentile(xs, 50),
-            "p90": percentile(xs, 90), "p99": percentile(xs, 99)}
+    return {"n": len(xs), "mean": sum(xs) / len(xs), "p50": pct(xs, 0.5),
+            "p90": pct(xs, 0.9), "p99": pct(xs, 0.99)}
 
 
 def meets(r: Record, ttft_slo: float, tpot_slo: float) -> bool:

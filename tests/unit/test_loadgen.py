@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from baton.bench import loadgen as lg
+from baton.bench.common import pct
 
 # the first rows of ../shared/data's traces (Azure CC-BY-4.0, Mooncake Apache-2.0), copied so
 # the test runs wherever the checkout is
@@ -29,11 +30,11 @@ def test_a_requests_latencies():
 
 def test_percentiles_interpolate_like_numpy():
     xs = [1.0, 2.0, 3.0, 4.0]
-    assert lg.percentile(xs, 50) == 2.5
-    assert lg.percentile(xs, 0) == 1.0 and lg.percentile(xs, 100) == 4.0
-    assert lg.percentile(xs, 90) == pytest.approx(3.7)
-    assert lg.percentile(list(range(101)), 99) == 99
-    assert lg.percentile([], 50) is None
+    assert pct(xs, 0.5) == 2.5
+    assert pct(xs, 0) == 1.0 and pct(xs, 1.0) == 4.0
+    assert pct(xs, 0.9) == pytest.approx(3.7)
+    assert pct(list(range(101)), 0.99) == 99
+    assert pct([], 0.5) is None
     s = lg.stats([3.0, 1.0, 2.0])
     assert (s["n"], s["mean"], s["p50"]) == (3, 2.0, 2.0)
 
