@@ -76,6 +76,20 @@ class Setup:
 
 
 def compare(a: argparse.Namespace) -> int:
+    results = run_compare(a)
+    if results is None:
+        return 2
+    summary = _summary(results)
+    print(table(results))
+    for line in summary["lines"]:
+        print(line)
+    for p in save(a, "compare", {"results": results, "summary": summary}):
+        print(f"wrote {p}")
+    return 0
+
+
+def run_compare(a: argparse.Namespace) -> list[dict] | None:
+    """Measure every setup and peer; None when the arguments are wrong (said on stderr)."""
     from baton.control.redis_server import EmbeddedRedis
 
     kinds = (a.only or "disaggregated,colocated").split(",")
@@ -90,7 +104,7 @@ def compare(a: argparse.Namespace) -> int:
         name, _, url = spec.partition("=")
         if not url:
             print(f"error: --peer {spec!r}: want NAME=URL", file=sys.stderr)
-            return 2
+            return None
         targets[name] = ("peer", url)
 
     def open_target(name: str):
@@ -133,13 +147,7 @@ def compare(a: argparse.Namespace) -> int:
                 res["runs"].append(res["at_colocated_goodput"])
             finally:
                 (close or target.close)()
-    summary = _summary(results)
-    print(table(results))
-    for line in summary["lines"]:
-        print(line)
-    for p in save(a, "compare", {"results": results, "summary": summary}):
-        print(f"wrote {p}")
-    return 0
+    return results
 
 
 def _summary(results: list[dict]) -> dict:

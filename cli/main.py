@@ -233,6 +233,30 @@ def main(argv: list[str] | None = None) -> int:
                                    "synthetic, shared-prefix or trace workloads. `baton bench "
                                    "run TARGET`, `baton bench compare`; --help on each.")
     add_bench_args(b)
+    from baton.control.profile import add_profile_args, cmd_profile
+    from baton.control.tune import add_tune_args, cmd_tune
+
+    pr = sub.add_parser("profile", help="measure this engine on this machine: prefill, decode "
+                                        "step and KV hand-off times (for `baton tune`)",
+                        description="Time the engine (one core, one torch thread, as workers "
+                                    "run under `baton bench compare`): prefill against batched "
+                                    "tokens, decode steps against batch size and context, and "
+                                    "the KV hand-off between real prefill and decode worker "
+                                    "processes against bytes. Writes the profile `baton tune` "
+                                    "reads (takes about two minutes for SmolLM2).")
+    add_profile_args(pr)
+    pr.set_defaults(func=cmd_profile)
+    tu = sub.add_parser("tune", help="recommend a prefill:decode split (or colocated) for a "
+                                     "trace and SLOs, by simulation",
+                        description="Simulate the trace on every split of --workers workers "
+                                    "into prefill and decode pools and on colocated serving, "
+                                    "with `baton profile`'s costs, continuous batching and "
+                                    "queueing; print each configuration's goodput (highest "
+                                    "Poisson rate at which --attainment of requests meet both "
+                                    "SLOs) and attainment at the trace's own rate, recommend "
+                                    "one, and plot attainment against rate.")
+    add_tune_args(tu)
+    tu.set_defaults(func=cmd_tune)
     for name in ("router", "worker"):
         w = sub.add_parser(name, add_help=False,
                            help=f"run one {name} process (see `baton {name} --help`)")
@@ -245,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         from baton.cli.up import up
 
         return up(a)
-    if a.cmd == "bench":
+    if a.cmd in ("bench", "profile", "tune"):
         return a.func(a)
     return {"handoff": _handoff, "request": _request, "status": status.status,
             "top": status.top}.get(a.cmd, _generate)(a)

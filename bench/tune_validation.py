@@ -1,0 +1,111 @@
+"""`baton tune`'s predictions against measurements, back to back on one machine: profile the
+engine, predict the goodput of 1 prefill + 1 decode and of 2 colocated workers for a trace slice,
+then measure both with `baton bench compare` on the same slice (same lengths, same Poisson
+arrivals, same goodput search). Results in bench/results/tune-validation-*.json.
+
+    python bench/tune_validation.py [--profile FILE] [--requests 40] [--refine 3]
+        [--scale 0.25] [--max-output 128] [--ttft-slo 3] [--tpot-slo 0.1] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine, write_result  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--trace", default=str(RESULTS.parent.parent.parent / "shared" / "data"
+                                           / "azure_llm_2023_conv.csv"))
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--trace-start", type=int, default=0)
+    ap.add_argument("--scale", type=float, default=0.25)
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--ttft-slo", type=float, default=3.0)
+    ap.add_argument("--tpot-slo", type=float, default=0.1)
+    ap.add_argument("--refine", type=int, default=3)
+    ap.add_argument("--skip-measure", action="store_true", help="predictions only")
+    a = ap.parse_args()
+
+    from baton.bench.cli import add_bench_args
+    from baton.bench.compare import run_compare
+    from baton.control.profile import CostModel, Profile, run_profile
+    from baton.control.sim import Layout
+    from baton.control.tune import Evaluator, load_trace
+
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.0f}s] {msg}", flush=True)
+
+    if a.profile:
+        profile = Profile.load(a.profile)
+    else:
+        profile = run_profile(None, a.dtype, [0, 1], 3, True, say)
+        say(f"profile saved to {profile.save(RESULTS / 'tune-validation-profile.json')}")
+    slice_args = ["--workload", "azure", "--trace", a.trace, "--requests", str(a.requests),
+                  "--trace-start", str(a.trace_start), "--scale", str(a.scale),
+                  "--max-input", str(a.max_input), "--max-output", str(a.max_output),
+                  "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
+                  "--refine", str(a.refine), "--goodput"]
+    ap_bench = argparse.ArgumentParser()
+    add_bench_args(ap_bench)
+    ca = ap_bench.parse_args(["compare", "--dtype", a.dtype, "--quiet", "--no-plots",
+                              *slice_args])
+    # the same slice and search, simulated (tune's own arguments, from the same values)
+    ta = argparse.Namespace(trace=a.trace, format="azure", requests=a.requests,
+                            trace_start=a.trace_start, scale=a.scale, max_input=a.max_input,
+                            max_output=a.max_output, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
+                            attainment=ca.attainment, start_rate=ca.start_rate,
+                            max_rate=ca.max_rate, min_rate=ca.min_rate, refine=a.refine,
+                            seed=ca.seed, local_prefill_max_tokens=64, prefill_saturation=8)
+    ev = Evaluator(profile, load_trace(ta), ta)
+    layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
+    predicted = {}
+    for name, layout in layouts.items():
+        goodput, points = ev.goodput(layout)
+        predicted[name] = {"layout": layout.name, "goodput_rps": goodput, "points": points}
+        say(f"predicted {layout.name}: goodput {goodput:.3g} req/s")
+    measured = {}
+    if not a.skip_measure:
+        say("measuring both setups with `baton bench compare` ...")
+        for res in run_compare(ca) or []:
+            measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
+                                       "points": res["points"]}
+            say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
+    rows = []
+    for name, pred in predicted.items():
+        m = measured.get(name, {}).get("goodput_rps")
+        err = (pred["goodput_rps"] - m) / m if m else None
+        rows.append({"setup": name, "layout": pred["layout"], "predicted_rps": pred["goodput_rps"],
+                     "measured_rps": m, "error": err,
+                     "within_20pct": None if err is None else abs(err) <= 0.2})
+    winner = {k: max(rows, key=lambda r: r[k] or 0)["setup"] if all(r[k] is not None
+                                                                      for r in rows) else None
+              for k in ("predicted_rps", "measured_rps")}
+    result = {"machine": machine(), "args": vars(a), "slice": slice_args,
+              "cost_model": CostModel(profile).summary(), "rows": rows,
+              "predicted": predicted, "measured": measured,
+              "predicted_winner": winner["predicted_rps"],
+              "measured_winner": winner["measured_rps"],
+              "winner_agrees": (winner["predicted_rps"] == winner["measured_rps"]
+                                if winner["measured_rps"] else None)}
+    print(f"\n{'setup':<22} {'predicted':>10} {'measured':>10} {'error':>7}")
+    for r in rows:
+        m = "-" if r["measured_rps"] is None else f"{r['measured_rps']:.3g}"
+        e = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
+        print(f"{r['setup']:<22} {r['predicted_rps']:>10.3g} {m:>10} {e:>7}")
+    print(f"winner: predicted {winner['predicted_rps']}, measured {winner['measured_rps']}")
+    print(f"wrote {write_result('tune-validation', result)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""``baton profile``: what this engine costs on this hardware, and the cost model built on it.
+
+Three measurements, each the median of a few repeats:
+
+* **batched prefill**: one engine step of N prompt tokens, as many 16-token prompts (so attention is
+  negligible and the time is the per-token work: weights, MLP, projections), N = 1 .. 1024;
+  plus single long prompts, whose extra time over the same N batched is their attention.
+* **decode step**: B running requests of context C each, one token each;
+* **KV hand-off**: real prefill and decode worker processes; the time from the prefill RPC's
+  answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
+  the KV bytes.
+
+:class:`CostModel` turns a profile into step times for any batch::
+
+    step(prefill chunks, decode contexts) = tok(P + D)                   per-token work, interpolated
+                                          + attn_prefill * sum(n * ctx)  each chunk's attention pairs
+                                          + per_seq * D                  each decode's own overheads
+                                          + attn_decode * sum(ctx)       each decode's context
+
+where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
+prefill table and the other coefficients are least-squares fits of what is left.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+VERSION = 1
+PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
+LONG_PROMPTS = (128, 256, 512)
+# per context length, the decode batches measured (largest first: one prefill, then shrink)
+DECODE_GRID = {128: (64, 16, 4, 1), 768: (12, 4, 1)}
+HANDOFF_TOKENS = (64, 256, 1024)
+
+
+@dataclass
+class Profile:
+    """Measured costs of one engine configuration on one machine (seconds, bytes)."""
+
+    model: str
+    dtype: str
+    threads: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    num_blocks: int
+    kv_bytes_per_token: int
+    prefill: list[dict] = field(default_factory=list)  # {tokens, requests, s}
+    prefill_long: list[dict] = field(default_factory=list)  # {tokens, s}
+    decode: list[dict] = field(default_factory=list)  # {batch, context, s}
+    handoff: list[dict] = field(default_factory=list)  # {tokens, bytes, s}
+    router_s: float = 0.004  # router work + two gRPC hops per request (bench/router_latency.py)
+    machine: dict = field(default_factory=dict)
+    version: int = VERSION
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ProfileError(f"cannot read profile {path}: {e}") from None
+        if d.get("version") != VERSION:
+            raise ProfileError(f"profile {path} has version {d.get('version')!r}, this Baton "
+                               f"reads version {VERSION}: run `baton profile` again")
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ProfileError(f"profile {path} is malformed: {e}") from None
+
+
+class ProfileError(ValueError):
+    pass
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys) (sorted xs), extended linearly past both ends."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares k for y = k x, never negative."""
+    den = sum(x * x for x in xs)
+    return max(0.0, sum(x * y for x, y in zip(xs, ys)) / den) if den else 0.0
+
+
+def _fit2(xs: Sequence[tuple[float, float]], ys: Sequence[float]) -> tuple[float, float]:
+    """Least-squares (a, b) >= 0 for y = a x0 + b x1 (2x2 normal equations; a coefficient that
+    would come out negative is pinned at 0 and the other refitted alone)."""
+    s00 = sum(x[0] * x[0] for x in xs)
+    s01 = sum(x[0] * x[1] for x in xs)
+    s11 = sum(x[1] * x[1] for x in xs)
+    t0 = sum(x[0] * y for x, y in zip(xs, ys))
+    t1 = sum(x[1] * y for x, y in zip(xs, ys))
+    det = s00 * s11 - s01 * s01
+    if det > 0:
+        a, b = (t0 * s11 - t1 * s01) / det, (t1 * s00 - t0 * s01) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    a, b = _fit_through_origin([x[0] for x in xs], ys), _fit_through_origin([x[1] for x in xs], ys)
+    err_a = sum((y - a * x[0]) ** 2 for x, y in zip(xs, ys))
+    err_b = sum((y - b * x[1]) ** 2 for x, y in zip(xs, ys))
+    return (a, 0.0) if err_a <= err_b else (0.0, b)
+
+
+class CostModel:
+    """Step and hand-off times from a :class:`Profile` (see the module docstring)."""
+
+    def __init__(self, p: Profile) -> None:
+        if not p.prefill or not p.decode:
+            raise ProfileError("the profile has no prefill or decode measurements")
+        rows = sorted((r["tokens"], r["s"]) for r in p.prefill)
+        self._tx, self._ty = [r[0] for r in rows], [r[1] for r in rows]
+        self.attn_prefill = _fit_through_origin(
+            [n * (n + 1) / 2 for n in (r["tokens"] for r in p.prefill_long)],
+            [r["s"] - self.tok(r["tokens"]) for r in p.prefill_long])
+        self.per_seq, self.attn_decode = _fit2(
+            [(r["batch"], r["batch"] * r["context"]) for r in p.decode],
+            [r["s"] - self.tok(r["batch"]) for r in p.decode])
+        if p.handoff:  # handoff = fixed + per_byte * bytes, least squares
+            xs, ys = [r["bytes"] for r in p.handoff], [r["s"] for r in p.handoff]
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            self.handoff_per_byte = (max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+                                         / var) if var else 0.0)
+            self.handoff_fixed = max(0.0, my - self.handoff_per_byte * mx)
+        else:
+            self.handoff_per_byte, self.handoff_fixed = 0.0, 0.0
+        self.kv_bytes_per_token = p.kv_bytes_per_token
+
+    def tok(self, n: int) -> float:
+        """Per-token work of a step that runs ``n`` tokens (no attention)."""
+        return _interp(self._tx, self._ty, n) if n > 0 else 0.0
+
+    def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int]) -> float:
+        """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
+        request, ``decode_ctxs`` = context length per decoding request."""
+        n = sum(c[0] for c in chunks) + len(decode_ctxs)
+        pairs = sum(k * (done + (k + 1) / 2) for k, done in chunks)
+        return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * len(decode_ctxs)
+                + self.attn_decode * sum(decode_ctxs))
+
+    def handoff(self, tokens: int) -> float:
+        return self.handoff_fixed + self.handoff_per_byte * tokens * self.kv_bytes_per_token
+
+    def summary(self) -> dict:
+        return {"attn_prefill_s_per_pair": self.attn_prefill,
+                "decode_s_per_sequence": self.per_seq,
+                "attn_decode_s_per_context_token": self.attn_decode,
+                "handoff_fixed_s": self.handoff_fixed,
+                "handoff_s_per_mib": self.handoff_per_byte * (1 << 20)}
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Prompts:
+    """Fresh random prompts (no prefix-cache hits between measurements)."""
+
+    def __init__(self, vocab: int) -> None:
+        import random
+
+        self.rng, self.vocab = random.Random(0), vocab
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.randrange(100, self.vocab) for _ in range(n)]
+
+
+def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print) -> dict:
+    """Batched prefill, long prefill and decode step times of ``engine`` (an LLMEngine)."""
+    from baton.engine.params import SamplingParams
+
+    prompts = _Prompts(min(engine.model_config.vocab_size, 30000))
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    bs = engine.cfg.block_size
+
+    def prefill_step(lengths: list[int]) -> None:
+        for n in lengths:
+            engine.add_request(prompt_token_ids=prompts(n), params=one)
+        engine.step()
+        while engine.has_unfinished():  # nothing should be left; be sure the pool is clean
+            engine.step()
+
+    prefill_step([8])  # warm-up
+    out: dict = {"prefill": [], "prefill_long": [], "decode": []}
+    for n in PREFILL_TOKENS:
+        lengths = [bs] * (n // bs) + ([n % bs] if n % bs else [])
+        s = _median_time(lambda: prefill_step(lengths), repeats)
+        out["prefill"].append({"tokens": n, "requests": len(lengths), "s": s})
+        say(f"prefill {n:5d} tokens in {len(lengths):3d} prompts: {s * 1000:8.2f} ms")
+    for n in LONG_PROMPTS:
+        s = _median_time(lambda: prefill_step([n]), repeats)
+        out["prefill_long"].append({"tokens": n, "s": s})
+        say(f"prefill one {n:5d}-token prompt:       {s * 1000:8.2f} ms")
+    for ctx, batches in DECODE_GRID.items():
+        fits = [b for b in batches if b <= engine.cfg.max_num_seqs
+                and b * (ctx // bs + 2) <= engine.num_blocks]
+        for batch, s in _decode_steps(engine, prompts, fits, ctx, 3 * repeats):
+            out["decode"].append({"batch": batch, "context": ctx, "s": s})
+            say(f"decode batch {batch:3d} x context {ctx:5d}:    {s * 1000:8.2f} ms")
+    return out
+
+
+def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
+    """Median decode step time for each batch size (descending): prefill ``batches[0]``
+    requests of ``ctx`` tokens once, then abort requests down to each next size."""
+    from baton.engine.params import SamplingParams
+
+    if not batches:
+        return []
+    params = SamplingParams(max_tokens=len(batches) * (repeats + 2) + 4, ignore_eos=True,
+                            detokenize=False)
+    reqs = [engine.add_request(prompt_token_ids=prompts(ctx), params=params)
+            for _ in range(batches[0])]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        engine.step()
+    out = []
+    for b in batches:
+        for r in reqs[b:]:
+            engine.abort(r.request_id)
+        del reqs[b:]
+        engine.step()  # collects the aborts; every request left is decoding
+        out.append((b, _median_time(engine.step, repeats)))
+    for r in reqs:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def measure_handoff(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
+                    say: Callable[[str], None] = print) -> list[dict]:
+    """Real prefill and decode worker processes (one core each): per prompt size, the time from
+    the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved."""
+    from baton.engine.params import SamplingParams
+    from baton.services.common.launch import WorkerProcess
+    from baton.services.common.worker import params_to_proto
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1",
+              "--num-blocks", str(4 * (max(HANDOFF_TOKENS) // 16 + 2))]
+    if model:
+        common += ["--model", model]
+    say("starting a prefill and a decode worker for the hand-off measurement ...")
+    prefill = WorkerProcess("prefill", common, cpus={cores[0]})
+    decode = WorkerProcess("decode", [*common, "--peers", prefill.address],
+                           cpus={cores[1 % len(cores)]})
+    prompts = _Prompts(10000)
+    params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
+    rows = []
+    try:
+        pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
+        dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
+        for n in HANDOFF_TOKENS:
+            samples = []
+            for i in range(repeats + 1):  # the first pays connection set-up
+                ids, rid = prompts(n), f"profile-{n}-{i}"
+                pre = pstub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, params=params), timeout=120)
+                t0 = time.perf_counter()
+                nbytes = None
+                for chunk in dstub.Decode(worker_pb2.DecodeRequest(
+                        request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
+                        params=params, handle=pre.handle, sampler_state=pre.sampler_state),
+                        timeout=60):
+                    if nbytes is None:
+                        samples.append(time.perf_counter() - t0)
+                        nbytes = chunk.transfer.bytes
+            rows.append({"tokens": n, "bytes": nbytes, "s": statistics.median(samples[1:])})
+            say(f"hand-off {n:5d} tokens ({nbytes / 2**20:6.1f} MiB): "
+                f"{rows[-1]['s'] * 1000:8.2f} ms")
+    finally:
+        decode.stop()
+        prefill.stop()
+    return rows
+
+
+def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
+                handoff: bool = True, say: Callable[[str], None] = print) -> Profile:
+    """Measure this machine: the engine in this process pinned to ``cores[0]`` with one torch
+    thread (as `baton bench compare` and `baton up --threads 1` run workers), then the hand-off."""
+    import torch
+    from baton.bench.common import machine
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
+    os.sched_setaffinity(0, {cores[0]})
+    torch.set_num_threads(1)
+    say(f"loading the model ({dtype}) ...")
+    engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
+    costs = measure_engine(engine, repeats, say)
+    p = Profile(model=model or "default (SmolLM2-135M-Instruct)", dtype=dtype, threads=1,
+                block_size=engine.cfg.block_size,
+                max_num_batched_tokens=engine.cfg.max_num_batched_tokens,
+                max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
+                kv_bytes_per_token=engine.block_nbytes // engine.cfg.block_size,
+                machine=machine(), **costs)
+    del engine
+    if handoff:
+        p.handoff = measure_handoff(model, dtype, cores, repeats, say)
+    return p
+
+
+def default_path() -> Path:
+    base = os.environ.get("BATON_CACHE_DIR") or Path.home() / ".cache" / "baton"
+    return Path(base) / "profile.json"
+
+
+def cmd_profile(a) -> int:
+    cores = ([int(c) for c in a.cores.split(",")] if a.cores
+             else sorted(os.sched_getaffinity(0)))
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[baton profile {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr,
+              flush=True)
+
+    p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say)
+    path = p.save(a.out or default_path())
+    cm = CostModel(p)
+    for k, v in cm.summary().items():
+        print(f"  {k}: {v:.4g}")
+    print(f"wrote {path}")
+    return 0
+
+
+def add_profile_args(ap) -> None:
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--cores", default=None,
+                    help="comma-separated cores: the engine runs on the first, the hand-off's "
+                         "prefill and decode workers on the first two (default: this process's)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
+    ap.add_argument("--no-handoff", action="store_true",
+                    help="skip the hand-off measurement (no worker processes, no NIXL)")
+    ap.add_argument("--out", default=None,
+                    help="profile file (default $BATON_CACHE_DIR/profile.json, else "
+                         "~/.cache/baton/profile.json)")

@@ -1,0 +1,208 @@
+"""``baton tune``: which prefill:decode split of N workers (or colocated serving) serves a trace
+best under TTFT/TPOT SLOs, by simulation (:mod:`baton.control.sim`) on a measured profile
+(`baton profile`).
+
+For every layout (1P+(N-1)D ... (N-1)P+1D, and N colocated) the trace's requests are simulated
+at Poisson rates and the goodput searched the way `baton bench --goodput` searches it on a real
+cluster (same arrivals for the same seed, same doubling and bisection), so a prediction and a
+measurement of the same trace slice are comparable point for point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from baton.control.profile import CostModel, Profile, ProfileError, default_path
+from baton.control.sim import Knobs, Layout, attainment, simulate
+
+
+def layouts(n: int) -> list[Layout]:
+    return [Layout(p, n - p) for p in range(1, n)] + [Layout(0, n, colocated=True)]
+
+
+def load_trace(a: argparse.Namespace) -> list:
+    """The trace's requests as loadgen ``Req`` (lengths and arrival offsets)."""
+    from baton.bench import loadgen as lg
+
+    fmt = a.format
+    if fmt == "auto":
+        fmt = "mooncake" if str(a.trace).endswith((".jsonl", ".json")) else "azure"
+    toks = lg.Tokens(100, 10000, "tune")
+    try:
+        if fmt == "azure":
+            reqs = lg.azure(a.trace, a.requests, toks, a.scale, a.max_input, a.max_output,
+                            a.trace_start)
+        else:
+            reqs = lg.mooncake(a.trace, a.requests, toks, max_input=a.max_input,
+                               max_output=a.max_output)
+    except (OSError, KeyError, ValueError) as e:
+        raise SystemExit(f"error: cannot read {fmt} trace {a.trace}: {type(e).__name__}: {e}")
+    if not reqs:
+        raise SystemExit(f"error: no requests in {a.trace} from row {a.trace_start}")
+    return reqs
+
+
+def shape(reqs) -> list[tuple[int, int, float]]:
+    return [(len(r.prompt), r.max_tokens, r.at) for r in reqs]
+
+
+class Evaluator:
+    """Attainment of one layout at a Poisson rate (or the trace's own times), and its goodput."""
+
+    def __init__(self, profile: Profile, reqs, a: argparse.Namespace) -> None:
+        self.p, self.cost, self.reqs, self.a = profile, CostModel(profile), reqs, a
+        self.knobs = Knobs(a.local_prefill_max_tokens, a.prefill_saturation)
+
+    def at(self, layout: Layout, rate: float | None) -> float:
+        from baton.bench import loadgen as lg
+
+        reqs = self.reqs if rate is None else lg.poisson(self.reqs, rate, self.a.seed)
+        done = simulate(layout, self.p, shape(reqs), self.knobs, self.cost)
+        return attainment(done, self.a.ttft_slo, self.a.tpot_slo)
+
+    def goodput(self, layout: Layout) -> tuple[float, list[tuple[float, float]]]:
+        from baton.bench import loadgen as lg
+
+        return lg.find_goodput(lambda r: self.at(layout, r), self.a.start_rate,
+                               self.a.attainment, max_rate=self.a.max_rate,
+                               refine=self.a.refine, min_rate=self.a.min_rate)
+
+
+def recommend(rows: list[dict]) -> str:
+    best = max(rows, key=lambda r: (r["goodput_rps"], r["colocated"]))  # ties: colocated
+    if best["goodput_rps"] <= 0:
+        return ("no configuration meets the SLOs at any rate searched: relax the SLOs, use "
+                "more workers, or shorten the requests")
+    colo = next(r for r in rows if r["colocated"])
+    if best["colocated"]:
+        return (f"stay colocated: {best['layout']} workers serve {best['goodput_rps']:.3g} "
+                "req/s within the SLOs, no split does better")
+    gain = (f"{best['goodput_rps'] / colo['goodput_rps']:.2f}x colocated"
+            if colo["goodput_rps"] > 0 else "colocated meets the SLOs at no rate")
+    return (f"run {best['prefill']} prefill + {best['decode']} decode workers: "
+            f"{best['goodput_rps']:.3g} req/s within the SLOs ({gain})")
+
+
+def table(rows: list[dict], trace_rate: float | None) -> str:
+    own = "attain @trace" if trace_rate is None else f"attain @{trace_rate:.3g}/s"
+    lines = [f"{'configuration':<14} {'goodput req/s':>13} {own:>16}"]
+    for r in rows:
+        lines.append(f"{r['layout']:<14} {r['goodput_rps']:>13.3g} "
+                     f"{100 * r['attainment_at_trace_rate']:>15.0f}%")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], ev: Evaluator, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: pip install matplotlib)", file=sys.stderr)
+        return None
+    top = max([r["goodput_rps"] for r in rows] + [ev.a.start_rate])
+    lo, hi = top / 16, top * 4
+    rates = [lo * (hi / lo) ** (i / 23) for i in range(24)]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in rows:
+        layout = Layout(r["prefill"], r["decode"], r["colocated"])
+        ax.plot(rates, [100 * ev.at(layout, x) for x in rates], marker=".",
+                label=f"{r['layout']} (goodput {r['goodput_rps']:.3g}/s)")
+    ax.axhline(100 * ev.a.attainment, color="grey", ls="--", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("requests meeting both SLOs (%)")
+    ax.set_title(f"baton tune: TTFT <= {ev.a.ttft_slo:g}s, TPOT <= {ev.a.tpot_slo * 1000:g}ms",
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def cmd_tune(a: argparse.Namespace) -> int:
+    if a.workers < 2:
+        print("error: --workers must be >= 2 (a split needs a prefill and a decode worker)",
+              file=sys.stderr)
+        return 2
+    if a.ttft_slo <= 0 or a.tpot_slo <= 0:
+        print("error: --ttft-slo and --tpot-slo must be > 0 seconds", file=sys.stderr)
+        return 2
+    try:
+        profile = Profile.load(a.profile or default_path())
+    except ProfileError as e:
+        hint = "" if a.profile else " (run `baton profile` first, or pass --profile)"
+        print(f"error: {e}{hint}", file=sys.stderr)
+        return 2
+    reqs = load_trace(a)
+    ev = Evaluator(profile, reqs, a)
+    span = reqs[-1].at - reqs[0].at
+    trace_rate = (len(reqs) - 1) / span if span > 0 else None
+    rows = []
+    t0 = time.monotonic()
+    for layout in layouts(a.workers):
+        goodput, points = ev.goodput(layout)
+        rows.append({"layout": layout.name, "prefill": layout.prefill, "decode": layout.decode,
+                     "colocated": layout.colocated, "goodput_rps": goodput, "points": points,
+                     "attainment_at_trace_rate": ev.at(layout, None)})
+        print(f"[baton tune {time.monotonic() - t0:5.1f}s] {layout.name}: goodput "
+              f"{goodput:.3g} req/s ({len(points)} rates simulated)", file=sys.stderr,
+              flush=True)
+    rec = recommend(rows)
+    print(table(rows, trace_rate))
+    print(f"recommendation: {rec}")
+    stem = Path(a.out or "baton-tune")
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    result = {"trace": str(a.trace), "requests": len(reqs), "trace_rate_rps": trace_rate,
+              "slo": {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo, "attainment": a.attainment},
+              "profile": {"path": str(a.profile or default_path()), "dtype": profile.dtype,
+                          "machine": profile.machine, **CostModel(profile).summary()},
+              "args": {k: v for k, v in vars(a).items() if k != "func"},
+              "configurations": rows, "recommendation": rec}
+    Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {stem}.json")
+    if not a.no_plot and (png := plot(rows, ev, Path(f"{stem}.png"))):
+        print(f"wrote {png}")
+    return 0
+
+
+def add_tune_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--trace", required=True,
+                    help="Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or "
+                         "Mooncake JSONL (timestamp, input_length, output_length, hash_ids)")
+    ap.add_argument("--format", default="auto", choices=["auto", "azure", "mooncake"],
+                    help="trace format (default: from the extension, .jsonl is Mooncake)")
+    ap.add_argument("--ttft-slo", type=float, required=True, help="seconds to the first token")
+    ap.add_argument("--tpot-slo", type=float, required=True, help="seconds per output token")
+    ap.add_argument("--workers", type=int, default=2,
+                    help="workers to split into prefill and decode pools (default 2)")
+    ap.add_argument("--profile", default=None,
+                    help="`baton profile`'s file (default $BATON_CACHE_DIR/profile.json, else "
+                         "~/.cache/baton/profile.json)")
+    g = ap.add_argument_group("trace slice (as `baton bench` reads it)")
+    g.add_argument("--requests", type=int, default=200, help="requests used (default 200)")
+    g.add_argument("--trace-start", type=int, default=0, help="first row (Azure)")
+    g.add_argument("--scale", type=float, default=1.0, help="Azure: multiply the lengths")
+    g.add_argument("--max-input", type=int, default=1024, help="cap on prompt tokens")
+    g.add_argument("--max-output", type=int, default=256, help="cap on output tokens")
+    g = ap.add_argument_group("goodput search (as `baton bench --goodput`)")
+    g.add_argument("--attainment", type=float, default=0.9,
+                   help="share of requests that must meet both SLOs (default 0.9)")
+    g.add_argument("--start-rate", type=float, default=0.5)
+    g.add_argument("--max-rate", type=float, default=64.0)
+    g.add_argument("--min-rate", type=float, default=None)
+    g.add_argument("--refine", type=int, default=4, help="bisection steps (default 4)")
+    g.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
+    g = ap.add_argument_group("router settings simulated")
+    g.add_argument("--local-prefill-max-tokens", type=int, default=64)
+    g.add_argument("--prefill-saturation", type=int, default=8)
+    ap.add_argument("--out", default=None,
+                    help="path stem for the JSON and PNG (default ./baton-tune)")
+    ap.add_argument("--no-plot", action="store_true")
