@@ -45,6 +45,31 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                           "$BATON_AUTH_TOKEN if set, else none)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve over TLS")
     sec.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    s = ap.add_argument_group(
+        "autoscaling (--autoscale)",
+        "Grow and shrink each pool from the routers' metrics: TTFT p90 (queue wait included) "
+        "against --ttft-slo drives the prefill pool, TPOT p90 against --tpot-slo and KV usage "
+        "the decode pool (colocated: one pool, all three). A pool grows when pressure (signal / "
+        "target) exceeds 1, shrinks by one worker, drained, after pressure stayed below 0.5 for "
+        "--scale-down-after seconds; in between nothing changes.")
+    s.add_argument("--autoscale", action="store_true", help="turn autoscaling on")
+    s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default 2)")
+    s.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per token (default 0.1)")
+    for pool in ("prefill", "decode"):
+        s.add_argument(f"--min-{pool}", type=int, default=None,
+                       help=f"fewest {pool} workers (default: the starting count, at least 1)")
+        s.add_argument(f"--max-{pool}", type=int, default=4,
+                       help=f"most {pool} workers (default 4)")
+    s.add_argument("--scale-interval", type=float, default=5.0,
+                   help="seconds between decisions (default 5)")
+    s.add_argument("--scale-window", type=float, default=20.0,
+                   help="seconds of metrics each decision looks at (default 20)")
+    s.add_argument("--scale-up-cooldown", type=float, default=20.0,
+                   help="seconds after a pool's change before it grows again (default 20)")
+    s.add_argument("--scale-down-cooldown", type=float, default=60.0,
+                   help="seconds after a pool's change before it shrinks (default 60)")
+    s.add_argument("--scale-down-after", type=float, default=30.0,
+                   help="seconds pressure must stay low before a pool shrinks (default 30)")
     g = ap.add_argument_group("Ray")
     g.add_argument("--ray", default=None, metavar="ADDRESS|local",
                    help="run the workers as Ray actors: 'local' starts a Ray instance on this "
@@ -66,10 +91,16 @@ def up(a: argparse.Namespace) -> int:
     if not a.colocated and a.decode < 1:
         print("error: --decode must be >= 1 (or use --colocated N)", file=sys.stderr)
         return 2
+    if a.autoscale:
+        try:
+            _policies(a)
+        except ValueError as e:
+            print(f"error: autoscaling: {e}", file=sys.stderr)
+            return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    redis = state = None
+    redis = state = scaler = None
     procs: list[WorkerProcess] = []
     t0 = time.monotonic()
 
@@ -116,12 +147,14 @@ def up(a: argparse.Namespace) -> int:
         for w in prefill:
             say(f"prefill worker {w.worker_id} on {w.address}")
         peers = ",".join(w.address for w in prefill)
+        role = ["--role", "both"] if a.colocated else []
+        decode_args = common + role + (["--peers", peers] if peers else [])
+        decode = []
         for _ in range(a.colocated or a.decode):
-            role = ["--role", "both"] if a.colocated else []
-            w = spawn("decode", common + role + (["--peers", peers] if peers else []))
-            procs.append(w)
-            say(f"{'colocated' if a.colocated else 'decode'} worker {w.worker_id} on "
-                f"{w.address}")
+            decode.append(spawn("decode", decode_args))
+            say(f"{'colocated' if a.colocated else 'decode'} worker {decode[-1].worker_id} on "
+                f"{decode[-1].address}")
+        procs += decode
         local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens
         security = []
         for flag, value in (("--auth-token", a.auth_token), ("--tls-cert", a.tls_cert),
@@ -142,8 +175,16 @@ def up(a: argparse.Namespace) -> int:
         print(f"  try: baton request \"Hello\" --router {router.address}", flush=True)
         print("       baton status   (or baton top)", flush=True)
         state = _leave_address(url, router)
+        if a.autoscale:  # from here on the actuator owns the workers (some come and go; new
+            # decode workers meet prefill workers at their first hand-off, not by --peers)
+            scaler = _autoscaler(a, url, {"prefill": prefill, "decode": decode},
+                                 lambda pool: spawn(pool, common if pool == "prefill"
+                                                    else common + role), say)
+            procs = [router]
+            threading.Thread(target=scaler.run, args=(stop,), daemon=True).start()
         while not stop.is_set():
-            dead = [p for p in procs if p.proc.poll() is not None]
+            live = procs + (scaler.actuator.all() if a.autoscale else [])
+            dead = [p for p in live if p.proc.poll() is not None]
             if dead:
                 say(f"{dead[0].role} worker {dead[0].worker_id} exited "
                     f"({dead[0].proc.returncode}); stopping. Its log: {dead[0].log_path}")
@@ -162,6 +203,9 @@ def up(a: argparse.Namespace) -> int:
     finally:
         if state is not None:
             _forget_address(state)
+        if scaler is not None:
+            scaler.actuator.wait(60)  # starts in progress end first: none is left behind
+            procs = [*scaler.actuator.all(), *procs]
         for p in reversed(procs):  # router first, then decode, then prefill: each drains
             p.stop(timeout=40)
         if redis is not None:
@@ -195,3 +239,43 @@ def _forget_address(path) -> None:
             path.unlink()
     except (OSError, ValueError):
         pass
+
+
+def _policies(a: argparse.Namespace) -> dict:
+    from baton.control.autoscale import PoolPolicy
+
+    start = {"prefill": a.prefill, "decode": a.colocated or a.decode}
+    pools = ["decode"] if a.colocated else ["prefill", "decode"]
+    out = {}
+    for pool in pools:
+        lo = getattr(a, f"min_{pool}")
+        lo = max(1, start[pool]) if lo is None else lo
+        out[pool] = PoolPolicy(min_replicas=lo, max_replicas=getattr(a, f"max_{pool}"),
+                               up_cooldown_s=a.scale_up_cooldown,
+                               down_cooldown_s=a.scale_down_cooldown,
+                               down_after_s=a.scale_down_after)
+    return out
+
+
+def _autoscaler(a: argparse.Namespace, redis_url: str, workers: dict, spawn, say):
+    """The policy on the routers' metrics, acting on this process's workers."""
+    from baton.control.autoscale import (
+        SLO,
+        Autoscaler,
+        MetricsSignals,
+        Policy,
+        ProcessActuator,
+    )
+
+    pols = _policies(a)
+    actuator = ProcessActuator(spawn, workers, drain_timeout=40.0)
+
+    def announce(d) -> None:
+        say(f"autoscale: {d.pool} pool {d.current} -> {d.desired} ({d.reason})")
+
+    say("autoscaling " + ", ".join(f"{p} {pol.min_replicas}..{pol.max_replicas}"
+                                   for p, pol in pols.items())
+        + f" on TTFT <= {a.ttft_slo:g}s, TPOT <= {a.tpot_slo * 1000:g}ms")
+    return Autoscaler(Policy(pols, SLO(a.ttft_slo, a.tpot_slo)), actuator,
+                      MetricsSignals(redis_url, a.scale_window), a.scale_interval,
+                      on_change=announce)

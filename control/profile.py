@@ -12,10 +12,10 @@ Three measurements, each the median of a few repeats:
 
 :class:`CostModel` turns a profile into step times for any batch::
 
-    step(prefill chunks, decode contexts) = tok(P + D)                   per-token work, interpolated
-                                          + attn_prefill * sum(n * ctx)  each chunk's attention pairs
-                                          + per_seq * D                  each decode's own overheads
-                                          + attn_decode * sum(ctx)       each decode's context
+    step(prefill chunks, decode contexts) = tok(P + D)                  per-token work, interpolated
+                                          + attn_prefill * sum(n * ctx) each chunk's attention pairs
+                                          + per_seq * D                 each decode's own overheads
+                                          + attn_decode * sum(ctx)      each decode's context
 
 where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
 prefill table and the other coefficients are least-squares fits of what is left.
@@ -214,11 +214,11 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
     out: dict = {"prefill": [], "prefill_long": [], "decode": []}
     for n in PREFILL_TOKENS:
         lengths = [bs] * (n // bs) + ([n % bs] if n % bs else [])
-        s = _median_time(lambda: prefill_step(lengths), repeats)
+        s = _median_time(lambda ls=lengths: prefill_step(ls), repeats)
         out["prefill"].append({"tokens": n, "requests": len(lengths), "s": s})
         say(f"prefill {n:5d} tokens in {len(lengths):3d} prompts: {s * 1000:8.2f} ms")
     for n in LONG_PROMPTS:
-        s = _median_time(lambda: prefill_step([n]), repeats)
+        s = _median_time(lambda k=n: prefill_step([k]), repeats)
         out["prefill_long"].append({"tokens": n, "s": s})
         say(f"prefill one {n:5d}-token prompt:       {s * 1000:8.2f} ms")
     for ctx, batches in DECODE_GRID.items():
@@ -313,11 +313,15 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
 
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {cores[0]})
-    torch.set_num_threads(1)
-    say(f"loading the model ({dtype}) ...")
-    engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
-    costs = measure_engine(engine, repeats, say)
+    try:
+        say(f"loading the model ({dtype}) ...")
+        engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
+        costs = measure_engine(engine, repeats, say)
+    finally:  # the caller's cores and threads back (its later workers pin themselves)
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
     p = Profile(model=model or "default (SmolLM2-135M-Instruct)", dtype=dtype, threads=1,
                 block_size=engine.cfg.block_size,
                 max_num_batched_tokens=engine.cfg.max_num_batched_tokens,

@@ -112,7 +112,8 @@ class Sim:
 class SimEngine:
     def __init__(self, sim: Sim, cost: CostModel, p: Profile, name: str) -> None:
         self.sim, self.cost, self.name = sim, cost, name
-        self.budget, self.max_seqs, self.bs = p.max_num_batched_tokens, p.max_num_seqs, p.block_size
+        self.budget, self.max_seqs = p.max_num_batched_tokens, p.max_num_seqs
+        self.bs = p.block_size
         self.free_blocks = p.num_blocks
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -120,7 +121,7 @@ class SimEngine:
         self.busy = False
         self.inflight = 0  # the router's count of its requests here
 
-    # -- outside work, at the next step boundary ----------------------------------------------------
+    # -- outside work, at the next step boundary --------------------------------------------------
 
     def run_op(self, t: float, fn: Callable[[float], None]) -> None:
         if self.busy:
@@ -147,7 +148,7 @@ class SimEngine:
         self.free_blocks += seq.blocks
         seq.blocks = 0
 
-    # -- stepping -----------------------------------------------------------------------------------
+    # -- stepping ---------------------------------------------------------------------------------
 
     def _schedule(self) -> list[tuple[_Seq, int]]:
         batch, budget = [], self.budget
@@ -260,7 +261,7 @@ class Cluster:
             p.inflight -= 1
             if r.output <= 1:  # the first token ends it: nothing to hand off
                 p.release(seq)
-                r.first = r.end = t1 + k.rpc_s
+                r.first = r.end = t1
                 d.inflight -= 1
                 return
             self.sim.at(t1 + k.rpc_s, lambda t2: d.run_op(t2, lambda t3: self._reserve(
@@ -285,7 +286,7 @@ class Cluster:
             p.run_op(t2, lambda _t: None)  # freed blocks may let it admit
 
             def commit(t3: float) -> None:
-                r.first = t3 + self.knobs.rpc_s
+                r.first = t3
                 if r.output <= 1:
                     r.end = r.first
                     d.release(seq)

@@ -40,7 +40,8 @@ def load_trace(a: argparse.Namespace) -> list:
             reqs = lg.mooncake(a.trace, a.requests, toks, max_input=a.max_input,
                                max_output=a.max_output)
     except (OSError, KeyError, ValueError) as e:
-        raise SystemExit(f"error: cannot read {fmt} trace {a.trace}: {type(e).__name__}: {e}")
+        raise SystemExit(f"error: cannot read {fmt} trace {a.trace}: {type(e).__name__}: "
+                         f"{e}") from None
     if not reqs:
         raise SystemExit(f"error: no requests in {a.trace} from row {a.trace_start}")
     return reqs

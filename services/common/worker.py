@@ -12,6 +12,8 @@ import secrets
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -92,8 +94,10 @@ class WorkerBoot:
     agent: object  # baton.transfer.agent.KVAgent
     metrics: object  # baton.services.common.metrics.WorkerMetrics
 
-    def serve(self, args: argparse.Namespace, services: list[str], on_stop) -> None:
-        """Start serving, register, announce, and block until drained."""
+    def serve(self, args: argparse.Namespace, services: list[str], on_stop,
+              busy: Callable[[], bool] | None = None) -> None:
+        """Start serving, register, announce, and block until drained (``busy``: see
+        :func:`serve_forever`)."""
         health = add_standard_services(self.server, services)
         self.server.start()
         metrics_address = ""
@@ -117,7 +121,8 @@ class WorkerBoot:
                 publisher.stop(withdraw=True)
             on_stop()
             tracing.shutdown()
-        serve_forever(self.server, stop, registration, args.drain_timeout, health=health)
+        serve_forever(self.server, stop, registration, args.drain_timeout, health=health,
+                      busy=busy)
 
 
 def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
@@ -245,9 +250,12 @@ def add_standard_services(server: grpc.Server, service_names: list[str]):
 
 
 def serve_forever(server: grpc.Server, on_stop, registration=None,
-                  drain_timeout: float = 30.0, health=None) -> None:
-    """Block until SIGTERM/SIGINT, then drain: deregister (routers stop sending work), refuse new
-    RPCs, let the ones in flight finish (up to ``drain_timeout``), run ``on_stop``, return."""
+                  drain_timeout: float = 30.0, health=None,
+                  busy: Callable[[], bool] | None = None) -> None:
+    """Block until SIGTERM/SIGINT, then drain: deregister (routers stop sending work), wait
+    while ``busy()`` (work that still needs RPCs in: a prefill worker's leased blocks wait for
+    their readers' release calls), refuse new RPCs, let the ones in flight finish, run
+    ``on_stop``, return. All of it within ``drain_timeout``."""
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
@@ -258,7 +266,10 @@ def serve_forever(server: grpc.Server, on_stop, registration=None,
         registration.withdraw()
     if health is not None:
         health.enter_graceful_shutdown()  # NOT_SERVING for every service
-    server.stop(grace=drain_timeout).wait()
+    deadline = time.monotonic() + drain_timeout
+    while busy is not None and busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=max(0.0, deadline - time.monotonic())).wait()
     on_stop()
     log.info("drained; exiting")
 

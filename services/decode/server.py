@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         reader.close()
         boot.agent.close()
 
-    boot.serve(args, services, stop)
+    boot.serve(args, services, stop,
+               busy=None if holder is None else lambda: len(holder.leases) > 0)
 
 
 if __name__ == "__main__":

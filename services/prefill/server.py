@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
         loop.stop()
         boot.agent.close()
 
-    boot.serve(args, ["baton.v1.PrefillWorker", "baton.v1.KVSource"], stop)
+    # a drain waits for the leased blocks' readers (their release calls need this server)
+    boot.serve(args, ["baton.v1.PrefillWorker", "baton.v1.KVSource"], stop,
+               busy=lambda: len(holder.leases) > 0)
 
 
 if __name__ == "__main__":

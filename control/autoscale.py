@@ -1,0 +1,373 @@
+"""Autoscaling per pool: a policy turns SLO signals into desired replica counts, an actuator
+carries them out (local processes, Ray actors, Kubernetes Deployments).
+
+Signals, per window (router-measured, so queue wait counts)::
+
+    prefill pressure = TTFT p90 / TTFT SLO
+    decode pressure  = max(TPOT p90 / TPOT SLO, KV blocks used / KV target)
+                       (and TTFT p90 / TTFT SLO when there is no prefill pool: colocated)
+
+A pool's pressure against the policy's band, with ``now`` the policy's clock::
+
+    pressure > up_at    and up cooldown passed     -> grow: cur + max(1, ceil(cur * (p/up_at - 1)))
+    pressure < down_at  for down_after_s, and the
+                        down cooldown passed       -> shrink by one (drained, never killed)
+    between the two (the hysteresis band)          -> no change; resets the low-pressure clock
+
+so steady load inside the band never changes anything, and a pool shrinks one replica at a
+time, only after pressure stayed low for a while. A window without traffic has pressure 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+log = logging.getLogger("baton.control.autoscale")
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PoolPolicy:
+    min_replicas: int = 1
+    max_replicas: int = 4
+    up_at: float = 1.0  # pressure above which the pool grows
+    down_at: float = 0.5  # pressure below which it may shrink (the band between: no change)
+    up_cooldown_s: float = 20.0  # since this pool's last change
+    down_cooldown_s: float = 60.0
+    down_after_s: float = 30.0  # pressure must stay below down_at this long
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"replicas: want 0 <= min ({self.min_replicas}) <= max "
+                             f"({self.max_replicas})")
+        if not 0 < self.down_at < self.up_at:
+            raise ValueError(f"want 0 < down_at ({self.down_at}) < up_at ({self.up_at})")
+        for name in ("up_cooldown_s", "down_cooldown_s", "down_after_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+    kv_usage: float = 0.85  # decode pool: share of KV blocks in use that counts as full
+
+
+@dataclass(frozen=True)
+class Signals:
+    """One window of measurements; None where nothing was measured (no traffic)."""
+
+    ttft_p90_s: float | None = None  # at the router: includes every queue
+    tpot_p90_s: float | None = None
+    kv_usage: float | None = None  # decode pool: used / total blocks
+    requests: float = 0.0  # requests that ended in the window
+
+
+def pressures(s: Signals, slo: SLO, has_prefill_pool: bool) -> dict[str, float]:
+    def ratio(x: float | None, target: float) -> float:
+        return 0.0 if x is None else x / target
+
+    ttft = ratio(s.ttft_p90_s, slo.ttft_s)
+    decode = max(ratio(s.tpot_p90_s, slo.tpot_s), ratio(s.kv_usage, slo.kv_usage))
+    if not has_prefill_pool:
+        return {"decode": max(decode, ttft)}
+    return {"prefill": ttft, "decode": decode}
+
+
+@dataclass
+class Decision:
+    pool: str
+    current: int
+    desired: int
+    pressure: float
+    reason: str
+
+    @property
+    def changes(self) -> bool:
+        return self.desired != self.current
+
+
+@dataclass
+class _PoolState:
+    last_change: float = -math.inf
+    low_since: float | None = None
+
+
+class Policy:
+    """Desired replicas per pool from :class:`Signals`. Keeps per-pool timers (cooldowns, how
+    long pressure has been low); ``decide`` is called once per tick with the current counts."""
+
+    def __init__(self, pools: dict[str, PoolPolicy], slo: SLO,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pools, self.slo, self.clock = pools, slo, clock
+        self._state = {name: _PoolState() for name in pools}
+
+    def decide(self, s: Signals, current: dict[str, int]) -> list[Decision]:
+        now = self.clock()
+        press = pressures(s, self.slo, "prefill" in self.pools)
+        return [self._one(name, pol, press.get(name, 0.0), current[name], now)
+                for name, pol in self.pools.items()]
+
+    def _one(self, name: str, pol: PoolPolicy, p: float, cur: int, now: float) -> Decision:
+        st = self._state[name]
+        if cur < pol.min_replicas or cur > pol.max_replicas:
+            return self._change(st, now, Decision(name, cur, min(max(cur, pol.min_replicas),
+                                                               pol.max_replicas), p,
+                                                  "outside min/max"))
+        if p > pol.up_at:
+            st.low_since = None
+            if cur >= pol.max_replicas:
+                return Decision(name, cur, cur, p, "at max")
+            if now - st.last_change < pol.up_cooldown_s:
+                return Decision(name, cur, cur, p, "up cooldown")
+            step = max(1, math.ceil(cur * (p / pol.up_at - 1)))
+            return self._change(st, now, Decision(name, cur, min(pol.max_replicas, cur + step),
+                                                  p, f"pressure {p:.2f} > {pol.up_at:g}"))
+        if p >= pol.down_at:
+            st.low_since = None
+            return Decision(name, cur, cur, p, "in band")
+        st.low_since = now if st.low_since is None else st.low_since
+        if cur <= pol.min_replicas:
+            return Decision(name, cur, cur, p, "at min")
+        if now - st.low_since < pol.down_after_s:
+            return Decision(name, cur, cur, p, "low, waiting")
+        if now - st.last_change < pol.down_cooldown_s:
+            return Decision(name, cur, cur, p, "down cooldown")
+        st.low_since = now  # the next step down needs its own low period
+        return self._change(st, now, Decision(name, cur, cur - 1, p,
+                                              f"pressure {p:.2f} < {pol.down_at:g} for "
+                                              f"{pol.down_after_s:g}s"))
+
+    @staticmethod
+    def _change(st: _PoolState, now: float, d: Decision) -> Decision:
+        if d.changes:
+            st.last_change = now
+        return d
+
+
+# ---- actuators -----------------------------------------------------------------------------------
+
+
+class ActuatorError(RuntimeError):
+    pass
+
+
+class Actuator(Protocol):
+    """Carries out replica counts.
+
+    ``replicas(pool)``: the replicas that count toward the pool now: started or starting, not
+    draining. ``scale(pool, n)``: start or drain replicas until ``replicas(pool) == n``; returns
+    without waiting for starts to finish or drains to end. A drained replica takes no new work,
+    finishes what it has, then stops; no in-flight request fails because of a scale-down.
+    Raises :class:`ActuatorError` when the backend refuses (the autoscaler logs it and tries
+    again next tick); nothing else about the pool changes then."""
+
+    def replicas(self, pool: str) -> int: ...
+
+    def scale(self, pool: str, n: int) -> None: ...
+
+
+class ProcessActuator:
+    """Worker processes this process owns: local ones (``WorkerProcess``) or Ray actors
+    (``RayWorker``), made by ``spawn(pool)`` (which blocks until the worker serves; it runs on
+    a thread here). Scale-down drains the newest replica (SIGTERM: deregister, finish, exit)."""
+
+    def __init__(self, spawn: Callable[[str], object], initial: dict[str, list] | None = None,
+                 drain_timeout: float = 60.0) -> None:
+        self.spawn, self.drain_timeout = spawn, drain_timeout
+        self.workers: dict[str, list] = {p: list((initial or {}).get(p, [])) for p in POOLS}
+        self._starting = {p: 0 for p in POOLS}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.events: deque[tuple[float, str, str]] = deque(maxlen=1000)  # (time, pool, what)
+
+    def replicas(self, pool: str) -> int:
+        with self._lock:
+            return len(self.workers[pool]) + self._starting[pool]
+
+    def scale(self, pool: str, n: int) -> None:
+        with self._lock:
+            have = len(self.workers[pool]) + self._starting[pool]
+            for _ in range(n - have):
+                self._starting[pool] += 1
+                self._go(self._start, pool)
+            for _ in range(have - n):
+                if not self.workers[pool]:
+                    break  # the rest are still starting; they are drained once they serve
+                w = self.workers[pool].pop()
+                self._go(self._drain, pool, w)
+
+    def _go(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True, name=f"autoscale-{fn.__name__}")
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _start(self, pool: str) -> None:
+        try:
+            w = self.spawn(pool)
+        except Exception as e:  # a worker that fails to start: counted out, logged
+            log.error("could not start a %s worker: %s", pool, e)
+            with self._lock:
+                self._starting[pool] -= 1
+            self.events.append((time.time(), pool, f"start failed: {e}"))
+            return
+        with self._lock:
+            self._starting[pool] -= 1
+            self.workers[pool].append(w)
+        self.events.append((time.time(), pool, f"started {w.worker_id}"))
+        log.info("%s pool: started %s on %s", pool, w.worker_id, w.address)
+
+    def _drain(self, pool: str, w) -> None:
+        self.events.append((time.time(), pool, f"draining {w.worker_id}"))
+        log.info("%s pool: draining %s", pool, w.worker_id)
+        w.stop(timeout=self.drain_timeout)
+        self.events.append((time.time(), pool, f"stopped {w.worker_id}"))
+
+    def all(self) -> list:
+        with self._lock:
+            return [w for p in POOLS for w in self.workers[p]]
+
+    def wait(self, timeout: float = 120.0) -> None:
+        """Until every start and drain in progress has ended (tests, shutdown)."""
+        end = time.monotonic() + timeout
+        for t in list(self._threads):
+            t.join(max(0.0, end - time.monotonic()))
+
+
+class KubernetesActuator:
+    """The pool Deployments' ``scale`` subresource, through the official ``kubernetes`` client
+    (``pip install 'baton[kubernetes]'``). Pods stop by SIGTERM, which drains a Baton worker;
+    the chart gives them ``terminationGracePeriodSeconds`` above the worker's drain timeout.
+    ``deployments`` maps pool -> Deployment name."""
+
+    def __init__(self, namespace: str, deployments: dict[str, str], api=None) -> None:
+        self.namespace, self.deployments = namespace, deployments
+        if api is None:
+            try:
+                from kubernetes import client, config
+            except ImportError:
+                raise ActuatorError("the Kubernetes actuator needs the kubernetes package: "
+                                    "pip install 'baton[kubernetes]'") from None
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = client.AppsV1Api()
+        self.api = api
+
+    def _name(self, pool: str) -> str:
+        try:
+            return self.deployments[pool]
+        except KeyError:
+            raise ActuatorError(f"no Deployment configured for the {pool} pool") from None
+
+    def replicas(self, pool: str) -> int:
+        try:
+            s = self.api.read_namespaced_deployment_scale(self._name(pool), self.namespace)
+        except Exception as e:  # ApiException, connection errors
+            raise ActuatorError(f"reading {self.namespace}/{self._name(pool)}'s scale: "
+                                f"{e}") from e
+        return int(s.spec.replicas or 0)
+
+    def scale(self, pool: str, n: int) -> None:
+        try:
+            self.api.patch_namespaced_deployment_scale(
+                self._name(pool), self.namespace, {"spec": {"replicas": n}})
+        except Exception as e:
+            raise ActuatorError(f"scaling {self.namespace}/{self._name(pool)} to {n}: "
+                                f"{e}") from e
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Autoscaler:
+    """Every ``interval_s``: read signals, decide, actuate. ``history`` keeps every decision
+    that changed something, with its signals."""
+
+    policy: Policy
+    actuator: Actuator
+    signals: Callable[[], Signals]
+    interval_s: float = 5.0
+    on_change: Callable[[Decision], None] | None = None
+    history: list[dict] = field(default_factory=list)
+
+    def tick(self) -> list[Decision]:
+        s = self.signals()
+        try:
+            current = {pool: self.actuator.replicas(pool) for pool in self.policy.pools}
+        except ActuatorError as e:
+            log.warning("autoscaler: %s", e)
+            return []
+        decisions = self.policy.decide(s, current)
+        for d in decisions:
+            if not d.changes:
+                continue
+            log.info("autoscaler: %s pool %d -> %d (%s)", d.pool, d.current, d.desired,
+                     d.reason)
+            if self.on_change is not None:
+                self.on_change(d)
+            try:
+                self.actuator.scale(d.pool, d.desired)
+            except ActuatorError as e:
+                log.warning("autoscaler: %s", e)
+                continue
+            self.history.append({"at": time.time(), "pool": d.pool, "from": d.current,
+                                 "to": d.desired, "pressure": d.pressure, "reason": d.reason,
+                                 "signals": vars(s)})
+        return decisions
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval_s):
+            try:
+                self.tick()
+            except Exception:  # one bad tick (a scrape that failed oddly) must not end scaling
+                log.exception("autoscaler tick failed")
+
+
+class MetricsSignals:
+    """Signals from the cluster's own metrics: the routers' TTFT / TPOT histograms and the decode
+    workers' KV gauges, found through the Redis registry, over the last ``window_s``."""
+
+    def __init__(self, redis_url: str, window_s: float = 20.0) -> None:
+        from baton.control.registry import WorkerRegistry
+
+        self.redis_url, self.window_s = redis_url, window_s
+        self.registry = WorkerRegistry(redis_url)
+        self._snaps: deque = deque()
+
+    def __call__(self) -> Signals:
+        from baton.cli.status import collect, summarize
+
+        cur = collect(self.registry, self.redis_url)
+        self._snaps.append(cur)
+        while len(self._snaps) > 1 and cur.at - self._snaps[1].at >= self.window_s:
+            self._snaps.popleft()
+        base = self._snaps[0] if len(self._snaps) > 1 else None
+        if base is None:
+            return Signals()
+        return signals_from_summary(summarize(cur, base))
+
+
+def signals_from_summary(s: dict) -> Signals:
+    """`baton status`'s windowed summary -> Signals (the worst router's percentiles)."""
+    def worst(key: str) -> float | None:
+        xs = [r[key]["p90"] for r in s["routers"] if r.get(key) and r[key].get("p90")]
+        return max(xs) if xs else None
+
+    decode = [w for w in s["workers"] if w["role"] in ("decode", "both") and w.get("kv_total")]
+    used = sum(w["kv_used"] or 0 for w in decode)
+    tot = sum(w["kv_total"] for w in decode)
+    return Signals(ttft_p90_s=worst("ttft"), tpot_p90_s=worst("tpot"),
+                   kv_usage=used / tot if tot else None,
+                   requests=sum(r.get("requests") or 0 for r in s["routers"]))

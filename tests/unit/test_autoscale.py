@@ -1,0 +1,302 @@
+"""Autoscaling: the policy on a hand-driven clock, the process actuator's bookkeeping, and the
+Kubernetes actuator against a fake API server (no Kubernetes API server can run here: the fake
+speaks the Deployment ``scale`` subresource's HTTP, which is all the actuator uses)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from baton.control.autoscale import (
+    SLO,
+    ActuatorError,
+    Autoscaler,
+    KubernetesActuator,
+    Policy,
+    PoolPolicy,
+    ProcessActuator,
+    Signals,
+    pressures,
+    signals_from_summary,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_policy(**kw) -> tuple[Policy, Clock]:
+    clock = Clock()
+    pol = PoolPolicy(**{"min_replicas": 1, "max_replicas": 6, "up_cooldown_s": 20,
+                        "down_cooldown_s": 60, "down_after_s": 30, **kw})
+    return Policy({"prefill": pol, "decode": pol}, SLO(ttft_s=2.0, tpot_s=0.1), clock), clock
+
+
+def decode_signals(tpot: float) -> Signals:
+    """Decode pressure = tpot / 0.1; prefill pressure 0.5 (in band, never changes)."""
+    return Signals(ttft_p90_s=1.0, tpot_p90_s=tpot, kv_usage=0.1, requests=10)
+
+
+def run(policy, clock, signals, current, seconds, every=5.0):
+    """Tick for ``seconds``; apply each decision to ``current``; return the changes."""
+    changes = []
+    for _ in range(int(seconds / every)):
+        clock.t += every
+        for d in policy.decide(signals, current):
+            if d.changes:
+                changes.append((clock.t, d.pool, d.current, d.desired))
+                current[d.pool] = d.desired
+    return changes
+
+
+def test_pressures():
+    s = Signals(ttft_p90_s=3.0, tpot_p90_s=0.05, kv_usage=0.9, requests=1)
+    p = pressures(s, SLO(2.0, 0.1, 0.85), has_prefill_pool=True)
+    assert p == pytest.approx({"prefill": 1.5, "decode": 0.9 / 0.85})
+    assert pressures(s, SLO(2.0, 0.1, 0.85), False) == pytest.approx({"decode": 1.5})
+    assert pressures(Signals(), SLO(), True) == {"prefill": 0.0, "decode": 0.0}
+
+
+def test_steady_load_in_the_band_never_changes_anything():
+    policy, clock = make_policy()
+    cur = {"prefill": 2, "decode": 2}
+    for tpot in (0.06, 0.09, 0.051, 0.099, 0.07):  # pressure 0.5 .. 1.0, wobbling
+        assert run(policy, clock, decode_signals(tpot), cur, 600) == []
+    assert cur == {"prefill": 2, "decode": 2}
+
+
+def test_pressure_alternating_across_the_band_does_not_flap():
+    policy, clock = make_policy()
+    cur = {"prefill": 2, "decode": 2}
+    for _ in range(60):  # 0.4 then 0.8 for 25 s each: never low for down_after_s
+        assert run(policy, clock, decode_signals(0.04), cur, 25) == []
+        assert run(policy, clock, decode_signals(0.08), cur, 25) == []
+
+
+def test_high_pressure_grows_in_proportion_then_waits_for_the_cooldown():
+    policy, clock = make_policy()
+    cur = {"prefill": 1, "decode": 2}
+    t0 = clock.t
+    changes = run(policy, clock, decode_signals(0.25), cur, 60)  # pressure 2.5
+    # 2 -> 2 + ceil(2 * 1.5) = 5 at the first tick; cooldown 20 s; then 5 -> max 6
+    assert changes[0] == (t0 + 5, "decode", 2, 5)
+    assert changes[1] == (t0 + 25, "decode", 5, 6)
+    assert len(changes) == 2 and cur["decode"] == 6  # at max: no more
+    assert cur["prefill"] == 1  # its pressure (0.5) is in band
+
+
+def test_low_pressure_shrinks_one_at_a_time_after_it_stayed_low():
+    policy, clock = make_policy()
+    cur = {"prefill": 1, "decode": 4}
+    t0 = clock.t
+    changes = run(policy, clock, decode_signals(0.01), cur, 400)
+    downs = [c for c in changes if c[1] == "decode"]
+    assert [c[3] for c in downs] == [3, 2, 1]  # one by one, to min
+    assert downs[0][0] - t0 >= 30  # low for down_after_s first
+    for a, b in zip(downs, downs[1:]):
+        assert b[0] - a[0] >= 60  # down cooldown between steps
+    assert cur["decode"] == 1
+
+
+def test_no_traffic_shrinks_to_min_and_counts_outside_min_max_are_corrected():
+    policy, clock = make_policy(min_replicas=2)
+    cur = {"prefill": 1, "decode": 3}
+    run(policy, clock, Signals(), cur, 300)
+    assert cur == {"prefill": 2, "decode": 2}
+
+
+def test_colocated_has_one_pool_driven_by_ttft_too():
+    clock = Clock()
+    policy = Policy({"decode": PoolPolicy(max_replicas=3)}, SLO(ttft_s=2.0, tpot_s=0.1), clock)
+    clock.t += 100
+    (d,) = policy.decide(Signals(ttft_p90_s=3.0, tpot_p90_s=0.05), {"decode": 1})
+    assert (d.pool, d.desired) == ("decode", 2)
+
+
+def test_pool_policy_validates():
+    with pytest.raises(ValueError, match="min"):
+        PoolPolicy(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="down_at"):
+        PoolPolicy(down_at=1.2, up_at=1.0)
+
+
+def test_signals_from_status_summary():
+    s = {"routers": [{"ttft": {"p90": 1.5}, "tpot": {"p90": 0.05}, "requests": 7},
+                     {"ttft": {"p90": 2.5}, "tpot": None, "requests": 3}],
+         "workers": [{"role": "decode", "kv_used": 30, "kv_total": 100},
+                     {"role": "both", "kv_used": 10, "kv_total": 100},
+                     {"role": "prefill", "kv_used": 99, "kv_total": 100}]}
+    sig = signals_from_summary(s)
+    assert sig == Signals(ttft_p90_s=2.5, tpot_p90_s=0.05, kv_usage=0.2, requests=10)
+
+
+# ---- the process actuator ------------------------------------------------------------------------
+
+
+class Worker:
+    """Stands in for a WorkerProcess in the bookkeeping test (the real processes are in
+    tests/integration/test_autoscale.py)."""
+
+    n = 0
+
+    def __init__(self, pool: str, delay: float) -> None:
+        time.sleep(delay)
+        Worker.n += 1
+        self.worker_id, self.address, self.pool = f"{pool}-{Worker.n}", "x", pool
+        self.stopped = threading.Event()
+
+    def stop(self, timeout: float) -> None:
+        self.stopped.set()
+
+
+def test_process_actuator_counts_starting_workers_and_drains_the_newest():
+    first = Worker("decode", 0)
+    act = ProcessActuator(lambda pool: Worker(pool, 0.2), {"decode": [first]})
+    act.scale("decode", 3)
+    assert act.replicas("decode") == 3  # two starting count already
+    act.wait()
+    assert act.replicas("decode") == 3 and len(act.all()) == 3
+    newest = act.workers["decode"][-1]
+    act.scale("decode", 2)
+    act.wait()
+    assert newest.stopped.is_set() and not first.stopped.is_set()
+    assert act.replicas("decode") == 2
+
+
+def test_process_actuator_survives_a_worker_that_fails_to_start():
+    def spawn(pool):
+        raise RuntimeError("no port")
+
+    act = ProcessActuator(spawn)
+    act.scale("prefill", 1)
+    act.wait()
+    assert act.replicas("prefill") == 0
+    assert any("start failed" in e[2] for e in act.events)
+
+
+def test_autoscaler_tick_acts_and_keeps_history():
+    clock = Clock()
+    act = ProcessActuator(lambda pool: Worker(pool, 0), {"decode": [Worker("decode", 0)]})
+    seen = []
+    scaler = Autoscaler(Policy({"decode": PoolPolicy(max_replicas=2)}, SLO(), clock), act,
+                        lambda: Signals(tpot_p90_s=0.5), on_change=seen.append)
+    scaler.tick()
+    act.wait()
+    assert act.replicas("decode") == 2
+    assert [(h["from"], h["to"]) for h in scaler.history] == [(1, 2)]
+    assert seen[0].reason.startswith("pressure")
+
+
+# ---- Kubernetes, against a fake API server -------------------------------------------------------
+
+
+class FakeKube:
+    """The apps/v1 Deployment scale subresource: GET and PATCH, 404 for unknown names."""
+
+    def __init__(self, deployments: dict[str, int]) -> None:
+        self.replicas, self.patches = dict(deployments), []
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _name(self):
+                parts = self.path.split("?")[0].strip("/").split("/")
+                # apis/apps/v1/namespaces/NS/deployments/NAME/scale
+                ok = parts[:3] == ["apis", "apps", "v1"] and parts[-1] == "scale"
+                return (parts[4], parts[6]) if ok and len(parts) == 8 else (None, None)
+
+            def _send(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _scale(self, ns, name):
+                n = fake.replicas[name]
+                return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                        "metadata": {"name": name, "namespace": ns},
+                        "spec": {"replicas": n}, "status": {"replicas": n}}
+
+            def _missing(self, name):
+                self._send(404, {"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                 "message": f'deployments.apps "{name}" not found',
+                                 "reason": "NotFound", "code": 404})
+
+            def do_GET(self):
+                ns, name = self._name()
+                if name not in fake.replicas:
+                    return self._missing(name)
+                self._send(200, self._scale(ns, name))
+
+            def do_PATCH(self):
+                ns, name = self._name()
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.patches.append((name, self.headers["Content-Type"], body))
+                if name not in fake.replicas:
+                    return self._missing(name)
+                fake.replicas[name] = body["spec"]["replicas"]
+                self._send(200, self._scale(ns, name))
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+@pytest.fixture
+def kube():
+    fake = FakeKube({"baton-prefill": 1, "baton-decode": 2})
+    yield fake
+    fake.close()
+
+
+def kube_api(url: str):
+    k8s = pytest.importorskip("kubernetes")
+    cfg = k8s.client.Configuration()
+    cfg.host = url
+    return k8s.client.AppsV1Api(k8s.client.ApiClient(cfg))
+
+
+def test_kubernetes_actuator_reads_and_patches_the_scale_subresource(kube):
+    act = KubernetesActuator("serving", {"prefill": "baton-prefill", "decode": "baton-decode"},
+                             api=kube_api(kube.url))
+    assert act.replicas("decode") == 2 and act.replicas("prefill") == 1
+    act.scale("decode", 4)
+    assert kube.replicas["baton-decode"] == 4 and act.replicas("decode") == 4
+    name, ctype, body = kube.patches[-1]
+    assert name == "baton-decode" and body == {"spec": {"replicas": 4}}
+    assert "merge-patch" in ctype
+
+
+def test_kubernetes_actuator_errors_name_the_deployment(kube):
+    act = KubernetesActuator("serving", {"decode": "baton-missing"}, api=kube_api(kube.url))
+    with pytest.raises(ActuatorError, match="serving/baton-missing"):
+        act.replicas("decode")
+    with pytest.raises(ActuatorError, match="scaling serving/baton-missing to 3"):
+        act.scale("decode", 3)
+    with pytest.raises(ActuatorError, match="no Deployment configured for the prefill pool"):
+        act.replicas("prefill")
+
+
+def test_autoscaler_drives_the_kubernetes_actuator(kube):
+    clock = Clock()
+    act = KubernetesActuator("serving", {"prefill": "baton-prefill", "decode": "baton-decode"},
+                             api=kube_api(kube.url))
+    pols = {"prefill": PoolPolicy(max_replicas=3), "decode": PoolPolicy(max_replicas=3)}
+    scaler = Autoscaler(Policy(pols, SLO(ttft_s=2.0, tpot_s=0.1), clock), act,
+                        lambda: Signals(ttft_p90_s=1.5, tpot_p90_s=0.15, kv_usage=0.2))
+    scaler.tick()
+    assert kube.replicas == {"baton-prefill": 1, "baton-decode": 3}

@@ -1,0 +1,182 @@
+"""The cost model's fits, the cluster simulation on hand-computable cases, and `baton tune`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from baton.control.profile import CostModel, Profile, ProfileError
+from baton.control.sim import Knobs, Layout, attainment, simulate
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def tok(n: int) -> float:
+    """Per-token work of the synthetic engine: 10 ms a step plus 1 ms a token."""
+    return 0.010 + 0.001 * n
+
+
+def make_profile(batched: int = 1024, seqs: int = 64, blocks: int = 10_000,
+                 per_seq: float = 0.0, attn_decode: float = 0.0, attn_prefill: float = 0.0,
+                 handoff=(0.002, 1e-9)) -> Profile:
+    decode = [{"batch": b, "context": c, "s": tok(b) + per_seq * b + attn_decode * b * c}
+              for b, c in ((1, 64), (8, 64), (8, 512), (32, 256))]
+    longs = [{"tokens": n, "s": tok(n) + attn_prefill * n * (n + 1) / 2} for n in (128, 512)]
+    return Profile(
+        model="synthetic", dtype="float32", threads=1, block_size=16,
+        max_num_batched_tokens=batched, max_num_seqs=seqs, num_blocks=blocks,
+        kv_bytes_per_token=1000,
+        prefill=[{"tokens": n, "requests": 1, "s": tok(n)} for n in (1, 16, 256, 1024)],
+        prefill_long=longs, decode=decode,
+        handoff=[{"tokens": n, "bytes": n * 1000, "s": handoff[0] + handoff[1] * n * 1000}
+                 for n in (64, 1024)],
+        router_s=0.004)
+
+
+# ---- the cost model ------------------------------------------------------------------------------
+
+
+def test_cost_model_recovers_the_coefficients_it_was_measured_with():
+    cm = CostModel(make_profile(per_seq=0.002, attn_decode=1e-5, attn_prefill=3e-7,
+                                handoff=(0.005, 2e-9)))
+    assert cm.per_seq == pytest.approx(0.002, rel=1e-6)
+    assert cm.attn_decode == pytest.approx(1e-5, rel=1e-6)
+    assert cm.attn_prefill == pytest.approx(3e-7, rel=1e-6)
+    assert cm.handoff_fixed == pytest.approx(0.005, rel=1e-6)
+    assert cm.handoff(500) == pytest.approx(0.005 + 2e-9 * 500 * 1000, rel=1e-6)
+    # a mixed step: a 100-token chunk after 50 computed tokens, two decodes at 40 and 60
+    want = tok(102) + 3e-7 * 100 * (50 + 101 / 2) + 0.002 * 2 + 1e-5 * 100
+    assert cm.step([(100, 50)], [40, 60]) == pytest.approx(want, rel=1e-6)
+
+
+def test_tok_interpolates_and_extends_linearly():
+    cm = CostModel(make_profile())
+    assert cm.tok(600) == pytest.approx(tok(600))
+    assert cm.tok(2048) == pytest.approx(tok(2048))  # past the last point
+    assert cm.tok(0) == 0.0
+
+
+def test_profile_round_trip_and_version_check(tmp_path):
+    p = make_profile()
+    path = p.save(tmp_path / "p.json")
+    assert Profile.load(path) == p
+    d = json.loads(path.read_text())
+    d["version"] = 99
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="version 99"):
+        Profile.load(path)
+    with pytest.raises(ProfileError, match="cannot read"):
+        Profile.load(tmp_path / "missing.json")
+
+
+# ---- the simulation, by hand ---------------------------------------------------------------------
+
+
+def test_one_request_colocated():
+    (r,) = simulate(Layout(0, 1, colocated=True), make_profile(), [(100, 5, 0.0)])
+    assert r.path == "local"
+    assert r.ttft == pytest.approx(0.004 + tok(100))  # router, then one prefill step
+    assert r.tpot == pytest.approx(tok(1))  # then one decode step per token
+    assert r.end == pytest.approx(0.004 + tok(100) + 4 * tok(1))
+
+
+def test_one_request_disaggregated():
+    p = make_profile()
+    (r,) = simulate(Layout(1, 1), p, [(300, 3, 0.0)])
+    handoff = 0.002 + 1e-9 * 300 * 1000
+    assert r.path == "remote"
+    assert r.ttft == pytest.approx(0.004 + tok(300) + Knobs().rpc_s + handoff)
+    assert r.tpot == pytest.approx(tok(1))
+
+
+def test_short_prompts_stay_on_the_decode_worker():
+    (short, long_) = simulate(Layout(1, 1), make_profile(), [(64, 2, 0.0), (65, 2, 10.0)])
+    assert (short.path, long_.path) == ("local", "remote")
+
+
+def test_a_saturated_queue_serves_in_arrival_order():
+    """Budget 100 tokens a step: 5 prompts of 100 tokens arriving together prefill one a step;
+    the k-th one's first token comes after k + 1 steps, each also carrying the decodes of those
+    before it that are still running (output 1 here: none are)."""
+    done = simulate(Layout(0, 1, colocated=True), make_profile(batched=100),
+                    [(100, 1, 0.0)] * 5)
+    for k, r in enumerate(done):
+        assert r.ttft == pytest.approx(0.004 + (k + 1) * tok(100))
+        assert r.end == r.first
+    assert attainment(done, 0.004 + 3 * tok(100) + 1e-9, 1.0) == pytest.approx(3 / 5)
+
+
+def test_decodes_batch_with_a_new_prefill():
+    """A second request's prompt joins the first one's decode step (mixed batch)."""
+    a, b = simulate(Layout(0, 1, colocated=True), make_profile(), [(50, 3, 0.0), (50, 2, 0.065)])
+    t_a = 0.004 + tok(50)  # a's first token
+    assert a.first == pytest.approx(t_a)
+    # b arrives during a's first decode step [t_a, t_a + tok(1)]; it joins the next one
+    assert b.first == pytest.approx(t_a + tok(1) + tok(51))
+    assert a.end == pytest.approx(t_a + tok(1) + tok(51))
+
+
+def test_the_kv_pool_bounds_admission():
+    """Four blocks of 16 tokens: a 50-token prompt (4 blocks) runs alone; the second waits for
+    the first to finish and free them."""
+    a, b = simulate(Layout(0, 1, colocated=True), make_profile(blocks=4),
+                    [(50, 2, 0.0), (50, 2, 0.0)])
+    assert b.first == pytest.approx(a.end + tok(50))
+
+
+def test_more_workers_serve_more():
+    p = make_profile(per_seq=0.002, attn_decode=1e-5)
+    shape = [(200, 20, i * 0.25) for i in range(60)]  # 4/s; one worker's prefill alone: 0.84 s/s
+    one = attainment(simulate(Layout(0, 1, True), p, shape), 1.0, 0.2)
+    two = attainment(simulate(Layout(0, 2, True), p, shape), 1.0, 0.2)
+    assert one < 0.5 and two == 1.0
+
+
+# ---- baton tune ----------------------------------------------------------------------------------
+
+
+def test_baton_tune_prints_a_table_a_recommendation_and_writes_json_and_png(tmp_path):
+    prof = make_profile(per_seq=0.002, attn_decode=1e-5).save(tmp_path / "p.json")
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "tune", "--trace",
+         str(DATA / "azure_llm_2023_conv-head50.csv"), "--ttft-slo", "2", "--tpot-slo", "0.05",
+         "--workers", "3", "--profile", str(prof), "--requests", "40", "--scale", "0.25",
+         "--out", str(tmp_path / "t")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "recommendation:" in out.stdout
+    for name in ("1P+2D", "2P+1D", "3 colocated"):
+        assert name in out.stdout
+    res = json.loads((tmp_path / "t.json").read_text())
+    rows = {r["layout"]: r for r in res["configurations"]}
+    assert set(rows) == {"1P+2D", "2P+1D", "3 colocated"}
+    for r in rows.values():  # the goodput is a rate the search found passing
+        assert r["goodput_rps"] > 0
+        passing = [rate for rate, att in r["points"] if att >= 0.9]
+        assert max(passing) == pytest.approx(r["goodput_rps"])
+    assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_baton_tune_names_a_missing_profile(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "tune", "--trace",
+         str(DATA / "azure_llm_2023_conv-head50.csv"), "--ttft-slo", "2", "--tpot-slo", "0.05",
+         "--profile", str(tmp_path / "none.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "none.json" in out.stderr
+
+
+def test_recommendation_prefers_colocated_on_a_tie():
+    from baton.control.tune import recommend
+
+    rows = [{"layout": "1P+1D", "prefill": 1, "decode": 1, "colocated": False,
+             "goodput_rps": 1.0},
+            {"layout": "2 colocated", "prefill": 0, "decode": 2, "colocated": True,
+             "goodput_rps": 1.0}]
+    assert recommend(rows).startswith("stay colocated")
+    rows[0]["goodput_rps"] = 2.0
+    assert "1 prefill + 1 decode" in recommend(rows) and "2.00x" in recommend(rows)
+    assert not math.isnan(rows[0]["goodput_rps"])
