@@ -257,6 +257,19 @@ def main(argv: list[str] | None = None) -> int:
                                     "one, and plot attainment against rate.")
     add_tune_args(tu)
     tu.set_defaults(func=cmd_tune)
+    from baton.control.autoscale import add_autoscale_args, cmd_autoscale
+
+    au = sub.add_parser("autoscale", help="run the SLO autoscaler against Kubernetes "
+                                          "Deployments (local clusters: `baton up --autoscale`)",
+                        description="Every --scale-interval seconds, read the routers' TTFT/TPOT "
+                                    "and the decode workers' KV usage over --scale-window "
+                                    "seconds (through the Redis registry and their /metrics), "
+                                    "decide each pool's replicas (grow on pressure > 1, shrink "
+                                    "one at a time after pressure < 0.5 lasted, cooldowns "
+                                    "between) and patch the pool Deployments' scale. Pods "
+                                    "drain on SIGTERM, so scale-down fails no request.")
+    add_autoscale_args(au)
+    au.set_defaults(func=cmd_autoscale)
     for name in ("router", "worker"):
         w = sub.add_parser(name, add_help=False,
                            help=f"run one {name} process (see `baton {name} --help`)")
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         from baton.cli.up import up
 
         return up(a)
-    if a.cmd in ("bench", "profile", "tune"):
+    if a.cmd in ("bench", "profile", "tune", "autoscale"):
         return a.func(a)
     return {"handoff": _handoff, "request": _request, "status": status.status,
             "top": status.top}.get(a.cmd, _generate)(a)

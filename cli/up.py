@@ -45,6 +45,8 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                           "$BATON_AUTH_TOKEN if set, else none)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve over TLS")
     sec.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    from baton.control.autoscale import add_policy_args
+
     s = ap.add_argument_group(
         "autoscaling (--autoscale)",
         "Grow and shrink each pool from the routers' metrics: TTFT p90 (queue wait included) "
@@ -53,23 +55,7 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
         "target) exceeds 1, shrinks by one worker, drained, after pressure stayed below 0.5 for "
         "--scale-down-after seconds; in between nothing changes.")
     s.add_argument("--autoscale", action="store_true", help="turn autoscaling on")
-    s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default 2)")
-    s.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per token (default 0.1)")
-    for pool in ("prefill", "decode"):
-        s.add_argument(f"--min-{pool}", type=int, default=None,
-                       help=f"fewest {pool} workers (default: the starting count, at least 1)")
-        s.add_argument(f"--max-{pool}", type=int, default=4,
-                       help=f"most {pool} workers (default 4)")
-    s.add_argument("--scale-interval", type=float, default=5.0,
-                   help="seconds between decisions (default 5)")
-    s.add_argument("--scale-window", type=float, default=20.0,
-                   help="seconds of metrics each decision looks at (default 20)")
-    s.add_argument("--scale-up-cooldown", type=float, default=20.0,
-                   help="seconds after a pool's change before it grows again (default 20)")
-    s.add_argument("--scale-down-cooldown", type=float, default=60.0,
-                   help="seconds after a pool's change before it shrinks (default 60)")
-    s.add_argument("--scale-down-after", type=float, default=30.0,
-                   help="seconds pressure must stay low before a pool shrinks (default 30)")
+    add_policy_args(s, min_default="the starting count, at least 1")
     g = ap.add_argument_group("Ray")
     g.add_argument("--ray", default=None, metavar="ADDRESS|local",
                    help="run the workers as Ray actors: 'local' starts a Ray instance on this "
@@ -242,29 +228,20 @@ def _forget_address(path) -> None:
 
 
 def _policies(a: argparse.Namespace) -> dict:
-    from baton.control.autoscale import PoolPolicy
+    from baton.control.autoscale import policies_from_args
 
     start = {"prefill": a.prefill, "decode": a.colocated or a.decode}
-    pools = ["decode"] if a.colocated else ["prefill", "decode"]
-    out = {}
-    for pool in pools:
-        lo = getattr(a, f"min_{pool}")
-        lo = max(1, start[pool]) if lo is None else lo
-        out[pool] = PoolPolicy(min_replicas=lo, max_replicas=getattr(a, f"max_{pool}"),
-                               up_cooldown_s=a.scale_up_cooldown,
-                               down_cooldown_s=a.scale_down_cooldown,
-                               down_after_s=a.scale_down_after)
-    return out
+    return policies_from_args(a, ["decode"] if a.colocated else ["prefill", "decode"], start)
 
 
 def _autoscaler(a: argparse.Namespace, redis_url: str, workers: dict, spawn, say):
     """The policy on the routers' metrics, acting on this process's workers."""
     from baton.control.autoscale import (
-        SLO,
         Autoscaler,
         MetricsSignals,
         Policy,
         ProcessActuator,
+        slo_from_args,
     )
 
     pols = _policies(a)
@@ -276,6 +253,6 @@ def _autoscaler(a: argparse.Namespace, redis_url: str, workers: dict, spawn, say
     say("autoscaling " + ", ".join(f"{p} {pol.min_replicas}..{pol.max_replicas}"
                                    for p, pol in pols.items())
         + f" on TTFT <= {a.ttft_slo:g}s, TPOT <= {a.tpot_slo * 1000:g}ms")
-    return Autoscaler(Policy(pols, SLO(a.ttft_slo, a.tpot_slo)), actuator,
+    return Autoscaler(Policy(pols, slo_from_args(a)), actuator,
                       MetricsSignals(redis_url, a.scale_window), a.scale_interval,
                       on_change=announce)

@@ -302,8 +302,11 @@ class Autoscaler:
     on_change: Callable[[Decision], None] | None = None
     history: list[dict] = field(default_factory=list)
 
+    last_tick: float = 0.0  # time.monotonic() of the last tick that read its signals
+
     def tick(self) -> list[Decision]:
         s = self.signals()
+        self.last_tick = time.monotonic()
         try:
             current = {pool: self.actuator.replicas(pool) for pool in self.policy.pools}
         except ActuatorError as e:
@@ -371,3 +374,160 @@ def signals_from_summary(s: dict) -> Signals:
     return Signals(ttft_p90_s=worst("ttft"), tpot_p90_s=worst("tpot"),
                    kv_usage=used / tot if tot else None,
                    requests=sum(r.get("requests") or 0 for r in s["routers"]))
+
+
+# ---- command line --------------------------------------------------------------------------------
+
+
+def add_policy_args(g, min_default: str = "1") -> None:
+    """The policy's flags (``baton up --autoscale`` and ``baton autoscale``)."""
+    g.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default 2)")
+    g.add_argument("--tpot-slo", type=float, default=0.1, help="seconds per token (default 0.1)")
+    g.add_argument("--kv-target", type=float, default=0.85,
+                   help="decode pool: share of KV blocks in use that counts as full "
+                        "(default 0.85)")
+    for pool in POOLS:
+        g.add_argument(f"--min-{pool}", type=int, default=None,
+                       help=f"fewest {pool} workers (default: {min_default})")
+        g.add_argument(f"--max-{pool}", type=int, default=4,
+                       help=f"most {pool} workers (default 4)")
+    g.add_argument("--scale-interval", type=float, default=5.0,
+                   help="seconds between decisions (default 5)")
+    g.add_argument("--scale-window", type=float, default=20.0,
+                   help="seconds of metrics each decision looks at (default 20)")
+    g.add_argument("--scale-up-cooldown", type=float, default=20.0,
+                   help="seconds after a pool's change before it grows again (default 20)")
+    g.add_argument("--scale-down-cooldown", type=float, default=60.0,
+                   help="seconds after a pool's change before it shrinks (default 60)")
+    g.add_argument("--scale-down-after", type=float, default=30.0,
+                   help="seconds pressure must stay below half the target before a pool "
+                        "shrinks (default 30)")
+
+
+def policies_from_args(a, pools: list[str], start: dict[str, int] | None = None) -> dict:
+    """PoolPolicy per pool from :func:`add_policy_args`' flags; raises ValueError naming the
+    bad values."""
+    out = {}
+    for pool in pools:
+        lo = getattr(a, f"min_{pool}")
+        lo = max(1, (start or {}).get(pool, 1)) if lo is None else lo
+        out[pool] = PoolPolicy(min_replicas=lo, max_replicas=getattr(a, f"max_{pool}"),
+                               up_cooldown_s=a.scale_up_cooldown,
+                               down_cooldown_s=a.scale_down_cooldown,
+                               down_after_s=a.scale_down_after)
+    if a.ttft_slo <= 0 or a.tpot_slo <= 0 or not 0 < a.kv_target <= 1:
+        raise ValueError(f"want --ttft-slo ({a.ttft_slo}) > 0, --tpot-slo ({a.tpot_slo}) > 0, "
+                         f"0 < --kv-target ({a.kv_target}) <= 1")
+    return out
+
+
+def slo_from_args(a) -> SLO:
+    return SLO(a.ttft_slo, a.tpot_slo, a.kv_target)
+
+
+def add_autoscale_args(ap) -> None:
+    ap.add_argument("--redis-url", default=None,
+                    help="the cluster's Redis (default $BATON_REDIS_URL, else a local `baton "
+                         "up`'s)")
+    ap.add_argument("--kubernetes", action="store_true",
+                    help="scale Kubernetes Deployments (in a pod: its service account; "
+                         "elsewhere: ~/.kube/config)")
+    ap.add_argument("--namespace", default=None,
+                    help="the Deployments' namespace (default $POD_NAMESPACE, else default)")
+    ap.add_argument("--prefill-deployment", default="baton-prefill")
+    ap.add_argument("--decode-deployment", default="baton-decode")
+    ap.add_argument("--colocated", action="store_true",
+                    help="one pool (the decode Deployment runs --role both)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the decisions, change nothing")
+    ap.add_argument("--health-port", type=int, default=-1,
+                    help="serve /healthz (200 while decisions are being made) and /decisions "
+                         "(the changes so far, JSON) on this port (-1: none)")
+    add_policy_args(ap)
+
+
+def cmd_autoscale(a) -> int:
+    """``baton autoscale``: the policy as its own process, for clusters whose workers it does
+    not own (Kubernetes Deployments)."""
+    import os
+    import signal
+    import sys
+
+    from baton.cli.status import find_redis_url
+
+    url = a.redis_url or find_redis_url()
+    if not url:
+        print("error: no Redis: pass --redis-url (or set BATON_REDIS_URL)", file=sys.stderr)
+        return 2
+    if not a.kubernetes:
+        print("error: choose an actuator: --kubernetes (local clusters: `baton up "
+              "--autoscale`, which owns its workers)", file=sys.stderr)
+        return 2
+    pools = ["decode"] if a.colocated else ["prefill", "decode"]
+    try:
+        pols = policies_from_args(a, pools)
+        ns = a.namespace or os.environ.get("POD_NAMESPACE", "default")
+        act = KubernetesActuator(ns, {"prefill": a.prefill_deployment,
+                                      "decode": a.decode_deployment})
+    except (ValueError, ActuatorError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.dry_run:
+        act = _DryRun(act)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    scaler = Autoscaler(Policy(pols, slo_from_args(a)), act, MetricsSignals(url, a.scale_window),
+                        a.scale_interval)
+    log.info("autoscaling %s in namespace %s on %s", ", ".join(
+        f"{p} {pol.min_replicas}..{pol.max_replicas}" for p, pol in pols.items()), ns, url)
+    if a.health_port >= 0:
+        serve_health(scaler, a.health_port)
+    scaler.run(stop)
+    return 0
+
+
+def serve_health(scaler: Autoscaler, port: int, host: str = "0.0.0.0"):
+    """/healthz: 200 while ticks keep reading signals (within 3 intervals, at least 30 s),
+    else 503; /decisions: the scaler's history as JSON. Returns the server (a daemon thread
+    serves it)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    started = time.monotonic()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/healthz":
+                since = time.monotonic() - (scaler.last_tick or started)
+                ok = since <= max(3 * scaler.interval_s, 30.0)
+                code, body = (200, b"ok\n") if ok else (503, b"no decision lately\n")
+            elif self.path == "/decisions":
+                code, body = 200, json.dumps(scaler.history, default=str).encode()
+            else:
+                code, body = 404, b"not found\n"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True, name="autoscale-health").start()
+    return server
+
+
+class _DryRun:
+    """Reads through to the real actuator, scales nothing."""
+
+    def __init__(self, inner: Actuator) -> None:
+        self.inner = inner
+
+    def replicas(self, pool: str) -> int:
+        return self.inner.replicas(pool)
+
+    def scale(self, pool: str, n: int) -> None:
+        log.info("dry run: would scale the %s pool to %d", pool, n)

@@ -204,3 +204,45 @@ def test_external_redis_needs_a_url(helm):
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "set redis.external.url or redis.external.urlSecret.name" in out.stderr
+
+
+def test_slo_autoscaler_scales_the_pools_with_least_privilege(helm):
+    docs = render(helm, VALUES["slo-autoscaler"])
+    deps = by_kind(docs, "Deployment")
+    for pool in ("prefill", "decode"):  # the autoscaler owns their replicas
+        assert "replicas" not in deps[f"rel-baton-{pool}"]["spec"]
+    c = deps["rel-baton-autoscaler"]["spec"]["template"]["spec"]["containers"][0]
+    args = c["args"]
+    assert args[:2] == ["autoscale", "--kubernetes"]
+
+    def arg(flag):
+        return args[args.index(flag) + 1]
+
+    assert (arg("--prefill-deployment"), arg("--decode-deployment")) == (
+        "rel-baton-prefill", "rel-baton-decode")
+    assert (arg("--min-decode"), arg("--max-decode"), arg("--tpot-slo")) == ("2", "8", "0.05")
+    env = {e["name"]: e for e in c["env"]}
+    assert env["BATON_REDIS_URL"]["value"].startswith("redis://rel-baton-redis:")
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # RBAC: only get/patch/update the two Deployments' scale, in the release's namespace
+    (role,) = by_kind(docs, "Role").values()
+    (rule,) = role["rules"]
+    assert rule["resources"] == ["deployments/scale"]
+    assert set(rule["resourceNames"]) == {"rel-baton-prefill", "rel-baton-decode"}
+    assert set(rule["verbs"]) <= {"get", "patch", "update"}
+    (binding,) = by_kind(docs, "RoleBinding").values()
+    sa = deps["rel-baton-autoscaler"]["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa,
+                                    "namespace": "serving"}]
+    assert not by_kind(docs, "HorizontalPodAutoscaler")
+
+
+def test_slo_autoscaler_refuses_the_cpu_hpas_and_bad_bounds(helm):
+    base = [helm, "template", "rel", str(CHART), "--set", "sloAutoscaler.enabled=true"]
+    out = subprocess.run([*base, "--set", "decode.autoscaling.enabled=true"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "turn prefill.autoscaling and decode.autoscaling" in out.stderr
+    out = subprocess.run([*base, "--set", "sloAutoscaler.decode.minReplicas=5"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "sloAutoscaler.decode: minReplicas (5) > maxReplicas (4)" in out.stderr
