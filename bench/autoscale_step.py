@@ -55,7 +55,8 @@ class Clients:
             stub = api_pb2_grpc.BatonStub(ch)
             while not stop.is_set():
                 req = api_pb2.GenerateRequest(
-                    prompt_token_ids=[rng.randrange(100, 10000) for _ in range(self.prompt)],
+                    token_ids=api_pb2.TokenIds(
+                        ids=[rng.randrange(100, 10000) for _ in range(self.prompt)]),
                     params=worker_pb2.SamplingParams(max_tokens=self.output, ignore_eos=True))
                 n = 0
                 try:
@@ -117,7 +118,7 @@ def main() -> None:
                 print(line, end="", flush=True)
     threading.Thread(target=pump, daemon=True).start()
 
-    registry = WorkerRegistry(redis_url)
+    registry = WorkerRegistry.from_url(redis_url)
     slo = SLO(*(float(re.search(rf"--{k} (\S+)", a.up_args).group(1))
                 if re.search(rf"--{k} ", a.up_args) else d
                 for k, d in (("ttft-slo", 2.0), ("tpot-slo", 0.1), ("kv-target", 0.85))))

@@ -130,7 +130,7 @@ def run_compare(a: argparse.Namespace) -> list[dict] | None:
             (close or target.close)()
     # the colocated setup's goodput rate: every target once more at that rate (p99 TPOT there)
     ref = next((r for r in results if r["target"] == "baton-colocated"), None)
-    if a.goodput and ref and ref["goodput_rps"] > 0:
+    if a.goodput and ref and ref["goodput_rps"] > 0 and not getattr(a, "no_rerun", False):
         rate = ref["goodput_rps"]
         for res in results:
             name = res["target"]

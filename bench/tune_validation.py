@@ -60,6 +60,7 @@ def main() -> None:
     add_bench_args(ap_bench)
     ca = ap_bench.parse_args(["compare", "--dtype", a.dtype, "--quiet", "--no-plots",
                               *slice_args])
+    ca.no_rerun = True  # the goodput searches only, not the extra run at colocated's goodput
     # the same slice and search, simulated (tune's own arguments, from the same values)
     ta = argparse.Namespace(trace=a.trace, format="azure", requests=a.requests,
                             trace_start=a.trace_start, scale=a.scale, max_input=a.max_input,

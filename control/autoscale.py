@@ -346,7 +346,7 @@ class MetricsSignals:
         from baton.control.registry import WorkerRegistry
 
         self.redis_url, self.window_s = redis_url, window_s
-        self.registry = WorkerRegistry(redis_url)
+        self.registry = WorkerRegistry.from_url(redis_url)
         self._snaps: deque = deque()
 
     def __call__(self) -> Signals:

@@ -34,7 +34,7 @@ class Load:
 
     def one(self, rng: random.Random, stub) -> None:
         req = api_pb2.GenerateRequest(
-            prompt_token_ids=[rng.randrange(5, 390) for _ in range(200)],
+            token_ids=api_pb2.TokenIds(ids=[rng.randrange(5, 390) for _ in range(200)]),
             params=worker_pb2.SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
         n = 0
         try:
@@ -98,7 +98,7 @@ def test_decode_pool_follows_a_step_in_load_without_failing_a_request(tiny_llama
         assert m, "".join(lines)
         redis_url = re.search(r"redis-server on (\S+)", "".join(lines)).group(1)
         pump.start()
-        registry = WorkerRegistry(redis_url)
+        registry = WorkerRegistry.from_url(redis_url)
 
         def decodes() -> int:
             return len(registry.workers("decode"))
