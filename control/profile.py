@@ -217,11 +217,15 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
         s = _median_time(lambda ls=lengths: prefill_step(ls), repeats)
         out["prefill"].append({"tokens": n, "requests": len(lengths), "s": s})
         say(f"prefill {n:5d} tokens in {len(lengths):3d} prompts: {s * 1000:8.2f} ms")
-    for n in LONG_PROMPTS:
+    limit = engine.max_model_len - 1  # room for the token each request samples
+    for n in (n for n in LONG_PROMPTS if n <= limit):
         s = _median_time(lambda k=n: prefill_step([k]), repeats)
         out["prefill_long"].append({"tokens": n, "s": s})
         say(f"prefill one {n:5d}-token prompt:       {s * 1000:8.2f} ms")
     for ctx, batches in DECODE_GRID.items():
+        if ctx + 3 * repeats * len(batches) + 8 > limit:
+            say(f"decode at context {ctx}: skipped (the model's context is {limit + 1})")
+            continue
         fits = [b for b in batches if b <= engine.cfg.max_num_seqs
                 and b * (ctx // bs + 2) <= engine.num_blocks]
         for batch, s in _decode_steps(engine, prompts, fits, ctx, 3 * repeats):

@@ -180,3 +180,22 @@ def test_recommendation_prefers_colocated_on_a_tie():
     rows[0]["goodput_rps"] = 2.0
     assert "1 prefill + 1 decode" in recommend(rows) and "2.00x" in recommend(rows)
     assert not math.isnan(rows[0]["goodput_rps"])
+
+
+def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_path):
+    """`baton profile` on a tiny model (no hand-off: that needs worker processes): every table
+    is filled, and the cost model built on it reproduces its own measurements roughly."""
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "profile", "--model", str(tiny_llama[0]),
+         "--no-handoff", "--repeats", "1", "--out", str(tmp_path / "p.json")],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "prefill  1024 tokens" in out.stderr and "decode batch" in out.stderr
+    p = Profile.load(tmp_path / "p.json")
+    assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]
+    assert p.decode and p.prefill_long and not p.handoff
+    assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
+    cm = CostModel(p)
+    assert all(v >= 0 for v in cm.summary().values())
+    big = p.prefill[-1]
+    assert cm.step([(16, 0)] * 64, []) == pytest.approx(big["s"], rel=0.5)
