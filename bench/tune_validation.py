@@ -82,6 +82,11 @@ def main() -> None:
             measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
                                        "points": res["points"]}
             say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
+    # attainment at every rate the real search ran, measured against simulated: better
+    # conditioned than the goodput (one request more or less can move a goodput a lot)
+    for name, m in measured.items():
+        m["simulated_at_measured_rates"] = [
+            (rate, att, ev.at(layouts[name], rate)) for rate, att in m["points"]]
     rows = []
     for name, pred in predicted.items():
         m = measured.get(name, {}).get("goodput_rps")
@@ -105,6 +110,10 @@ def main() -> None:
         e = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
         print(f"{r['setup']:<22} {r['predicted_rps']:>10.3g} {m:>10} {e:>7}")
     print(f"winner: predicted {winner['predicted_rps']}, measured {winner['measured_rps']}")
+    for name, m in measured.items():
+        pairs = m["simulated_at_measured_rates"]
+        print(f"{name}: attainment measured/simulated at " + ", ".join(
+            f"{r:.3g}/s {100 * x:.0f}/{100 * y:.0f}%" for r, x, y in sorted(pairs)))
     print(f"wrote {write_result('tune-validation', result)}")
 
 

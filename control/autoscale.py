@@ -9,13 +9,18 @@ Signals, per window (router-measured, so queue wait counts)::
 
 A pool's pressure against the policy's band, with ``now`` the policy's clock::
 
-    pressure > up_at    and up cooldown passed     -> grow: cur + max(1, ceil(cur * (p/up_at - 1)))
-    pressure < down_at  for down_after_s, and the
-                        down cooldown passed       -> shrink by one (drained, never killed)
-    between the two (the hysteresis band)          -> no change; resets the low-pressure clock
+    p > up_at, up cooldown passed          -> grow to cur + max(1, ceil(cur * (p/up_at - 1)))
+    p * cur/(cur-1) < down_at for down_after_s,
+      down cooldown passed                 -> shrink by one (drained, never killed)
+    otherwise (the hysteresis band)        -> no change; resets the low clock
 
-so steady load inside the band never changes anything, and a pool shrinks one replica at a
-time, only after pressure stayed low for a while. A window without traffic has pressure 0.
+A pool shrinks only when its pressure, spread over one replica fewer, would still be below
+``down_at``: a 2-replica pool at pressure 0.36 stays (it would be 0.72 on one, and in practice
+more: a slower pool holds each request's blocks longer). Without that rule a steady load at
+pressure ~0.4 on 2 replicas flapped 2 -> 1 -> 2 within 25 s (bench/results/
+autoscale-20261123T0704Z-flap-log.txt). So steady load inside the band never changes anything,
+and a pool shrinks one replica at a time, after pressure stayed low for a while. A window
+without traffic has pressure 0.
 """
 
 from __future__ import annotations
@@ -132,8 +137,8 @@ class Policy:
             step = max(1, math.ceil(cur * (p / pol.up_at - 1)))
             return self._change(st, now, Decision(name, cur, min(pol.max_replicas, cur + step),
                                                   p, f"pressure {p:.2f} > {pol.up_at:g}"))
-        if p >= pol.down_at:
-            st.low_since = None
+        if cur > pol.min_replicas and p * cur / (cur - 1) >= pol.down_at or p >= pol.down_at:
+            st.low_since = None  # (one fewer would not be low: no shrink, and no flap back)
             return Decision(name, cur, cur, p, "in band")
         st.low_since = now if st.low_since is None else st.low_since
         if cur <= pol.min_replicas:
@@ -144,7 +149,8 @@ class Policy:
             return Decision(name, cur, cur, p, "down cooldown")
         st.low_since = now  # the next step down needs its own low period
         return self._change(st, now, Decision(name, cur, cur - 1, p,
-                                              f"pressure {p:.2f} < {pol.down_at:g} for "
+                                              f"pressure {p:.2f} ({p * cur / (cur - 1):.2f} on "
+                                              f"{cur - 1}) < {pol.down_at:g} for "
                                               f"{pol.down_after_s:g}s"))
 
     @staticmethod
