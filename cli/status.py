@@ -26,8 +26,9 @@ from baton.control.registry import WorkerRegistry
 
 def state_file() -> Path:
     """Where ``baton up`` leaves the running cluster's addresses."""
-    root = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
-    return root / "up.json"
+    from baton import cache_dir
+
+    return cache_dir() / "up.json"
 
 
 def find_redis_url() -> str | None:

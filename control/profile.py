@@ -339,8 +339,9 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
 
 
 def default_path() -> Path:
-    base = os.environ.get("BATON_CACHE_DIR") or Path.home() / ".cache" / "baton"
-    return Path(base) / "profile.json"
+    from baton import cache_dir
+
+    return cache_dir() / "profile.json"
 
 
 def cmd_profile(a) -> int:

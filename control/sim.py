@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from baton.bench.loadgen import Record, meets
 from baton.control.profile import CostModel, Profile
 
 
@@ -52,28 +53,16 @@ class Layout:
 
 
 @dataclass
-class SimRequest:
-    prompt: int
-    output: int
-    arrival: float
-    first: float | None = None  # when the client sees the first token
-    end: float | None = None
+class SimRequest(Record):
+    """A request as the load generator records it (``sent`` = arrival, ``first`` = when the
+    client sees the first token), plus the path the router took. Unfinished until
+    :meth:`finish`."""
+
+    error: str | None = "unfinished"
     path: str = ""
 
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first is None else self.first - self.arrival
-
-    @property
-    def tpot(self) -> float | None:
-        if self.end is None or self.first is None or self.output < 2:
-            return None
-        return (self.end - self.first) / (self.output - 1)
-
-    def meets(self, ttft_slo: float, tpot_slo: float) -> bool:
-        if self.end is None or self.ttft is None or self.ttft > ttft_slo:
-            return False
-        return self.tpot is None or self.tpot <= tpot_slo
+    def finish(self, t: float) -> None:
+        self.end, self.output_tokens, self.error = t, self.max_tokens, None
 
 
 @dataclass
@@ -89,7 +78,7 @@ class _Seq:
 
     @property
     def num_tokens(self) -> int:
-        return self.req.prompt + self.generated
+        return self.req.prompt_tokens + self.generated
 
 
 class Sim:
@@ -180,8 +169,8 @@ class SimEngine:
             self.busy = False
             return
         self.busy = True
-        chunks = [(n, s.computed) for s, n in batch if s.computed < s.req.prompt]
-        decodes = [s.computed for s, n in batch if s.computed >= s.req.prompt]
+        chunks = [(n, s.computed) for s, n in batch if s.computed < s.req.prompt_tokens]
+        decodes = [s.computed for s, n in batch if s.computed >= s.req.prompt_tokens]
         self.sim.at(t + self.cost.step(chunks, decodes), lambda t2: self._end(batch, t2))
 
     def _end(self, batch: list[tuple[_Seq, int]], t: float) -> None:
@@ -197,8 +186,8 @@ class SimEngine:
                 continue
             if seq.generated == 1 and seq.req.first is None:
                 seq.req.first = t
-            if seq.generated >= seq.req.output:
-                seq.req.end = t
+            if seq.generated >= seq.req.max_tokens:
+                seq.req.finish(t)
                 self.running.remove(seq)
                 self.release(seq)
                 self.inflight -= 1
@@ -236,7 +225,7 @@ class Cluster:
 
     def run(self, reqs: Sequence[SimRequest]) -> list[SimRequest]:
         for r in reqs:
-            self.sim.at(r.arrival + self.p.router_s, lambda t, r=r: self._route(t, r))
+            self.sim.at(r.sent + self.p.router_s, lambda t, r=r: self._route(t, r))
         self.sim.run()
         return list(reqs)
 
@@ -245,7 +234,7 @@ class Cluster:
         d.inflight += 1
         k = self.knobs
         local = (self.layout.colocated or not self.prefills
-                 or r.prompt <= k.local_prefill_max_tokens
+                 or r.prompt_tokens <= k.local_prefill_max_tokens
                  or all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
                         for e in self.prefills))
         if local:
@@ -259,9 +248,10 @@ class Cluster:
 
         def prefilled(t1: float) -> None:
             p.inflight -= 1
-            if r.output <= 1:  # the first token ends it: nothing to hand off
+            if r.max_tokens <= 1:  # the first token ends it: nothing to hand off
                 p.release(seq)
-                r.first = r.end = t1
+                r.first = t1
+                r.finish(t1)
                 d.inflight -= 1
                 return
             self.sim.at(t1 + k.rpc_s, lambda t2: d.run_op(t2, lambda t3: self._reserve(
@@ -275,8 +265,8 @@ class Cluster:
         full), the transfer, then the commit at a step boundary; the prefill side's blocks are
         free once the transfer ends."""
         r = src.req
-        seq = _Seq(r, computed=r.prompt, generated=1)
-        if not d.take_blocks(seq, r.prompt + 1):
+        seq = _Seq(r, computed=r.prompt_tokens, generated=1)
+        if not d.take_blocks(seq, r.prompt_tokens + 1):
             self.sim.at(t + 0.01, lambda t2: d.run_op(t2, lambda t3: self._reserve(
                 t3, d, p, src)))
             return
@@ -287,15 +277,15 @@ class Cluster:
 
             def commit(t3: float) -> None:
                 r.first = t3
-                if r.output <= 1:
-                    r.end = r.first
+                if r.max_tokens <= 1:
+                    r.finish(t3)
                     d.release(seq)
                     d.inflight -= 1
                 else:
                     d.running.append(seq)
             d.run_op(t2, commit)
 
-        self.sim.at(t + self.cost.handoff(r.prompt), transferred)
+        self.sim.at(t + self.cost.handoff(r.prompt_tokens), transferred)
 
 
 # ---- attainment and goodput ----------------------------------------------------------------------
@@ -310,4 +300,4 @@ def simulate(layout: Layout, profile: Profile, shape: Sequence[tuple[int, int, f
 
 def attainment(reqs: Sequence[SimRequest], ttft_slo: float, tpot_slo: float) -> float:
     """Share of ``reqs`` that ended with TTFT <= ``ttft_slo`` and TPOT <= ``tpot_slo``."""
-    return sum(r.meets(ttft_slo, tpot_slo) for r in reqs) / len(reqs) if reqs else 0.0
+    return sum(meets(r, ttft_slo, tpot_slo) for r in reqs) / len(reqs) if reqs else 0.0

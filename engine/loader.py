@@ -90,7 +90,9 @@ def load_model(path: str | os.PathLike | None = None, *, use_cache: bool = True)
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
+    from baton import cache_dir
+
+    return cache_dir()
 
 
 def _file_key(p: Path) -> str:
