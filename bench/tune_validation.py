@@ -39,7 +39,7 @@ def main() -> None:
     from baton.bench.compare import run_compare
     from baton.control.profile import CostModel, Profile, run_profile
     from baton.control.sim import Layout
-    from baton.control.tune import Evaluator, load_trace
+    from baton.control.tune import Evaluator, add_tune_args, load_trace
 
     t0 = time.monotonic()
 
@@ -51,23 +51,20 @@ def main() -> None:
     else:
         profile = run_profile(None, a.dtype, [0, 1], 3, True, say)
         say(f"profile saved to {profile.save(RESULTS / 'tune-validation-profile.json')}")
-    slice_args = ["--workload", "azure", "--trace", a.trace, "--requests", str(a.requests),
+    slice_args = ["--trace", a.trace, "--requests", str(a.requests),
                   "--trace-start", str(a.trace_start), "--scale", str(a.scale),
                   "--max-input", str(a.max_input), "--max-output", str(a.max_output),
                   "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
-                  "--refine", str(a.refine), "--goodput"]
+                  "--refine", str(a.refine)]
+    # the same slice and search through both commands' own parsers (same defaults elsewhere)
     ap_bench = argparse.ArgumentParser()
     add_bench_args(ap_bench)
     ca = ap_bench.parse_args(["compare", "--dtype", a.dtype, "--quiet", "--no-plots",
-                              *slice_args])
+                              "--workload", "azure", "--goodput", *slice_args])
     ca.no_rerun = True  # the goodput searches only, not the extra run at colocated's goodput
-    # the same slice and search, simulated (tune's own arguments, from the same values)
-    ta = argparse.Namespace(trace=a.trace, format="azure", requests=a.requests,
-                            trace_start=a.trace_start, scale=a.scale, max_input=a.max_input,
-                            max_output=a.max_output, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
-                            attainment=ca.attainment, start_rate=ca.start_rate,
-                            max_rate=ca.max_rate, min_rate=ca.min_rate, refine=a.refine,
-                            seed=ca.seed, local_prefill_max_tokens=64, prefill_saturation=8)
+    ap_tune = argparse.ArgumentParser()
+    add_tune_args(ap_tune)
+    ta = ap_tune.parse_args(["--format", "azure", *slice_args])
     ev = Evaluator(profile, load_trace(ta), ta)
     layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     predicted = {}

@@ -100,8 +100,9 @@ def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 def _fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares k for y = k x, never negative."""
-    den = sum(x * x for x in xs)
-    return max(0.0, sum(x * y for x, y in zip(xs, ys)) / den) if den else 0.0
+    if not any(xs):
+        return 0.0
+    return max(0.0, statistics.linear_regression(xs, ys, proportional=True).slope)
 
 
 def _fit2(xs: Sequence[tuple[float, float]], ys: Sequence[float]) -> tuple[float, float]:
@@ -137,15 +138,15 @@ class CostModel:
         self.per_seq, self.attn_decode = _fit2(
             [(r["batch"], r["batch"] * r["context"]) for r in p.decode],
             [r["s"] - self.tok(r["batch"]) for r in p.decode])
-        if p.handoff:  # handoff = fixed + per_byte * bytes, least squares
-            xs, ys = [r["bytes"] for r in p.handoff], [r["s"] for r in p.handoff]
-            mx, my = statistics.fmean(xs), statistics.fmean(ys)
-            var = sum((x - mx) ** 2 for x in xs)
-            self.handoff_per_byte = (max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-                                         / var) if var else 0.0)
-            self.handoff_fixed = max(0.0, my - self.handoff_per_byte * mx)
-        else:
-            self.handoff_per_byte, self.handoff_fixed = 0.0, 0.0
+        self.handoff_per_byte, self.handoff_fixed = 0.0, 0.0
+        xs, ys = [r["bytes"] for r in p.handoff], [r["s"] for r in p.handoff]
+        if len(set(xs)) > 1:  # handoff = fixed + per_byte * bytes, least squares
+            fit = statistics.linear_regression(xs, ys)
+            self.handoff_per_byte = max(0.0, fit.slope)
+            self.handoff_fixed = max(0.0, statistics.fmean(ys) - self.handoff_per_byte
+                                     * statistics.fmean(xs))
+        elif ys:
+            self.handoff_fixed = statistics.fmean(ys)
         self.kv_bytes_per_token = p.kv_bytes_per_token
 
     def tok(self, n: int) -> float:
