@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import re
 import signal
 import subprocess
@@ -26,52 +25,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, write_result  # noqa: E402
-
-
-class Clients:
-    def __init__(self, address: str, prompt: int, output: int) -> None:
-        self.address, self.prompt, self.output = address, prompt, output
-        self.ok, self.errors = 0, []
-        self.lock = threading.Lock()
-        self.threads: list[tuple[threading.Thread, threading.Event]] = []
-
-    def set(self, n: int) -> None:
-        while len(self.threads) > n:
-            t, stop = self.threads.pop()
-            stop.set()
-            t.join(300)
-        while len(self.threads) < n:
-            stop = threading.Event()
-            t = threading.Thread(target=self.loop, args=(stop, len(self.threads)), daemon=True)
-            self.threads.append((t, stop))
-            t.start()
-
-    def loop(self, stop: threading.Event, seed: int) -> None:
-        import grpc
-        from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
-
-        rng = random.Random(f"{seed}/{time.time_ns()}")
-        with grpc.insecure_channel(self.address) as ch:
-            stub = api_pb2_grpc.BatonStub(ch)
-            while not stop.is_set():
-                req = api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(
-                        ids=[rng.randrange(100, 10000) for _ in range(self.prompt)]),
-                    params=worker_pb2.SamplingParams(max_tokens=self.output, ignore_eos=True))
-                n = 0
-                try:
-                    for msg in stub.Generate(req, timeout=300):
-                        if msg.HasField("delta"):
-                            n += len(msg.delta.token_ids)
-                    ok = n == self.output
-                    err = None if ok else f"short: {n} tokens"
-                except grpc.RpcError as e:
-                    err = f"{e.code().name}: {e.details()}"
-                with self.lock:
-                    if err is None:
-                        self.ok += 1
-                    else:
-                        self.errors.append((time.time(), err))
 
 
 def main() -> None:
@@ -92,6 +45,7 @@ def main() -> None:
                     help="extra `baton up` flags (the policy's)")
     a = ap.parse_args()
 
+    from baton.bench import loadgen as lg
     from baton.control.autoscale import SLO, MetricsSignals, pressures
     from baton.control.registry import WorkerRegistry
 
@@ -135,7 +89,8 @@ def main() -> None:
                              "pressure": pressures(s, slo, True), "signals": vars(s)})
     threading.Thread(target=watch, daemon=True).start()
 
-    clients = Clients(address, a.prompt, a.output)
+    clients = lg.ClosedLoop(lg.GrpcTarget(address, timeout=300), lambda rng: lg.Req(
+        [rng.randrange(100, 10000) for _ in range(a.prompt)], a.output))
     phases = []
 
     def phase(name: str, n: int, seconds: float) -> None:

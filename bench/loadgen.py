@@ -333,6 +333,45 @@ def run(target: Callable[[Req], Record], reqs: Sequence[Req], concurrency: int =
     return records, time.monotonic() - t0  # type: ignore[return-value]
 
 
+class ClosedLoop:
+    """A changing number of closed-loop clients: each sends its next request (from
+    ``make(rng)``) when its last one ended, until :meth:`set` takes it away (after its request in
+    flight). Counts requests that succeeded and the failures: an error, or fewer tokens than
+    asked."""
+
+    def __init__(self, target: Callable[[Req], Record],
+                 make: Callable[[random.Random], Req]) -> None:
+        self.target, self.make = target, make
+        self.ok, self.errors = 0, []  # errors: (time.time(), what)
+        self._clients: list[tuple[threading.Thread, threading.Event]] = []
+        self._lock = threading.Lock()
+
+    def set(self, n: int) -> None:
+        while len(self._clients) > n:
+            t, stop = self._clients.pop()
+            stop.set()
+            t.join()
+        while len(self._clients) < n:
+            stop = threading.Event()
+            t = threading.Thread(target=self._client, args=(stop, len(self._clients)),
+                                 daemon=True)
+            self._clients.append((t, stop))
+            t.start()
+
+    def _client(self, stop: threading.Event, seed: int) -> None:
+        rng = random.Random(f"{seed}/{time.time_ns()}")
+        while not stop.is_set():
+            req = self.make(rng)
+            rec = self.target(req)
+            err = rec.error or (None if rec.output_tokens == req.max_tokens
+                                else f"short: {rec.output_tokens} of {req.max_tokens} tokens")
+            with self._lock:
+                if err is None:
+                    self.ok += 1
+                else:
+                    self.errors.append((time.time(), err))
+
+
 # ---- metrics -------------------------------------------------------------------------------------
 
 

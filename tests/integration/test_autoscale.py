@@ -7,7 +7,6 @@ any machine, where TPOT on a tiny model hardly depends on the load."""
 
 from __future__ import annotations
 
-import random
 import re
 import signal
 import subprocess
@@ -15,57 +14,17 @@ import sys
 import threading
 import time
 
-import grpc
 import pytest
+from baton.bench.loadgen import ClosedLoop, GrpcTarget, Req
 from baton.control.registry import WorkerRegistry
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 pytestmark = pytest.mark.slow
 
 
-class Load:
-    """``n`` client threads sending back-to-back requests; counts outcomes."""
-
-    def __init__(self, address: str, max_tokens: int = 48) -> None:
-        self.address, self.max_tokens = address, max_tokens
-        self.ok, self.errors, self.short = 0, [], 0
-        self._threads: list[tuple[threading.Thread, threading.Event]] = []
-        self._lock = threading.Lock()
-
-    def one(self, rng: random.Random, stub) -> None:
-        req = api_pb2.GenerateRequest(
-            token_ids=api_pb2.TokenIds(ids=[rng.randrange(5, 390) for _ in range(200)]),
-            params=worker_pb2.SamplingParams(max_tokens=self.max_tokens, ignore_eos=True))
-        n = 0
-        try:
-            for msg in stub.Generate(req, timeout=60):
-                if msg.HasField("delta"):
-                    n += len(msg.delta.token_ids)
-        except grpc.RpcError as e:
-            with self._lock:
-                self.errors.append(f"{e.code()}: {e.details()}")
-            return
-        with self._lock:
-            self.ok += 1
-            self.short += n != self.max_tokens
-
-    def set(self, n: int) -> None:
-        while len(self._threads) > n:
-            t, stop = self._threads.pop()
-            stop.set()
-            t.join(90)
-        while len(self._threads) < n:
-            stop = threading.Event()
-            t = threading.Thread(target=self._loop, args=(stop, len(self._threads)), daemon=True)
-            self._threads.append((t, stop))
-            t.start()
-
-    def _loop(self, stop: threading.Event, seed: int) -> None:
-        rng = random.Random(seed)
-        with grpc.insecure_channel(self.address) as ch:
-            stub = api_pb2_grpc.BatonStub(ch)
-            while not stop.is_set():
-                self.one(rng, stub)
+def closed_loop(address: str) -> ClosedLoop:
+    """Back-to-back 200-token prompts, 48 tokens out each; failures: errors and short outputs."""
+    return ClosedLoop(GrpcTarget(address, timeout=60), lambda rng: Req(
+        [rng.randrange(5, 390) for _ in range(200)], 48))
 
 
 def wait_for(pred, timeout: float, what: str) -> float:
@@ -104,7 +63,7 @@ def test_decode_pool_follows_a_step_in_load_without_failing_a_request(tiny_llama
             return len(registry.workers("decode"))
 
         assert decodes() == 1
-        load = Load(m.group(1))
+        load = closed_loop(m.group(1))
         load.set(8)  # the step up: 8 x 248 tokens want ~136 blocks of the pool's 128
         grew = wait_for(lambda: decodes() == 2, 90, "the decode pool to grow")
         ok_at_growth = load.ok
@@ -124,8 +83,7 @@ def test_decode_pool_follows_a_step_in_load_without_failing_a_request(tiny_llama
     assert re.search(r"autoscale: decode pool 1 -> 2", out), out
     assert re.search(r"autoscale: decode pool 2 -> 1", out), out
     assert "prefill pool" not in out  # its pressure (TTFT) stayed low: never changed
-    assert load.errors == [], load.errors[:5]
-    assert load.short == 0
+    assert load.errors == [], load.errors[:5]  # no status error, no short output
     assert ok_at_growth > 0 and load.ok > ok_at_growth
     print(f"grew after {grew:.0f}s, shrank {shrank:.0f}s after the load dropped; "
           f"{load.ok} requests, none failed")

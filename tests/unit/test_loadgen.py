@@ -113,3 +113,34 @@ def test_trace_workloads():
     assert len(mc[0].prompt) == round(40160 * 16 / 512) and mc[0].max_tokens == 6
     assert mc[2].at == pytest.approx(0.040)
     assert not math.isnan(sum(r.at for r in mc))
+
+
+def test_closed_loop_counts_successes_errors_and_short_outputs():
+    import threading
+    import time as _time
+
+    from baton.bench.loadgen import ClosedLoop, Record, Req
+
+    calls, lock = [], threading.Lock()
+
+    def target(req):
+        with lock:
+            calls.append(req)
+            n = len(calls)
+        rec = Record(len(req.prompt), req.max_tokens, _time.monotonic(),
+                     output_tokens=req.max_tokens - (n % 3 == 1))  # every third one short
+        rec.error = "UNAVAILABLE" if n % 3 == 2 else None
+        _time.sleep(0.002)
+        return rec
+
+    loop = ClosedLoop(target, lambda rng: Req([rng.randrange(100, 200)] * 4, 8))
+    loop.set(2)
+    while len(calls) < 30:
+        _time.sleep(0.01)
+    loop.set(0)
+    n = len(calls)
+    assert loop.ok + len(loop.errors) == n
+    whats = [e[1] for e in loop.errors]
+    assert whats.count("UNAVAILABLE") == (n + 1) // 3
+    assert whats.count("short: 7 of 8 tokens") == (n + 2) // 3
+    assert loop.ok == n // 3
