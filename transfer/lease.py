@@ -57,6 +57,11 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._active)
 
+    def num_blocks(self) -> int:
+        """Blocks pinned under active leases."""
+        with self._lock:
+            return sum(len(lease.block_ids) for lease in self._active.values())
+
     def grant(self, request_id: str, block_ids: tuple[int, ...],
               ttl_s: float | None = None) -> Lease:
         lease = Lease(secrets.token_hex(12), request_id, tuple(block_ids),

@@ -125,6 +125,9 @@ class RouterMetrics:
                               "Prompt tokens the workers served from their prefix caches.",
                               registry=r)
         self.prompt = Counter("baton_router_prompt_tokens", "Prompt tokens routed.", registry=r)
+        self.migrations = Counter("baton_router_migrations", "Requests moved to another decode "
+                                  "worker after tokens were streamed (theirs failed).",
+                                  registry=r)
 
     def routed(self, d) -> None:
         """One routing decision (baton.services.router.routing.Decision)."""

@@ -195,9 +195,13 @@ def new_incarnation() -> str:
     return secrets.token_hex(6)
 
 
-def make_server(max_workers: int = 32, interceptors=()) -> grpc.Server:
+def make_server(max_workers: int = 32, interceptors=(),
+                max_concurrent_rpcs: int | None = None) -> grpc.Server:
+    """A gRPC server on ``max_workers`` threads; with ``max_concurrent_rpcs``, calls past that
+    many at once end RESOURCE_EXHAUSTED instead of queueing for a thread without bound."""
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)])
+                       interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)],
+                       maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
 def register(args: argparse.Namespace, role: str, worker_id: str, address: str,

@@ -14,6 +14,7 @@ import queue
 import time
 import uuid
 
+import grpc
 from baton.services.common import tracing
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.worker import (
@@ -35,9 +36,16 @@ log = logging.getLogger("baton.services.prefill")
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: EngineLoop, holder: KVHolder, worker_id: str) -> None:
+    """``max_leased_blocks``: backpressure. While that many blocks wait under leases for decode
+    workers to read them, new prompts are refused (RESOURCE_EXHAUSTED, which the router takes
+    as "try another worker or prefill locally") instead of piling up more leased blocks."""
+
+    def __init__(self, loop: EngineLoop, holder: KVHolder, worker_id: str,
+                 max_leased_blocks: int = 0) -> None:
         self.loop, self.holder, self.worker_id = loop, holder, worker_id
         self.engine = loop.engine
+        self.max_leased_blocks = max_leased_blocks
+        self.refused = 0
 
     def Prefill(self, request, context):
         t0 = time.monotonic()
@@ -49,6 +57,14 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                                    span)
 
     def _prefill(self, request, context, rid: str, t0: float, span):
+        if self.max_leased_blocks:
+            leased = self.holder.leases.num_blocks()
+            if leased >= self.max_leased_blocks:
+                self.refused += 1
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{leased} KV blocks wait for decode workers to read them "
+                              f"(max_leased_blocks={self.max_leased_blocks}, "
+                              "--max-leased-share): the decode pool is not keeping up")
         try:
             params = params_from_proto(request.params)
             stream = self.loop.submit(rid, prompt_token_ids=list(request.prompt_token_ids),
@@ -114,7 +130,7 @@ def engine_spans(span, t0: float, out) -> None:
 
 
 def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot, lease_ttl: float,
-                     checksums: bool = False) -> KVHolder:
+                     checksums: bool = False, max_leased_share: float = 0.0) -> KVHolder:
     """Serve PrefillWorker and KVSource for ``loop``'s engine on ``server``: leases on its pool,
     the lease channel, and the expired-lease sweep on the engine thread. Used by prefill workers
     and by decode workers started with ``--role both``."""
@@ -126,8 +142,10 @@ def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot, lease_ttl: floa
                       checksums=checksums)
     holder.serve_lease_channel(boot.host)
     loop.on_tick = holder.sweep
+    total = engine.num_blocks
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
-        PrefillService(loop, holder, boot.worker_id), server)
+        PrefillService(loop, holder, boot.worker_id,
+                       max(1, int(max_leased_share * total)) if max_leased_share else 0), server)
     worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
     return holder
 
@@ -143,13 +161,20 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--lease-ttl", type=float, default=30.0,
                    help="seconds a prefilled request's blocks stay pinned for a reader "
                         "(default 30); an expired lease frees them and its reader is refused")
+    g.add_argument("--max-leased-share", type=float, default=0.5,
+                   help="refuse new prompts (RESOURCE_EXHAUSTED; the router tries another "
+                        "worker or prefills locally) while this share of the KV pool waits "
+                        "under leases for decode workers to read it (0: never) (default 0.5)")
     g.add_argument("--kv-checksums", action="store_true",
                    help="send per-block CRC32s in each handle for readers to verify (debugging)")
     args = ap.parse_args(argv)
     boot = boot_worker(args, "prefill")
     loop = EngineLoop(boot.engine)
     loop.on_outputs = boot.metrics.observe_outputs
-    holder = add_prefill_role(boot.server, loop, boot, args.lease_ttl, args.kv_checksums)
+    if not 0 <= args.max_leased_share <= 1:
+        ap.error(f"--max-leased-share {args.max_leased_share}: must be in [0, 1]")
+    holder = add_prefill_role(boot.server, loop, boot, args.lease_ttl, args.kv_checksums,
+                              args.max_leased_share)
     loop.start()
 
     def stop() -> None:

@@ -36,16 +36,21 @@ class _Aborted(Exception):
 class _Context:
     """What RouterService.Generate uses of a grpc.ServicerContext."""
 
-    def __init__(self, timeout: float | None, headers=None) -> None:
+    def __init__(self, timeout: float | None, headers=None, peer: str = "") -> None:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._callbacks: list = []
         self._active = True
-        # the trace context of the caller (W3C traceparent / tracestate headers)
-        self._metadata = tuple((k, headers[k]) for k in ("traceparent", "tracestate")
+        # the caller's trace context (W3C traceparent / tracestate) and API key, as gRPC has them
+        self._metadata = tuple((k.lower(), headers[k])
+                               for k in ("traceparent", "tracestate", "Authorization")
                                if headers is not None and headers.get(k))
+        self._peer = peer
 
     def invocation_metadata(self):
         return self._metadata
+
+    def peer(self) -> str:
+        return self._peer
 
     def abort(self, code, details):
         raise _Aborted(code, details)
@@ -252,12 +257,16 @@ class OpenAIHandler(BaseHTTPRequestHandler):
 
     # ---- generation ------------------------------------------------------------------------------
 
+    def _context(self) -> _Context:
+        return _Context(timeout=None, headers=self.headers,
+                        peer=f"ipv4:{self.client_address[0]}:{self.client_address[1]}")
+
     def _run(self, req, ctx):
         self._gen = self.router.Generate(req, ctx)
         return self._gen
 
     def _complete(self, kind: str, req) -> None:
-        ctx = _Context(timeout=None, headers=self.headers)
+        ctx = self._context()
         text, final, lps = "", None, []
         try:
             for msg in self._run(req, ctx):
@@ -290,7 +299,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
                                    "decode_worker": final.decode_worker}})
 
     def _stream(self, kind: str, req, body: dict) -> None:
-        ctx = _Context(timeout=None, headers=self.headers)
+        ctx = self._context()
         rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model()
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         want_usage = bool((body.get("stream_options") or {}).get("include_usage"))

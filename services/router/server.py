@@ -47,6 +47,7 @@ from baton.services.common.worker import (
     serve_forever,
     setup_logging,
 )
+from baton.services.router.limits import Admission, LimitExceededError, Limits, WaitEndedError
 from baton.services.router.routing import (
     DEFAULT_WEIGHTS,
     MODES,
@@ -134,14 +135,23 @@ class _Retry(Exception):
         self.address = address
 
 
+class _Lost(_Retry):
+    """A worker failed after tokens reached the client: resume elsewhere (migrate)."""
+
+
 class RouterService(api_pb2_grpc.BatonServicer):
     def __init__(self, pool: WorkerPool, tokenizer: BatonTokenizer, model: str,
                  max_model_len: int, fingerprint: str, policy: RoutingPolicy | None = None,
-                 max_retries: int = 2) -> None:
+                 max_retries: int = 2, max_migrations: int = 2, limits: Limits | None = None,
+                 max_prompt_tokens: int = 0, max_tokens: int = 0) -> None:
         self.pool, self.tokenizer, self.model = pool, tokenizer, model
         self.max_model_len, self.fingerprint = max_model_len, fingerprint
         self.policy = policy or RoutingPolicy(pool, None)
-        self.max_retries = max_retries
+        self.max_retries, self.max_migrations = max_retries, max_migrations
+        self.admission = Admission(limits or Limits())
+        # 0: the context length bounds the prompt, and prompt + output
+        self.max_prompt_tokens = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
+        self.max_tokens = max_tokens
         self.metrics = RouterMetrics(self.policy.index)
 
     # ---- API -------------------------------------------------------------------------------------
@@ -158,7 +168,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
             span = tracing.server_span(context, *_request_span(request, self.model, rid), at=t0)
         ended = False
         try:
-            for msg in self._generate(request, context, t0, rid, span):
+            for msg in self._admitted(request, context, t0, rid, span):
                 if msg.HasField("final"):
                     ended = True
                     self.metrics.finished(msg.final)
@@ -174,51 +184,96 @@ class RouterService(api_pb2_grpc.BatonServicer):
                 self.metrics.failed(status)
                 span.end(error=status)
 
-    def _generate(self, request, context, t0: float, rid: str, span):
+    def _admitted(self, request, context, t0: float, rid: str, span):
+        """Validate, then run under the admission limits (see baton.services.router.limits)."""
         try:
             ids = self._prompt_ids(request)
-            params_from_proto(request.params)  # validation only: the workers get the proto
+            p = params_from_proto(request.params)  # validation: the workers get the proto
+            if self.max_tokens and p.max_tokens > self.max_tokens:
+                raise InvalidRequestError("params.max_tokens", p.max_tokens,
+                                          f"this router allows at most {self.max_tokens} "
+                                          "(--max-tokens)")
         except InvalidRequestError as e:
             abort_with(context, e)
+        try:
+            with self.admission.slot(client_key(context), context.time_remaining,
+                                     context.is_active):
+                span.event("baton.admitted")
+                yield from self._generate(request, context, t0, rid, span, ids)
+        except LimitExceededError as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}")
+        except WaitEndedError as e:
+            context.abort(grpc.StatusCode.CANCELLED if "client" in e.reason
+                          else grpc.StatusCode.DEADLINE_EXCEEDED, f"{type(e).__name__}: {e}")
+
+    def _generate(self, request, context, t0: float, rid: str, span, ids: list[int]):
         calls: list = []  # outbound calls in flight, cancelled if the client goes away
         context.add_callback(lambda: [c.cancel() for c in list(calls)])
         failed: set[str] = set()
-        hashes = None
-        for attempt in range(self.max_retries + 1):
-            # a retry is a new request on the workers (the failed attempt may still be known)
-            state = _State(rid if attempt == 0 else f"{rid}.retry{attempt}", ids, t0, attempt,
-                           self.metrics, span)
+        state, retries = None, 0
+        while True:
+            # every attempt is a new request on the workers (a failed one may still be known)
+            n = retries + (state.migrations if state else 0)
+            state = _State(rid if n == 0 else f"{rid}.{n}", ids, t0, retries, self.metrics,
+                           span, before=state)
             try:
                 t = time.monotonic()
-                if hashes is None and self.policy.mode != "round-robin":
+                hashes = None
+                if self.policy.mode != "round-robin":
                     workers = self.pool.workers()
                     bs = workers[0].block_size if workers else 16
                     salt = (request.params.cache_salt if request.params.HasField("cache_salt")
                             else None)
-                    hashes = self.policy.prompt_hashes(ids, self.fingerprint, salt, bs)
+                    hashes = self.policy.prompt_hashes(state.ids, self.fingerprint, salt, bs)
                 try:
-                    decision = self.policy.decide(ids, hashes, failed)
+                    decision = self.policy.decide(state.ids, hashes, failed)
                 except NoWorkerError:  # the registry read may predate a worker's start
                     if not self.pool.forget(if_older_than=0.1):
                         raise
-                    decision = self.policy.decide(ids, hashes, failed)
+                    decision = self.policy.decide(state.ids, hashes, failed)
                 state.route(decision, t, time.monotonic())
                 self.metrics.routed(decision)
                 yield from self._attempt(request, state, decision, calls, context)
                 return
+            except _Lost as e:  # tokens were streamed: resume elsewhere, or end typed
+                failed.add(e.address)
+                self.pool.forget()
+                why = self._cannot_migrate(state, request)
+                if why:
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
+                                  f"worker {e.address} failed after tokens were streamed "
+                                  f"({e}); not migrated: {why}")
+                state.migrated(state.decode_worker, self.tokenizer)
+                self.metrics.migrations.inc()
+                span.event("baton.migrate", {"baton.worker.address": e.address,
+                                             "baton.migrate.tokens_sent": len(state.tokens)})
+                log.warning("request %s: %s after %d tokens; migrating (%d)", rid, e,
+                            len(state.tokens), state.migrations)
             except _Retry as e:
                 span.event("baton.retry", {"baton.worker.address": e.address,
                                            "baton.retry.reason": str(e)})
                 failed.add(e.address)
                 self.pool.forget()
-                log.warning("request %s: %s; retrying elsewhere (attempt %d)", rid, e,
-                            attempt + 1)
-                if not context.is_active():
-                    return
+                retries += 1
+                if retries > self.max_retries:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "every attempt failed on an "
+                                  f"unavailable worker ({sorted(failed)})")
+                log.warning("request %s: %s; retrying elsewhere (attempt %d)", rid, e, retries)
             except NoWorkerError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"every attempt failed on an unavailable worker ({sorted(failed)})")
+            if not context.is_active():
+                return
+
+    def _cannot_migrate(self, st, request) -> str:
+        """Why the request cannot resume on another worker ("" when it can)."""
+        if st.migrations >= self.max_migrations:
+            return f"already migrated {st.migrations} times (--max-migrations)"
+        p = request.params
+        if len(st.tokens) >= (p.max_tokens if p.HasField("max_tokens") else 16):
+            return "every requested token was sent, but not the finish"
+        if len(st.prompt) + len(st.tokens) >= self.max_model_len:
+            return f"prompt and output fill the context length {self.max_model_len}"
+        return ""
 
     def _attempt(self, request, st, decision: Decision, calls, context):
         """One attempt on the decided workers, counted in flight on them (in Redis too)."""
@@ -240,7 +295,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
 
     def _remote(self, request, st, prefill, decode, calls, context):
         st.prefill_worker = prefill.worker_id
-        p = request.params
+        p = st.params(request.params)
         t = time.monotonic()
         with self.pool.busy(prefill.address):
             cs = _call_span(st.span, prefill, "PrefillWorker", "Prefill")
@@ -253,6 +308,9 @@ class RouterService(api_pb2_grpc.BatonServicer):
                 pre = fut.result()
             except grpc.RpcError as e:
                 cs.end(error=e.code())
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # backpressure: elsewhere
+                    raise _Retry(prefill.address,
+                                 f"{prefill.address} refused: {e.details()}") from None
                 _fail(e, prefill.address, context, sent=False)
             finally:
                 calls.remove(fut)
@@ -289,7 +347,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
                      e.code())
 
     def _local(self, request, st, decode, calls, context):
-        p = request.params
+        p = st.params(request.params)
         yield from self._stream(
             decode, "local", st, calls, context,
             lambda stub, md: stub.Generate(worker_pb2.LocalRequest(
@@ -318,7 +376,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
                     if chunk.queue_s:
                         st.queue_s = chunk.queue_s
                     lps = list(chunk.logprobs)
-                    if not st.tokens and st.first_logprob and len(lps) < len(chunk.token_ids):
+                    if (len(st.tokens) == st.start and st.first_logprob
+                            and len(lps) < len(chunk.token_ids)):
                         lps = st.first_logprob + lps  # the hand-off's first token: prefill's
                     st.tokens.extend(chunk.token_ids)
                     yield st.delta(chunk.token_ids, chunk.text, lps)
@@ -332,7 +391,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
         if not reason:  # the stream ended without a finish: never report that as success
             context.abort(grpc.StatusCode.INTERNAL,
                           f"decode worker {decode.worker_id} ended the stream unfinished")
-        yield st.final(reason, path)
+        yield st.final(reason, "migrated" if st.migrations else path)
 
     # ---- input -----------------------------------------------------------------------------------
 
@@ -359,30 +418,66 @@ class RouterService(api_pb2_grpc.BatonServicer):
             raise InvalidRequestError("input", None, "give text, token_ids or chat")
         if not ids:
             raise InvalidRequestError("prompt", "", "the prompt has no tokens")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"<{len(ids)} tokens>",
-                                      f"does not fit the context length {self.max_model_len}")
+        if len(ids) > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                "prompt", f"<{len(ids)} tokens>",
+                f"does not fit the context length {self.max_model_len}"
+                if self.max_prompt_tokens == self.max_model_len - 1 else
+                f"this router takes at most {self.max_prompt_tokens} tokens "
+                "(--max-prompt-tokens)")
         return ids
 
 
 class _State:
-    """One attempt's progress: what was sent and the timings for the final message."""
+    """One attempt's progress and the timings for the final message. An attempt after a
+    migration starts from the one ``before``: what the client was sent carries over, and the
+    workers get the prompt plus those tokens (``ids``) with ``max_tokens`` reduced by them."""
 
-    def __init__(self, rid: str, ids: list[int], t0: float, attempt: int,
-                 metrics=None, span=tracing.NO_SPAN) -> None:
-        self.rid, self.ids, self.t0, self.attempt = rid, ids, t0, attempt
-        self.metrics, self.last_at, self.span = metrics, None, span
-        self.tokens: list[int] = []
-        self.sent = False
+    def __init__(self, rid: str, prompt: list[int], t0: float, attempt: int,
+                 metrics=None, span=tracing.NO_SPAN, before: _State | None = None) -> None:
+        self.rid, self.prompt, self.t0, self.attempt = rid, prompt, t0, attempt
+        self.metrics, self.span = metrics, span
+        b = before
+        self.tokens: list[int] = list(b.tokens) if b else []  # every token sent to the client
+        self.start = len(self.tokens)  # this attempt's first token's index in ``tokens``
+        self.ids = prompt + self.tokens  # the prompt the workers get
+        self.text = b.text if b else ""  # every character sent to the client
+        self.unsent_text = b.unsent_text if b else ""  # goes out before this attempt's text
+        self.sent = b.sent if b else False
+        self.first_at: float | None = b.first_at if b else None
+        self.second_at: float | None = b.second_at if b else None  # after the first token
+        self.last_at = b.last_at if b else None
+        self.migrations = b.migrations if b else 0
+        self.migrated_from: list[str] = list(b.migrated_from) if b else []
         self.cached = 0
         self.prefill_s = self.transfer_s = 0.0
-        self.first_at: float | None = None
         self.transports = self.prefill_worker = self.decode_worker = ""
         self.first_logprob: list = []
         self.route_s = self.queue_s = 0.0
-        self.second_at: float | None = None  # when the token after the first one was sent
         self.decision: Decision | None = None
         self.blocks_read = self.blocks_local = 0
+
+    def params(self, p):
+        """The request's sampling parameters for this attempt (``max_tokens`` less the tokens
+        already sent)."""
+        if self.start == 0:
+            return p
+        q = type(p)()
+        q.CopyFrom(p)
+        q.max_tokens = (p.max_tokens if p.HasField("max_tokens") else 16) - self.start
+        return q
+
+    def migrated(self, worker_id: str, tokenizer: BatonTokenizer) -> None:
+        """The decode worker failed after streaming ``tokens``: the next attempt resumes after
+        them. Text the worker held back (an unfinished UTF-8 character, a possible stop string's
+        start) was never sent; it goes out first, from the router's own decode of the tokens."""
+        self.migrations += 1
+        self.migrated_from.append(worker_id)
+        seed = self.prompt[-5:]  # as the workers' detokenizer: context for a leading space
+        full = tokenizer.decode(seed + self.tokens)[len(tokenizer.decode(seed)):]
+        sent = self.text
+        if full.startswith(sent):
+            self.unsent_text = full[len(sent):].rstrip("\ufffd")
 
     def route(self, decision: Decision, start: float, end: float) -> None:
         self.decision, self.route_s = decision, end - start
@@ -406,6 +501,9 @@ class _State:
             self.metrics.itl.observe(now - self.last_at)
         self.last_at = now
         self.sent = True
+        if self.unsent_text:
+            text, self.unsent_text = self.unsent_text + text, ""
+        self.text += text
         return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
             text=text, token_ids=token_ids, logprobs=logprobs))
 
@@ -416,11 +514,13 @@ class _State:
         return api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(
             finish_reason=reason, path=path, prefill_worker=self.prefill_worker,
             decode_worker=self.decode_worker, transports=self.transports, retries=self.attempt,
-            prompt_token_ids=self.ids, route_reason=d.reason if d else "",
+            prompt_token_ids=self.prompt, route_reason=d.reason if d else "",
+            migrations=self.migrations, migrated_from=self.migrated_from,
             index_cached_tokens=d.cached_tokens if d else 0,
             index_used=d.used_index if d else False, kv_blocks_read=self.blocks_read,
             kv_blocks_local=self.blocks_local,
-            usage=api_pb2.Usage(prompt_tokens=len(self.ids), cached_tokens=self.cached,
+            usage=api_pb2.Usage(prompt_tokens=len(self.prompt),
+                                cached_tokens=min(self.cached, len(self.prompt)),
                                 completion_tokens=len(self.tokens)),
             timing=api_pb2.Timing(prefill_s=self.prefill_s, transfer_s=self.transfer_s,
                                   first_token_s=first - self.t0, decode_s=now - first,
@@ -482,17 +582,29 @@ def _left(context) -> float:
 
 
 def _fail(e: grpc.RpcError, address: str, context, sent: bool):
-    """A worker call failed: retry elsewhere if nothing was sent and the worker was unavailable;
-    otherwise end the client's stream with the worker's status (raises either way)."""
+    """A worker call failed: retry elsewhere if the worker was unavailable (migrate if tokens
+    were sent already); otherwise end the client's stream with the worker's status (raises
+    either way)."""
     code = e.code()
     if code == grpc.StatusCode.CANCELLED and not context.is_active():
         raise _Retry(address, "client went away")  # the loop sees the inactive context
     if not sent and code == grpc.StatusCode.UNAVAILABLE:
         raise _Retry(address, f"{address} unavailable: {e.details()}")
     if sent and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        context.abort(grpc.StatusCode.UNAVAILABLE,
-                      f"worker {address} failed after tokens were streamed: {e.details()}")
+        raise _Lost(address, f"{address} failed: {code.name} {e.details()}")
     context.abort(code, e.details() or code.name)
+
+
+def client_key(context) -> str:
+    """Whose request this is, for --max-concurrent-per-key: a digest of its bearer token, else
+    its peer's host."""
+    import hashlib
+
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and value:
+            return "key:" + hashlib.sha256(value.encode()).hexdigest()[:16]
+    peer = context.peer() if hasattr(context, "peer") else ""
+    return "peer:" + peer.rsplit(":", 1)[0]
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -586,6 +698,25 @@ def main(argv: list[str] | None = None) -> None:
                         "(re-armed while it runs) (default 30)")
     ap.add_argument("--max-retries", type=int, default=2,
                     help="other workers to try when one is unavailable before the first token")
+    lim = ap.add_argument_group("limits (over them: RESOURCE_EXHAUSTED / HTTP 429, or "
+                                "INVALID_ARGUMENT naming the field)")
+    lim.add_argument("--max-concurrent", type=int, default=256,
+                     help="requests this router runs at once (0: no limit) (default 256)")
+    lim.add_argument("--max-queued", type=int, default=1024,
+                     help="requests that may wait for one of those slots, first come first "
+                          "served, within their deadlines; more are refused at once "
+                          "(default 1024)")
+    lim.add_argument("--max-concurrent-per-key", type=int, default=0,
+                     help="requests one API key (else one client host) may have running or "
+                          "waiting (0: no limit) (default 0)")
+    lim.add_argument("--max-prompt-tokens", type=int, default=0,
+                     help="longest prompt accepted (0: the model's context length)")
+    lim.add_argument("--max-tokens", type=int, default=0,
+                     help="largest max_tokens accepted (0: no limit beyond the context)")
+    ap.add_argument("--max-migrations", type=int, default=2,
+                    help="times a request resumes on another decode worker when its own fails "
+                         "after tokens were streamed (from the prompt plus those tokens; "
+                         "0: end such requests UNAVAILABLE) (default 2)")
     ap.add_argument("--startup-timeout", type=float, default=300.0,
                     help="seconds to wait for a first worker to register")
     ap.add_argument("--drain-timeout", type=float, default=30.0)
@@ -605,6 +736,10 @@ def main(argv: list[str] | None = None) -> None:
         weights = parse_weights(args.scorers)
     except ValueError as e:
         ap.error(f"--scorers: {e}")
+    try:
+        limits = Limits(args.max_concurrent, args.max_queued, args.max_concurrent_per_key)
+    except ValueError as e:
+        ap.error(str(e))
     setup_logging(args.log_level)
     import redis
 
@@ -613,7 +748,11 @@ def main(argv: list[str] | None = None) -> None:
     pool = WorkerPool(WorkerRegistry(client))
     tok, worker = fetch_tokenizer(pool, args.startup_timeout)
     interceptors = [TokenAuth(args.auth_token)] if args.auth_token else []
-    server = make_server(max_workers=256, interceptors=interceptors)
+    # a thread per running or waiting request, and a few for health and listing; past that the
+    # gRPC server itself refuses (RESOURCE_EXHAUSTED) rather than queueing without bound
+    threads = limits.max_concurrent + limits.max_queued + 16 if limits.max_concurrent else 1024
+    server = make_server(max_workers=threads, interceptors=interceptors,
+                         max_concurrent_rpcs=threads)
     if args.tls_cert:
         with open(args.tls_cert, "rb") as c, open(args.tls_key, "rb") as k:
             creds = grpc.ssl_server_credentials([(k.read(), c.read())])
@@ -630,7 +769,8 @@ def main(argv: list[str] | None = None) -> None:
     policy.prompt_hashes([0] * 256, worker.fingerprint, None, 16)  # builds the native hasher
     service = RouterService(pool, BatonTokenizer.from_json(json.loads(tok.tokenizer_json)),
                             tok.model, tok.max_model_len, worker.fingerprint, policy,
-                            args.max_retries)
+                            args.max_retries, args.max_migrations, limits,
+                            args.max_prompt_tokens, args.max_tokens)
     api_pb2_grpc.add_BatonServicer_to_server(service, server)
     health = add_standard_services(server, ["baton.v1.Baton"])
     server.start()

@@ -1,0 +1,146 @@
+"""Admission limits at the router: bounded concurrency, a bounded wait queue, per-key caps.
+
+A request takes a slot for its whole life (routing, prefill, transfer, decode, streaming)::
+
+    arrives ──► its key over --max-concurrent-per-key? ──yes──► RESOURCE_EXHAUSTED (HTTP 429)
+                  │ no
+                  ▼
+              a slot free (< --max-concurrent)? ──yes──► runs; the slot is freed when it ends
+                  │ no
+                  ▼
+              queue full (--max-queued waiting)? ──yes──► RESOURCE_EXHAUSTED (HTTP 429)
+                  │ no
+                  ▼
+              waits (first come, first served) for a slot ──► runs; or its deadline passes
+              (DEADLINE_EXCEEDED) or its client goes away (CANCELLED) while waiting
+
+Nothing queues without bound: past these limits a request is refused at once, with the limit
+named, instead of piling up in the router's or a worker's queue. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from baton.engine.errors import BatonError
+
+
+class LimitExceededError(BatonError):
+    """A limit refused the request for now (RESOURCE_EXHAUSTED; HTTP 429). ``limit`` names the
+    setting, ``value`` its configured size."""
+
+    def __init__(self, limit: str, value: int, reason: str) -> None:
+        self.limit, self.value, self.reason = limit, value, reason
+        super().__init__(f"{limit}={value}: {reason}")
+
+
+class WaitEndedError(BatonError):
+    """The request's deadline passed, or its client went away, while it waited for a slot."""
+
+    def __init__(self, reason: str, waited_s: float) -> None:
+        self.reason, self.waited_s = reason, waited_s
+        super().__init__(f"{reason} after waiting {waited_s:.2f}s for a slot "
+                         "(--max-concurrent)")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """0 means no limit. ``max_queued`` requests may wait for one of ``max_concurrent`` slots."""
+
+    max_concurrent: int = 0
+    max_queued: int = 0
+    max_concurrent_per_key: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent", "max_queued", "max_concurrent_per_key"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
+
+
+class Admission:
+    """Slots and the queue of waiters; thread-safe. ``stats()`` for metrics and tests."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._lock = threading.Condition()
+        self._running = 0
+        self._waiting: deque[object] = deque()  # tickets, first come first served
+        self._per_key: dict[str, int] = {}
+        self.refused = 0
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"running": self._running, "waiting": len(self._waiting),
+                    "refused": self.refused, "keys": len(self._per_key)}
+
+    @contextmanager
+    def slot(self, key: str, time_remaining: Callable[[], float | None],
+             is_active: Callable[[], bool]):
+        """Hold a slot for the ``with`` body; raises LimitExceededError or WaitEndedError
+        instead of entering it. ``time_remaining()`` is the request's deadline (None: none),
+        ``is_active()`` false once its client went away."""
+        self._enter(key, time_remaining, is_active)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._leave_key(key)
+                self._lock.notify_all()
+
+    def _enter(self, key, time_remaining, is_active) -> None:
+        """Counts the key at once (its waiting requests count against its cap too), then a
+        slot, waiting in line for one when they are all taken."""
+        lim = self.limits
+        t0 = time.monotonic()
+        with self._lock:
+            if lim.max_concurrent_per_key and \
+                    self._per_key.get(key, 0) >= lim.max_concurrent_per_key:
+                self.refused += 1
+                raise LimitExceededError("max_concurrent_per_key", lim.max_concurrent_per_key,
+                                         "this API key has that many requests in flight")
+            if lim.max_concurrent and (self._running >= lim.max_concurrent or self._waiting) \
+                    and len(self._waiting) >= lim.max_queued:
+                self.refused += 1
+                raise LimitExceededError(
+                    "max_queued", lim.max_queued,
+                    f"{self._running} requests run (max_concurrent={lim.max_concurrent}) and "
+                    f"{len(self._waiting)} wait; try again later")
+            self._per_key[key] = self._per_key.get(key, 0) + 1
+            try:
+                if lim.max_concurrent:
+                    self._wait_in_line(t0, time_remaining, is_active)
+            except BaseException:
+                self._leave_key(key)
+                raise
+            self._running += 1
+
+    def _wait_in_line(self, t0, time_remaining, is_active) -> None:
+        """Under the lock: until this request is first in line and a slot is free."""
+        if self._running < self.limits.max_concurrent and not self._waiting:
+            return
+        ticket = object()
+        self._waiting.append(ticket)
+        try:
+            while self._running >= self.limits.max_concurrent or self._waiting[0] is not ticket:
+                left = time_remaining()
+                if left is not None and left <= 0:
+                    raise WaitEndedError("the deadline passed", time.monotonic() - t0)
+                if not is_active():
+                    raise WaitEndedError("the client went away", time.monotonic() - t0)
+                self._lock.wait(0.05 if left is None else min(left, 0.05))
+        finally:
+            self._waiting.remove(ticket)
+            self._lock.notify_all()
+
+    def _leave_key(self, key: str) -> None:
+        n = self._per_key[key] - 1
+        if n:
+            self._per_key[key] = n
+        else:
+            del self._per_key[key]

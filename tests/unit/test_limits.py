@@ -1,0 +1,127 @@
+"""The router's admission limits: slots, the bounded first-come-first-served queue, per-key caps,
+and waiters that give up (deadline, client gone) without taking or leaking a slot."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from baton.services.router.limits import (
+    Admission,
+    LimitExceededError,
+    Limits,
+    WaitEndedError,
+)
+
+
+def no_deadline():
+    return None
+
+
+def active():
+    return True
+
+
+def hold(adm: Admission, key: str, release: threading.Event, order: list, name: str):
+    """A thread that takes a slot, records ``name`` when it got it, and holds it until
+    ``release`` is set; returns the thread (started)."""
+    def run():
+        with adm.slot(key, no_deadline, active):
+            order.append(name)
+            release.wait(10)
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_slots_then_queue_then_refusal_naming_the_limit():
+    adm = Admission(Limits(max_concurrent=2, max_queued=1))
+    release, order = threading.Event(), []
+    ts = [hold(adm, f"k{i}", release, order, f"r{i}") for i in range(2)]
+    wait_for(lambda: adm.stats()["running"] == 2)
+    queued = hold(adm, "k9", release, order, "queued")
+    wait_for(lambda: adm.stats()["waiting"] == 1)
+    with pytest.raises(LimitExceededError) as e:
+        with adm.slot("k8", no_deadline, active):
+            pass
+    assert e.value.limit == "max_queued" and "max_queued=1" in str(e.value)
+    assert adm.stats()["refused"] == 1
+    release.set()
+    for t in [*ts, queued]:
+        t.join(5)
+    assert order[-1] == "queued"
+    assert adm.stats() == {"running": 0, "waiting": 0, "refused": 1, "keys": 0}
+
+
+def test_waiters_are_served_first_come_first_served():
+    adm = Admission(Limits(max_concurrent=1, max_queued=10))
+    gate, order = threading.Event(), []
+    first = hold(adm, "a", gate, order, "first")
+    wait_for(lambda: adm.stats()["running"] == 1)
+    done = threading.Event()
+    done.set()  # the waiters hold their slot only briefly, one at a time
+    waiters = []
+    for i in range(5):
+        waiters.append(hold(adm, "b", done, order, f"w{i}"))
+        wait_for(lambda i=i: adm.stats()["waiting"] == i + 1)
+    gate.set()
+    for t in [first, *waiters]:
+        t.join(5)
+    assert order == ["first", "w0", "w1", "w2", "w3", "w4"]
+
+
+def test_per_key_cap_counts_waiting_requests_too():
+    adm = Admission(Limits(max_concurrent=1, max_queued=5, max_concurrent_per_key=2))
+    release, order = threading.Event(), []
+    a1 = hold(adm, "alice", release, order, "a1")
+    wait_for(lambda: adm.stats()["running"] == 1)
+    a2 = hold(adm, "alice", release, order, "a2")  # waits in line, and counts for alice
+    wait_for(lambda: adm.stats()["waiting"] == 1)
+    with pytest.raises(LimitExceededError) as e:
+        with adm.slot("alice", no_deadline, active):
+            pass
+    assert e.value.limit == "max_concurrent_per_key"
+    bob = hold(adm, "bob", release, order, "bob")  # another key still gets in line
+    wait_for(lambda: adm.stats()["waiting"] == 2)
+    release.set()
+    for t in (a1, a2, bob):
+        t.join(5)
+    assert sorted(order) == ["a1", "a2", "bob"] and adm.stats()["keys"] == 0
+
+
+def test_a_waiter_whose_deadline_passes_or_client_leaves_frees_its_place():
+    adm = Admission(Limits(max_concurrent=1, max_queued=2, max_concurrent_per_key=3))
+    release, order = threading.Event(), []
+    holder = hold(adm, "k", release, order, "holder")
+    wait_for(lambda: adm.stats()["running"] == 1)
+    end = time.monotonic() + 0.2
+    with pytest.raises(WaitEndedError, match="deadline"):
+        with adm.slot("k", lambda: end - time.monotonic(), active):
+            pass
+    gone = threading.Event()
+    threading.Timer(0.1, gone.set).start()
+    with pytest.raises(WaitEndedError, match="went away"):
+        with adm.slot("k", no_deadline, lambda: not gone.is_set()):
+            pass
+    assert adm.stats() == {"running": 1, "waiting": 0, "refused": 0, "keys": 1}
+    release.set()
+    holder.join(5)
+    assert adm.stats()["keys"] == 0
+
+
+def test_no_limits_admit_everyone_and_errors_in_the_body_free_the_slot():
+    adm = Admission(Limits())
+    with pytest.raises(RuntimeError):
+        with adm.slot("k", no_deadline, active):
+            raise RuntimeError("the request failed")
+    assert adm.stats()["running"] == 0
+    with pytest.raises(ValueError, match="max_queued=-1"):
+        Limits(max_queued=-1)
