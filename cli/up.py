@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -39,10 +40,17 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                     choices=["cache-aware", "least-loaded", "round-robin"],
                     help="the router's policy (default cache-aware: Redis prefix index + load)")
     ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
+    ap.add_argument("--router-args", default="",
+                    help="more options for the router, e.g. \"--max-concurrent 64 "
+                         "--max-concurrent-per-key 8 --max-tokens 1024\" (see python -m "
+                         "baton.services.router --help)")
     sec = ap.add_argument_group("security (the router's public APIs)")
     sec.add_argument("--auth-token", default=None,
                      help="require this bearer token on gRPC calls and /v1/* (default: "
                           "$BATON_AUTH_TOKEN if set, else none)")
+    sec.add_argument("--api-keys-file", default=None,
+                     help="more accepted keys, one per line (default: $BATON_API_KEYS_FILE "
+                          "if set)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve over TLS")
     sec.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     from baton.control.autoscale import add_policy_args
@@ -144,14 +152,14 @@ def up(a: argparse.Namespace) -> int:
         local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens
         security = []
         for flag, value in (("--auth-token", a.auth_token), ("--tls-cert", a.tls_cert),
-                            ("--tls-key", a.tls_key)):
+                            ("--tls-key", a.tls_key), ("--api-keys-file", a.api_keys_file)):
             if value:
                 security += [flag, value]
         router = WorkerProcess("router", ["--host", a.host, "--port", str(a.grpc_port),
                                           "--http-port", str(a.http_port),
                                           "--redis-url", url, "--local-prefill-max-tokens",
                                           str(local_max), "--routing", a.routing,
-                                          *security], **kw)
+                                          *security, *shlex.split(a.router_args)], **kw)
         procs.append(router)
         logs = procs[0].log_path.parent
         say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in {logs}")

@@ -6,6 +6,7 @@ any ``redis-server`` on PATH, started on a loopback port without persistence.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -43,24 +44,29 @@ def _free_port(host: str) -> int:
 class EmbeddedRedis:
     """``redis-server`` as a child process; ``url`` once :meth:`start` returns."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 password: str | None = None) -> None:
+        """``password``: require it (Redis AUTH); ``url`` carries it."""
+        self.host, self.port, self.password = host, port, password
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.mkdtemp(prefix="baton-redis-")
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.port = self.port or _free_port(self.host)
         self.proc = subprocess.Popen(
-            [redis_server_binary(), "--bind", self.host, "--port", str(self.port),
+            [redis_server_binary(), *([self._config()] if self.password else []),
+             "--bind", self.host, "--port", str(self.port),
              "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         import redis
 
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
+        client = redis.Redis(host=self.host, port=self.port, password=self.password,
+                             socket_timeout=1)
         end = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -77,6 +83,15 @@ class EmbeddedRedis:
             time.sleep(0.05)
         client.close()
         return self
+
+    def _config(self) -> str:
+        """A config file (mode 0600) with the password: not on the command line, where ``ps``
+        would show it."""
+        path = Path(self._dir) / "redis.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"requirepass {self.password}\n")
+        return str(path)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

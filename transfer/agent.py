@@ -34,10 +34,17 @@ _ROW = re.compile(r"\|\s*\d+(?:\.\.(?:\d+|inf))?\s*\|[^|]*\|([^|]*)\|")  # range
 _TRANSPORT = re.compile(r"\b([a-z][\w]*/[\w:.-]+)")  # cma/memory, tcp/lo, rc_mlx5/mlx5_0:1
 
 
-def configure_ucx(log_dir: str | os.PathLike | None = None) -> Path | None:
+def configure_ucx(log_dir: str | os.PathLike | None = None,
+                  loopback_only: bool = False) -> Path | None:
     """Ask UCX to report its protocol choices into a per-process log file. Must run before the
     first agent is created (UCX reads its environment once). Returns the log path, or None if
-    the user set ``UCX_LOG_FILE`` themselves (then transports are reported as unknown)."""
+    the user set ``UCX_LOG_FILE`` themselves (then transports are reported as unknown).
+
+    ``loopback_only`` (a worker that serves on a loopback address): UCX uses the loopback
+    device only (``UCX_NET_DEVICES=lo`` unless set), so it opens no listening socket on the
+    machine's other interfaces; shared memory and CMA still carry the KV blocks."""
+    if loopback_only:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
     if "UCX_LOG_FILE" in os.environ and "BATON_UCX_LOG" not in os.environ:
         return None
     d = Path(log_dir or tempfile.gettempdir())

@@ -57,9 +57,11 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
     g.add_argument("--worker-id", default=None, help="stable name (default: role-host-port)")
     g.add_argument("--log-level", default="INFO")
-    g.add_argument("--redis-url", default=None,
+    g.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL"),
                    help="register in this Redis (worker registry, TTL heartbeat); "
-                        "e.g. redis://127.0.0.1:6379/0. Without it the worker is not discoverable")
+                        "e.g. redis://127.0.0.1:6379/0, redis://:PASSWORD@host:6379/0, "
+                        "rediss://... (TLS) (default $BATON_REDIS_URL, which keeps a password "
+                        "off the command line). Without it the worker is not discoverable")
     g.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0: a free one, printed as BATON_METRICS; "
                         "-1: none)")
@@ -130,7 +132,8 @@ def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
     from baton.transfer.agent import KVAgent, configure_ucx
 
     setup_logging(args.log_level)
-    configure_ucx()  # before the agent: UCX reads its environment once
+    # before the agent: UCX reads its environment once
+    configure_ucx(loopback_only=is_loopback(args.host))
     engine = build_engine(args)
     incarnation = new_incarnation()
     server = make_server()
@@ -143,6 +146,15 @@ def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
 
     return WorkerBoot(engine, role, args.host, f"{host}:{port}", worker_id, incarnation,
                       server, agent, WorkerMetrics(engine, role))
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def advertised_host(args: argparse.Namespace) -> str:

@@ -1,4 +1,4 @@
-"""Admission limits at the router: bounded concurrency, a bounded wait queue, per-key caps.
+"""Admission at the router: API keys, bounded concurrency, a bounded wait queue, per-key caps.
 
 A request takes a slot for its whole life (routing, prefill, transfer, decode, streaming)::
 
@@ -144,3 +144,38 @@ class Admission:
             self._per_key[key] = n
         else:
             del self._per_key[key]
+
+
+class ApiKeys:
+    """The API keys the public endpoints accept (``--auth-token``, ``--api-keys-file``); empty:
+    no key needed. Compared in constant time; only digests are kept."""
+
+    def __init__(self, keys=()) -> None:
+        import hashlib
+
+        self._digest = lambda k: hashlib.sha256(k.encode()).digest()
+        self._keys = [self._digest(k) for k in keys if k]
+
+    @classmethod
+    def load(cls, token: str | None, path: str | None) -> ApiKeys:
+        """``token`` and one key per line of ``path`` (blank lines and ``#`` comments skipped)."""
+        keys = [token] if token else []
+        if path:
+            with open(path) as f:
+                keys += [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
+        return cls(keys)
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def allows(self, authorization: str | None) -> bool:
+        """``authorization``: the header or metadata value, ``Bearer <key>``."""
+        import hmac
+
+        if not authorization or not authorization.startswith("Bearer "):
+            return False
+        d = self._digest(authorization[len("Bearer "):])
+        return any([hmac.compare_digest(d, k) for k in self._keys])  # no early exit

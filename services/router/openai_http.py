@@ -18,6 +18,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+from baton.services.router.limits import ApiKeys
 from baton.v1 import api_pb2, worker_pb2
 
 log = logging.getLogger("baton.services.router")
@@ -192,17 +193,14 @@ class OpenAIHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     router = None  # set by serve_http
     metrics: Metrics = None
-    token: str | None = None  # --auth-token: /v1/* needs "Authorization: Bearer <token>"
+    keys: ApiKeys = ApiKeys()  # when any: /v1/* needs "Authorization: Bearer <key>"
 
     def _authorized(self) -> bool:
-        """/v1/* with --auth-token set needs the bearer token (the OpenAI client's api_key);
+        """/v1/* with API keys set needs one as the bearer token (the OpenAI client's api_key);
         /health and /metrics stay open for probes and scrapers."""
-        if not self.token or not self.path.startswith("/v1/"):
+        if not self.keys or not self.path.startswith("/v1/"):
             return True
-        import hmac
-
-        given = self.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+        if self.keys.allows(self.headers.get("Authorization")):
             return True
         self._error(401, "missing or wrong API key (Authorization: Bearer ...)",
                     "authentication_error")
@@ -450,12 +448,12 @@ def _param(details: str) -> str | None:
     return None
 
 
-def serve_http(router, host: str, port: int, token: str | None = None,
+def serve_http(router, host: str, port: int, keys: ApiKeys | None = None,
                tls: tuple[str, str] | None = None) -> ThreadingHTTPServer:
     """Start the HTTP front on a thread; returns the server (``server_address`` has the port).
     ``tls``: (certificate file, key file) to serve HTTPS."""
     handler = type("Handler", (OpenAIHandler,), {"router": router, "metrics": Metrics(),
-                                                 "token": token})
+                                                 "keys": keys or ApiKeys()})
     server = ThreadingHTTPServer((host, port), handler)
     if tls is not None:
         import ssl

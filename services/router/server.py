@@ -47,7 +47,13 @@ from baton.services.common.worker import (
     serve_forever,
     setup_logging,
 )
-from baton.services.router.limits import Admission, LimitExceededError, Limits, WaitEndedError
+from baton.services.router.limits import (
+    Admission,
+    ApiKeys,
+    LimitExceededError,
+    Limits,
+    WaitEndedError,
+)
 from baton.services.router.routing import (
     DEFAULT_WEIGHTS,
     MODES,
@@ -609,14 +615,12 @@ def client_key(context) -> str:
 
 class TokenAuth(grpc.ServerInterceptor):
     """Every call but health checks (probes cannot send tokens) needs
-    ``authorization: Bearer <token>`` metadata; others end UNAUTHENTICATED."""
+    ``authorization: Bearer <key>`` metadata with one of ``keys``; others end UNAUTHENTICATED."""
 
     OPEN = ("/grpc.health.v1.Health/",)
 
-    def __init__(self, token: str) -> None:
-        import hmac
-
-        self._ok = lambda v: hmac.compare_digest(v.encode(), f"Bearer {token}".encode())
+    def __init__(self, keys: ApiKeys) -> None:
+        self._ok = keys.allows
 
         def deny(request, context):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -665,8 +669,11 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m baton.services.router",
         description="Baton router: the public gRPC API (baton.v1.Baton) in front of the prefill "
                     "and decode workers registered in Redis.")
-    ap.add_argument("--redis-url", required=True,
-                    help="Redis: the worker registry, the prefix index, shared in-flight counts")
+    ap.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL"),
+                    required="BATON_REDIS_URL" not in os.environ,
+                    help="Redis: the worker registry, the prefix index, shared in-flight counts "
+                         "(redis://:PASSWORD@host:port/0 for AUTH, rediss:// for TLS; default "
+                         "$BATON_REDIS_URL, which keeps a password off the command line)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--advertise-host", default=os.environ.get("BATON_ADVERTISE_HOST"),
                     help="address this router registers in Redis for `baton status` (default "
@@ -726,6 +733,10 @@ def main(argv: list[str] | None = None) -> None:
                      help="require 'authorization: Bearer TOKEN' on gRPC calls and "
                           "'Authorization: Bearer TOKEN' (the OpenAI api_key) on /v1/*; health "
                           "checks and /metrics stay open (default $BATON_AUTH_TOKEN)")
+    sec.add_argument("--api-keys-file", default=os.environ.get("BATON_API_KEYS_FILE"),
+                     help="more accepted keys, one per line ('#' comments), like --auth-token; "
+                          "--max-concurrent-per-key counts each key separately "
+                          "(default $BATON_API_KEYS_FILE)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP "
                                                       "over TLS (with --tls-key)")
     sec.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
@@ -747,7 +758,11 @@ def main(argv: list[str] | None = None) -> None:
     client = redis.Redis.from_url(args.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
     pool = WorkerPool(WorkerRegistry(client))
     tok, worker = fetch_tokenizer(pool, args.startup_timeout)
-    interceptors = [TokenAuth(args.auth_token)] if args.auth_token else []
+    try:
+        keys = ApiKeys.load(args.auth_token, args.api_keys_file)
+    except OSError as e:
+        ap.error(f"--api-keys-file: {e}")
+    interceptors = [TokenAuth(keys)] if keys else []
     # a thread per running or waiting request, and a few for health and listing; past that the
     # gRPC server itself refuses (RESOURCE_EXHAUSTED) rather than queueing without bound
     threads = limits.max_concurrent + limits.max_queued + 16 if limits.max_concurrent else 1024
@@ -780,7 +795,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.http_port >= 0:
         from baton.services.router.openai_http import serve_http
 
-        http = serve_http(service, args.host, args.http_port, token=args.auth_token,
+        http = serve_http(service, args.host, args.http_port, keys=keys,
                           tls=(args.tls_cert, args.tls_key) if args.tls_cert else None)
         http_address = f"{args.host}:{http.server_address[1]}"
         log.info("OpenAI-compatible HTTP on %s://%s/v1", "https" if args.tls_cert else "http",

@@ -35,6 +35,11 @@ def hold(adm: Admission, key: str, release: threading.Event, order: list, name: 
     return t
 
 
+def admit(adm: Admission, key: str, remaining=no_deadline, is_active=active) -> None:
+    with adm.slot(key, remaining, is_active):
+        pass
+
+
 def wait_for(cond, timeout=5.0):
     end = time.monotonic() + timeout
     while not cond():
@@ -50,8 +55,7 @@ def test_slots_then_queue_then_refusal_naming_the_limit():
     queued = hold(adm, "k9", release, order, "queued")
     wait_for(lambda: adm.stats()["waiting"] == 1)
     with pytest.raises(LimitExceededError) as e:
-        with adm.slot("k8", no_deadline, active):
-            pass
+        admit(adm, "k8")
     assert e.value.limit == "max_queued" and "max_queued=1" in str(e.value)
     assert adm.stats()["refused"] == 1
     release.set()
@@ -86,8 +90,7 @@ def test_per_key_cap_counts_waiting_requests_too():
     a2 = hold(adm, "alice", release, order, "a2")  # waits in line, and counts for alice
     wait_for(lambda: adm.stats()["waiting"] == 1)
     with pytest.raises(LimitExceededError) as e:
-        with adm.slot("alice", no_deadline, active):
-            pass
+        admit(adm, "alice")
     assert e.value.limit == "max_concurrent_per_key"
     bob = hold(adm, "bob", release, order, "bob")  # another key still gets in line
     wait_for(lambda: adm.stats()["waiting"] == 2)
@@ -104,13 +107,11 @@ def test_a_waiter_whose_deadline_passes_or_client_leaves_frees_its_place():
     wait_for(lambda: adm.stats()["running"] == 1)
     end = time.monotonic() + 0.2
     with pytest.raises(WaitEndedError, match="deadline"):
-        with adm.slot("k", lambda: end - time.monotonic(), active):
-            pass
+        admit(adm, "k", lambda: end - time.monotonic())
     gone = threading.Event()
     threading.Timer(0.1, gone.set).start()
     with pytest.raises(WaitEndedError, match="went away"):
-        with adm.slot("k", no_deadline, lambda: not gone.is_set()):
-            pass
+        admit(adm, "k", is_active=lambda: not gone.is_set())
     assert adm.stats() == {"running": 1, "waiting": 0, "refused": 0, "keys": 1}
     release.set()
     holder.join(5)
@@ -119,9 +120,22 @@ def test_a_waiter_whose_deadline_passes_or_client_leaves_frees_its_place():
 
 def test_no_limits_admit_everyone_and_errors_in_the_body_free_the_slot():
     adm = Admission(Limits())
-    with pytest.raises(RuntimeError):
-        with adm.slot("k", no_deadline, active):
-            raise RuntimeError("the request failed")
+    with pytest.raises(RuntimeError), adm.slot("k", no_deadline, active):
+        raise RuntimeError("the request failed")
     assert adm.stats()["running"] == 0
     with pytest.raises(ValueError, match="max_queued=-1"):
         Limits(max_queued=-1)
+
+
+def test_api_keys_accept_only_the_listed_bearer_tokens(tmp_path):
+    from baton.services.router.limits import ApiKeys
+
+    f = tmp_path / "keys"
+    f.write_text("# team keys\nalpha-key\n\n  beta-key  \n")
+    keys = ApiKeys.load("gamma-key", str(f))
+    assert len(keys) == 3 and keys
+    assert all(keys.allows(f"Bearer {k}") for k in ("alpha-key", "beta-key", "gamma-key"))
+    for bad in (None, "", "alpha-key", "Bearer ", "Bearer alpha", "Bearer alpha-key2",
+                "bearer alpha-key", "Basic alpha-key"):
+        assert not keys.allows(bad), bad
+    assert not ApiKeys.load(None, None)

@@ -1,0 +1,166 @@
+"""Faults under load on a real cluster (see harness.py for the checks each one passes): decode
+workers SIGKILLed mid-stream (requests migrate) and SIGSTOPped, the prefill worker SIGKILLed
+while it holds leased blocks, the router and Redis SIGKILLed, and clients that drop their calls
+at every phase. Killed processes are restarted and rejoin without restarting the others."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from baton.engine.engine import LLMEngine
+
+from tests.chaos.harness import ChaosCluster, Load, check, reference
+
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = ChaosCluster()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def want():
+    return reference(LLMEngine.from_path(None), MAX_TOKENS)
+
+
+def busy_decode(cluster: ChaosCluster, timeout: float = 30.0) -> int:
+    """Index of a decode worker that is streaming right now."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for k, w in enumerate(cluster.decode):
+            if w.info().running_requests > 0:
+                return k
+        time.sleep(0.05)
+    raise AssertionError("no decode worker got busy")
+
+
+def pids(cluster: ChaosCluster) -> dict[str, int]:
+    return {w.worker_id: w.pid for w in (cluster.router, cluster.prefill, *cluster.decode)}
+
+
+def rejoined(cluster: ChaosCluster, worker_id: str, field: str, want, timeout=30.0) -> None:
+    """Requests until one is served by ``worker_id`` (as ``field`` of the final message)."""
+    end = time.monotonic() + timeout
+    while True:
+        load = Load(cluster, clients=2, max_tokens=MAX_TOKENS).start()
+        load.wait_for(2)
+        outs = load.stop()
+        check("rejoin", outs, want, allowed=set())
+        if any(getattr(o.final, field) == worker_id for o in outs):
+            return
+        assert time.monotonic() < end, f"{worker_id} served nothing after its restart"
+
+
+def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want):
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
+    load.wait_for(2)
+    k = busy_decode(cluster)
+    time.sleep(0.5)  # some tokens of its requests reach their clients
+    victim = cluster.decode[k]
+    others = {w: p for w, p in pids(cluster).items() if w != victim.worker_id}
+    victim.kill()
+    n = len(load.outcomes)
+    load.wait_for(n + 6)
+    outs = load.stop()
+    counts = check("decode SIGKILL mid-stream", outs, want, allowed=set())
+    assert any(o.code == "OK" and o.final.migrations for o in outs), \
+        "no request was streaming on the killed worker"
+    for o in outs:
+        if o.code == "OK" and o.final.migrations:
+            assert o.final.path == "migrated"
+            assert list(o.final.migrated_from) == [victim.worker_id]
+            assert o.final.usage.completion_tokens == len(o.ids)
+    assert counts["OK"] == len(outs)
+    cluster.decode[k] = cluster.start("decode")  # a replacement joins; nothing else restarts
+    assert {w: p for w, p in pids(cluster).items() if w in others} == others
+    rejoined(cluster, cluster.decode[k].worker_id, "decode_worker", want)
+    cluster.assert_quiet_and_nothing_held()
+
+
+def test_prefill_sigkill_while_holding_leases(cluster, want):
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
+    load.wait_for(3)
+    end = time.monotonic() + 20  # kill it while it holds blocks leased to a reader
+    while cluster.prefill.info().active_leases == 0 and time.monotonic() < end:
+        time.sleep(0.01)
+    cluster.prefill.kill()
+    n = len(load.outcomes)
+    load.wait_for(n + 6)
+    outs = load.stop()
+    # requests it was prefilling, or whose blocks a decode worker was reading, are retried:
+    # the decode workers prefill them themselves while no prefill worker is left
+    check("prefill SIGKILL holding leases", outs, want, allowed={"UNAVAILABLE"})
+    assert any(o.final.path == "local" for o in outs if o.code == "OK")
+    cluster.prefill = cluster.start("prefill")
+    rejoined(cluster, cluster.prefill.worker_id, "prefill_worker", want)
+    cluster.assert_quiet_and_nothing_held()
+
+
+def test_decode_sigstop_ends_its_requests_by_their_deadline(cluster, want):
+    load = Load(cluster, clients=4, deadline=10.0, max_tokens=MAX_TOKENS).start()
+    load.wait_for(2)
+    k = busy_decode(cluster)
+    stopped = cluster.decode[k]
+    stopped.proc.send_signal(signal.SIGSTOP)
+    try:
+        n = len(load.outcomes)
+        load.wait_for(n + 6, timeout=60)  # the other decode worker carries on
+    finally:
+        stopped.proc.send_signal(signal.SIGCONT)
+    outs = load.stop()
+    counts = check("decode SIGSTOP", outs, want)
+    assert counts["OK"] >= 6
+    cluster.assert_quiet_and_nothing_held()  # it resumes, sees its calls cancelled, frees all
+    rejoined(cluster, stopped.worker_id, "decode_worker", want)
+
+
+def test_router_sigkill_and_restart(cluster, want):
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
+    load.wait_for(2)
+    busy_decode(cluster)
+    workers = {w.worker_id: w.pid for w in cluster.workers()}
+    cluster.restart_router()  # SIGKILL, then a new router on a new port
+    n = len(load.outcomes)
+    load.wait_for(n + 6)
+    outs = load.stop()
+    counts = check("router SIGKILL", outs, want, allowed={"UNAVAILABLE", "CANCELLED"})
+    assert counts["OK"] >= 6
+    assert {w.worker_id: w.pid for w in cluster.workers()} == workers
+    cluster.assert_quiet_and_nothing_held()  # the dead router's calls were cancelled
+
+
+def test_redis_sigkill_and_restart(cluster, want):
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
+    load.wait_for(2)
+    port = cluster.redis.port
+    cluster.redis.proc.kill()
+    cluster.redis.proc.wait()
+    n = len(load.outcomes)
+    load.wait_for(n + 4)  # served on the workers the router saw last, routed on load only
+    from baton.control.redis_server import EmbeddedRedis
+
+    cluster.redis = EmbeddedRedis(port=port).start()  # back, and empty: workers re-register
+    n = len(load.outcomes)
+    load.wait_for(n + 4)
+    outs = load.stop()
+    counts = check("redis SIGKILL", outs, want, allowed={"UNAVAILABLE"})
+    assert counts["OK"] >= 8
+    cluster.assert_quiet_and_nothing_held()
+
+
+def test_clients_dropping_at_every_phase_leak_nothing(cluster, want):
+    # 0: before routing; then during prefill, the hand-off, the first tokens, late in decode
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS,
+                cancel_after=[0.0, 0.02, 0.1, 0.3, 0.8, 1.5, None]).start()
+    load.wait_for(24, timeout=180)
+    outs = load.stop()
+    counts = check("client drops", outs, want, allowed={"CANCELLED"})
+    assert counts["CANCELLED"] >= 6 and counts["OK"] >= 1
+    cluster.assert_quiet_and_nothing_held(timeout=15)

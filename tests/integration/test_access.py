@@ -1,0 +1,188 @@
+"""Access in the default configuration of `baton up` (tiny model): every socket of every process
+(redis-server, workers, router; gRPC, metrics, lease channel, UCX) listens on loopback only;
+API keys from --auth-token and --api-keys-file are required on both public APIs; and a key's
+--max-concurrent-per-key cap refuses with RESOURCE_EXHAUSTED / HTTP 429, naming the limit."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+pytestmark = pytest.mark.slow
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").iterdir():
+            kids = (task / "children").read_text().split()
+            out += map(int, kids)
+            todo += map(int, kids)
+    return out
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+        except OSError:
+            continue
+        if m:
+            inodes.add(m.group(1))
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A" or f[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexaddr, port = f[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # /proc prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            addr = ipaddress.ip_address(raw)
+            if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+                addr = addr.ipv4_mapped
+            out.append((str(addr), int(port, 16)))
+    return out
+
+
+def outside_address() -> str | None:
+    """This machine's address on a non-loopback interface, if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent; picks the outgoing interface
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ipaddress.ip_address(ip).is_loopback else ip
+
+
+def test_default_cluster_is_loopback_only_and_needs_a_key(tiny_llama, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# two teams\nteam-a-key\nteam-b-key\n")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli.main", "up", "--model", str(tiny_llama[0]),
+         "--num-blocks", "64", "--grpc-port", "0", "--http-port", "0", "--log-dir",
+         str(tmp_path), "--api-keys-file", str(keys),
+         "--router-args", "--max-concurrent-per-key 1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "BATON_CACHE_DIR": str(tmp_path)})
+    lines: list[str] = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if "OpenAI-compatible API on" in line:
+                break
+        text = "".join(lines)
+        grpc_addr = re.search(r"gRPC API \(baton.v1.Baton\) on (\S+:\d+);", text)
+        http_addr = re.search(r"OpenAI-compatible API on https?://(\S+:\d+)", text)
+        assert grpc_addr and http_addr, text
+        grpc_addr, http_addr = grpc_addr.group(1), http_addr.group(1)
+        threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True).start()
+
+        # ---- loopback only ---------------------------------------------------------------
+        procs = descendants(up.pid)
+        socks = {p: listening(p) for p in procs}
+        assert sum(map(len, socks.values())) >= 8, socks  # redis, 2 workers, router
+        for pid, addrs in socks.items():
+            for addr, port in addrs:
+                assert ipaddress.ip_address(addr).is_loopback, (pid, addr, port)
+        ip = outside_address()
+        if ip is not None:  # nothing answers on the machine's own address
+            for addrs in socks.values():
+                for _, port in addrs:
+                    with socket.socket() as s:
+                        s.settimeout(1)
+                        assert s.connect_ex((ip, port)) != 0, (ip, port)
+
+        # ---- API keys on both APIs -----------------------------------------------------------
+        stub = api_pb2_grpc.BatonStub(grpc.insecure_channel(grpc_addr))
+        req = api_pb2.GenerateRequest(text="hello", params=worker_pb2.SamplingParams(
+            max_tokens=4))
+        for md in ((), (("authorization", "Bearer wrong"),), (("authorization", "team-a-key"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, metadata=md, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for key in ("team-a-key", "team-b-key"):
+            msgs = list(stub.Generate(req, metadata=(("authorization", f"Bearer {key}"),),
+                                      timeout=60))
+            assert msgs[-1].final.finish_reason
+
+        def post(key: str | None, body: dict) -> tuple[int, dict]:
+            h = {"Content-Type": "application/json"}
+            if key:
+                h["Authorization"] = f"Bearer {key}"
+            r = urllib.request.Request(f"http://{http_addr}/v1/completions", method="POST",
+                                       data=json.dumps(body).encode(), headers=h)
+            try:
+                with urllib.request.urlopen(r, timeout=60) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as err:
+                return err.code, json.loads(err.read())
+
+        body = {"prompt": "hello", "max_tokens": 4}
+        assert post(None, body)[0] == 401 and post("nope", body)[0] == 401
+        assert post("team-b-key", body)[0] == 200
+
+        # ---- one request at a time per key ---------------------------------------------------
+        long = api_pb2.GenerateRequest(text="hello", params=worker_pb2.SamplingParams(
+            max_tokens=200, ignore_eos=True))
+        a = stub.Generate(long, metadata=(("authorization", "Bearer team-a-key"),), timeout=60)
+        next(a)  # team a's request runs
+        status, err = post("team-a-key", body)
+        assert status == 429 and "max_concurrent_per_key=1" in err["error"]["message"]
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(req, metadata=(("authorization", "Bearer team-a-key"),),
+                               timeout=30))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert post("team-b-key", body)[0] == 200  # another key is not held up
+        assert list(a)[-1].final.usage.completion_tokens == 200
+        assert post("team-a-key", body)[0] == 200  # its slot is free again
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(90)
+    assert up.returncode == 0, "".join(lines[-30:])
+
+
+def test_redis_auth_is_required_and_used(tiny_llama):
+    from baton.control.redis_server import EmbeddedRedis
+    from baton.services.common.launch import WorkerProcess, WorkerStartError
+
+    r = EmbeddedRedis(password="s3cret-pw").start()
+    workers = []
+    try:
+        open_url = r.url.replace(":s3cret-pw@", "")
+        with pytest.raises(WorkerStartError, match="(?i)auth"):  # without the password: refused
+            WorkerProcess("decode", ["--model", str(tiny_llama[0]), "--num-blocks", "32",
+                                     "--redis-url", open_url], ready_timeout=60)
+        env = {"BATON_REDIS_URL": r.url}  # the password stays off every command line
+        workers.append(WorkerProcess("decode", ["--model", str(tiny_llama[0]), "--num-blocks",
+                                                "32"], env=env))
+        workers.append(WorkerProcess("router", ["--http-port", "-1"], env=env))
+        msgs = list(api_pb2_grpc.BatonStub(workers[-1].channel).Generate(
+            api_pb2.GenerateRequest(text="hi", params=worker_pb2.SamplingParams(max_tokens=3)),
+            timeout=60))
+        assert msgs[-1].final.finish_reason
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert "s3cret-pw" not in ps  # not on any command line, redis-server's included
+    finally:
+        for w in reversed(workers):
+            w.stop()
+        r.stop()
