@@ -119,52 +119,64 @@ class _BadRequest(Exception):
         self.param = param
 
 
+def _typed(body: dict, key: str, kind: type | tuple, what: str):
+    """``body[key]`` if present and not null, checked to be ``kind`` (bools are not numbers)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise _BadRequest(key, f"{key} must be {what}, got {value!r}")
+    return value
+
+
+def _set(p, field: str, key: str, value) -> None:
+    try:
+        setattr(p, field, value)
+    except (ValueError, TypeError) as e:  # out of the wire type's range
+        raise _BadRequest(key, f"{key}={value!r} is out of range ({e})") from None
+
+
 def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     p = worker_pb2.SamplingParams()
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-            raise _BadRequest("max_tokens", f"max_tokens must be an integer, got {max_tokens!r}")
-        p.max_tokens = max_tokens
-    for key, cast in (("temperature", float), ("top_p", float), ("seed", int)):
-        value = body.get(key)
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = _typed(body, key, int, "an integer")
         if value is not None:
-            if not isinstance(value, int | float) or isinstance(value, bool):
-                raise _BadRequest(key, f"{key} must be a number, got {value!r}")
-            setattr(p, key, cast(value))
-    if "temperature" not in body or body["temperature"] is None:
+            _set(p, "max_tokens", key, value)
+            break
+    for key, kind_, what in (("temperature", (int, float), "a number"),
+                             ("top_p", (int, float), "a number"), ("seed", int, "an integer"),
+                             ("top_k", int, "an integer")):
+        value = _typed(body, key, kind_, what)
+        if value is not None:
+            _set(p, key, key, value)
+    if body.get("temperature") is None:
         p.temperature = 1.0  # the OpenAI API's default
-    top_k = body.get("top_k")
-    if top_k is not None:
-        p.top_k = int(top_k)
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise _BadRequest("stop", "stop must be a string or a list of strings")
         p.stop.extend(stops)
-    ignore_eos = body.get("ignore_eos")  # vLLM's extension: generate exactly max_tokens
+    ignore_eos = _typed(body, "ignore_eos", bool, "a boolean")  # vLLM's: exactly max_tokens
     if ignore_eos is not None:
-        if not isinstance(ignore_eos, bool):
-            raise _BadRequest("ignore_eos", f"ignore_eos must be a boolean, got {ignore_eos!r}")
         p.ignore_eos = ignore_eos
+    _typed(body, "stream", bool, "a boolean")
+    _typed(body, "stream_options", dict, "an object")
     if body.get("n", 1) != 1:
         raise _BadRequest("n", "only n=1 is supported")
     lp = body.get("logprobs")
     if kind == "chat" and lp:  # logprobs: true, top_logprobs: n
-        top = body.get("top_logprobs") or 0
-        if not isinstance(top, int) or isinstance(top, bool):
-            raise _BadRequest("top_logprobs", f"top_logprobs must be an integer, got {top!r}")
-        p.logprobs = top
+        _set(p, "logprobs", "top_logprobs",
+             _typed(body, "top_logprobs", int, "an integer") or 0)
     elif kind == "text" and lp is not None and lp is not False:  # logprobs: n
-        if not isinstance(lp, int) or isinstance(lp, bool):
-            raise _BadRequest("logprobs", f"logprobs must be an integer, got {lp!r}")
-        p.logprobs = lp
+        _set(p, "logprobs", "logprobs", _typed(body, "logprobs", int, "an integer"))
     return p
 
 
 def _generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
-    req = api_pb2.GenerateRequest(model=body.get("model") or "", params=_params(body, kind))
+    req = api_pb2.GenerateRequest(model=_typed(body, "model", str, "a string") or "",
+                                  params=_params(body, kind))
     if kind == "chat":
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -172,7 +184,8 @@ def _generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
         for i, m in enumerate(msgs):
             content = m.get("content") if isinstance(m, dict) else None
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                content = "".join(c.get("text", "") for c in content if isinstance(c, dict))
+                parts = [c.get("text", "") for c in content if isinstance(c, dict)]
+                content = "".join(parts) if all(isinstance(t, str) for t in parts) else None
             if not isinstance(content, str) or not isinstance(m.get("role"), str):
                 raise _BadRequest(f"messages[{i}]", "each message needs a role and text content")
             req.chat.messages.add(role=m["role"], content=content)
@@ -183,7 +196,10 @@ def _generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
         if isinstance(prompt, str):
             req.text = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            req.token_ids.ids.extend(prompt)
+            try:
+                req.token_ids.ids.extend(prompt)
+            except ValueError:
+                raise _BadRequest("prompt", "token ids must be 32-bit integers") from None
         else:
             raise _BadRequest("prompt", "prompt must be a string or a list of token ids")
     return req

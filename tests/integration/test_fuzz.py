@@ -130,32 +130,47 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
                                  "content": st.one_of(TEXT, st.lists(
                                      st.fixed_dictionaries({"type": st.just("text"),
                                                             "text": TEXT}), max_size=2))})
-# the request schema: each field's valid values; any field may also get any JSON value instead
+# the request schema: each field's valid values, then edge and out-of-range ones
 SCHEMA = {
-    "model": st.sampled_from(["", "tiny"]),
-    "max_tokens": st.integers(-2, 80), "max_completion_tokens": st.integers(-2, 80),
-    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 50),
-    "seed": st.integers(-(2**40), 2**40), "stop": st.one_of(TEXT, st.lists(TEXT, max_size=3)),
-    "n": st.integers(0, 2), "stream": st.booleans(), "ignore_eos": st.booleans(),
-    "logprobs": st.one_of(st.booleans(), st.integers(-1, 25)), "top_logprobs": st.integers(-1, 25),
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "model": (st.just(""), st.sampled_from(["nope", "x" * 300])),
+    "max_tokens": (st.integers(1, 40), st.sampled_from([-2, 0, 2**31, 2**63])),
+    "max_completion_tokens": (st.integers(1, 40), st.sampled_from([-1, 0, 10**30])),
+    "temperature": (st.floats(0, 2), st.sampled_from([-1.0, 1e308])),
+    "top_p": (st.floats(0.01, 1), st.sampled_from([0.0, -0.5, 1.5])),
+    "top_k": (st.integers(0, 50), st.sampled_from([-1, 2**40])),
+    "seed": (st.integers(0, 2**40), st.sampled_from([-1, 2**64, 2**70])),
+    "stop": (st.one_of(st.text(min_size=1, max_size=5),
+                       st.lists(st.text(min_size=1, max_size=5), max_size=3)),
+             st.sampled_from(["", [""], [1, 2]])),
+    "n": (st.just(1), st.sampled_from([0, 2])),
+    "stream": (st.booleans(), st.sampled_from(["yes", 1])),
+    "ignore_eos": (st.booleans(), st.sampled_from(["no", 0])),
+    "logprobs": (st.one_of(st.booleans(), st.integers(0, 5)), st.sampled_from([-1, 21, 99])),
+    "top_logprobs": (st.integers(0, 5), st.sampled_from([-1, 21])),
+    "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}),
+                       st.sampled_from([[], "x"])),
 }
-PROMPT = st.one_of(TEXT, st.lists(st.integers(0, 399), min_size=1, max_size=30),
-                   st.lists(TEXT, min_size=1, max_size=2))
+PROMPT = st.one_of(TEXT.filter(bool), st.lists(st.integers(0, 399), min_size=1, max_size=30),
+                   st.lists(TEXT.filter(bool), min_size=1, max_size=1))
 
 
 @st.composite
 def http_bodies(draw):
+    """Mostly well-formed bodies (each field valid), some with a field out of range, some with
+    a field of any JSON type, and a few that are not a JSON object at all."""
     path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    mode = draw(st.sampled_from(["valid"] * 3 + ["edge", "any"]))
     body = {}
-    for name, valid in SCHEMA.items():
+    for name, (valid, _) in SCHEMA.items():
         if draw(st.integers(0, 3)) == 0:
-            body[name] = draw(st.one_of(valid, JSON_ANY))
+            body[name] = draw(valid)
+    if mode != "valid":
+        name = draw(st.sampled_from(sorted(SCHEMA) + ["messages", "prompt"]))
+        body[name] = draw(SCHEMA[name][1] if mode == "edge" and name in SCHEMA else JSON_ANY)
     if path == "/v1/chat/completions":
-        if draw(st.integers(0, 5)):
-            body["messages"] = draw(st.one_of(st.lists(MESSAGE, max_size=3), JSON_ANY))
-    elif draw(st.integers(0, 5)):
-        body["prompt"] = draw(st.one_of(PROMPT, JSON_ANY))
+        body.setdefault("messages", draw(st.lists(MESSAGE, min_size=1, max_size=3)))
+    else:
+        body.setdefault("prompt", draw(PROMPT))
     body.update(draw(st.dictionaries(st.sampled_from(["foo", "user", "tools"]), JSON_ANY,
                                      max_size=1)))
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
