@@ -397,7 +397,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
         if not reason:  # the stream ended without a finish: never report that as success
             context.abort(grpc.StatusCode.INTERNAL,
                           f"decode worker {decode.worker_id} ended the stream unfinished")
-        yield st.final(reason, "migrated" if st.migrations else path)
+        yield st.final(reason, path)
 
     # ---- input -----------------------------------------------------------------------------------
 
@@ -514,6 +514,8 @@ class _State:
             text=text, token_ids=token_ids, logprobs=logprobs))
 
     def final(self, reason: str, path: str):
+        if self.migrations:
+            path = "migrated"
         now = time.monotonic()
         first = self.first_at or now
         d = self.decision

@@ -159,16 +159,19 @@ class Load:
             with self._lock:
                 i, self._n = self._n, self._n + 1
             cancel = rng.choice(self.cancel_after) if self.cancel_after else None
-            self.outcomes.append(self._one(i, cancel))
+            out = self._one(i, cancel)
+            self.outcomes.append(out)
+            if out.code not in ("OK", "CANCELLED"):
+                time.sleep(0.2)  # as a client would back off before trying again
 
     def _one(self, i: int, cancel: float | None) -> Outcome:
         ids, final = [], None
         t0 = time.monotonic()
-        stub = api_pb2_grpc.BatonStub(self.cluster.router.channel)
-        call = stub.Generate(request(i, self.max_tokens), timeout=self.deadline)
-        if cancel is not None:
-            threading.Timer(cancel, call.cancel).start()
         try:
+            stub = api_pb2_grpc.BatonStub(self.cluster.router.channel)
+            call = stub.Generate(request(i, self.max_tokens), timeout=self.deadline)
+            if cancel is not None:
+                threading.Timer(cancel, call.cancel).start()
             for msg in call:
                 if msg.HasField("delta"):
                     ids += msg.delta.token_ids
@@ -177,7 +180,8 @@ class Load:
         except grpc.RpcError as e:
             return Outcome(i % len(PROMPTS), e.code().name, ids, time.monotonic() - t0,
                            self.deadline, details=e.details() or "")
-        except ValueError as e:  # the channel of a router that was replaced meanwhile
+        except (ValueError, AttributeError) as e:  # a router replaced meanwhile: its channel
+            # is closed (ValueError) or already dropped (None)
             return Outcome(i % len(PROMPTS), "UNAVAILABLE", ids, time.monotonic() - t0,
                            self.deadline, details=str(e))
         return Outcome(i % len(PROMPTS), "OK", ids, time.monotonic() - t0, self.deadline, final)
