@@ -309,6 +309,7 @@ class OpenAIHandler(BaseHTTPRequestHandler):
         self._json(200, {"id": rid, "object": obj, "created": created, "model": model,
                          "choices": [choice], "usage": _usage(final),
                          "baton": {"path": final.path, "retries": final.retries,
+                                   "migrations": final.migrations,
                                    "prefill_worker": final.prefill_worker,
                                    "decode_worker": final.decode_worker}})
 

@@ -246,3 +246,38 @@ def test_slo_autoscaler_refuses_the_cpu_hpas_and_bad_bounds(helm):
                          capture_output=True, text=True)
     assert out.returncode != 0
     assert "sloAutoscaler.decode: minReplicas (5) > maxReplicas (4)" in out.stderr
+
+
+def test_workers_take_connections_from_the_release_only_and_router_limits(helm):
+    docs = render(helm, None, "router.apiKeysSecret.name=baton-keys",
+                  "router.maxConcurrentPerKey=8",
+                  "networkPolicy.extraFrom[0].namespaceSelector.matchLabels.team=monitoring")
+    pols = by_kind(docs, "NetworkPolicy")
+    assert set(pols) == {"rel-baton-prefill", "rel-baton-decode"}
+    deps = by_kind(docs, "Deployment")
+    for role in ("prefill", "decode"):
+        spec = pols[f"rel-baton-{role}"]["spec"]
+        pod_labels = deps[f"rel-baton-{role}"]["spec"]["template"]["metadata"]["labels"]
+        assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        peers = spec["ingress"][0]["from"]
+        release = peers[0]["podSelector"]["matchLabels"]
+        for other in ("router", "prefill", "decode"):  # every pod of the release may connect
+            labels = deps[f"rel-baton-{other}"]["spec"]["template"]["metadata"]["labels"]
+            assert release.items() <= labels.items(), other
+        assert peers[1] == {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}
+    # the router is not selected: clients reach it
+    assert not any(p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                   == "router" for p in pols.values())
+    router = deps["rel-baton-router"]["spec"]["template"]["spec"]
+    args = router["containers"][0]["args"]
+    assert args[args.index("--max-concurrent-per-key") + 1] == "8"
+    assert args[args.index("--max-concurrent") + 1] == "256"
+    keyfile = args[args.index("--api-keys-file") + 1]
+    mount = router["containers"][0]["volumeMounts"][0]
+    assert keyfile == f"{mount['mountPath']}/keys" and mount["readOnly"]
+    vol = {v["name"]: v for v in router["volumes"]}[mount["name"]]
+    assert vol["secret"]["secretName"] == "baton-keys"
+    off = render(helm, None, "networkPolicy.enabled=false")
+    assert not by_kind(off, "NetworkPolicy")
+    plain = by_kind(off, "Deployment")["rel-baton-router"]["spec"]["template"]["spec"]
+    assert "--api-keys-file" not in plain["containers"][0]["args"] and "volumes" not in plain
