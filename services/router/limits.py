@@ -179,3 +179,54 @@ class ApiKeys:
             return False
         d = self._digest(authorization[len("Bearer "):])
         return any([hmac.compare_digest(d, k) for k in self._keys])  # no early exit
+
+
+class StallWatch:
+    """Cancels worker streams that went quiet: a stream :meth:`watch`-ed and then silent (no
+    :meth:`beat`) for ``timeout_s`` is cancelled from a watchdog thread and marked stalled, so
+    the router can take its request elsewhere. A hung worker (SIGSTOP, a host gone without its
+    TCP connection breaking) then costs ``timeout_s``, not the request's whole deadline.
+    ``timeout_s`` 0: off."""
+
+    class Watched:
+        __slots__ = ("call", "last", "stalled")
+
+        def __init__(self, call) -> None:
+            self.call, self.last, self.stalled = call, time.monotonic(), False
+
+        def beat(self) -> None:
+            self.last = time.monotonic()
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._watched: set[StallWatch.Watched] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, call) -> StallWatch.Watched:
+        w = StallWatch.Watched(call)
+        if self.timeout_s <= 0:
+            return w
+        with self._lock:
+            self._watched.add(w)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stall-watch",
+                                                 daemon=True)
+                self._thread.start()
+        return w
+
+    def unwatch(self, w: StallWatch.Watched) -> None:
+        with self._lock:
+            self._watched.discard(w)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            now = time.monotonic()
+            with self._lock:
+                quiet = [w for w in self._watched if now - w.last > self.timeout_s]
+                for w in quiet:
+                    self._watched.discard(w)
+                    w.stalled = True
+            for w in quiet:
+                w.call.cancel()

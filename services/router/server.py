@@ -52,6 +52,7 @@ from baton.services.router.limits import (
     ApiKeys,
     LimitExceededError,
     Limits,
+    StallWatch,
     WaitEndedError,
 )
 from baton.services.router.routing import (
@@ -149,12 +150,14 @@ class RouterService(api_pb2_grpc.BatonServicer):
     def __init__(self, pool: WorkerPool, tokenizer: BatonTokenizer, model: str,
                  max_model_len: int, fingerprint: str, policy: RoutingPolicy | None = None,
                  max_retries: int = 2, max_migrations: int = 2, limits: Limits | None = None,
-                 max_prompt_tokens: int = 0, max_tokens: int = 0) -> None:
+                 max_prompt_tokens: int = 0, max_tokens: int = 0,
+                 stall_timeout_s: float = 30.0) -> None:
         self.pool, self.tokenizer, self.model = pool, tokenizer, model
         self.max_model_len, self.fingerprint = max_model_len, fingerprint
         self.policy = policy or RoutingPolicy(pool, None)
         self.max_retries, self.max_migrations = max_retries, max_migrations
         self.admission = Admission(limits or Limits())
+        self.stall = StallWatch(stall_timeout_s)
         # 0: the context length bounds the prompt, and prompt + output
         self.max_prompt_tokens = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
         self.max_tokens = max_tokens
@@ -369,8 +372,12 @@ class RouterService(api_pb2_grpc.BatonServicer):
                          cs.metadata())
             calls.append(call)
             reason = ""
+            watch = None
             try:
                 for chunk in call:
+                    if watch is None:  # mid-stream from here: a silent worker is a hung one
+                        watch = self.stall.watch(call)
+                    watch.beat()
                     if chunk.HasField("transfer"):
                         t = chunk.transfer
                         st.transfer_s = t.handshake_s + t.read_s + t.release_s
@@ -390,8 +397,13 @@ class RouterService(api_pb2_grpc.BatonServicer):
                     reason = chunk.finish_reason or reason
             except grpc.RpcError as e:
                 cs.end(error=e.code())
+                if watch is not None and watch.stalled:
+                    raise _Lost(decode.address, f"{decode.address} sent nothing for "
+                                f"{self.stall.timeout_s:g}s (--stall-timeout)") from None
                 _fail(e, decode.address, context, sent=st.sent)
             finally:
+                if watch is not None:
+                    self.stall.unwatch(watch)
                 calls.remove(call)
             cs.end()
         if not reason:  # the stream ended without a finish: never report that as success
@@ -726,6 +738,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="times a request resumes on another decode worker when its own fails "
                          "after tokens were streamed (from the prompt plus those tokens; "
                          "0: end such requests UNAVAILABLE) (default 2)")
+    ap.add_argument("--stall-timeout", type=float, default=30.0,
+                    help="seconds a decode worker may stay silent in the middle of a stream "
+                         "before the router takes the request elsewhere (migrates it): a hung "
+                         "worker costs this, not the whole deadline (0: wait for the deadline) "
+                         "(default 30)")
     ap.add_argument("--startup-timeout", type=float, default=300.0,
                     help="seconds to wait for a first worker to register")
     ap.add_argument("--drain-timeout", type=float, default=30.0)
@@ -787,7 +804,7 @@ def main(argv: list[str] | None = None) -> None:
     service = RouterService(pool, BatonTokenizer.from_json(json.loads(tok.tokenizer_json)),
                             tok.model, tok.max_model_len, worker.fingerprint, policy,
                             args.max_retries, args.max_migrations, limits,
-                            args.max_prompt_tokens, args.max_tokens)
+                            args.max_prompt_tokens, args.max_tokens, args.stall_timeout)
     api_pb2_grpc.add_BatonServicer_to_server(service, server)
     health = add_standard_services(server, ["baton.v1.Baton"])
     server.start()

@@ -60,8 +60,10 @@ class ChaosCluster:
                        "--registry-ttl", "2"]
         self.prefill = self.start("prefill")
         self.decode = [self.start("decode") for _ in range(2)]
+        # a decode worker silent for 3 s mid-stream is hung: its requests move elsewhere
         self.router_args = ["--redis-url", self.redis.url, "--http-port", "-1",
-                            "--local-prefill-max-tokens", "0", *router_args]
+                            "--local-prefill-max-tokens", "0", "--stall-timeout", "3",
+                            *router_args]
         self.router = WorkerProcess("router", self.router_args)
 
     def start(self, role: str) -> WorkerProcess:

@@ -117,7 +117,7 @@ def test_prefill_sigkill_while_holding_leases(cluster, want):
     cluster.assert_quiet_and_nothing_held()
 
 
-def test_decode_sigstop_ends_its_requests_by_their_deadline(cluster, want):
+def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
     load = Load(cluster, clients=4, deadline=10.0, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
     k = busy_decode(cluster)
@@ -129,8 +129,11 @@ def test_decode_sigstop_ends_its_requests_by_their_deadline(cluster, want):
     finally:
         stopped.proc.send_signal(signal.SIGCONT)
     outs = load.stop()
-    counts = check("decode SIGSTOP", outs, want)
+    # streams it had started move on after --stall-timeout; calls it took but never answered
+    # (routed to it before its registry entry lapsed) end at their deadline
+    counts = check("decode SIGSTOP", outs, want, allowed={"DEADLINE_EXCEEDED"})
     assert counts["OK"] >= 6
+    assert any(o.final.migrations for o in outs if o.code == "OK"), "no stream moved on"
     cluster.assert_quiet_and_nothing_held()  # it resumes, sees its calls cancelled, frees all
     rejoined(cluster, stopped.worker_id, "decode_worker")
 
