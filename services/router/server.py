@@ -610,6 +610,10 @@ def _fail(e: grpc.RpcError, address: str, context, sent: bool):
         raise _Retry(address, "client went away")  # the loop sees the inactive context
     if not sent and code == grpc.StatusCode.UNAVAILABLE:
         raise _Retry(address, f"{address} unavailable: {e.details()}")
+    left = context.time_remaining()
+    if not sent and code == grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 1.0):
+        # the worker's own timeout (a KV hand-off from a stalled peer), not the client's
+        raise _Retry(address, f"{address} timed out: {e.details()}")
     if sent and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         raise _Lost(address, f"{address} failed: {code.name} {e.details()}")
     context.abort(code, e.details() or code.name)

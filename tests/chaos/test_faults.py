@@ -118,9 +118,11 @@ def test_prefill_sigkill_while_holding_leases(cluster, want):
 
 
 def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
-    load = Load(cluster, clients=4, deadline=10.0, max_tokens=MAX_TOKENS).start()
+    # deadline: room for a stream to stall (3 s), then finish elsewhere
+    load = Load(cluster, clients=4, deadline=20.0, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
     k = busy_decode(cluster)
+    time.sleep(0.5)  # its streams are under way
     stopped = cluster.decode[k]
     stopped.proc.send_signal(signal.SIGSTOP)
     try:
