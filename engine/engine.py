@@ -440,7 +440,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
-        held = set(self.scheduler.running) | set(self._pinned.values()) | set(
-            self._reserved.values())
-        assert set(self.kv.req_blocks) <= {r.request_id for r in held}, (
+        # requests are dataclasses (unhashable): compare their ids
+        held = {r.request_id for group in (self.scheduler.running, self._pinned.values(),
+                                           self._reserved.values()) for r in group}
+        assert set(self.kv.req_blocks) <= held, (
             "blocks held by a request that is neither running, pinned nor reserved")

@@ -55,6 +55,9 @@ def add_server_args(ap: argparse.ArgumentParser) -> None:
                         "(default $BATON_ADVERTISE_HOST, else --host, else this host's IP when "
                         "--host is 0.0.0.0; in Kubernetes: the pod IP)")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+    g.add_argument("--advertise-port", type=int, default=0,
+                   help="gRPC port routers and peers reach this worker at, when a proxy or a "
+                        "port mapping sits in front of --port (default: --port)")
     g.add_argument("--worker-id", default=None, help="stable name (default: role-host-port)")
     g.add_argument("--log-level", default="INFO")
     g.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL"),
@@ -138,6 +141,7 @@ def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
     incarnation = new_incarnation()
     server = make_server()
     port = server.add_insecure_port(f"{args.host}:{args.port}")
+    port = args.advertise_port or port  # a proxy or port mapping in front of this one
     host = advertised_host(args)
     worker_id = args.worker_id or f"{role}-{host}-{port}"
     tracing.setup(role, worker_id)

@@ -610,6 +610,9 @@ def _fail(e: grpc.RpcError, address: str, context, sent: bool):
         raise _Retry(address, "client went away")  # the loop sees the inactive context
     if not sent and code == grpc.StatusCode.UNAVAILABLE:
         raise _Retry(address, f"{address} unavailable: {e.details()}")
+    if not sent and code == grpc.StatusCode.ABORTED:  # the hand-off's lease was lost (expired
+        # while a worker stalled): its blocks were discarded, never decoded; start over
+        raise _Retry(address, f"{address}: {e.details()}")
     left = context.time_remaining()
     if not sent and code == grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 1.0):
         # the worker's own timeout (a KV hand-off from a stalled peer), not the client's

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import threading
 import time
 from collections import Counter
@@ -24,6 +25,8 @@ import grpc
 from baton.control.redis_server import EmbeddedRedis
 from baton.services.common.launch import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+from tests.chaos.proxy import FaultyProxy
 
 MARGIN_S = 3.0
 # what a request may end with besides OK: each names what went wrong; never UNKNOWN or INTERNAL
@@ -37,6 +40,12 @@ PROMPTS = [
     "Name the planets of the solar system.",
     "Why is the sky blue?",
 ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def request(i: int, max_tokens: int) -> api_pb2.GenerateRequest:
@@ -59,18 +68,24 @@ class ChaosCluster:
         self.common = ["--num-blocks", "200", "--redis-url", self.redis.url,
                        "--registry-ttl", "2"]
         self.prefill = self.start("prefill")
-        self.decode = [self.start("decode") for _ in range(2)]
+        # the second decode worker is reached through a proxy that can delay, stall or cut
+        # its traffic (routers and peers use the port it advertises: the proxy's)
+        port = free_port()
+        self.proxy = FaultyProxy(port)
+        self.decode = [self.start("decode"),
+                       self.start("decode", "--port", str(port), "--advertise-port",
+                                  str(self.proxy.port))]
         # a decode worker silent for 3 s mid-stream is hung: its requests move elsewhere
         self.router_args = ["--redis-url", self.redis.url, "--http-port", "-1",
                             "--local-prefill-max-tokens", "0", "--stall-timeout", "3",
                             *router_args]
         self.router = WorkerProcess("router", self.router_args)
 
-    def start(self, role: str) -> WorkerProcess:
+    def start(self, role: str, *args: str) -> WorkerProcess:
         """A new worker of ``role`` (it joins through the registry; nothing else restarts)."""
         # short lease TTL: blocks leased to a reader that died come back within the test
         extra = ["--transfer-timeout", "5"] if role == "decode" else ["--lease-ttl", "8"]
-        return WorkerProcess(role, [*self.common, *extra])
+        return WorkerProcess(role, [*self.common, *extra, *args])
 
     def workers(self) -> list[WorkerProcess]:
         return [w for w in (self.prefill, *self.decode) if w.proc.poll() is None]
@@ -102,6 +117,7 @@ class ChaosCluster:
     def stop(self) -> None:
         for w in (self.router, *self.decode, self.prefill):
             w.stop()
+        self.proxy.close()
         self.redis.stop()
 
 

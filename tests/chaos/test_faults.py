@@ -1,7 +1,9 @@
-"""Faults under load on a real cluster (see harness.py for the checks each one passes): decode
-workers SIGKILLed mid-stream (requests migrate) and SIGSTOPped, the prefill worker SIGKILLed
-while it holds leased blocks, the router and Redis SIGKILLed, and clients that drop their calls
-at every phase. Killed processes are restarted and rejoin without restarting the others."""
+"""Faults under load on a real cluster (see harness.py for the checks each one passes): the
+network between the router and a decode worker cut, delayed and stalled (a proxy on loopback),
+decode workers SIGKILLed mid-stream (requests migrate) and SIGSTOPped, the prefill worker
+SIGKILLed while it holds leased blocks, the router and Redis SIGKILLed, and clients that drop
+their calls at every phase. Killed processes are restarted and rejoin without restarting the
+others."""
 
 from __future__ import annotations
 
@@ -70,6 +72,61 @@ def rejoined(cluster: ChaosCluster, worker_id: str, field: str, timeout=30.0) ->
         if any(getattr(f, field) == worker_id for f in finals):
             return
         assert time.monotonic() < end, f"{worker_id} served nothing after its restart"
+
+
+def streaming_on(worker, timeout: float = 30.0) -> None:
+    """Until ``worker`` is streaming, and a little more (tokens reach their clients)."""
+    end = time.monotonic() + timeout
+    while worker.info().running_requests == 0:
+        assert time.monotonic() < end, f"{worker.worker_id} never got busy"
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+def test_network_cut_between_router_and_a_decode_worker(cluster, want):
+    proxied = cluster.decode[1]
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
+    load.wait_for(2)
+    streaming_on(proxied)
+    cluster.proxy.cut()  # its streams break (RST); new connections are refused
+    try:
+        n = len(load.outcomes)
+        load.wait_for(n + 4)
+    finally:
+        cluster.proxy.heal()
+    n = len(load.outcomes)
+    load.wait_for(n + 4)
+    outs = load.stop()
+    # streams it had started move to the other worker; calls that could not reach it retry
+    counts = check("network cut router-decode", outs, want, allowed=set())
+    assert counts["OK"] == len(outs)
+    assert any(o.final.migrations for o in outs), "no stream was cut"
+    cluster.assert_quiet_and_nothing_held()  # it saw its streams end and freed their blocks
+    rejoined(cluster, proxied.worker_id, "decode_worker")
+
+
+def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, want):
+    proxied = cluster.decode[1]
+    load = Load(cluster, clients=4, deadline=20.0, max_tokens=MAX_TOKENS).start()
+    cluster.proxy.delay(0.02)  # every chunk 20 ms late, both ways: slow, not failing
+    load.wait_for(4)
+    streaming_on(proxied)
+    cluster.proxy.stall()  # a partition: nothing moves, connections stay open
+    try:
+        n = len(load.outcomes)
+        load.wait_for(n + 4)
+    finally:
+        cluster.proxy.heal()
+    n = len(load.outcomes)
+    load.wait_for(n + 4)
+    outs = load.stop()
+    # stalled streams move on after --stall-timeout; a call that had not started waits for the
+    # partition to heal, or for its deadline
+    counts = check("network delay+stall router-decode", outs, want,
+                   allowed={"DEADLINE_EXCEEDED"})
+    assert counts["OK"] >= len(outs) - 2
+    assert any(o.final.migrations for o in outs if o.code == "OK"), "no stream moved on"
+    cluster.assert_quiet_and_nothing_held()
 
 
 def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want):

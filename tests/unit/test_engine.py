@@ -60,6 +60,18 @@ def test_chunked_prefill_equals_whole_prefill(tiny_engine):
     eng.check_integrity()
 
 
+def test_integrity_check_mid_flight(tiny_engine):
+    # workers run it on request (Info check_integrity) while requests run, not only when idle
+    eng = tiny_engine()
+    eng.add_request(params=GREEDY, prompt_token_ids=prompts(1)[0])
+    eng.add_request(params=GREEDY, prompt_token_ids=prompts(1, seed=5)[0])
+    eng.step()
+    assert len(eng.scheduler.running) == 2
+    eng.check_integrity()
+    drain(eng)
+    eng.check_integrity()
+
+
 def test_preemption_recomputes_and_gives_same_tokens(tiny_engine):
     ps = prompts(6, seed=2, lo=20, hi=30)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
