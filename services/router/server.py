@@ -259,6 +259,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
                 log.warning("request %s: %s after %d tokens; migrating (%d)", rid, e,
                             len(state.tokens), state.migrations)
             except _Retry as e:
+                if not context.is_active():  # the client went away: nothing to retry for
+                    return
                 span.event("baton.retry", {"baton.worker.address": e.address,
                                            "baton.retry.reason": str(e)})
                 failed.add(e.address)
@@ -315,6 +317,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
             calls.append(fut)
             try:
                 pre = fut.result()
+            except grpc.FutureCancelledError:  # the client went away: the loop sees it
+                raise _Retry(prefill.address, "client went away") from None
             except grpc.RpcError as e:
                 cs.end(error=e.code())
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # backpressure: elsewhere

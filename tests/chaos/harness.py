@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from baton.control.redis_server import EmbeddedRedis
 from baton.services.common.launch import WorkerProcess
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from tests.chaos.proxy import FaultyProxy
 
@@ -60,6 +60,22 @@ def reference(engine, max_tokens: int) -> list[list[int]]:
 
     ids = [engine.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     return [o.token_ids for o in engine.generate(ids, SamplingParams(max_tokens=max_tokens))]
+
+
+def info(w: WorkerProcess, timeout: float = 30.0) -> worker_pb2.InfoResponse:
+    """A worker's Info with an integrity check, waiting for its channel (which may be
+    reconnecting after a network fault) rather than failing at once."""
+    stub = (worker_pb2_grpc.PrefillWorkerStub(w.channel) if w.role == "prefill"
+            else worker_pb2_grpc.DecodeWorkerStub(w.channel))
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            return stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=timeout,
+                             wait_for_ready=True)
+        except grpc.RpcError as e:  # a connection the fault broke, seen once
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > end:
+                raise
+            time.sleep(0.2)
 
 
 class ChaosCluster:
@@ -99,7 +115,7 @@ class ChaosCluster:
         holds anything."""
         held = []
         for w in self.workers():
-            i = w.info(check_integrity=True)
+            i = info(w)
             assert i.integrity_ok, (w.worker_id, i.integrity_error)
             if i.num_free_blocks != i.num_blocks or i.active_leases or i.running_requests:
                 held.append((w.worker_id, i.num_blocks - i.num_free_blocks, i.active_leases,
