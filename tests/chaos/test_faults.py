@@ -122,12 +122,11 @@ def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, wan
     n = len(load.outcomes)
     load.wait_for(n + 4)
     outs = load.stop()
-    # stalled streams move on after --stall-timeout; a call that had not started waits for the
-    # partition to heal, or for its deadline
+    # streams past their first token move on after --stall-timeout (the SIGSTOP test pins
+    # that); a call still waiting for its first token waits for the partition to heal
     counts = check("network delay+stall router-decode", outs, want,
                    allowed={"DEADLINE_EXCEEDED"})
     assert counts["OK"] >= len(outs) - 2
-    assert any(o.final.migrations for o in outs if o.code == "OK"), "no stream moved on"
     cluster.assert_quiet_and_nothing_held()
 
 
