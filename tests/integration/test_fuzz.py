@@ -61,34 +61,45 @@ def cluster(tiny_llama):
 
 # ---- gRPC ----------------------------------------------------------------------------------------
 
+# each field: (values the API accepts, values of any kind the wire can carry)
+PARAMS = {
+    "max_tokens": (st.integers(1, 32), EDGE_INTS),
+    "temperature": (st.floats(0, 2, allow_subnormal=False), FLOATS),
+    "top_p": (st.floats(0.01, 1, allow_subnormal=False), FLOATS),
+    "top_k": (st.integers(0, 50), EDGE_INTS),
+    "seed": (st.integers(0, 2**63 - 1), st.integers(-(2**63), 2**63 - 1)),
+    "logprobs": (st.integers(0, 5), EDGE_INTS),
+    "cache_salt": (st.text(max_size=8), TEXT),
+    "ignore_eos": (st.booleans(), st.booleans()),
+}
+
+
 @st.composite
 def generate_requests(draw) -> api_pb2.GenerateRequest:
+    """Half well-formed (every field in range), half anything the wire can carry."""
+    wild = draw(st.booleans())
     p = worker_pb2.SamplingParams()
-    for name, strat in (("max_tokens", st.one_of(EDGE_INTS, st.integers(1, 64))),
-                        ("temperature", FLOATS), ("top_p", FLOATS), ("top_k", EDGE_INTS),
-                        ("seed", st.integers(-(2**63), 2**64 - 1)),
-                        ("logprobs", EDGE_INTS), ("cache_salt", TEXT),
-                        ("ignore_eos", st.booleans())):
+    for name, (valid, anything) in PARAMS.items():
         if draw(st.booleans()):
-            value = draw(strat)
-            if name == "seed":  # proto seed is int64: wider values cannot even be sent
-                value = max(-(2**63), min(2**63 - 1, value))
-            setattr(p, name, value)
-    p.stop.extend(draw(st.lists(TEXT, max_size=3)))
-    p.stop_token_ids.extend(draw(st.lists(EDGE_INTS, max_size=3)))
-    req = api_pb2.GenerateRequest(params=p, model=draw(st.sampled_from(["", "nope", "tiny"])),
-                                  request_id=draw(st.sampled_from(["", "fuzz", "x" * 200])))
-    kind = draw(st.sampled_from(["text", "token_ids", "chat", "none"]))
+            setattr(p, name, draw(anything if wild else valid))
+    p.stop.extend(draw(st.lists(TEXT if wild else st.text(min_size=1, max_size=4),
+                                max_size=3)))
+    p.stop_token_ids.extend(draw(st.lists(EDGE_INTS if wild else st.integers(0, 399),
+                                          max_size=3)))
+    req = api_pb2.GenerateRequest(
+        params=p, model=draw(st.sampled_from(["", "nope", "tiny"]) if wild else st.just("")),
+        request_id=draw(st.sampled_from(["", "fuzz", "x" * 200])))
+    kind = draw(st.sampled_from(["text", "token_ids", "chat"] + (["none"] if wild else [])))
     if kind == "text":
-        req.text = draw(TEXT)
+        req.text = draw(TEXT if wild else TEXT.filter(bool))
     elif kind == "token_ids":
-        req.token_ids.ids.extend(draw(st.lists(st.one_of(st.integers(0, 399), EDGE_INTS),
-                                               max_size=40)))
+        req.token_ids.ids.extend(draw(
+            st.lists(st.one_of(st.integers(0, 399), EDGE_INTS), max_size=40) if wild
+            else st.lists(st.integers(0, 399), min_size=1, max_size=40)))
     elif kind == "chat":
-        for _ in range(draw(st.integers(0, 3))):
-            req.chat.messages.add(role=draw(st.sampled_from(["user", "system", "assistant",
-                                                             "tool", "", "robot"])),
-                                  content=draw(TEXT))
+        roles = ["user", "system", "assistant", "tool"] + (["", "robot"] if wild else [])
+        for _ in range(draw(st.integers(0 if wild else 1, 3))):
+            req.chat.messages.add(role=draw(st.sampled_from(roles)), content=draw(TEXT))
     return req
 
 
