@@ -1,9 +1,9 @@
 """Faults under load on a real cluster (see harness.py for the checks each one passes): the
 network between the router and a decode worker cut, delayed and stalled (a proxy on loopback),
 decode workers SIGKILLed mid-stream (requests migrate) and SIGSTOPped, the prefill worker
-SIGKILLed while it holds leased blocks, the router and Redis SIGKILLed, and clients that drop
-their calls at every phase. Killed processes are restarted and rejoin without restarting the
-others."""
+SIGKILLed and SIGSTOPped while it holds leased blocks, the router and Redis SIGKILLed, and
+clients that drop their calls at every phase. Killed processes are restarted and rejoin without
+restarting the others."""
 
 from __future__ import annotations
 
@@ -196,6 +196,29 @@ def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
     assert any(o.final.migrations for o in outs if o.code == "OK"), "no stream moved on"
     cluster.assert_quiet_and_nothing_held()  # it resumes, sees its calls cancelled, frees all
     rejoined(cluster, stopped.worker_id, "decode_worker")
+
+
+def test_prefill_sigstop_while_holding_leases(cluster, want):
+    load = Load(cluster, clients=4, deadline=30.0, max_tokens=MAX_TOKENS).start()
+    load.wait_for(2)
+    end = time.monotonic() + 20
+    while cluster.prefill.info().active_leases == 0 and time.monotonic() < end:
+        time.sleep(0.01)
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        # hand-offs from it time out on the decode side (--transfer-timeout 5) and are retried;
+        # once its registry entry lapses, decode workers prefill new requests themselves
+        time.sleep(8)
+    finally:
+        cluster.prefill.proc.send_signal(signal.SIGCONT)
+    n = len(load.outcomes)
+    load.wait_for(n + 4)
+    outs = load.stop()
+    # a prompt it was prefilling when stopped finishes after it resumes, or at its deadline
+    counts = check("prefill SIGSTOP holding leases", outs, want, allowed={"DEADLINE_EXCEEDED"})
+    assert counts["OK"] >= 6
+    cluster.assert_quiet_and_nothing_held()  # leases whose reader gave up expire or are freed
+    rejoined(cluster, cluster.prefill.worker_id, "prefill_worker")
 
 
 def test_router_sigkill_and_restart(cluster, want):
