@@ -91,6 +91,8 @@ class KVReader:
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
         self._peer_locks: dict[str, threading.Lock] = {}
+        self.pulling = 0  # hand-offs in progress (Info reports it)
+        self._pulling_lock = threading.Lock()
 
     @property
     def num_peers(self) -> int:
@@ -105,6 +107,8 @@ class KVReader:
         """
         res = PullResult(blocks_local=num_local)
         assert len(local_block_ids) == len(handle.block_ids)
+        with self._pulling_lock:
+            self.pulling += 1
         try:
             if handle.fingerprint != self.fingerprint:
                 raise FingerprintMismatchError(self.fingerprint, handle.fingerprint,
@@ -149,6 +153,9 @@ class KVReader:
                 self.release_quietly(handle)
             res.state, res.error = TransferState.FAILED, e
             raise
+        finally:
+            with self._pulling_lock:
+                self.pulling -= 1
 
     # ---- peers ---------------------------------------------------------------------------------
 

@@ -180,7 +180,7 @@ def tokenizer_info(engine):
 
 
 def worker_info(loop, role: str, worker_id: str, incarnation: str, agent, check: bool,
-                holder=None, num_peers: int = 0):
+                holder=None, num_peers: int = 0, pulling: int = 0):
     """WorkerInfo for Info RPCs; pool counts and the integrity check run on the engine thread."""
     engine = loop.engine
     rss, fds = process_stats()
@@ -199,7 +199,8 @@ def worker_info(loop, role: str, worker_id: str, incarnation: str, agent, check:
         worker_id=worker_id, incarnation=incarnation, role=role, fingerprint=engine.fingerprint,
         transports=agent.transports(), ucx_tls=agent.ucx_tls, rss_bytes=rss, open_fds=fds,
         num_blocks=engine.num_blocks, num_free_blocks=free, running_requests=running,
-        integrity_ok=ok, integrity_error=err, known_peers=num_peers)
+        integrity_ok=ok, integrity_error=err, known_peers=num_peers,
+        handoffs_in_flight=pulling)
     if holder is not None:
         info.active_leases = len(holder.leases)
         info.leases_granted = holder.leases.num_granted

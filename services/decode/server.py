@@ -170,7 +170,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def Info(self, request, context):
         return worker_info(self.loop, "both" if self.holder else "decode", self.worker_id,
                            self.incarnation, self.reader.agent, request.check_integrity,
-                           holder=self.holder, num_peers=self.reader.num_peers)
+                           holder=self.holder, num_peers=self.reader.num_peers,
+                           pulling=self.reader.pulling)
 
 
 def _relay(stream, context, on_first, span=tracing.NO_SPAN):

@@ -48,8 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def request(i: int, max_tokens: int) -> api_pb2.GenerateRequest:
-    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens))
+def request(i: int, max_tokens: int, cache_salt: str | None = None) -> api_pb2.GenerateRequest:
+    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
+                                                                   cache_salt=cache_salt))
     req.chat.messages.add(role="user", content=PROMPTS[i % len(PROMPTS)])
     return req
 
@@ -159,6 +160,7 @@ class Load:
     deadline: float = 30.0
     max_tokens: int = 32
     cancel_after: list[float] | None = None
+    cache_salt: str | None = None  # a fresh one: no cached prefix steers the routing
     outcomes: list[Outcome] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -203,7 +205,8 @@ class Load:
         t0 = time.monotonic()
         try:
             stub = api_pb2_grpc.BatonStub(self.cluster.router.channel)
-            call = stub.Generate(request(i, self.max_tokens), timeout=self.deadline)
+            call = stub.Generate(request(i, self.max_tokens, self.cache_salt),
+                                 timeout=self.deadline)
             if cancel is not None:
                 threading.Timer(cancel, call.cancel).start()
             for msg in call:

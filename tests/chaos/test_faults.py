@@ -1,9 +1,9 @@
 """Faults under load on a real cluster (see harness.py for the checks each one passes): the
 network between the router and a decode worker cut, delayed and stalled (a proxy on loopback),
-decode workers SIGKILLed mid-stream (requests migrate) and SIGSTOPped, the prefill worker
-SIGKILLed and SIGSTOPped while it holds leased blocks, the router and Redis SIGKILLed, and
-clients that drop their calls at every phase. Killed processes are restarted and rejoin without
-restarting the others."""
+decode workers SIGKILLed mid-transfer and mid-stream (requests migrate) and SIGSTOPped, the
+prefill worker SIGKILLed and SIGSTOPped while it holds leased blocks, the router and Redis
+SIGKILLed, and clients that drop their calls at every phase. Killed processes are restarted and
+rejoin without restarting the others."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from baton.engine.engine import LLMEngine
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
-from tests.chaos.harness import ChaosCluster, Load, check, reference
+from tests.chaos.harness import ChaosCluster, Load, check, info, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -154,6 +154,27 @@ def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want
     assert {w: p for w, p in pids(cluster).items() if w in others} == others
     rejoined(cluster, cluster.decode[k].worker_id, "decode_worker")
     cluster.assert_quiet_and_nothing_held()
+
+
+def test_decode_sigkill_mid_transfer(cluster, want):
+    # a third decode worker that keeps each lease 1 s after its read: a wide transfer window
+    slow = cluster.start("decode", "--fault-delay-release", "1.0")
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS, cache_salt=f"{time.time_ns()}")
+    load.start()
+    end = time.monotonic() + 60
+    while info(slow).handoffs_in_flight == 0:  # the routing spreads the load over all three
+        assert time.monotonic() < end, "no hand-off reached the slow worker"
+        time.sleep(0.01)
+    assert cluster.prefill.info().active_leases > 0
+    slow.kill()  # mid-transfer: it read blocks the prefill worker still holds under a lease
+    n = len(load.outcomes)
+    load.wait_for(n + 6)
+    outs = load.stop()
+    # nothing had reached those clients: their requests are retried on the other workers
+    counts = check("decode SIGKILL mid-transfer", outs, want, allowed=set())
+    assert counts["OK"] == len(outs)
+    assert any(o.final.retries for o in outs), "no request was retried"
+    cluster.assert_quiet_and_nothing_held()  # the orphaned lease expires, its blocks free
 
 
 def test_prefill_sigkill_while_holding_leases(cluster, want):

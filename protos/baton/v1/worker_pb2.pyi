@@ -225,7 +225,7 @@ class InfoRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "role", "fingerprint", "transports", "ucx_tls", "rss_bytes", "open_fds", "num_blocks", "num_free_blocks", "active_leases", "running_requests", "integrity_ok", "integrity_error", "leases_granted", "leases_expired", "known_peers")
+    __slots__ = ("worker_id", "incarnation", "role", "fingerprint", "transports", "ucx_tls", "rss_bytes", "open_fds", "num_blocks", "num_free_blocks", "active_leases", "running_requests", "integrity_ok", "integrity_error", "leases_granted", "leases_expired", "known_peers", "handoffs_in_flight")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class WorkerInfo(_message.Message):
     LEASES_GRANTED_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     role: str
@@ -260,4 +261,5 @@ class WorkerInfo(_message.Message):
     leases_granted: int
     leases_expired: int
     known_peers: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., fingerprint: _Optional[str] = ..., transports: _Optional[str] = ..., ucx_tls: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., open_fds: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., running_requests: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., leases_granted: _Optional[int] = ..., leases_expired: _Optional[int] = ..., known_peers: _Optional[int] = ...) -> None: ...
+    handoffs_in_flight: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., fingerprint: _Optional[str] = ..., transports: _Optional[str] = ..., ucx_tls: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., open_fds: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., running_requests: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., leases_granted: _Optional[int] = ..., leases_expired: _Optional[int] = ..., known_peers: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ...) -> None: ...
