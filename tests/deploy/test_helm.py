@@ -265,6 +265,11 @@ def test_workers_take_connections_from_the_release_only_and_router_limits(helm):
             labels = deps[f"rel-baton-{other}"]["spec"]["template"]["metadata"]["labels"]
             assert release.items() <= labels.items(), other
         assert peers[1] == {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}
+        # only the metrics port is open to anyone (scrapers)
+        c = deps[f"rel-baton-{role}"]["spec"]["template"]["spec"]["containers"][0]
+        metrics = int(c["args"][c["args"].index("--metrics-port") + 1])
+        assert spec["ingress"][1] == {"ports": [{"port": metrics, "protocol": "TCP"}]}
+        assert len(spec["ingress"]) == 2
     # the router is not selected: clients reach it
     assert not any(p["spec"]["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
                    == "router" for p in pols.values())
