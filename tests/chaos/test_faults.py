@@ -1,9 +1,9 @@
 """Faults under load on a real cluster (see harness.py for the checks each one passes): the
 network between the router and a decode worker cut, delayed and stalled (a proxy on loopback),
 decode workers SIGKILLed mid-transfer and mid-stream (requests migrate) and SIGSTOPped, the
-prefill worker SIGKILLed and SIGSTOPped while it holds leased blocks, the router and Redis
-SIGKILLed, and clients that drop their calls at every phase. Killed processes are restarted and
-rejoin without restarting the others."""
+prefill worker SIGKILLed and SIGSTOPped while it holds leased blocks, the router SIGKILLed,
+Redis SIGKILLed and SIGSTOPped, and clients that drop their calls at every phase. Killed
+processes are restarted and rejoin without restarting the others."""
 
 from __future__ import annotations
 
@@ -273,6 +273,23 @@ def test_redis_sigkill_and_restart(cluster, want):
     outs = load.stop()
     counts = check("redis SIGKILL", outs, want, allowed={"UNAVAILABLE"})
     assert counts["OK"] >= 8
+    cluster.assert_quiet_and_nothing_held()
+
+
+def test_redis_sigstop_and_resume(cluster, want):
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
+    load.wait_for(2)
+    cluster.redis.proc.send_signal(signal.SIGSTOP)  # hangs instead of refusing: timeouts only
+    try:
+        n = len(load.outcomes)
+        load.wait_for(n + 6)
+    finally:
+        cluster.redis.proc.send_signal(signal.SIGCONT)
+    n = len(load.outcomes)
+    load.wait_for(n + 2)
+    outs = load.stop()
+    counts = check("redis SIGSTOP", outs, want, allowed=set())
+    assert counts["OK"] == len(outs)
     cluster.assert_quiet_and_nothing_held()
 
 
