@@ -21,6 +21,7 @@ worker. Imports no torch.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -220,6 +221,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
         context.add_callback(lambda: [c.cancel() for c in list(calls)])
         failed: set[str] = set()
         state, retries = None, 0
+        hashes, hashed_len = None, -1  # hashed once per prompt: retries reuse, migrations extend
         while True:
             # every attempt is a new request on the workers (a failed one may still be known)
             n = retries + (state.migrations if state else 0)
@@ -227,13 +229,13 @@ class RouterService(api_pb2_grpc.BatonServicer):
                            span, before=state)
             try:
                 t = time.monotonic()
-                hashes = None
-                if self.policy.mode != "round-robin":
+                if self.policy.mode != "round-robin" and hashed_len != len(state.ids):
                     workers = self.pool.workers()
                     bs = workers[0].block_size if workers else 16
                     salt = (request.params.cache_salt if request.params.HasField("cache_salt")
                             else None)
                     hashes = self.policy.prompt_hashes(state.ids, self.fingerprint, salt, bs)
+                    hashed_len = len(state.ids)
                 try:
                     decision = self.policy.decide(state.ids, hashes, failed)
                 except NoWorkerError:  # the registry read may predate a worker's start
@@ -605,6 +607,11 @@ def _left(context) -> float:
     return DEFAULT_TIMEOUT_S if left is None else max(left, 0.001)
 
 
+# before anything reached the client: the worker is gone, or the hand-off's lease was lost
+# (expired while a worker stalled; its blocks were discarded, never decoded): start over
+_RETRY_BEFORE_FIRST_TOKEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+
+
 def _fail(e: grpc.RpcError, address: str, context, sent: bool):
     """A worker call failed: retry elsewhere if the worker was unavailable (migrate if tokens
     were sent already); otherwise end the client's stream with the worker's status (raises
@@ -612,15 +619,11 @@ def _fail(e: grpc.RpcError, address: str, context, sent: bool):
     code = e.code()
     if code == grpc.StatusCode.CANCELLED and not context.is_active():
         raise _Retry(address, "client went away")  # the loop sees the inactive context
-    if not sent and code == grpc.StatusCode.UNAVAILABLE:
-        raise _Retry(address, f"{address} unavailable: {e.details()}")
-    if not sent and code == grpc.StatusCode.ABORTED:  # the hand-off's lease was lost (expired
-        # while a worker stalled): its blocks were discarded, never decoded; start over
-        raise _Retry(address, f"{address}: {e.details()}")
     left = context.time_remaining()
-    if not sent and code == grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 1.0):
-        # the worker's own timeout (a KV hand-off from a stalled peer), not the client's
-        raise _Retry(address, f"{address} timed out: {e.details()}")
+    if not sent and (code in _RETRY_BEFORE_FIRST_TOKEN or (
+            # the worker's own timeout (a KV hand-off from a stalled peer), not the client's
+            code == grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 1.0))):
+        raise _Retry(address, f"{address}: {code.name} {e.details()}")
     if sent and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         raise _Lost(address, f"{address} failed: {code.name} {e.details()}")
     context.abort(code, e.details() or code.name)
@@ -629,8 +632,6 @@ def _fail(e: grpc.RpcError, address: str, context, sent: bool):
 def client_key(context) -> str:
     """Whose request this is, for --max-concurrent-per-key: a digest of its bearer token, else
     its peer's host."""
-    import hashlib
-
     for key, value in context.invocation_metadata() or ():
         if key == "authorization" and value:
             return "key:" + hashlib.sha256(value.encode()).hexdigest()[:16]
