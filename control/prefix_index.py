@@ -19,7 +19,7 @@ Routers read all three in one round trip (:meth:`PrefixIndex.signals`, one Lua s
 prompt's chain of block hashes, how many leading blocks each candidate holds, plus its queue, KV
 usage and requests in flight. Routers write the third: a request is added to its workers'
 in-flight sets when routed and removed when it ends (in batches, by a background thread, off the
-request path); each router re-arms its own entries' expiry every few seconds, so the entries of
+request path; a router adds its own claims not yet written to what it reads); each router re-arms its own entries' expiry every few seconds, so the entries of
 a router that dies expire within ``inflight_ttl_s`` instead of counting forever. All keys of one
 lookup must live on one Redis (no Redis Cluster slot routing). Redis being down is never a
 routing error: :meth:`PrefixIndex.signals` returns ``None`` and the router routes on its own
@@ -222,6 +222,7 @@ class Signals:
 class _Claim:
     keys: list[str]
     member: str
+    worker_ids: list[str]
     expires_ms: int = field(default=0)
 
 
@@ -234,9 +235,13 @@ class PrefixIndex:
     """
 
     def __init__(self, client, router_id: str, inflight_ttl_s: float = 30.0,
-                 retry_s: float = 1.0) -> None:
+                 retry_s: float = 1.0, write_delay_s: float = 0.002) -> None:
         self.redis, self.router_id = client, router_id
         self.inflight_ttl_s, self.retry_s = inflight_ttl_s, retry_s
+        self.write_delay_s = write_delay_s
+        # this router's claims (+1) and releases (-1) per worker not yet written: added to what
+        # Redis says, so its own count is exact while a batch waits
+        self._pending: dict[str, int] = {}
         self._script = client.register_script(_SIGNALS)
         self._claims: dict[str, _Claim] = {}
         self._keys: dict[tuple[str, str], tuple[str, str, str]] = {}
@@ -277,7 +282,7 @@ class PrefixIndex:
         out = []
         for w, line in zip(workers, reply.decode().split("\n")):
             hit, infl, *load = line.split(" ")
-            s = Signals(int(hit), int(infl))
+            s = Signals(int(hit), max(0, int(infl) + self._pending.get(w.worker_id, 0)))
             if load and load[0] == w.incarnation:  # not an older incarnation's load
                 s.waiting, s.running, s.free_blocks, s.total_blocks = map(int, load[1:])
             out.append(s)
@@ -289,16 +294,26 @@ class PrefixIndex:
         """Count a request as in flight on ``worker_ids`` until :meth:`release`. Written to
         Redis by a background thread (batched with other routes' claims and releases), so it
         adds no round trip to the request."""
-        claim = _Claim([inflight_key(w) for w in worker_ids], f"{self.router_id}:{request_key}")
+        claim = _Claim([inflight_key(w) for w in worker_ids], f"{self.router_id}:{request_key}",
+                       list(worker_ids))
         with self._lock:
             self._claims[request_key] = claim
+            self._count(claim, 1)
         self._ops.put(("add", claim))
 
     def release(self, request_key: str) -> None:
         with self._lock:
             claim = self._claims.pop(request_key, None)
+            if claim is not None:
+                self._count(claim, -1)
         if claim is not None:
             self._ops.put(("rem", claim))
+
+    def _count(self, claim: _Claim, d: int) -> None:  # under self._lock
+        for w in claim.worker_ids:
+            n = self._pending[w] = self._pending.get(w, 0) + d
+            if n == 0:
+                del self._pending[w]
 
     def flush(self, timeout: float = 5.0) -> None:
         """Wait until the claims and releases made so far are written (tests, benchmarks)."""
@@ -307,8 +322,10 @@ class PrefixIndex:
         done.wait(timeout)
 
     def _writer(self) -> None:
-        """Writes claims and releases in batches; every third of the TTL pushes the expiry of
-        this router's live claims forward (after an outage that also restores them)."""
+        """Writes claims and releases in batches, ``write_delay_s`` after the first of a batch
+        (so the write runs while the request's workers compute, not on its way in or out);
+        every third of the TTL pushes the expiry of this router's live claims forward (after an
+        outage that also restores them)."""
         period = self.inflight_ttl_s / 3
         next_rearm = time.monotonic() + period
         while not self._stop.is_set():
@@ -316,6 +333,8 @@ class PrefixIndex:
                 ops = [self._ops.get(timeout=max(0.0, next_rearm - time.monotonic()))]
             except queue.Empty:
                 ops = []
+            if ops and ops[0][0] != "sync" and self.write_delay_s > 0:
+                time.sleep(self.write_delay_s)
             while True:
                 try:
                     ops.append(self._ops.get_nowait())
@@ -323,7 +342,7 @@ class PrefixIndex:
                     break
             if time.monotonic() >= next_rearm:
                 with self._lock:
-                    ops += [("add", c) for c in self._claims.values()]
+                    ops += [("rearm", c) for c in self._claims.values()]
                 ops.append(("prune", None))
                 next_rearm = time.monotonic() + period
             self._write(ops)
@@ -341,7 +360,7 @@ class PrefixIndex:
                             pipe.zremrangebyscore(k, "-inf", _now_ms())
                         continue
                     for k in c.keys:
-                        if kind == "add":
+                        if kind != "rem":  # add, rearm
                             pipe.zadd(k, {c.member: expires})
                             pipe.pexpire(k, key_ttl)
                         else:
@@ -351,6 +370,10 @@ class PrefixIndex:
                 self._went_down(e)
             else:
                 self._came_back()
+        with self._lock:  # written (or, with Redis down, dropped: rearmed when it is back)
+            for kind, c in writes:
+                if kind in ("add", "rem"):
+                    self._count(c, 1 if kind == "rem" else -1)
         for op in ops:
             if op[0] == "sync":
                 op[1].set()

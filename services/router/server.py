@@ -31,6 +31,7 @@ import uuid
 from contextlib import contextmanager
 
 import grpc
+import grpc.experimental
 from baton.control.prefix_index import PrefixIndex
 from baton.control.registry import Registration, RouterRecord, WorkerRecord, WorkerRegistry
 from baton.engine.errors import InvalidRequestError
@@ -81,6 +82,7 @@ class WorkerPool:
         self._workers: list[WorkerRecord] = []
         self._read_at = 0.0
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[tuple, object] = {}
         self._inflight: dict[str, int] = {}
         self._registry_ok = True
         self._lock = threading.Lock()
@@ -112,8 +114,20 @@ class WorkerPool:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address)
+                # streams are read on the thread that relays them (no channel thread started
+                # per call): ~0.3 ms less per request on a small machine
+                ch = self._channels[address] = grpc.insecure_channel(address, options=[
+                    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
             return ch
+
+    def stub(self, cls, address: str):
+        """A ``cls`` stub on ``address``'s channel, made once (a stub builds a callable per
+        method)."""
+        key = (cls, address)
+        stub = self._stubs.get(key)
+        if stub is None:
+            stub = self._stubs[key] = cls(self.channel(address))
+        return stub
 
     @contextmanager
     def busy(self, address: str):
@@ -312,7 +326,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
         t = time.monotonic()
         with self.pool.busy(prefill.address):
             cs = _call_span(st.span, prefill, "PrefillWorker", "Prefill")
-            fut = worker_pb2_grpc.PrefillWorkerStub(self.pool.channel(prefill.address)).Prefill \
+            fut = self.pool.stub(worker_pb2_grpc.PrefillWorkerStub, prefill.address).Prefill \
                 .future(worker_pb2.PrefillRequest(request_id=st.rid, prompt_token_ids=st.ids,
                                                   params=p), timeout=_left(context),
                         metadata=cs.metadata())
@@ -354,7 +368,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
 
     def _give_back(self, address: str, handle) -> None:
         try:
-            worker_pb2_grpc.KVSourceStub(self.pool.channel(address)).ReleaseLease(
+            self.pool.stub(worker_pb2_grpc.KVSourceStub, address).ReleaseLease(
                 worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id,
                                                incarnation=handle.incarnation), timeout=2)
         except grpc.RpcError as e:
@@ -374,7 +388,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
         method = "Decode" if path == "remote" else "Generate"
         with self.pool.busy(decode.address):
             cs = _call_span(st.span, decode, "DecodeWorker", method)
-            call = start(worker_pb2_grpc.DecodeWorkerStub(self.pool.channel(decode.address)),
+            call = start(self.pool.stub(worker_pb2_grpc.DecodeWorkerStub, decode.address),
                          cs.metadata())
             calls.append(call)
             reason = ""

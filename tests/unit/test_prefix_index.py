@@ -154,6 +154,27 @@ def test_inflight_counts_are_shared_released_and_expire(client):
     r2.close()
 
 
+def test_a_router_counts_its_own_claims_before_they_are_written(client):
+    w = [rec("a"), rec("b")]
+    r1 = PrefixIndex(client, "r1", write_delay_s=0.5)  # a batch waits half a second
+    r2 = PrefixIndex(client, "r2")
+    r1.claim("q1", ["a"])
+    r1.claim("q2", ["a", "b"])
+    assert [s.inflight for s in r1.signals([], w)] == [2, 1]  # at once, from its own count
+    assert [s.inflight for s in r2.signals([], w)] == [0, 0]  # not written yet
+    r1.flush()
+    assert [s.inflight for s in r2.signals([], w)] == [2, 1]
+    assert [s.inflight for s in r1.signals([], w)] == [2, 1]  # written: not counted twice
+    r1.release("q2")
+    assert [s.inflight for s in r1.signals([], w)] == [1, 0]
+    r1.flush()
+    assert [s.inflight for s in r2.signals([], w)] == [1, 0]
+    assert [s.inflight for s in r1.signals([], w)] == [1, 0]
+    assert not r1._pending
+    r1.close()
+    r2.close()
+
+
 def test_inflight_claims_outlive_their_ttl_while_the_router_lives(client):
     r = PrefixIndex(client, "r1", inflight_ttl_s=1.0)
     r.claim("q1", ["a"])
