@@ -19,8 +19,9 @@ Routers read all three in one round trip (:meth:`PrefixIndex.signals`, one Lua s
 prompt's chain of block hashes, how many leading blocks each candidate holds, plus its queue, KV
 usage and requests in flight. Routers write the third: a request is added to its workers'
 in-flight sets when routed and removed when it ends (in batches, by a background thread, off the
-request path; a router adds its own claims not yet written to what it reads); each router re-arms its own entries' expiry every few seconds, so the entries of
-a router that dies expire within ``inflight_ttl_s`` instead of counting forever. All keys of one
+request path; a router adds its own claims not yet written to what it reads); each router
+re-arms its own entries' expiry every few seconds, so the entries of a router that dies expire
+within ``inflight_ttl_s`` instead of counting forever. All keys of one
 lookup must live on one Redis (no Redis Cluster slot routing). Redis being down is never a
 routing error: :meth:`PrefixIndex.signals` returns ``None`` and the router routes on its own
 counts.

@@ -13,7 +13,8 @@ The best-scoring decode worker is chosen first (prefix overlap there means fewer
 Then conditional disaggregation: the decode worker prefills the prompt itself (``local``) when the
 tokens it does not hold are at most ``local_max_new_tokens``, when no prefill worker is available,
 or when every prefill worker is saturated; otherwise the best-scoring prefill worker prefills it
-(``remote``). Each decision carries its reason, reported in the final message and counted in
+(``remote``). With one candidate and no other worker to prefill, the choice is forced and the
+index is not read. Each decision carries its reason, reported in the final message and counted in
 ``/metrics``.
 
 Without the index (``--routing least-loaded``, or Redis unreachable) the prefix scorer is left out
@@ -141,6 +142,9 @@ class RoutingPolicy:
             p = self._turn("prefill", p_cands) if p_cands else None
             return self._finish(ids, d, p, 0, 0, False, False, t0)
 
+        if len(decodes) == 1 and all(w.address == decodes[0].address for w in prefills):
+            # one worker, no other to prefill: nothing the index says could change the choice
+            return self._finish(ids, decodes[0], None, 0, 0, False, False, t0)
         union = {w.worker_id: w for w in decodes + prefills}
         records = list(union.values())
         sig = None

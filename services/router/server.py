@@ -393,6 +393,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
             calls.append(call)
             reason = ""
             watch = None
+            final = None
             try:
                 for chunk in call:
                     if watch is None:  # mid-stream from here: a silent worker is a hung one
@@ -415,8 +416,17 @@ class RouterService(api_pb2_grpc.BatonServicer):
                     st.tokens.extend(chunk.token_ids)
                     yield st.delta(chunk.token_ids, chunk.text, lps)
                     reason = chunk.finish_reason or reason
+                    if reason and final is None:
+                        # the finishing chunk is the worker's last message: the client gets
+                        # the final one now, while the worker's status is still on its way
+                        final = st.final(reason, path)
+                        yield final
             except grpc.RpcError as e:
                 cs.end(error=e.code())
+                if final is not None:  # everything was delivered; only the status was lost
+                    log.info("request %s: %s failed after its finish (%s); already complete",
+                             st.rid, decode.address, e.code())
+                    return
                 if watch is not None and watch.stalled:
                     raise _Lost(decode.address, f"{decode.address} sent nothing for "
                                 f"{self.stall.timeout_s:g}s (--stall-timeout)") from None
@@ -429,7 +439,6 @@ class RouterService(api_pb2_grpc.BatonServicer):
         if not reason:  # the stream ended without a finish: never report that as success
             context.abort(grpc.StatusCode.INTERNAL,
                           f"decode worker {decode.worker_id} ended the stream unfinished")
-        yield st.final(reason, path)
 
     # ---- input -----------------------------------------------------------------------------------
 

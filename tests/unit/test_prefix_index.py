@@ -215,3 +215,38 @@ def _wait(cond, timeout=5.0):
     while not cond():
         assert time.monotonic() < end, "condition not reached"
         time.sleep(0.02)
+
+
+class _Pool:  # the router's WorkerPool as RoutingPolicy sees it: the registry's records
+    def __init__(self, records):
+        self.records = records
+
+    def workers(self, role=None):
+        return [w for w in self.records if role is None or w.role in (role, "both")]
+
+    def inflight(self, address):
+        return 0
+
+
+def test_a_forced_choice_skips_the_index_and_a_real_choice_reads_it(client):
+    from baton.services.router.routing import NO_PREFILL_WORKER, RoutingPolicy
+
+    ids = list(range(200))
+    hashes = b"".join(hash_blocks(ids[:192], 16, NS))
+    pub, events, _ = publisher(client, "d2")
+    events.extend((STORED, h) for h in hash_blocks(ids[:192], 16, NS)[:6])
+    pub.flush()
+    index = PrefixIndex(client, "r1")
+    calls = []
+    signals = index.signals
+    index.signals = lambda *a: calls.append(a) or signals(*a)
+    one = WorkerRecord("d1", "both", "127.0.0.1:1", "fp", "i1")
+    d = RoutingPolicy(_Pool([one]), index).decide(ids, hashes, set())
+    assert (d.decode, d.path, d.reason, d.used_index, calls) == (one, "local",
+                                                                NO_PREFILL_WORKER, False, [])
+    two = WorkerRecord("d2", "decode", "127.0.0.1:2", "fp", "i1")
+    d = RoutingPolicy(_Pool([one, two]), index).decide(ids, hashes, set())
+    # d2 holds 6 of the 12 blocks: it decodes; the 104 tokens it lacks are prefilled on d1
+    assert len(calls) == 1 and d.used_index
+    assert (d.decode, d.path, d.prefill) == (two, "remote", one)
+    index.close()
