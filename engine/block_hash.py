@@ -16,9 +16,11 @@ same bytes) when a C compiler is available; ``BATON_NATIVE=0`` keeps everything 
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 
 HASH_VERSION = b"baton-block-v1"
@@ -66,7 +68,7 @@ def hash_chain(
     n = len(token_ids) // block_size
     if n == 0:
         return b""
-    data = struct.pack(f"<{n * block_size}I", *token_ids[: n * block_size])
+    data = _u32le(token_ids, n * block_size)
     p = parent if parent is not None else ROOT_PARENT
     if n >= _NATIVE_MIN_BLOCKS and len(namespace) == 32 and len(p) == 32:
         native = _native()
@@ -85,6 +87,20 @@ def hash_chain(
         p = h.digest()
         out_list.append(p)
     return b"".join(out_list)
+
+
+def _u32le(token_ids: Sequence[int], n: int) -> bytes:
+    """The first ``n`` ids as little-endian u32 (array's machine order, swapped if need be:
+    ~2x faster than struct.pack for long prompts)."""
+    try:
+        a = array.array("I", token_ids[:n] if len(token_ids) > n else token_ids)
+    except (OverflowError, TypeError):  # not u32: let struct raise its usual error
+        return struct.pack(f"<{n}I", *token_ids[:n])
+    if a.itemsize != 4:
+        return struct.pack(f"<{n}I", *token_ids[:n])
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
 
 
 _NATIVE_MIN_BLOCKS = 8  # below this, ctypes' call overhead outweighs the gain

@@ -158,10 +158,14 @@ class RoutingPolicy:
                                                    if k != "prefix"} or {"inflight": 1.0}
         n_blocks = len(hashes or b"") // 32
         total = sum(weights.values())
+        terms = [(SCORERS[name], wt / total) for name, wt in weights.items() if wt]
+        scores = {}  # each worker scored once, though it may be a candidate for both roles
+        for wid, s in by_id.items():
+            x = ScoreInput(s, n_blocks)
+            scores[wid] = sum(wt * f(x) for f, wt in terms)
 
         def score(w: WorkerRecord) -> float:
-            x = ScoreInput(by_id[w.worker_id], n_blocks)
-            return sum(wt * SCORERS[name](x) for name, wt in weights.items()) / total
+            return scores[w.worker_id]
 
         d = self._best("decode", decodes, score)
         p_cands = [w for w in prefills if w.address != d.address]
