@@ -34,7 +34,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from baton.engine.kv_cache import CLEARED, EVICTED, STORED
 from redis.exceptions import RedisError
@@ -221,10 +221,8 @@ class Signals:
 
 @dataclass
 class _Claim:
-    keys: list[str]
-    member: str
+    member: str  # "<router id>:<request key>" in each worker's in-flight set
     worker_ids: list[str]
-    expires_ms: int = field(default=0)
 
 
 class PrefixIndex:
@@ -295,8 +293,7 @@ class PrefixIndex:
         """Count a request as in flight on ``worker_ids`` until :meth:`release`. Written to
         Redis by a background thread (batched with other routes' claims and releases), so it
         adds no round trip to the request."""
-        claim = _Claim([inflight_key(w) for w in worker_ids], f"{self.router_id}:{request_key}",
-                       list(worker_ids))
+        claim = _Claim(f"{self.router_id}:{request_key}", list(worker_ids))
         with self._lock:
             self._claims[request_key] = claim
             self._count(claim, 1)
@@ -360,7 +357,7 @@ class PrefixIndex:
                         for k in self.redis.scan_iter(match=INFLIGHT_PREFIX + "*", count=500):
                             pipe.zremrangebyscore(k, "-inf", _now_ms())
                         continue
-                    for k in c.keys:
+                    for k in map(inflight_key, c.worker_ids):
                         if kind != "rem":  # add, rearm
                             pipe.zadd(k, {c.member: expires})
                             pipe.pexpire(k, key_ttl)

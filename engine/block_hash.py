@@ -93,10 +93,10 @@ def _u32le(token_ids: Sequence[int], n: int) -> bytes:
     """The first ``n`` ids as little-endian u32 (array's machine order, swapped if need be:
     ~2x faster than struct.pack for long prompts)."""
     try:
-        a = array.array("I", token_ids[:n] if len(token_ids) > n else token_ids)
-    except (OverflowError, TypeError):  # not u32: let struct raise its usual error
-        return struct.pack(f"<{n}I", *token_ids[:n])
-    if a.itemsize != 4:
+        a = array.array("I", token_ids[:n])
+    except (OverflowError, TypeError):  # not u32: struct raises its usual error below
+        a = None
+    if a is None or a.itemsize != 4:
         return struct.pack(f"<{n}I", *token_ids[:n])
     if sys.byteorder != "little":
         a.byteswap()

@@ -162,6 +162,8 @@ class Load:
     cancel_after: list[float] | None = None
     cache_salt: str | None = None  # a fresh one: no cached prefix steers the routing
     outcomes: list[Outcome] = field(default_factory=list)
+    # tokens received so far by each client's request in flight
+    progress: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -189,18 +191,29 @@ class Load:
             assert time.monotonic() < end, f"only {len(self.outcomes)} of {n} requests ended"
             time.sleep(0.05)
 
+    def wait_more(self, k: int, timeout: float = 120.0) -> None:
+        """Until ``k`` more requests have ended than have now."""
+        self.wait_for(len(self.outcomes) + k, timeout)
+
     def _client(self, c: int) -> None:
         rng = random.Random(c)
         while not self._stop.is_set():
             with self._lock:
                 i, self._n = self._n, self._n + 1
             cancel = rng.choice(self.cancel_after) if self.cancel_after else None
-            out = self._one(i, cancel)
+            self.progress[c] = 0
+            out = self._one(c, i, cancel)
+            del self.progress[c]
             self.outcomes.append(out)
             if out.code not in ("OK", "CANCELLED"):
                 time.sleep(0.2)  # as a client would back off before trying again
 
-    def _one(self, i: int, cancel: float | None) -> Outcome:
+    def streaming(self) -> bool:
+        """Every request in flight has had tokens (none is still before its first)."""
+        now = list(self.progress.values())
+        return bool(now) and min(now) > 0
+
+    def _one(self, c: int, i: int, cancel: float | None) -> Outcome:
         ids, final = [], None
         t0 = time.monotonic()
         try:
@@ -212,6 +225,7 @@ class Load:
             for msg in call:
                 if msg.HasField("delta"):
                     ids += msg.delta.token_ids
+                    self.progress[c] = len(ids)
                 else:
                     final = msg.final
         except grpc.RpcError as e:

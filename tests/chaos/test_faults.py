@@ -34,15 +34,17 @@ def want():
     return reference(LLMEngine.from_path(None), MAX_TOKENS)
 
 
-def busy_decode(cluster: ChaosCluster, timeout: float = 30.0) -> int:
-    """Index of a decode worker that is streaming right now."""
+def streaming_on(workers, load: Load, timeout: float = 30.0) -> int:
+    """Index in ``workers`` of one whose requests' tokens are reaching their clients: it runs a
+    request while every request in flight has had tokens (a fixed wait raced slow prefills)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        for k, w in enumerate(cluster.decode):
-            if w.info().running_requests > 0:
-                return k
-        time.sleep(0.05)
-    raise AssertionError("no decode worker got busy")
+        if load.streaming():
+            for k, w in enumerate(workers):
+                if w.info().running_requests > 0:
+                    return k
+        time.sleep(0.02)
+    raise AssertionError(f"none of {[w.worker_id for w in workers]} got streaming")
 
 
 def pids(cluster: ChaosCluster) -> dict[str, int]:
@@ -75,28 +77,17 @@ def rejoined(cluster: ChaosCluster, worker_id: str, field: str, timeout=30.0) ->
         assert time.monotonic() < end, f"{worker_id} served nothing after its restart"
 
 
-def streaming_on(worker, timeout: float = 30.0) -> None:
-    """Until ``worker`` is streaming, and a little more (tokens reach their clients)."""
-    end = time.monotonic() + timeout
-    while worker.info().running_requests == 0:
-        assert time.monotonic() < end, f"{worker.worker_id} never got busy"
-        time.sleep(0.05)
-    time.sleep(0.5)
-
-
 def test_network_cut_between_router_and_a_decode_worker(cluster, want):
     proxied = cluster.decode[1]
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    streaming_on(proxied)
+    streaming_on([proxied], load)
     cluster.proxy.cut()  # its streams break (RST); new connections are refused
     try:
-        n = len(load.outcomes)
-        load.wait_for(n + 4)
+        load.wait_more(4)
     finally:
         cluster.proxy.heal()
-    n = len(load.outcomes)
-    load.wait_for(n + 4)
+    load.wait_more(4)
     outs = load.stop()
     # streams it had started move to the other worker; calls that could not reach it retry
     counts = check("network cut router-decode", outs, want, allowed=set())
@@ -111,7 +102,7 @@ def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, wan
     load = Load(cluster, clients=4, deadline=20.0, max_tokens=MAX_TOKENS).start()
     cluster.proxy.delay(0.02)  # every chunk 20 ms late, both ways: slow, not failing
     load.wait_for(4)
-    streaming_on(proxied)
+    streaming_on([proxied], load)
     cluster.proxy.stall()  # a partition: nothing moves, connections stay open
     try:
         n = len(load.outcomes)
@@ -119,8 +110,7 @@ def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, wan
         load.wait_for(n + 2)
     finally:
         cluster.proxy.heal()
-    n = len(load.outcomes)
-    load.wait_for(n + 4)
+    load.wait_more(4)
     outs = load.stop()
     # streams past their first token move on after --stall-timeout (the SIGSTOP test pins
     # that); a call still waiting for its first token waits for the partition to heal
@@ -133,13 +123,11 @@ def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, wan
 def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want):
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    k = busy_decode(cluster)
-    time.sleep(0.5)  # some tokens of its requests reach their clients
+    k = streaming_on(cluster.decode, load)
     victim = cluster.decode[k]
     others = {w: p for w, p in pids(cluster).items() if w != victim.worker_id}
     victim.kill()
-    n = len(load.outcomes)
-    load.wait_for(n + 6)
+    load.wait_more(6)
     outs = load.stop()
     counts = check("decode SIGKILL mid-stream", outs, want, allowed=set())
     assert any(o.code == "OK" and o.final.migrations for o in outs), \
@@ -167,8 +155,7 @@ def test_decode_sigkill_mid_transfer(cluster, want):
         time.sleep(0.01)
     assert cluster.prefill.info().active_leases > 0
     slow.kill()  # mid-transfer: it read blocks the prefill worker still holds under a lease
-    n = len(load.outcomes)
-    load.wait_for(n + 6)
+    load.wait_more(6)
     outs = load.stop()
     # nothing had reached those clients: their requests are retried on the other workers
     counts = check("decode SIGKILL mid-transfer", outs, want, allowed=set())
@@ -184,8 +171,7 @@ def test_prefill_sigkill_while_holding_leases(cluster, want):
     while cluster.prefill.info().active_leases == 0 and time.monotonic() < end:
         time.sleep(0.01)
     cluster.prefill.kill()
-    n = len(load.outcomes)
-    load.wait_for(n + 6)
+    load.wait_more(6)
     outs = load.stop()
     # requests it was prefilling, or whose blocks a decode worker was reading, are retried:
     # the decode workers prefill them themselves while no prefill worker is left
@@ -200,13 +186,11 @@ def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
     # deadline: room for a stream to stall (3 s), then finish elsewhere
     load = Load(cluster, clients=4, deadline=20.0, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    k = busy_decode(cluster)
-    time.sleep(0.5)  # its streams are under way
+    k = streaming_on(cluster.decode, load)
     stopped = cluster.decode[k]
     stopped.proc.send_signal(signal.SIGSTOP)
     try:
-        n = len(load.outcomes)
-        load.wait_for(n + 6, timeout=60)  # the other decode worker carries on
+        load.wait_more(6, timeout=60)  # the other decode worker carries on
     finally:
         stopped.proc.send_signal(signal.SIGCONT)
     outs = load.stop()
@@ -232,8 +216,7 @@ def test_prefill_sigstop_while_holding_leases(cluster, want):
         time.sleep(8)
     finally:
         cluster.prefill.proc.send_signal(signal.SIGCONT)
-    n = len(load.outcomes)
-    load.wait_for(n + 4)
+    load.wait_more(4)
     outs = load.stop()
     # a prompt it was prefilling when stopped finishes after it resumes, or at its deadline
     counts = check("prefill SIGSTOP holding leases", outs, want, allowed={"DEADLINE_EXCEEDED"})
@@ -245,11 +228,10 @@ def test_prefill_sigstop_while_holding_leases(cluster, want):
 def test_router_sigkill_and_restart(cluster, want):
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    busy_decode(cluster)
+    streaming_on(cluster.decode, load)
     workers = {w.worker_id: w.pid for w in cluster.workers()}
     cluster.restart_router()  # SIGKILL, then a new router on a new port
-    n = len(load.outcomes)
-    load.wait_for(n + 6)
+    load.wait_more(6)
     outs = load.stop()
     counts = check("router SIGKILL", outs, want, allowed={"UNAVAILABLE", "CANCELLED"})
     assert counts["OK"] >= 6
@@ -263,13 +245,11 @@ def test_redis_sigkill_and_restart(cluster, want):
     port = cluster.redis.port
     cluster.redis.proc.kill()
     cluster.redis.proc.wait()
-    n = len(load.outcomes)
-    load.wait_for(n + 4)  # served on the workers the router saw last, routed on load only
+    load.wait_more(4)  # served on the workers the router saw last, routed on load only
     from baton.control.redis_server import EmbeddedRedis
 
     cluster.redis = EmbeddedRedis(port=port).start()  # back, and empty: workers re-register
-    n = len(load.outcomes)
-    load.wait_for(n + 4)
+    load.wait_more(4)
     outs = load.stop()
     counts = check("redis SIGKILL", outs, want, allowed={"UNAVAILABLE"})
     assert counts["OK"] >= 8
@@ -281,12 +261,10 @@ def test_redis_sigstop_and_resume(cluster, want):
     load.wait_for(2)
     cluster.redis.proc.send_signal(signal.SIGSTOP)  # hangs instead of refusing: timeouts only
     try:
-        n = len(load.outcomes)
-        load.wait_for(n + 6)
+        load.wait_more(6)
     finally:
         cluster.redis.proc.send_signal(signal.SIGCONT)
-    n = len(load.outcomes)
-    load.wait_for(n + 2)
+    load.wait_more(2)
     outs = load.stop()
     counts = check("redis SIGSTOP", outs, want, allowed=set())
     assert counts["OK"] == len(outs)
