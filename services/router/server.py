@@ -24,6 +24,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -80,7 +81,7 @@ class WorkerPool:
     def __init__(self, registry: WorkerRegistry, refresh_s: float = 1.0) -> None:
         self.registry, self.refresh_s = registry, refresh_s
         self._workers: list[WorkerRecord] = []
-        self._read_at = 0.0
+        self._read_at = -math.inf  # never read
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[tuple, object] = {}
         self._inflight: dict[str, int] = {}
@@ -145,7 +146,7 @@ class WorkerPool:
         with self._lock:
             if time.monotonic() - self._read_at < if_older_than:
                 return False
-            self._read_at = 0.0
+            self._read_at = -math.inf
             return True
 
 

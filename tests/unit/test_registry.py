@@ -84,3 +84,17 @@ def test_workers_advertise_a_reachable_host():
     # bound to every interface and nothing given: this host's address, never 0.0.0.0
     got = advertised_host(ns(host="0.0.0.0", advertise_host=None))
     assert got == socket.gethostbyname(socket.gethostname()) and got != "0.0.0.0"
+
+
+def test_a_router_pool_reads_the_registry_on_first_use_however_long_its_refresh(registry):
+    # the first read must not depend on how long the machine has been up (time.monotonic()
+    # starts near 0 on a freshly booted one, which once hid every worker for refresh_s)
+    from baton.services.router.server import WorkerPool
+
+    registry.put(rec("d0", "decode"))
+    pool = WorkerPool(registry, refresh_s=1e12)
+    assert [w.worker_id for w in pool.workers()] == ["d0"]
+    registry.put(rec("d1", "decode", 2))
+    assert [w.worker_id for w in pool.workers()] == ["d0"]  # cached until refresh_s
+    assert pool.forget()
+    assert [w.worker_id for w in pool.workers()] == ["d0", "d1"]
