@@ -77,10 +77,13 @@ class ModelConfig:
 class EngineConfig:
     """How one engine instance runs a model.
 
-    ``dtype`` is the precision of the weights and the KV cache. On a CPU without native bf16/fp16
-    arithmetic (AVX2 only), PyTorch's half-precision GEMMs run 5-10x slower than float32, so the
-    engine keeps half-precision weights' values (rounded once) and computes in float32; the KV cache
-    is stored in ``dtype`` either way. ``compute_dtype`` reports what is actually used.
+    ``dtype`` is the precision of the weights and the KV cache. On CPU, activations are float32
+    whatever ``dtype`` is: half-precision weights keep their rounded values, the native small-batch
+    kernels read them at half the bytes, and the KV cache is stored in ``dtype``. Large matrix
+    products (prefill, big decode batches) run in bfloat16 where the CPU does bf16 arithmetic in
+    hardware (AMX, AVX512-BF16), and in float32 elsewhere: without it (AVX2 only) PyTorch's
+    half-precision GEMMs are 5-10x slower than float32. ``compute_dtype`` and ``gemm_dtype``
+    report what is used.
     """
 
     dtype: str = "float32"
@@ -121,13 +124,21 @@ class EngineConfig:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        if self.torch_dtype == torch.float32 or self.device != "cpu":
+        """Activations' precision (and, off CPU, every operation's)."""
+        return self.torch_dtype if self.device != "cpu" else torch.float32
+
+    @property
+    def gemm_dtype(self) -> torch.dtype:
+        """Precision of the large matrix products (weights stored in ``dtype``)."""
+        if self.device != "cpu":
             return self.torch_dtype
-        return self.torch_dtype if cpu_has_native_half() else torch.float32
+        if self.torch_dtype == torch.bfloat16 and cpu_has_native_half():
+            return torch.bfloat16
+        return torch.float32
 
 
 def cpu_has_native_half() -> bool:
-    """True when the CPU does bf16/fp16 arithmetic in hardware (AVX512-BF16, AMX)."""
+    """True when the CPU does bf16 arithmetic in hardware (AVX512-BF16, AMX)."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = f.read()

@@ -115,7 +115,8 @@ class LLMEngine:
         self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size)
         storage, compute = cfg.torch_dtype, cfg.compute_dtype
         weights = {k: v.to(storage).to(compute) for k, v in model.weights.items()}
-        self.model = LlamaModel(mc, weights, compute, cfg.attention_backend, storage)
+        self.model = LlamaModel(mc, weights, compute, cfg.attention_backend, storage,
+                                cfg.gemm_dtype)
         self.attention_backend = self.model.attention_backend
         self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // self.block_nbytes)

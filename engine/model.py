@@ -8,6 +8,7 @@ Weights are plain tensors, fused per layer: ``qkv`` = [q; k; v] and ``gate_up`` 
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -92,34 +93,83 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # Batches of at most this many rows run linear layers in the native small-M kernel (bound by
 # weight bandwidth); larger ones in CPU BLAS (bound by arithmetic). Measured on a 2-core Zen 3:
-# the native kernel is 2-3x faster than BLAS at 1-8 rows and even at 16.
+# the native kernel is 2-3x faster than float32 BLAS at 1-8 rows and even at 16. Against bf16
+# GEMMs on AMX (2-core Sapphire Rapids) it wins only up to ~4 rows: SMALL_M_HALF.
 SMALL_M = 16
+SMALL_M_HALF = 4
 
 
 class Linear:
-    """``y = x @ w.T + bias``. ``small`` is the same matrix for the native small-M kernel, in the
-    storage dtype (bfloat16 weights stream at half the bytes), or ``None`` to always use BLAS.
-    With ``transposed``, ``w`` is stored as [K, N] for BLAS (faster for a very tall matrix)."""
+    """``y = x @ w.T + bias``, float32 in and out. ``small`` is the same matrix for the native
+    small-M kernel, in the storage dtype (bfloat16 weights stream at half the bytes), or ``None``
+    to always use BLAS. ``w`` is in the GEMM dtype: float32, or bfloat16 on a CPU with bf16
+    arithmetic (``x`` is rounded to it for the product; ``w`` is then ``small`` itself when both
+    have the same layout). With ``transposed``, ``w`` is stored as [K, N] for BLAS (faster for a
+    very tall matrix)."""
 
-    __slots__ = ("w", "bias", "small", "transposed")
+    __slots__ = ("w", "bias", "small", "transposed", "small_m")
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, small: torch.Tensor | None,
                  transposed: bool = False):
         self.w, self.bias, self.small, self.transposed = w, bias, small, transposed
+        self.small_m = SMALL_M if w.dtype == torch.float32 else SMALL_M_HALF
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small is not None and x.shape[0] <= SMALL_M:
+        if self.small is not None and x.shape[0] <= self.small_m:
             return cpu_linear.linear(x, self.small, self.bias)
+        w = self.w
+        if w.dtype != x.dtype:  # a bf16 GEMM: float32 accumulation, float32 out
+            y = (x.to(w.dtype) @ w if self.transposed else F.linear(x.to(w.dtype), w)).float()
+            return y if self.bias is None else y + self.bias
         if self.transposed:
-            return x @ self.w
-        return F.linear(x, self.w, self.bias)
+            return x @ w
+        return F.linear(x, w, self.bias)
+
+
+def resident(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A contiguous copy of ``t`` (in ``dtype``) in the process's own memory, on transparent
+    huge pages where the kernel allows them. Weights loaded from safetensors are views of the
+    mmapped file: decode streams every weight once per step, and streaming them from the page
+    cache in 4 KiB pages made a float32 decode step ~1.4x slower (2-core Sapphire Rapids)."""
+    dtype = dtype or t.dtype
+    nbytes = t.numel() * dtype.itemsize
+    if t.device.type != "cpu" or nbytes < _HUGE_PAGE:
+        return t.to(dtype, copy=True).contiguous()
+    # anonymous and private (a shared mapping would be shmem, which THP leaves alone); freed with
+    # the last tensor using it
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    out = torch.frombuffer(buf, dtype=dtype, count=t.numel()).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+_HUGE_PAGE = 1 << 21
+
+
+def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.dtype | None,
+                gemm_dtype: torch.dtype, transposed: bool = False) -> Linear:
+    """A :class:`Linear` for weight ``t`` ([N, K], compute dtype), sharing one copy between the
+    small-M kernel and BLAS where the dtypes and layout allow it."""
+    small = None if small_dtype is None else resident(t, small_dtype)
+    if transposed:
+        w = resident(t.t(), gemm_dtype)
+    elif small is not None and small.dtype == gemm_dtype:
+        w = small
+    else:
+        w = resident(t, gemm_dtype)
+    return Linear(w, bias, small, transposed)
 
 
 class Layer:
-    def __init__(self, w: dict[str, torch.Tensor], small_dtype: torch.dtype | None) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], small_dtype: torch.dtype | None,
+                 gemm_dtype: torch.dtype) -> None:
         def lin(name, bias=None):
-            t = w[name]
-            return Linear(t, bias, None if small_dtype is None else t.to(small_dtype).contiguous())
+            return make_linear(w[name], bias, small_dtype, gemm_dtype)
 
         self.attn_norm = w["attn_norm"]
         self.qkv = lin("qkv", w.get("qkv_bias"))  # [q_size + 2 * kv_size, hidden]
@@ -135,9 +185,11 @@ class LlamaModel:
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
         attention_backend: str = "auto", storage_dtype: torch.dtype | None = None,
+        gemm_dtype: torch.dtype | None = None,
     ):
         """``weights`` are in the compute ``dtype``; ``storage_dtype`` (default: the same) is the
-        precision they were rounded to, which the native small-M linear kernel reads."""
+        precision they were rounded to, which the native small-M linear kernel reads;
+        ``gemm_dtype`` (default: ``dtype``) the precision of BLAS matrix products."""
         self.cfg = cfg
         native = dtype == torch.float32 and cpu_attention.load() is not None
         if attention_backend == "native" and not native:
@@ -153,13 +205,12 @@ class LlamaModel:
         # for BLAS stored transposed, [hidden, vocab]: x @ W^T with a tall W runs at half the
         # bandwidth on CPU BLAS, x @ W_t at full
         head = weights.get("lm_head", self.embed)
-        self.lm_head = Linear(head.t().contiguous(), None,
-                              None if small_dtype is None else head.to(small_dtype).contiguous(),
-                              transposed=True)
+        gemm = self.gemm_dtype = gemm_dtype or dtype
+        self.lm_head = make_linear(head, None, small_dtype, gemm, transposed=True)
         self.norm = weights["norm"]
         self.layers = [
             Layer({k.split(".", 2)[2]: v for k, v in weights.items()
-                   if k.startswith(f"layers.{i}.")}, small_dtype)
+                   if k.startswith(f"layers.{i}.")}, small_dtype, gemm)
             for i in range(cfg.num_layers)
         ]
         inv = rope_inv_freq(cfg, weights.get("rope_freqs"))

@@ -67,3 +67,34 @@ def test_bfloat16_stays_close(tiny_llama):
     ref = hf_logprobs(hf, PROMPT + c.token_ids)
     for i, lp in enumerate(c.logprobs):
         assert abs(float(ref[len(PROMPT) - 1 + i][lp.token_id]) - lp.logprob) < 0.1
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_bf16):
+    # bf16 weights: activations stay float32; large products run in bf16 only where the CPU has
+    # bf16 arithmetic (forced both ways here: torch's bf16 GEMM runs on any CPU, slowly), and
+    # the native small-batch kernel reads the same bf16 copy of each weight
+    from baton.engine import config as config_mod
+    from baton.engine.model import SMALL_M_HALF
+
+    monkeypatch.setattr(config_mod, "cpu_has_native_half", lambda: native_bf16)
+    path, hf = tiny_llama
+    cfg = EngineConfig(dtype="bfloat16", block_size=4, num_kv_blocks=64)
+    assert cfg.compute_dtype == torch.float32
+    assert cfg.gemm_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    engine = LLMEngine(load_model(path), cfg)
+    lin = engine.model.layers[0].qkv
+    assert lin.w.dtype == cfg.gemm_dtype
+    if lin.small is not None:
+        assert lin.small.dtype == torch.bfloat16
+        assert (lin.w is lin.small) == native_bf16  # one copy when both are bf16 [N, K]
+        x = torch.randn(SMALL_M_HALF + 3, lin.small.shape[1])
+        big = lin(x)  # BLAS
+        small = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])  # the native kernel
+        assert big.dtype == small.dtype == torch.float32
+        tol = 0.05 if native_bf16 else 1e-4  # x rounded to bf16 for the GEMM
+        torch.testing.assert_close(big, small, atol=tol, rtol=tol)
+    c = engine.generate([PROMPT], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
+    ref = hf_logprobs(hf, PROMPT + c.token_ids)
+    for i, lp in enumerate(c.logprobs):
+        assert abs(float(ref[len(PROMPT) - 1 + i][lp.token_id]) - lp.logprob) < 0.1
