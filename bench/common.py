@@ -8,6 +8,7 @@ import os
 import platform
 import random
 import socket
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,6 +70,30 @@ def pct(xs: list[float], q: float) -> float | None:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def settle(idle: float = 0.9, window_s: float = 0.5, max_s: float = 15.0) -> float:
+    """Wait until the machine's CPUs are at least ``idle`` idle over ``window_s`` (at most
+    ``max_s``), so a run does not start while the previous one's processes still spin (a peer
+    server's OpenMP threads keep a core busy for a while after its last request). Returns the
+    seconds waited; without /proc/stat, waits ``window_s``."""
+    t0 = time.monotonic()
+
+    def ticks():
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return vals[3] + vals[4], sum(vals)  # idle + iowait, total
+
+    try:
+        while True:
+            i0, t_0 = ticks()
+            time.sleep(window_s)
+            i1, t_1 = ticks()
+            if t_1 == t_0 or (i1 - i0) / (t_1 - t_0) >= idle or time.monotonic() - t0 > max_s:
+                return time.monotonic() - t0
+    except OSError:
+        time.sleep(window_s)
+        return window_s
 
 
 def write_result(name: str, result: dict) -> Path:

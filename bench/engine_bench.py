@@ -39,7 +39,7 @@ from baton.engine.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.engine.loader import load_model  # noqa: E402
 from baton.engine.params import SamplingParams  # noqa: E402
-from common import machine, random_word_prompts, write_result  # noqa: E402
+from common import machine, random_word_prompts, settle, write_result  # noqa: E402
 
 OUT_TOKENS = 128
 SINGLE_PROMPT = 500
@@ -253,27 +253,33 @@ def main(argv=None) -> int:
 
     for dtype in a.dtypes.split(","):
         engine = LLMEngine(model, EngineConfig(dtype=dtype))
-        log(f"baton {dtype}: compute {engine.cfg.compute_dtype}, attention "
+        log(f"baton {dtype}: compute {engine.cfg.compute_dtype}, GEMMs "
+            f"{engine.cfg.gemm_dtype}, attention "
             f"{engine.attention_backend}, {engine.num_blocks} KV blocks, "
             f"{torch.get_num_threads()} threads")
         engine.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True))
         b = res["baton"][dtype] = {"compute_dtype": str(engine.cfg.compute_dtype),
+                                   "gemm_dtype": str(engine.cfg.gemm_dtype),
                                    "attention": engine.attention_backend,
                                    "single": [], "concurrent": []}
         for rep in range(a.repeats):
             single, conc = workload(f"{dtype}-{rep}")
+            settle()
             b["single"].append(baton_single(engine, single))
             log(f"baton {dtype} single #{rep}: {b['single'][-1]['decode_tok_s']:.1f} tok/s, "
                 f"TTFT {b['single'][-1]['ttft_s'] * 1000:.0f} ms")
+            settle()
             b["concurrent"].append(baton_concurrent(engine, conc))
             log(f"baton {dtype} concurrent #{rep}: "
                 f"{b['concurrent'][-1]['agg_out_tok_s']:.1f} out tok/s")
             engine.check_integrity()
             if vmodel and dtype == "bfloat16":  # alternate with the bf16 peer
                 v = res["vllm"]
+                settle()
                 v["single"].append(vllm_single(a.vllm_url, vmodel, single))
                 log(f"vllm single #{rep}: {v['single'][-1]['decode_tok_s']:.1f} tok/s, "
                     f"TTFT {v['single'][-1]['ttft_s'] * 1000:.0f} ms")
+                settle()
                 v["concurrent"].append(vllm_concurrent(a.vllm_url, vmodel, conc))
                 log(f"vllm concurrent #{rep}: {v['concurrent'][-1]['agg_out_tok_s']:.1f} "
                     "out tok/s")
@@ -284,6 +290,7 @@ def main(argv=None) -> int:
             hf = to_hf(model, getattr(torch, dtype))
             single, conc = workload(f"hf-{dtype}")
             hf_generate_s(hf, warm[0], 8)
+            settle()
             h = res["hf"][dtype] = {"single": hf_single(hf, single)}
             log(f"hf {dtype} single: {h['single']['decode_tok_s']:.1f} tok/s, "
                 f"TTFT {h['single']['ttft_s'] * 1000:.0f} ms")

@@ -103,27 +103,50 @@ class Linear:
     """``y = x @ w.T + bias``, float32 in and out. ``small`` is the same matrix for the native
     small-M kernel, in the storage dtype (bfloat16 weights stream at half the bytes), or ``None``
     to always use BLAS. ``w`` is in the GEMM dtype: float32, or bfloat16 on a CPU with bf16
-    arithmetic (``x`` is rounded to it for the product; ``w`` is then ``small`` itself when both
-    have the same layout). With ``transposed``, ``w`` is stored as [K, N] for BLAS (faster for a
-    very tall matrix)."""
+    arithmetic (``x`` is rounded to it for the product). A bf16 ``w`` is prepacked for oneDNN
+    (``packed``) where PyTorch can: otherwise every product repacks the whole matrix into the
+    AMX layout, ~30% of a decode step's linear time at 8-128 rows. With ``transposed``, ``w`` is
+    stored as [K, N] for BLAS (faster for a very tall float32 matrix)."""
 
-    __slots__ = ("w", "bias", "small", "transposed", "small_m")
+    __slots__ = ("w", "bias", "small", "transposed", "small_m", "packed")
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, small: torch.Tensor | None,
-                 transposed: bool = False):
+                 transposed: bool = False, packed: torch.Tensor | None = None):
         self.w, self.bias, self.small, self.transposed = w, bias, small, transposed
         self.small_m = SMALL_M if w.dtype == torch.float32 else SMALL_M_HALF
+        self.packed = packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_m:
             return cpu_linear.linear(x, self.small, self.bias)
         w = self.w
         if w.dtype != x.dtype:  # a bf16 GEMM: float32 accumulation, float32 out
-            y = (x.to(w.dtype) @ w if self.transposed else F.linear(x.to(w.dtype), w)).float()
+            xh = x.to(w.dtype)
+            if self.packed is not None:
+                y = torch.ops.mkldnn._linear_pointwise(xh, self.packed, None, "none", [], "")
+            else:
+                y = xh @ w if self.transposed else F.linear(xh, w)
+            y = y.float()
             return y if self.bias is None else y + self.bias
         if self.transposed:
             return x @ w
         return F.linear(x, w, self.bias)
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` [N, K] bf16 in oneDNN's blocked layout for ``mkldnn._linear_pointwise``, or None
+    where this PyTorch build cannot (no oneDNN): the plain GEMM is used then."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return None
+        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        x = torch.ones(2, w.shape[1], dtype=w.dtype)  # the op must take it, and agree
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        if not torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2):
+            return None
+        return packed
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 def resident(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -156,6 +179,11 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
     """A :class:`Linear` for weight ``t`` ([N, K], compute dtype), sharing one copy between the
     small-M kernel and BLAS where the dtypes and layout allow it."""
     small = None if small_dtype is None else resident(t, small_dtype)
+    if gemm_dtype == torch.bfloat16 and t.dtype != torch.bfloat16:  # bf16 GEMMs, f32 activations
+        plain = small if small is not None and small.dtype == gemm_dtype else resident(t, gemm_dtype)
+        packed = pack_bf16(plain)
+        if packed is not None:
+            return Linear(plain, bias, small, False, packed)
     if transposed:
         w = resident(t.t(), gemm_dtype)
     elif small is not None and small.dtype == gemm_dtype:
@@ -206,6 +234,7 @@ class LlamaModel:
         # bandwidth on CPU BLAS, x @ W_t at full
         head = weights.get("lm_head", self.embed)
         gemm = self.gemm_dtype = gemm_dtype or dtype
+        self.prefill_dtype = gemm if gemm != dtype else dtype
         self.lm_head = make_linear(head, None, small_dtype, gemm, transposed=True)
         self.norm = weights["norm"]
         self.layers = [
@@ -264,7 +293,9 @@ class LlamaModel:
             if p.num_past == 0:  # nothing cached before: attend to the fresh keys directly
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = gather_kv(kv, layer, p.block_table, q.dtype)
+                ks, vs = gather_kv(kv, layer, p.block_table, self.prefill_dtype)
                 ks, vs = ks[: p.num_past + p.n], vs[: p.num_past + p.n]
-            out[rows] = prefill_attention(q[rows], ks, vs, p.num_past, self.scale)
+            pd = self.prefill_dtype  # bf16 where the GEMMs are: 2.6x faster on AMX
+            out[rows] = prefill_attention(q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past,
+                                          self.scale).to(q.dtype)
         return out

@@ -94,6 +94,11 @@ def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_b
         assert big.dtype == small.dtype == torch.float32
         tol = 0.05 if native_bf16 else 1e-4  # x rounded to bf16 for the GEMM
         torch.testing.assert_close(big, small, atol=tol, rtol=tol)
+        if native_bf16 and torch.backends.mkldnn.is_available():
+            assert lin.packed is not None  # prepacked for oneDNN: same products as F.linear
+            plain = torch.nn.functional.linear(x.bfloat16(), lin.w).float()
+            torch.testing.assert_close(big - (0 if lin.bias is None else lin.bias), plain,
+                                       atol=1e-2, rtol=1e-2)
     c = engine.generate([PROMPT], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
     ref = hf_logprobs(hf, PROMPT + c.token_ids)
     for i, lp in enumerate(c.logprobs):
