@@ -29,9 +29,12 @@ def test_small_m_linear_no_rows():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_reference(kv_dtype):
+@pytest.mark.parametrize("bs, hkv, group, d", [(4, 3, 3, 16), (4, 3, 3, 64), (16, 2, 1, 64),
+                                               (8, 1, 4, 64), (4, 2, 2, 64), (4, 1, 5, 64)])
+def test_paged_decode_attention_matches_reference(kv_dtype, bs, hkv, group, d):
+    # head_dim 64 with up to 4 query heads per KV head takes the AVX-512 path where the CPU has it
     g = torch.Generator().manual_seed(1)
-    nb, layers, bs, hkv, group, d = 23, 2, 4, 3, 3, 16
+    nb, layers = 23, 2
     kv = torch.randn(nb, layers, 2, bs, hkv, d, generator=g).to(kv_dtype)
     lens = torch.tensor([1, 5, 13, 30])
     perm = torch.randperm(nb, generator=g)
@@ -42,3 +45,8 @@ def test_paged_decode_attention_matches_reference(kv_dtype):
         want = decode_attention(q, kv, layer, tables, lens, d ** -0.5)
         got = cpu_attention.decode_attention(q, kv, layer, tables, lens, d ** -0.5)
         torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=1e-4)
+        # one sequence (a (sequence, head) per thread) and the first two (a sequence per thread)
+        for rows in (slice(2, 3), slice(0, 2)):
+            got = cpu_attention.decode_attention(q[rows], kv, layer, tables[rows], lens[rows],
+                                                 d ** -0.5)
+            torch.testing.assert_close(got, want[rows].float(), atol=2e-5, rtol=1e-4)
