@@ -94,7 +94,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Batches of at most this many rows run linear layers in the native small-M kernel (bound by
 # weight bandwidth); larger ones in CPU BLAS (bound by arithmetic). Measured on a 2-core Zen 3:
 # the native kernel is 2-3x faster than float32 BLAS at 1-8 rows and even at 16. Against bf16
-# GEMMs on AMX (2-core Sapphire Rapids) it wins only up to ~4 rows: SMALL_M_HALF.
+# GEMMs on AMX (2-vCPU Xeon with AMX) it wins only up to ~4 rows: SMALL_M_HALF.
 SMALL_M = 16
 SMALL_M_HALF = 4
 
@@ -153,7 +153,7 @@ def resident(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A contiguous copy of ``t`` (in ``dtype``) in the process's own memory, on transparent
     huge pages where the kernel allows them. Weights loaded from safetensors are views of the
     mmapped file: decode streams every weight once per step, and streaming them from the page
-    cache in 4 KiB pages made a float32 decode step ~1.4x slower (2-core Sapphire Rapids)."""
+    cache in 4 KiB pages made a float32 decode step ~1.4x slower (2-vCPU Xeon with AMX)."""
     dtype = dtype or t.dtype
     nbytes = t.numel() * dtype.itemsize
     if t.device.type != "cpu" or nbytes < _HUGE_PAGE:
