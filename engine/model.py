@@ -94,7 +94,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Batches of at most this many rows run linear layers in the native small-M kernel (bound by
 # weight bandwidth); larger ones in CPU BLAS (bound by arithmetic). Measured on a 2-core Zen 3:
 # the native kernel is 2-3x faster than float32 BLAS at 1-8 rows and even at 16. Against bf16
-# GEMMs on AMX (2-vCPU Xeon with AMX) it wins only up to ~4 rows: SMALL_M_HALF.
+# GEMMs on AMX (a 2-vCPU Xeon) it wins only up to ~4 rows: SMALL_M_HALF.
 SMALL_M = 16
 SMALL_M_HALF = 4
 
