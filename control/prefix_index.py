@@ -271,6 +271,13 @@ class PrefixIndex:
                     index_key(w.worker_id, w.incarnation), load_key(w.worker_id),
                     inflight_key(w.worker_id))
             keys += k
+        # this router's unwritten claims, taken before Redis is read: a batch the writer thread
+        # writes meanwhile is then counted twice for a moment (harmless: it only leans away from
+        # that worker), where a snapshot taken after the read could miss it entirely (written
+        # after the read, dropped from the pending counts before the snapshot) and let a burst
+        # pile onto one worker
+        with self._lock:
+            pending = dict(self._pending)
         try:
             blob = hashes if isinstance(hashes, bytes) else b"".join(hashes)
             reply = self._script(keys=keys, args=[_now_ms(), blob])
@@ -281,7 +288,7 @@ class PrefixIndex:
         out = []
         for w, line in zip(workers, reply.decode().split("\n")):
             hit, infl, *load = line.split(" ")
-            s = Signals(int(hit), max(0, int(infl) + self._pending.get(w.worker_id, 0)))
+            s = Signals(int(hit), max(0, int(infl) + pending.get(w.worker_id, 0)))
             if load and load[0] == w.incarnation:  # not an older incarnation's load
                 s.waiting, s.running, s.free_blocks, s.total_blocks = map(int, load[1:])
             out.append(s)

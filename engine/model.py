@@ -7,6 +7,7 @@ Weights are plain tensors, fused per layer: ``qkv`` = [q; k; v] and ``gate_up`` 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -162,10 +163,8 @@ def resident(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     # the last tensor using it
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
+        with contextlib.suppress(OSError):  # THP off: plain pages, same data
             buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
     out = torch.frombuffer(buf, dtype=dtype, count=t.numel()).view(t.shape)
     out.copy_(t)
     return out
@@ -180,7 +179,8 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
     small-M kernel and BLAS where the dtypes and layout allow it."""
     small = None if small_dtype is None else resident(t, small_dtype)
     if gemm_dtype == torch.bfloat16 and t.dtype != torch.bfloat16:  # bf16 GEMMs, f32 activations
-        plain = small if small is not None and small.dtype == gemm_dtype else resident(t, gemm_dtype)
+        shared = small is not None and small.dtype == gemm_dtype
+        plain = small if shared else resident(t, gemm_dtype)
         packed = pack_bf16(plain)
         if packed is not None:
             return Linear(plain, bias, small, False, packed)
