@@ -56,21 +56,24 @@ def test_router_slots_queue_and_size_caps(tiny_llama, redis):
     try:
         procs.append(WorkerProcess("router", [
             "--redis-url", redis.url, "--http-port", "-1", "--max-concurrent", "1",
-            "--max-queued", "1", "--max-prompt-tokens", "120", "--max-tokens", "100"]))
+            "--max-queued", "1", "--max-prompt-tokens", "120", "--max-tokens", "400"]))
         stub = api_pb2_grpc.BatonStub(procs[-1].channel)
-        # one runs, one waits for its slot, the third is refused at once
-        out = run_all(stub, [req(40, 100, s) for s in range(3)], stagger=0.1)
+        # one runs, one waits for its slot, the third is refused at once: 400 tokens keep the
+        # first one running for far longer than the 40 ms over which the three arrive (100
+        # tokens of the tiny model once took less than the 0.2 s the third used to come after)
+        out = run_all(stub, [req(40, 400, s) for s in range(3)], stagger=0.02)
         codes = sorted(c for c, _ in out)
         assert codes == ["OK", "OK", "RESOURCE_EXHAUSTED"], out
         refused = next(d for c, d in out if c == "RESOURCE_EXHAUSTED")
         assert "max_queued=1" in refused
-        assert all(f.usage.completion_tokens == 100 for c, f in out if c == "OK")
-        for bad, field in ((req(121, 4), "prompt"), (req(10, 101), "params.max_tokens")):
+        assert all(f.usage.completion_tokens == 400 for c, f in out if c == "OK")
+        for bad, field in ((req(121, 4), "prompt"), (req(10, 401), "params.max_tokens")):
             with pytest.raises(grpc.RpcError) as e:
                 list(stub.Generate(bad, timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert f"invalid {field}=" in e.value.details()
-        assert run_all(stub, [req(120, 100)])[0][0] == "OK"  # at the limits: served
+        at_limits = run_all(stub, [req(120, 100), req(40, 400)])  # one runs, one queues
+        assert [c for c, _ in at_limits] == ["OK", "OK"], at_limits
     finally:
         for p in reversed(procs):
             p.stop()
