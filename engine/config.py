@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class EngineConfig:
         return torch.float32
 
 
+@functools.cache
 def cpu_has_native_half() -> bool:
     """True when the CPU does bf16 arithmetic in hardware (AVX512-BF16, AMX)."""
     try:

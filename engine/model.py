@@ -8,6 +8,7 @@ Weights are plain tensors, fused per layer: ``qkv`` = [q; k; v] and ``gate_up`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import mmap
 from dataclasses import dataclass, field
@@ -137,17 +138,22 @@ class Linear:
 def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
     """``w`` [N, K] bf16 in oneDNN's blocked layout for ``mkldnn._linear_pointwise``, or None
     where this PyTorch build cannot (no oneDNN): the plain GEMM is used then."""
+    return torch.ops.mkldnn._reorder_linear_weight(w) if _packing_works() else None
+
+
+@functools.cache
+def _packing_works() -> bool:
+    """Whether this PyTorch has oneDNN's prepacked bf16 linear and it agrees with F.linear."""
     try:
         if not torch.backends.mkldnn.is_available():
-            return None
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
-        x = torch.ones(2, w.shape[1], dtype=w.dtype)  # the op must take it, and agree
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-        if not torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2):
-            return None
-        return packed
+            return False
+        w = torch.randn(8, 32).bfloat16()
+        x = torch.randn(2, 32).bfloat16()
+        y = torch.ops.mkldnn._linear_pointwise(
+            x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+        return torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
     except (AttributeError, RuntimeError, NotImplementedError):
-        return None
+        return False
 
 
 def resident(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -176,21 +182,18 @@ _HUGE_PAGE = 1 << 21
 def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.dtype | None,
                 gemm_dtype: torch.dtype, transposed: bool = False) -> Linear:
     """A :class:`Linear` for weight ``t`` ([N, K], compute dtype), sharing one copy between the
-    small-M kernel and BLAS where the dtypes and layout allow it."""
+    small-M kernel and BLAS where the dtypes allow it. ``transposed`` (a very tall matrix) applies
+    to a plain float32 GEMM only; a prepacked bf16 one takes [N, K]."""
     small = None if small_dtype is None else resident(t, small_dtype)
-    if gemm_dtype == torch.bfloat16 and t.dtype != torch.bfloat16:  # bf16 GEMMs, f32 activations
-        shared = small is not None and small.dtype == gemm_dtype
-        plain = small if shared else resident(t, gemm_dtype)
+    plain = small if small is not None and small.dtype == gemm_dtype else None
+    packed = None
+    if gemm_dtype == torch.bfloat16 and t.dtype != gemm_dtype:  # bf16 GEMMs, f32 activations
+        plain = plain if plain is not None else resident(t, gemm_dtype)
         packed = pack_bf16(plain)
-        if packed is not None:
-            return Linear(plain, bias, small, False, packed)
-    if transposed:
-        w = resident(t.t(), gemm_dtype)
-    elif small is not None and small.dtype == gemm_dtype:
-        w = small
-    else:
-        w = resident(t, gemm_dtype)
-    return Linear(w, bias, small, transposed)
+    if transposed and packed is None:
+        return Linear(resident(t.t(), gemm_dtype), bias, small, True)
+    return Linear(plain if plain is not None else resident(t, gemm_dtype), bias, small, False,
+                  packed)
 
 
 class Layer:
@@ -234,7 +237,6 @@ class LlamaModel:
         # bandwidth on CPU BLAS, x @ W_t at full
         head = weights.get("lm_head", self.embed)
         gemm = self.gemm_dtype = gemm_dtype or dtype
-        self.prefill_dtype = gemm if gemm != dtype else dtype
         self.lm_head = make_linear(head, None, small_dtype, gemm, transposed=True)
         self.norm = weights["norm"]
         self.layers = [
@@ -293,9 +295,9 @@ class LlamaModel:
             if p.num_past == 0:  # nothing cached before: attend to the fresh keys directly
                 ks, vs = k[rows], v[rows]
             else:
-                ks, vs = gather_kv(kv, layer, p.block_table, self.prefill_dtype)
+                ks, vs = gather_kv(kv, layer, p.block_table, self.gemm_dtype)
                 ks, vs = ks[: p.num_past + p.n], vs[: p.num_past + p.n]
-            pd = self.prefill_dtype  # bf16 where the GEMMs are: 2.6x faster on AMX
+            pd = self.gemm_dtype  # bf16 where the GEMMs are: 2.6x faster on AMX
             out[rows] = prefill_attention(q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past,
                                           self.scale).to(q.dtype)
         return out

@@ -29,6 +29,20 @@ static inline float load(const void *base, int64_t i, int is_bf16) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
+/* Prefetch head h's K and V rows of KV block `blk` (this layer): the next block of a sequence,
+ * while the current one is computed. */
+static inline void prefetch_block(const Args *a, int64_t blk, int h, int D, int esize) {
+    const int64_t row = (int64_t)a->hkv * D, kv_part = (int64_t)a->bs * row;
+    const int64_t block = (int64_t)a->num_layers * 2 * kv_part;
+    const char *nk = (const char *)a->kv
+        + (blk * block + (int64_t)a->layer * 2 * kv_part + (int64_t)h * D) * esize;
+    for (int t = 0; t < a->bs; t++)
+        for (int off = 0; off < D * esize; off += 64) {
+            __builtin_prefetch(nk + t * row * esize + off);
+            __builtin_prefetch(nk + (kv_part + t * row) * esize + off);
+        }
+}
+
 /* One (sequence, kv head) item. Always inlined with constant D and is_bf16 (see item_d), so the
  * loops over D have a fixed trip count and the dtype test leaves the inner loops. */
 static inline __attribute__((always_inline)) void item_impl(const Args *a, int item, const int D,
@@ -49,16 +63,9 @@ static inline __attribute__((always_inline)) void item_impl(const Args *a, int i
             const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
             const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
             const int cnt = (int)((n - start) < BS ? (n - start) : BS);  /* partial last block */
-            if (start + BS < n) {  /* blocks are scattered: fetch the next one's rows early */
-                const int64_t nblk = a->bt[(int64_t)b * a->max_blocks + start / BS + 1];
-                const char *nk = (const char *)a->kv
-                    + (nblk * block + (int64_t)a->layer * 2 * kv_part + h * D) * esize;
-                for (int t = 0; t < BS; t++)
-                    for (int off = 0; off < D * esize; off += 64) {
-                        __builtin_prefetch(nk + t * row * esize + off);
-                        __builtin_prefetch(nk + (kv_part + t * row) * esize + off);
-                    }
-            }
+            if (start + BS < n)  /* blocks are scattered: fetch the next one's rows early */
+                prefetch_block(a, a->bt[(int64_t)b * a->max_blocks + start / BS + 1], h, D,
+                               esize);
             for (int t = 0; t < cnt; t++) {
                 for (int d = 0; d < D; d++) kf[d] = load(a->kv, kbase + t * row + d, is_bf16);
                 for (int g = 0; g < G; g++) {
@@ -131,16 +138,8 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
         const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
         const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
         const int cnt = (int)((n - start) < BS ? (n - start) : BS);
-        if (start + BS < n) {
-            const int64_t nblk = a->bt[(int64_t)b * a->max_blocks + start / BS + 1];
-            const char *nk = (const char *)a->kv
-                + (nblk * block + (int64_t)a->layer * 2 * kv_part + h * D) * esize;
-            for (int t = 0; t < BS; t++)
-                for (int off = 0; off < D * esize; off += 64) {
-                    __builtin_prefetch(nk + t * row * esize + off);
-                    __builtin_prefetch(nk + (kv_part + t * row) * esize + off);
-                }
-        }
+        if (start + BS < n)
+            prefetch_block(a, a->bt[(int64_t)b * a->max_blocks + start / BS + 1], h, D, esize);
         for (int t = 0; t < cnt; t++) {
             const int64_t kr = kbase + t * row;
             const __m512 k0 = load16(a->kv, kr, is_bf16), k1 = load16(a->kv, kr + 16, is_bf16);
