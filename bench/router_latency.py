@@ -6,6 +6,10 @@ With one worker (the default) the router's choice is forced and it does not read
 index; ``--workers 2`` registers two colocated workers, so every decision reads the index (one
 Redis round trip) and the direct calls alternate between the two.
 
+Routed requests ask for their last tokens inside the final message, as the SDK does
+(``GenerateRequest.last_delta_in_final``); ``--two-messages`` measures a client that does not,
+which gets one message more per request.
+
     python bench/router_latency.py [--requests 300] [--max-tokens 1] [--workers 1]
 """
 
@@ -33,6 +37,9 @@ def main() -> None:
                     help="a model directory for the workers (default: SmolLM2). A tiny model "
                          "makes the workers' compute, and its noise, small next to the router's "
                          "part; the prompt's ids are taken modulo 400 so that any vocabulary fits")
+    ap.add_argument("--two-messages", action="store_true",
+                    help="routed requests do not set last_delta_in_final: the last tokens come "
+                         "in a delta of their own, then the final message")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
 
@@ -65,7 +72,8 @@ def main() -> None:
 
             def via_router(i):
                 for m in routed.Generate(api_pb2.GenerateRequest(
-                        token_ids=api_pb2.TokenIds(ids=prompt), params=params), timeout=30):
+                        token_ids=api_pb2.TokenIds(ids=prompt), params=params,
+                        last_delta_in_final=not args.two_messages), timeout=30):
                     if m.HasField("final"):
                         route_s.append(m.final.timing.route_s)
                         used_index.append(m.final.index_used)
@@ -85,7 +93,8 @@ def main() -> None:
     res = {"machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens,
            "prompt_tokens": len(prompt), "workers": args.workers,
            "model": args.model or "SmolLM2-135M-Instruct",
-           "router_reads_index": args.workers > 1, "target_added_p50_ms": 2.0}
+           "router_reads_index": args.workers > 1, "target_added_p50_ms": 2.0,
+           "last_delta_in_final": not args.two_messages}
     for name, xs in times.items():
         res[name] = {"p50_ms": statistics.median(xs) * 1e3, "p99_ms": pct(xs, 0.99) * 1e3,
                      "mean_ms": statistics.fmean(xs) * 1e3}

@@ -104,7 +104,9 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
         params.logprobs = logprobs
     if cache_salt is not None:
         params.cache_salt = cache_salt
-    req = api_pb2.GenerateRequest(params=params, model=model, request_id=request_id)
+    # the last tokens come inside the final message: one message less per request
+    req = api_pb2.GenerateRequest(params=params, model=model, request_id=request_id,
+                                  last_delta_in_final=True)
     if prompt is not None:
         req.text = prompt
     elif token_ids is not None:
@@ -168,16 +170,20 @@ class _Collector:
         self.started = False
 
     def add(self, msg) -> Delta | None:
+        """The delta ``msg`` carries (a final message may carry the last one), or None."""
         if msg.HasField("delta"):
-            d = msg.delta
-            self.started = True
-            delta = Delta(d.text, list(d.token_ids), _logprobs(d.logprobs))
-            self.text += delta.text
-            self.ids += delta.token_ids
-            self.lps += delta.logprobs
-            return delta
+            return self._delta(msg.delta)
+        delta = self._delta(msg.final.last_delta) if msg.final.HasField("last_delta") else None
         self.result = _result(msg.final, self.text, self.ids, self.lps)
-        return None
+        return delta
+
+    def _delta(self, d) -> Delta:
+        self.started = True
+        delta = Delta(d.text, list(d.token_ids), _logprobs(d.logprobs))
+        self.text += delta.text
+        self.ids += delta.token_ids
+        self.lps += delta.logprobs
+        return delta
 
 
 def _retry_delay(e: grpc.RpcError, col: _Collector, attempt: int, client,

@@ -241,7 +241,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
             # every attempt is a new request on the workers (a failed one may still be known)
             n = retries + (state.migrations if state else 0)
             state = _State(rid if n == 0 else f"{rid}.{n}", ids, t0, retries, self.metrics,
-                           span, before=state)
+                           span, before=state,
+                           last_delta_in_final=request.last_delta_in_final)
             try:
                 t = time.monotonic()
                 if self.policy.mode != "round-robin" and hashed_len != len(state.ids):
@@ -352,8 +353,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
         if pre.finish_reason:  # the first token ended the request: nothing to hand off
             st.tokens.append(pre.first_token_id)
             text = self.tokenizer.decode([pre.first_token_id])
-            yield st.delta([pre.first_token_id], text, first_lp)
-            yield st.final(pre.finish_reason, "remote")
+            yield from st.ending(st.delta([pre.first_token_id], text, first_lp),
+                                 pre.finish_reason, "remote")
             return
         st.first_logprob = first_lp
         try:
@@ -415,13 +416,15 @@ class RouterService(api_pb2_grpc.BatonServicer):
                             and len(lps) < len(chunk.token_ids)):
                         lps = st.first_logprob + lps  # the hand-off's first token: prefill's
                     st.tokens.extend(chunk.token_ids)
-                    yield st.delta(chunk.token_ids, chunk.text, lps)
+                    delta = st.delta(chunk.token_ids, chunk.text, lps)
                     reason = chunk.finish_reason or reason
                     if reason and final is None:
                         # the finishing chunk is the worker's last message: the client gets
                         # the final one now, while the worker's status is still on its way
-                        final = st.final(reason, path)
-                        yield final
+                        for final in st.ending(delta, reason, path):
+                            yield final
+                    else:
+                        yield delta
             except grpc.RpcError as e:
                 cs.end(error=e.code())
                 if final is not None:  # everything was delivered; only the status was lost
@@ -482,8 +485,10 @@ class _State:
     workers get the prompt plus those tokens (``ids``) with ``max_tokens`` reduced by them."""
 
     def __init__(self, rid: str, prompt: list[int], t0: float, attempt: int,
-                 metrics=None, span=tracing.NO_SPAN, before: _State | None = None) -> None:
+                 metrics=None, span=tracing.NO_SPAN, before: _State | None = None,
+                 last_delta_in_final: bool = False) -> None:
         self.rid, self.prompt, self.t0, self.attempt = rid, prompt, t0, attempt
+        self.last_delta_in_final = last_delta_in_final
         self.metrics, self.span = metrics, span
         b = before
         self.tokens: list[int] = list(b.tokens) if b else []  # every token sent to the client
@@ -555,7 +560,15 @@ class _State:
         return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
             text=text, token_ids=token_ids, logprobs=logprobs))
 
-    def final(self, reason: str, path: str):
+    def ending(self, delta, reason: str, path: str) -> tuple:
+        """The messages that end the request: its last ``delta`` and then the final message,
+        or the final message alone, carrying the delta, when the client asked for that
+        (``GenerateRequest.last_delta_in_final``)."""
+        if self.last_delta_in_final:
+            return (self.final(reason, path, delta.delta),)
+        return (delta, self.final(reason, path))
+
+    def final(self, reason: str, path: str, last_delta=None):
         if self.migrations:
             path = "migrated"
         now = time.monotonic()
@@ -568,7 +581,7 @@ class _State:
             migrations=self.migrations, migrated_from=self.migrated_from,
             index_cached_tokens=d.cached_tokens if d else 0,
             index_used=d.used_index if d else False, kv_blocks_read=self.blocks_read,
-            kv_blocks_local=self.blocks_local,
+            kv_blocks_local=self.blocks_local, last_delta=last_delta,
             usage=api_pb2.Usage(prompt_tokens=len(self.prompt),
                                 cached_tokens=min(self.cached, len(self.prompt)),
                                 completion_tokens=len(self.tokens)),

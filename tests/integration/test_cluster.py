@@ -100,6 +100,8 @@ def generate(router, req, timeout=120.0):
             text += msg.delta.text
         else:
             final = msg.final
+            ids += final.last_delta.token_ids  # with last_delta_in_final
+            text += final.last_delta.text
     return ids, text, final
 
 
@@ -150,6 +152,31 @@ def test_logprobs_on_both_paths(cluster, engine):
     with pytest.raises(grpc.RpcError) as e:
         generate(cluster.router, request(kind, text, 4, logprobs=50))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in e.value.details()
+
+
+def test_the_last_delta_can_come_inside_the_final_message(cluster, engine):
+    """``last_delta_in_final`` (the SDK sets it): one message less, the same tokens, text and
+    logprobs, on both paths, and also when the first token ends the request (the remote path
+    without a decode call)."""
+    for kind, text in PROMPTS[:3]:
+        for max_tokens in (1, 5):
+            want = expected(engine, kind, text, max_tokens)
+            for router, path in ((cluster.router, "remote"), (cluster.colocated, "local")):
+                stub = api_pb2_grpc.BatonStub(router.channel)
+                req = request(kind, text, max_tokens, logprobs=2)
+                plain = list(stub.Generate(req, timeout=120))
+                req.last_delta_in_final = True
+                merged = list(stub.Generate(req, timeout=120))
+                kinds = [m.WhichOneof("kind") for m in merged]
+                assert kinds == ["delta"] * (len(plain) - 2) + ["final"], (path, kinds)
+                assert not plain[-1].final.HasField("last_delta")
+                last = merged[-1].final.last_delta
+                assert last == plain[-2].delta and last.token_ids, (path, last)
+                assert [m.delta for m in merged[:-1]] == [m.delta for m in plain[:-2]]
+                ids, out, final = generate(router, req)
+                assert ids == want.token_ids and out == want.text, (path, max_tokens)
+                assert final.path == path and final.usage.completion_tokens == max_tokens
+    cluster.assert_no_blocks_held()
 
 
 def test_32_concurrent_streams(cluster, engine):

@@ -28,20 +28,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "params")
+    __slots__ = ("request_id", "model", "text", "token_ids", "chat", "params", "last_delta_in_final")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LAST_DELTA_IN_FINAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
     token_ids: TokenIds
     chat: ChatMessages
     params: _worker_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    last_delta_in_final: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., last_delta_in_final: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
@@ -84,7 +86,7 @@ class GenerateDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids", "route_reason", "index_cached_tokens", "index_used", "kv_blocks_read", "kv_blocks_local", "migrations", "migrated_from")
+    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids", "route_reason", "index_cached_tokens", "index_used", "kv_blocks_read", "kv_blocks_local", "migrations", "migrated_from", "last_delta")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class GenerateFinal(_message.Message):
     KV_BLOCKS_LOCAL_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_FROM_FIELD_NUMBER: _ClassVar[int]
+    LAST_DELTA_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     path: str
@@ -117,7 +120,8 @@ class GenerateFinal(_message.Message):
     kv_blocks_local: int
     migrations: int
     migrated_from: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route_reason: _Optional[str] = ..., index_cached_tokens: _Optional[int] = ..., index_used: _Optional[bool] = ..., kv_blocks_read: _Optional[int] = ..., kv_blocks_local: _Optional[int] = ..., migrations: _Optional[int] = ..., migrated_from: _Optional[_Iterable[str]] = ...) -> None: ...
+    last_delta: GenerateDelta
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route_reason: _Optional[str] = ..., index_cached_tokens: _Optional[int] = ..., index_used: _Optional[bool] = ..., kv_blocks_read: _Optional[int] = ..., kv_blocks_local: _Optional[int] = ..., migrations: _Optional[int] = ..., migrated_from: _Optional[_Iterable[str]] = ..., last_delta: _Optional[_Union[GenerateDelta, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")
