@@ -161,6 +161,9 @@ class Record:
     chunk_times: list[float] = field(default_factory=list)  # arrival of each piece of output
     output_tokens: int = 0
     error: str | None = None  # the status / exception name; None: succeeded
+    # Baton's gRPC API only: the router's path and its account of the first token's time
+    path: str | None = None
+    stages: dict[str, float] | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -209,12 +212,27 @@ class GrpcTarget:
                     rec.chunk_times.append(now)
                     rec.output_tokens += len(delta.token_ids)
             rec.end = time.monotonic()
+            rec.path, rec.stages = stream.result.path, ttft_stages(stream.result)
         except BatonError as e:
             rec.error = e.code.name
         return rec
 
     def close(self) -> None:
         self.client.close()
+
+
+def ttft_stages(result) -> dict[str, float]:
+    """Where the router says a request's first token went, in seconds. Remote path: routing,
+    the prefill worker's queue, its prefill, the KV hand-off, and the rest until the decode
+    worker's first chunk (it admits the request and streams the prefill's token at its next
+    step). Local path: routing, the decode worker's queue, and its prefill."""
+    t = result.timing
+    if result.path == "local":
+        return {"route": t.route_s, "queue": t.queue_s,
+                "prefill": max(t.first_token_s - t.route_s - t.queue_s, 0.0)}
+    return {"route": t.route_s, "queue": t.queue_s, "prefill": max(t.prefill_s - t.queue_s, 0.0),
+            "transfer": t.transfer_s,
+            "decode_first": max(t.first_token_s - t.route_s - t.prefill_s - t.transfer_s, 0.0)}
 
 
 class OpenAITarget:
@@ -409,7 +427,21 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo: float,
         "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},
         "attainment": (sum(meets(r, ttft_slo, tpot_slo) for r in records) / len(records)
                        if records else None),
+        **_stages(ok),
     }
+
+
+def _stages(ok: Sequence[Record]) -> dict:
+    """Per path (Baton targets): how many requests took it, and percentiles of each stage of
+    their time to first token (see :func:`ttft_stages`)."""
+    by: dict[str, list[Record]] = {}
+    for r in ok:
+        if r.stages is not None:
+            by.setdefault(r.path or "", []).append(r)
+    if not by:
+        return {}
+    return {"ttft_stages_s": {path: {"requests": len(rs), **{
+        k: stats([r.stages[k] for r in rs]) for k in rs[0].stages}} for path, rs in by.items()}}
 
 
 def find_goodput(attainment_at: Callable[[float], float], start: float, target: float = 0.9,

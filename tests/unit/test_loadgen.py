@@ -28,6 +28,38 @@ def test_a_requests_latencies():
     assert rec(0.0, None, [], None, n=0, error="UNAVAILABLE").ttft is None
 
 
+def test_the_routers_account_of_the_first_token_by_path():
+    from types import SimpleNamespace as NS
+
+    def result(path, **t):
+        timing = dict(route_s=0.0, queue_s=0.0, prefill_s=0.0, transfer_s=0.0,
+                      first_token_s=0.0)
+        return NS(path=path, timing=NS(**{**timing, **t}))
+
+    # remote: the prefill worker's queue is inside prefill_s; the rest is the decode worker's
+    remote = lg.ttft_stages(result("remote", route_s=0.001, queue_s=0.2, prefill_s=0.5,
+                                   transfer_s=0.01, first_token_s=0.6))
+    assert remote == pytest.approx({"route": 0.001, "queue": 0.2, "prefill": 0.3,
+                                    "transfer": 0.01, "decode_first": 0.089})
+    local = lg.ttft_stages(result("local", route_s=0.001, queue_s=0.1, first_token_s=0.4))
+    assert local == pytest.approx({"route": 0.001, "queue": 0.1, "prefill": 0.299})
+
+    recs = []
+    for i, q in enumerate((0.1, 0.2, 0.3)):
+        r = rec(0.0, 1.0, [1.0, 2.0], 2.0, n=2)
+        r.path = "remote"
+        r.stages = lg.ttft_stages(result("remote", queue_s=q, prefill_s=q + 0.5,
+                                         first_token_s=q + 0.6))
+        recs.append(r)
+    recs.append(rec(0.0, None, [], None, n=0, error="UNAVAILABLE"))  # not counted
+    st = lg.summarize(recs, 10.0, 2.0, 1.0)["ttft_stages_s"]
+    assert list(st) == ["remote"] and st["remote"]["requests"] == 3
+    assert st["remote"]["queue"]["p50"] == pytest.approx(0.2)
+    assert st["remote"]["prefill"]["mean"] == pytest.approx(0.5)
+    assert st["remote"]["decode_first"]["p90"] == pytest.approx(0.1)
+    assert "ttft_stages_s" not in lg.summarize(recs[3:], 1.0, 2.0, 1.0)  # peers: none
+
+
 def test_percentiles_interpolate_like_numpy():
     xs = [1.0, 2.0, 3.0, 4.0]
     assert pct(xs, 0.5) == 2.5
