@@ -95,8 +95,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # Batches of at most this many rows run linear layers in the native small-M kernel (bound by
 # weight bandwidth); larger ones in CPU BLAS (bound by arithmetic). Measured on a 2-core Zen 3:
-# the native kernel is 2-3x faster than float32 BLAS at 1-8 rows and even at 16. Against bf16
-# GEMMs on AMX (a 2-vCPU Xeon) it wins only up to ~4 rows: SMALL_M_HALF.
+# the native kernel is 2-3x faster than float32 BLAS at 1-8 rows and even at 16. A bf16 weight
+# prepacked for oneDNN never uses it: on a 2-vCPU AMX Xeon the packed GEMM is as fast at 1-2
+# rows and up to 1.4x faster at 3-16 (decode step at 4 rows, 1 thread: 56.8 -> 38.9 ms). bf16
+# weights that cannot be packed take it up to SMALL_M_HALF rows.
 SMALL_M = 16
 SMALL_M_HALF = 4
 
@@ -190,6 +192,8 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
     if gemm_dtype == torch.bfloat16 and t.dtype != gemm_dtype:  # bf16 GEMMs, f32 activations
         plain = plain if plain is not None else resident(t, gemm_dtype)
         packed = pack_bf16(plain)
+        if packed is not None:  # faster than the native kernel at every batch (SMALL_M_HALF)
+            small = None
     if transposed and packed is None:
         return Linear(resident(t.t(), gemm_dtype), bias, small, True)
     return Linear(plain if plain is not None else resident(t, gemm_dtype), bias, small, False,

@@ -72,8 +72,9 @@ def test_bfloat16_stays_close(tiny_llama):
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_bf16):
     # bf16 weights: activations stay float32; large products run in bf16 only where the CPU has
-    # bf16 arithmetic (forced both ways here: torch's bf16 GEMM runs on any CPU, slowly), and
-    # the native small-batch kernel reads the same bf16 copy of each weight
+    # bf16 arithmetic (forced both ways here: torch's bf16 GEMM runs on any CPU, slowly). With
+    # bf16 GEMMs, a weight prepacked for oneDNN serves every batch size; one that cannot be
+    # packed shares its bf16 copy with the native small-batch kernel
     from baton.engine import config as config_mod
     from baton.engine.model import SMALL_M_HALF
 
@@ -85,20 +86,20 @@ def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_b
     engine = LLMEngine(load_model(path), cfg)
     lin = engine.model.layers[0].qkv
     assert lin.w.dtype == cfg.gemm_dtype
-    if lin.small is not None:
+    x = torch.randn(SMALL_M_HALF + 3, lin.w.shape[-1])
+    big = lin(x)  # BLAS
+    one_by_one = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])  # native kernel, if any
+    assert big.dtype == one_by_one.dtype == torch.float32
+    tol = 0.05 if native_bf16 else 1e-4  # x rounded to bf16 for the GEMM
+    torch.testing.assert_close(big, one_by_one, atol=tol, rtol=tol)
+    if native_bf16 and torch.backends.mkldnn.is_available():
+        assert lin.packed is not None and lin.small is None  # prepacked: every batch size
+        plain = torch.nn.functional.linear(x.bfloat16(), lin.w).float()
+        torch.testing.assert_close(big - (0 if lin.bias is None else lin.bias), plain,
+                                   atol=1e-2, rtol=1e-2)
+    elif lin.small is not None:
         assert lin.small.dtype == torch.bfloat16
         assert (lin.w is lin.small) == native_bf16  # one copy when both are bf16 [N, K]
-        x = torch.randn(SMALL_M_HALF + 3, lin.small.shape[1])
-        big = lin(x)  # BLAS
-        small = torch.cat([lin(x[i : i + 1]) for i in range(len(x))])  # the native kernel
-        assert big.dtype == small.dtype == torch.float32
-        tol = 0.05 if native_bf16 else 1e-4  # x rounded to bf16 for the GEMM
-        torch.testing.assert_close(big, small, atol=tol, rtol=tol)
-        if native_bf16 and torch.backends.mkldnn.is_available():
-            assert lin.packed is not None  # prepacked for oneDNN: same products as F.linear
-            plain = torch.nn.functional.linear(x.bfloat16(), lin.w).float()
-            torch.testing.assert_close(big - (0 if lin.bias is None else lin.bias), plain,
-                                       atol=1e-2, rtol=1e-2)
     c = engine.generate([PROMPT], SamplingParams(max_tokens=4, logprobs=3, ignore_eos=True))[0]
     ref = hf_logprobs(hf, PROMPT + c.token_ids)
     for i, lp in enumerate(c.logprobs):
