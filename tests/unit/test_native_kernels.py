@@ -50,3 +50,26 @@ def test_paged_decode_attention_matches_reference(kv_dtype, bs, hkv, group, d):
             got = cpu_attention.decode_attention(q[rows], kv, layer, tables[rows], lens[rows],
                                                  d ** -0.5)
             torch.testing.assert_close(got, want[rows].float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,num_past,hq,hkv", [(1, 5, 3, 1), (7, 13, 6, 2), (33, 1, 9, 3),
+                                              (16, 40, 4, 4), (5, 0, 6, 3)])
+def test_prefill_attention_over_cached_and_new_keys(dtype, n, num_past, hq, hkv):
+    # query i (position num_past + i) sees every cached key and the new ones up to itself
+    from baton.kernels.paged_attention import prefill_attention
+
+    g = torch.Generator().manual_seed(n * 100 + num_past)
+    q = torch.randn(n, hq, 64, generator=g)
+    k, v = (torch.randn(num_past + n, hkv, 64, generator=g) for _ in range(2))
+    scale = 0.125
+    want = torch.empty(n, hq, 64)
+    for i in range(n):
+        ks = k[: num_past + i + 1].repeat_interleave(hq // hkv, dim=1)  # [L, hq, D]
+        vs = v[: num_past + i + 1].repeat_interleave(hq // hkv, dim=1)
+        w = torch.softmax(torch.einsum("hd,lhd->hl", q[i], ks) * scale, dim=-1)
+        want[i] = torch.einsum("hl,lhd->hd", w, vs)
+    got = prefill_attention(q.to(dtype), k.to(dtype), v.to(dtype), num_past, scale)
+    assert got.dtype == dtype and got.shape == (n, hq, 64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
