@@ -45,7 +45,7 @@ def test_the_routers_account_of_the_first_token_by_path():
     assert local == pytest.approx({"route": 0.001, "queue": 0.1, "prefill": 0.299})
 
     recs = []
-    for i, q in enumerate((0.1, 0.2, 0.3)):
+    for q in (0.1, 0.2, 0.3):
         r = rec(0.0, 1.0, [1.0, 2.0], 2.0, n=2)
         r.path = "remote"
         r.stages = lg.ttft_stages(result("remote", queue_s=q, prefill_s=q + 0.5,
