@@ -52,12 +52,22 @@ def test_paged_decode_attention_matches_reference(kv_dtype, bs, hkv, group, d):
             torch.testing.assert_close(got, want[rows].float(), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("merged", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,num_past,hq,hkv", [(1, 5, 3, 1), (7, 13, 6, 2), (33, 1, 9, 3),
                                               (16, 40, 4, 4), (5, 0, 6, 3)])
-def test_prefill_attention_over_cached_and_new_keys(dtype, n, num_past, hq, hkv):
-    # query i (position num_past + i) sees every cached key and the new ones up to itself
+def test_prefill_attention_over_cached_and_new_keys(monkeypatch, merged, dtype, n, num_past, hq,
+                                                     hkv):
+    # query i (position num_past + i) sees every cached key and the new ones up to itself;
+    # merged: two flash calls joined by log-sum-exp, else the masked call (a PyTorch without
+    # the flash op that returns the log-sum-exp)
+    from baton.kernels import paged_attention
     from baton.kernels.paged_attention import prefill_attention
+
+    if not merged:
+        monkeypatch.setattr(paged_attention, "_flash_lse", None)
+    elif num_past and paged_attention._flash_lse is None:
+        pytest.skip("this PyTorch has no CPU flash attention returning the log-sum-exp")
 
     g = torch.Generator().manual_seed(n * 100 + num_past)
     q = torch.randn(n, hq, 64, generator=g)
