@@ -305,11 +305,15 @@ class RouterService(api_pb2_grpc.BatonServicer):
         return ""
 
     def _attempt(self, request, st, decision: Decision, calls, context):
-        """One attempt on the decided workers, counted in flight on them (in Redis too)."""
-        workers = [w for w in (decision.prefill, decision.decode) if w is not None]
+        """One attempt on the decided workers, counted in flight on them (in Redis too): on the
+        decode worker until the attempt ends, on the prefill worker until its prefill does (a
+        prefill worker counted through every decode it handed off to would look saturated to
+        the routers while it idles, and they would prefill on the decode workers instead)."""
         index = self.policy.index
         if index is not None:
-            index.claim(st.rid, [w.worker_id for w in workers])
+            index.claim(st.rid, [decision.decode.worker_id])
+            if decision.prefill is not None:
+                index.claim(_prefill_key(st.rid), [decision.prefill.worker_id])
         try:
             if decision.path == "remote":
                 yield from self._remote(request, st, decision.prefill, decision.decode, calls,
@@ -319,6 +323,7 @@ class RouterService(api_pb2_grpc.BatonServicer):
         finally:
             if index is not None:
                 index.release(st.rid)
+                index.release(_prefill_key(st.rid))
 
     # ---- paths -----------------------------------------------------------------------------------
 
@@ -345,6 +350,8 @@ class RouterService(api_pb2_grpc.BatonServicer):
                 _fail(e, prefill.address, context, sent=False)
             finally:
                 calls.remove(fut)
+                if self.policy.index is not None:
+                    self.policy.index.release(_prefill_key(st.rid))
             cs.end()
         st.prefill_s = time.monotonic() - t
         st.queue_s = pre.queue_s
@@ -637,6 +644,11 @@ def _call_span(span, worker: WorkerRecord, service: str, method: str):
         "rpc.system": "grpc", "rpc.service": f"baton.v1.{service}", "rpc.method": method,
         "server.address": host, "server.port": int(port) if port.isdigit() else None,
         "baton.worker.id": worker.worker_id})
+
+
+def _prefill_key(rid: str) -> str:
+    """The in-flight claim of a request's prefill, apart from its decode's."""
+    return f"{rid}/prefill"
 
 
 def _left(context) -> float:

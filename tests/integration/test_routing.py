@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis as redis_py
-from baton.control.prefix_index import INDEX_PREFIX
+from baton.control.prefix_index import INDEX_PREFIX, inflight_key
 from baton.control.redis_server import EmbeddedRedis
 from baton.services.common.launch import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
@@ -181,6 +181,34 @@ def test_a_burst_across_two_routers_spreads_over_the_workers(cluster):
     # a request routed after an earlier one of the burst is cached goes where the prompt is
     # (the prefix outweighs load by design); the rest split on the shared in-flight counts
     assert max(counts) <= 8 and min(counts) >= 4 - cached, per_worker
+
+
+def test_a_prefill_worker_counts_a_request_in_flight_only_while_it_prefills(cluster):
+    # Counting it through the decode it handed off to made an idle prefill worker look
+    # saturated (--prefill-saturation) to every router once a few requests were decoding.
+    r = redis_py.Redis.from_url(cluster.redis.url)
+
+    def counts():
+        return {w: r.zcard(inflight_key(w.worker_id)) for w in (*cluster.prefills,
+                                                                cluster.decode)}
+
+    params = worker_pb2.SamplingParams(max_tokens=460, ignore_eos=True)
+    req = api_pb2.GenerateRequest(params=params)
+    req.token_ids.ids.extend(tokens(60, 40))
+    stream = api_pb2_grpc.BatonStub(cluster.r2.channel).Generate(req, timeout=60)
+    first = next(stream)
+    assert first.HasField("delta")
+    end = time.monotonic() + 5
+    while (seen := counts())[cluster.decode] == 0 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert seen[cluster.decode] == 1, seen  # decoding, and its claims are written
+    assert seen[cluster.p1] == seen[cluster.p2] == 0, seen
+    final = [m.final for m in stream if m.HasField("final")]
+    assert final and final[0].path == "remote" and final[0].finish_reason == "length"
+    end = time.monotonic() + 5
+    while any(counts().values()) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not any(counts().values()), counts()
 
 
 def test_metrics_count_decisions_and_reasons(cluster):
