@@ -5,6 +5,7 @@ arrivals, same goodput search). Results in bench/results/tune-validation-*.json.
 
     python bench/tune_validation.py [--profile FILE] [--requests 40] [--refine 3]
         [--scale 0.25] [--max-output 128] [--ttft-slo 3] [--tpot-slo 0.1] [--dtype float32]
+        [--start-rate 1]
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("--ttft-slo", type=float, default=3.0)
     ap.add_argument("--tpot-slo", type=float, default=0.1)
     ap.add_argument("--refine", type=int, default=3)
+    ap.add_argument("--start-rate", type=float, default=1.0,
+                    help="the goodput search's first rate, req/s (both searches)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
     a = ap.parse_args()
 
@@ -55,7 +58,7 @@ def main() -> None:
                   "--trace-start", str(a.trace_start), "--scale", str(a.scale),
                   "--max-input", str(a.max_input), "--max-output", str(a.max_output),
                   "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
-                  "--refine", str(a.refine)]
+                  "--refine", str(a.refine), "--start-rate", str(a.start_rate)]
     # the same slice and search through both commands' own parsers (same defaults elsewhere)
     ap_bench = argparse.ArgumentParser()
     add_bench_args(ap_bench)

@@ -2,9 +2,11 @@
 
 Three measurements, each the median of a few repeats:
 
-* **batched prefill**: one engine step of N prompt tokens, as many 16-token prompts (so attention is
-  negligible and the time is the per-token work: weights, MLP, projections), N = 1 .. 1024;
-  plus single long prompts, whose extra time over the same N batched is their attention.
+* **batched prefill**: one engine step of N prompt tokens, as many 64-token prompts (so attention is
+  small and the time is the per-token work: weights, MLP, projections), N = 1 .. 1024;
+  plus single long prompts up to 2048 tokens (chunked under the token budget, as the scheduler
+  runs them), whose extra time over the same tokens batched is their attention.  Prompts of 16
+  tokens would carry a per-prompt cost that hides attention up to ~512 tokens.
 * **decode step**: B running requests of context C each, one token each;
 * **KV hand-off**: real prefill and decode worker processes; the time from the prefill RPC's
   answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
@@ -35,7 +37,8 @@ from pathlib import Path
 
 VERSION = 1
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
-LONG_PROMPTS = (128, 256, 512)
+PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
+LONG_PROMPTS = (256, 512, 1024, 2048)
 # per context length, the decode batches measured (largest first: one prefill, then shrink)
 DECODE_GRID = {128: (64, 16, 4, 1), 768: (12, 4, 1)}
 HANDOFF_TOKENS = (64, 256, 1024)
@@ -102,6 +105,8 @@ def _fit_through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares k for y = k x, never negative."""
     if not any(xs):
         return 0.0
+    if len(xs) == 1:
+        return max(0.0, ys[0] / xs[0])
     return max(0.0, statistics.linear_regression(xs, ys, proportional=True).slope)
 
 
@@ -124,6 +129,16 @@ def _fit2(xs: Sequence[tuple[float, float]], ys: Sequence[float]) -> tuple[float
     return (a, 0.0) if err_a <= err_b else (0.0, b)
 
 
+def _pairs(k: int, done: int) -> float:
+    """Attention (query, key) pairs of a prompt chunk of ``k`` tokens after ``done`` computed."""
+    return k * (done + (k + 1) / 2)
+
+
+def _chunks(n: int, budget: int) -> list[tuple[int, int]]:
+    """A lone ``n``-token prompt as the scheduler runs it: (tokens, computed before) per step."""
+    return [(min(budget, n - done), done) for done in range(0, n, budget)]
+
+
 class CostModel:
     """Step and hand-off times from a :class:`Profile` (see the module docstring)."""
 
@@ -132,9 +147,11 @@ class CostModel:
             raise ProfileError("the profile has no prefill or decode measurements")
         rows = sorted((r["tokens"], r["s"]) for r in p.prefill)
         self._tx, self._ty = [r[0] for r in rows], [r[1] for r in rows]
+        budget = p.max_num_batched_tokens
+        chunked = [(r, _chunks(r["tokens"], budget)) for r in p.prefill_long]
         self.attn_prefill = _fit_through_origin(
-            [n * (n + 1) / 2 for n in (r["tokens"] for r in p.prefill_long)],
-            [r["s"] - self.tok(r["tokens"]) for r in p.prefill_long])
+            [sum(_pairs(k, done) for k, done in cs) for _, cs in chunked],
+            [r["s"] - sum(self.tok(k) for k, _ in cs) for r, cs in chunked])
         self.per_seq, self.attn_decode = _fit2(
             [(r["batch"], r["batch"] * r["context"]) for r in p.decode],
             [r["s"] - self.tok(r["batch"]) for r in p.decode])
@@ -157,7 +174,7 @@ class CostModel:
         """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
         request, ``decode_ctxs`` = context length per decoding request."""
         n = sum(c[0] for c in chunks) + len(decode_ctxs)
-        pairs = sum(k * (done + (k + 1) / 2) for k, done in chunks)
+        pairs = sum(_pairs(k, done) for k, done in chunks)
         return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * len(decode_ctxs)
                 + self.attn_decode * sum(decode_ctxs))
 
@@ -207,14 +224,14 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
     def prefill_step(lengths: list[int]) -> None:
         for n in lengths:
             engine.add_request(prompt_token_ids=prompts(n), params=one)
-        engine.step()
-        while engine.has_unfinished():  # nothing should be left; be sure the pool is clean
+        while engine.has_unfinished():  # one step, or a long prompt's chunks
             engine.step()
 
     prefill_step([8])  # warm-up
     out: dict = {"prefill": [], "prefill_long": [], "decode": []}
     for n in PREFILL_TOKENS:
-        lengths = [bs] * (n // bs) + ([n % bs] if n % bs else [])
+        k = PREFILL_PROMPT
+        lengths = [k] * (n // k) + ([n % k] if n % k else [])
         s = _median_time(lambda ls=lengths: prefill_step(ls), repeats)
         out["prefill"].append({"tokens": n, "requests": len(lengths), "s": s})
         say(f"prefill {n:5d} tokens in {len(lengths):3d} prompts: {s * 1000:8.2f} ms")

@@ -53,6 +53,20 @@ def test_cost_model_recovers_the_coefficients_it_was_measured_with():
     assert cm.step([(100, 50)], [40, 60]) == pytest.approx(want, rel=1e-6)
 
 
+def test_long_prompts_past_the_token_budget_are_fitted_as_their_chunks():
+    # a 2048-token prompt under a 1024-token budget runs as two steps: 1024 tokens, then 1024
+    # more attending to the first 1024 as well
+    a = 3e-7
+    p = make_profile(attn_prefill=a)
+    p.prefill_long = [{"tokens": 512, "s": tok(512) + a * 512 * 513 / 2},
+                      {"tokens": 2048, "s": 2 * tok(1024) + a * (1024 * 1025 / 2
+                                                                 + 1024 * (1024 + 1025 / 2))}]
+    cm = CostModel(p)
+    assert cm.attn_prefill == pytest.approx(a, rel=1e-6)
+    assert cm.step([(1024, 0)], []) + cm.step([(1024, 1024)], []) == pytest.approx(
+        p.prefill_long[1]["s"], rel=1e-6)
+
+
 def test_tok_interpolates_and_extends_linearly():
     cm = CostModel(make_profile())
     assert cm.tok(600) == pytest.approx(tok(600))
@@ -198,4 +212,4 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     cm = CostModel(p)
     assert all(v >= 0 for v in cm.summary().values())
     big = p.prefill[-1]
-    assert cm.step([(16, 0)] * 64, []) == pytest.approx(big["s"], rel=0.5)
+    assert cm.step([(64, 0)] * 16, []) == pytest.approx(big["s"], rel=0.5)
