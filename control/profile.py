@@ -11,6 +11,11 @@ Three measurements, each the median of a few repeats:
 * **KV hand-off**: real prefill and decode worker processes; the time from the prefill RPC's
   answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
   the KV bytes.
+* **serving**: B concurrent streams on the real decode worker, their time per token against the
+  bare engine's decode step for the same batch.  A worker's steps share its core with its gRPC
+  streams, detokenizing and NIXL, and the machine with the router and the clients; the median
+  ratio (``serving_factor``) scales every simulated step.  Without it the simulator was ~10%
+  optimistic per step on a 2-core VM, which near a TPOT SLO moved predicted goodputs by 30-50%.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -20,12 +25,14 @@ Three measurements, each the median of a few repeats:
                                           + attn_decode * sum(ctx)      each decode's context
 
 where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
-prefill table and the other coefficients are least-squares fits of what is left.
+prefill table and the other coefficients are least-squares fits of what is left; the whole is
+multiplied by the serving factor.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 import statistics
@@ -42,6 +49,8 @@ LONG_PROMPTS = (256, 512, 1024, 2048)
 # per context length, the decode batches measured (largest first: one prefill, then shrink)
 DECODE_GRID = {128: (64, 16, 4, 1), 768: (12, 4, 1)}
 HANDOFF_TOKENS = (64, 256, 1024)
+SERVED = ((128, 16), (768, 12), (768, 4))  # (context, concurrent streams) on a real worker
+SERVED_TOKENS = (12, 36)  # the window of each stream timed: every stream decoding by then
 
 
 @dataclass
@@ -61,6 +70,9 @@ class Profile:
     decode: list[dict] = field(default_factory=list)  # {batch, context, s}
     handoff: list[dict] = field(default_factory=list)  # {tokens, bytes, s}
     router_s: float = 0.004  # router work + two gRPC hops per request (bench/router_latency.py)
+    neighbors: list[int] = field(default_factory=list)  # cores kept busy while measuring
+    served: list[dict] = field(default_factory=list)  # {batch, context, s, model_s}
+    serving_factor: float = 1.0  # a serving worker's step over the bare engine's
     machine: dict = field(default_factory=dict)
     version: int = VERSION
 
@@ -165,6 +177,7 @@ class CostModel:
         elif ys:
             self.handoff_fixed = statistics.fmean(ys)
         self.kv_bytes_per_token = p.kv_bytes_per_token
+        self.serving_factor = p.serving_factor
 
     def tok(self, n: int) -> float:
         """Per-token work of a step that runs ``n`` tokens (no attention)."""
@@ -175,6 +188,11 @@ class CostModel:
         request, ``decode_ctxs`` = context length per decoding request."""
         n = sum(c[0] for c in chunks) + len(decode_ctxs)
         pairs = sum(_pairs(k, done) for k, done in chunks)
+        return self.serving_factor * self.engine_step(n, pairs, decode_ctxs)
+
+    def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
+        """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
+        ``pairs`` prompt attention pairs, decodes at ``decode_ctxs``."""
         return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * len(decode_ctxs)
                 + self.attn_decode * sum(decode_ctxs))
 
@@ -182,7 +200,8 @@ class CostModel:
         return self.handoff_fixed + self.handoff_per_byte * tokens * self.kv_bytes_per_token
 
     def summary(self) -> dict:
-        return {"attn_prefill_s_per_pair": self.attn_prefill,
+        return {"serving_factor": self.serving_factor,
+                "attn_prefill_s_per_pair": self.attn_prefill,
                 "decode_s_per_sequence": self.per_seq,
                 "attn_decode_s_per_context_token": self.attn_decode,
                 "handoff_fixed_s": self.handoff_fixed,
@@ -279,23 +298,43 @@ def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
     return out
 
 
-def measure_handoff(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
-                    say: Callable[[str], None] = print) -> list[dict]:
+def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
+                    say: Callable[[str], None] = print) -> tuple[list[dict], list[dict]]:
     """Real prefill and decode worker processes (one core each): per prompt size, the time from
-    the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved."""
+    the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
+    the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
+    router, as clients reach it."""
+    from baton.control.redis_server import EmbeddedRedis
     from baton.engine.params import SamplingParams
     from baton.services.common.launch import WorkerProcess
     from baton.services.common.worker import params_to_proto
-    from baton.v1 import worker_pb2, worker_pb2_grpc
+    from baton.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+    redis = EmbeddedRedis().start()
     common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1",
-              "--num-blocks", str(4 * (max(HANDOFF_TOKENS) // 16 + 2))]
+              "--redis-url", redis.url,
+              "--num-blocks", str(max(4 * (max(HANDOFF_TOKENS) // 16 + 2),
+                                      *(b * ((c + SERVED_TOKENS[1]) // 16 + 4)
+                                        for c, b in SERVED)))]
     if model:
         common += ["--model", model]
-    say("starting a prefill and a decode worker for the hand-off measurement ...")
-    prefill = WorkerProcess("prefill", common, cpus={cores[0]})
-    decode = WorkerProcess("decode", [*common, "--peers", prefill.address],
-                           cpus={cores[1 % len(cores)]})
+    say("starting a prefill and a decode worker and a router for the hand-off and serving "
+        "measurements ...")
+    procs = []
+    try:
+        prefill = WorkerProcess("prefill", common, cpus={cores[0]})
+        procs.append(prefill)
+        decode = WorkerProcess("decode", [*common, "--peers", prefill.address],
+                               cpus={cores[1 % len(cores)]})
+        procs.append(decode)
+        router = WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1",
+                                          "--local-prefill-max-tokens", "1000000"])
+        procs.append(router)
+    except BaseException:
+        for proc in reversed(procs):
+            proc.stop()
+        redis.stop()
+        raise
     prompts = _Prompts(10000)
     params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
     rows = []
@@ -320,27 +359,127 @@ def measure_handoff(model: str | None, dtype: str, cores: list[int], repeats: in
             rows.append({"tokens": n, "bytes": nbytes, "s": statistics.median(samples[1:])})
             say(f"hand-off {n:5d} tokens ({nbytes / 2**20:6.1f} MiB): "
                 f"{rows[-1]['s'] * 1000:8.2f} ms")
+        rstub = api_pb2_grpc.BatonStub(router.channel)
+        served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
+                  for c, b in SERVED]
+        for r in served:
+            say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
+                f"{r['s'] * 1000:8.2f} ms a token")
     finally:
-        decode.stop()
-        prefill.stop()
-    return rows
+        for proc in reversed(procs):
+            proc.stop()
+        redis.stop()
+    return rows, served
+
+
+def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
+    """Median over ``streams`` concurrent Generate streams (through the router ``rstub``) of
+    ``ctx``-token prompts of the time per token between tokens :data:`SERVED_TOKENS` (every
+    stream is decoding by then)."""
+    import threading
+
+    from baton.engine.params import SamplingParams
+    from baton.services.common.worker import params_to_proto
+    from baton.v1 import api_pb2
+
+    lo, hi = SERVED_TOKENS
+    params = params_to_proto(SamplingParams(max_tokens=hi + 4, ignore_eos=True))
+    itl: list[float] = []
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        stamps: list[float] = []
+        try:
+            for m in rstub.Generate(api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=prompts(ctx)), params=params), timeout=300):
+                if m.HasField("delta"):
+                    stamps += [time.perf_counter()] * len(m.delta.token_ids)
+            itl.append((stamps[hi] - stamps[lo]) / (hi - lo))
+        except Exception as e:  # noqa: BLE001 (raised below, in the caller's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise ProfileError(f"served decode measurement failed: {errors[0]}")
+    return statistics.median(itl)
+
+
+def neighbor_load(model: str, dtype: str, cores: str) -> None:
+    """What a busy worker does to its neighbours' caches and memory bandwidth: one engine
+    (one thread, pinned to ``cores``) serving 512-token prompts with 64 tokens each, eight in
+    flight, until it is killed. Run by :func:`run_profile` in a process of its own."""
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.engine.params import SamplingParams
+
+    os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    engine = LLMEngine.from_path(model or None, EngineConfig(dtype=dtype, num_threads=1))
+    prompts = _Prompts(min(engine.model_config.vocab_size, 30000))
+    params = SamplingParams(max_tokens=64, ignore_eos=True, detokenize=False)
+    n = min(512, engine.max_model_len - 64)
+    live: list = []
+    for step in itertools.count():
+        live = [r for r in live if not r.is_finished]
+        while len(live) < 8:
+            live.append(engine.add_request(prompt_token_ids=prompts(n), params=params))
+        engine.step()
+        if step == 0:
+            print("ready", flush=True)
+
+
+class _Neighbors:
+    """:func:`neighbor_load` on ``cores`` for the duration of a ``with`` block."""
+
+    def __init__(self, model: str | None, dtype: str, cores: list[int],
+                 say: Callable[[str], None]) -> None:
+        self.args, self.say, self.proc = (model or "", dtype, ",".join(map(str, cores))), say, None
+
+    def __enter__(self) -> _Neighbors:
+        import subprocess
+
+        if not self.args[2]:
+            return self
+        self.say(f"starting a busy engine on core(s) {self.args[2]} as the neighbour ...")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from baton.control.profile import neighbor_load; "
+             "neighbor_load(*sys.argv[1:])", *self.args], stdout=subprocess.PIPE)
+        if self.proc.stdout.readline().strip() != b"ready":
+            self.__exit__()
+            raise ProfileError("the neighbour load did not start (see its error above)")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
 
 
 def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
-                handoff: bool = True, say: Callable[[str], None] = print) -> Profile:
+                handoff: bool = True, say: Callable[[str], None] = print,
+                neighbors: bool = True) -> Profile:
     """Measure this machine: the engine in this process pinned to ``cores[0]`` with one torch
-    thread (as `baton bench compare` and `baton up --threads 1` run workers), then the hand-off."""
+    thread (as `baton bench compare` and `baton up --threads 1` run workers), then the hand-off.
+    With ``neighbors``, an engine as busy as a serving worker runs on the other cores meanwhile:
+    near its goodput every worker of a cluster is busy, and on a 2-core VM a busy neighbour made
+    a 1024-token prefill 8-13% slower than on an idle machine."""
     import torch
     from baton.bench.common import machine
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
 
+    others = sorted(set(cores[1:]) - {cores[0]}) if neighbors else []
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {cores[0]})
     try:
         say(f"loading the model ({dtype}) ...")
         engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
-        costs = measure_engine(engine, repeats, say)
+        with _Neighbors(model, dtype, others, say):
+            costs = measure_engine(engine, repeats, say)
     finally:  # the caller's cores and threads back (its later workers pin themselves)
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
@@ -349,10 +488,17 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
                 max_num_batched_tokens=engine.cfg.max_num_batched_tokens,
                 max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
                 kv_bytes_per_token=engine.block_nbytes // engine.cfg.block_size,
-                machine=machine(), **costs)
+                neighbors=others, machine=machine(), **costs)
     del engine
     if handoff:
-        p.handoff = measure_handoff(model, dtype, cores, repeats, say)
+        p.handoff, p.served = measure_workers(model, dtype, cores, repeats, say)
+        engine_cost = CostModel(p)
+        for r in p.served:
+            mid = r["context"] + sum(SERVED_TOKENS) // 2
+            r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
+        p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
+        say(f"serving factor {p.serving_factor:.3f} (a worker's time per token over the "
+            "engine's step)")
     return p
 
 
@@ -371,7 +517,8 @@ def cmd_profile(a) -> int:
         print(f"[baton profile {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr,
               flush=True)
 
-    p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say)
+    p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say,
+                    not a.idle_neighbors)
     path = p.save(a.out or default_path())
     cm = CostModel(p)
     for k, v in cm.summary().items():
@@ -387,8 +534,12 @@ def add_profile_args(ap) -> None:
                     help="comma-separated cores: the engine runs on the first, the hand-off's "
                          "prefill and decode workers on the first two (default: this process's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
+    ap.add_argument("--idle-neighbors", action="store_true",
+                    help="measure with the other cores idle (default: a busy engine runs on them, "
+                         "as the cluster's other workers would near its goodput)")
     ap.add_argument("--no-handoff", action="store_true",
-                    help="skip the hand-off measurement (no worker processes, no NIXL)")
+                    help="skip the worker measurements (hand-off and serving factor: no worker "
+                         "processes, no NIXL; the factor stays 1)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "
                          "~/.cache/baton/profile.json)")

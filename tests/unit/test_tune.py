@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,16 @@ def test_long_prompts_past_the_token_budget_are_fitted_as_their_chunks():
     assert cm.attn_prefill == pytest.approx(a, rel=1e-6)
     assert cm.step([(1024, 0)], []) + cm.step([(1024, 1024)], []) == pytest.approx(
         p.prefill_long[1]["s"], rel=1e-6)
+
+
+def test_the_serving_factor_scales_every_step_but_not_the_hand_off():
+    p = make_profile(per_seq=0.002, attn_decode=1e-5, attn_prefill=3e-7)
+    bare = CostModel(p)
+    p.serving_factor = 1.1
+    served = CostModel(p)
+    for chunks, decodes in (([(100, 50)], [40, 60]), ([], [500] * 8), ([(1024, 0)], [])):
+        assert served.step(chunks, decodes) == pytest.approx(1.1 * bare.step(chunks, decodes))
+    assert served.handoff(1000) == bare.handoff(1000)
 
 
 def test_tok_interpolates_and_extends_linearly():
@@ -206,6 +217,9 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert out.returncode == 0, out.stderr
     assert "prefill  1024 tokens" in out.stderr and "decode batch" in out.stderr
     p = Profile.load(tmp_path / "p.json")
+    others = sorted(os.sched_getaffinity(0))[1:]
+    assert p.neighbors == others  # measured beside a busy engine wherever there is a core for it
+    assert ("as the neighbour" in out.stderr) == bool(others)
     assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]
     assert p.decode and p.prefill_long and not p.handoff
     assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
