@@ -299,7 +299,9 @@ def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
 
 
 def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
-                    say: Callable[[str], None] = print) -> tuple[list[dict], list[dict]]:
+                    say: Callable[[str], None] = print,
+                    max_model_len: int = 1 << 30,
+                    vocab: int = 10000) -> tuple[list[dict], list[dict]]:
     """Real prefill and decode worker processes (one core each): per prompt size, the time from
     the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
     the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
@@ -310,12 +312,14 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     from baton.services.common.worker import params_to_proto
     from baton.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+    handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
+    grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
     redis = EmbeddedRedis().start()
     common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1",
               "--redis-url", redis.url,
-              "--num-blocks", str(max(4 * (max(HANDOFF_TOKENS) // 16 + 2),
+              "--num-blocks", str(max(4 * (max(handoffs, default=0) // 16 + 2),
                                       *(b * ((c + SERVED_TOKENS[1]) // 16 + 4)
-                                        for c, b in SERVED)))]
+                                        for c, b in grid)))]
     if model:
         common += ["--model", model]
     say("starting a prefill and a decode worker and a router for the hand-off and serving "
@@ -335,13 +339,13 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             proc.stop()
         redis.stop()
         raise
-    prompts = _Prompts(10000)
+    prompts = _Prompts(min(vocab, 10000))
     params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
     rows = []
     try:
         pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
         dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
-        for n in HANDOFF_TOKENS:
+        for n in handoffs:
             samples = []
             for i in range(repeats + 1):  # the first pays connection set-up
                 ids, rid = prompts(n), f"profile-{n}-{i}"
@@ -361,7 +365,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
                 f"{rows[-1]['s'] * 1000:8.2f} ms")
         rstub = api_pb2_grpc.BatonStub(router.channel)
         served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
-                  for c, b in SERVED]
+                  for c, b in grid]
         for r in served:
             say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
                 f"{r['s'] * 1000:8.2f} ms a token")
@@ -489,14 +493,17 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
                 max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
                 kv_bytes_per_token=engine.block_nbytes // engine.cfg.block_size,
                 neighbors=others, machine=machine(), **costs)
+    engine_len, vocab = engine.max_model_len, engine.model_config.vocab_size
     del engine
     if handoff:
-        p.handoff, p.served = measure_workers(model, dtype, cores, repeats, say)
+        p.handoff, p.served = measure_workers(model, dtype, cores, repeats, say,
+                                              engine_len, vocab)
         engine_cost = CostModel(p)
         for r in p.served:
             mid = r["context"] + sum(SERVED_TOKENS) // 2
             r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
-        p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
+        if p.served:
+            p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
         say(f"serving factor {p.serving_factor:.3f} (a worker's time per token over the "
             "engine's step)")
     return p

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -208,11 +209,13 @@ def test_recommendation_prefers_colocated_on_a_tie():
 
 
 def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_path):
-    """`baton profile` on a tiny model (no hand-off: that needs worker processes): every table
-    is filled, and the cost model built on it reproduces its own measurements roughly."""
+    """`baton profile` on a tiny model, with real prefill and decode worker processes, a router
+    and redis-server for the hand-off and serving measurements: every table is filled (as far
+    as the model's 512-token context allows), and the cost model built on it reproduces its
+    own measurements roughly."""
     out = subprocess.run(
         [sys.executable, "-m", "baton.cli.main", "profile", "--model", str(tiny_llama[0]),
-         "--no-handoff", "--repeats", "1", "--out", str(tmp_path / "p.json")],
+         "--repeats", "1", "--out", str(tmp_path / "p.json")],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     assert "prefill  1024 tokens" in out.stderr and "decode batch" in out.stderr
@@ -221,9 +224,19 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.neighbors == others  # measured beside a busy engine wherever there is a core for it
     assert ("as the neighbour" in out.stderr) == bool(others)
     assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]
-    assert p.decode and p.prefill_long and not p.handoff
+    assert p.decode and p.prefill_long
+    assert [r["tokens"] for r in p.handoff] == [64, 256]  # 1024 does not fit the context
+    assert p.handoff[1]["bytes"] == 4 * p.handoff[0]["bytes"] > 0
+    assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128)]  # the one that fits
+    served = p.served[0]
+    assert served["s"] > 0 and served["model_s"] > 0
+    assert p.serving_factor == pytest.approx(served["s"] / served["model_s"])
+    assert "serving factor" in out.stderr
     assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
     cm = CostModel(p)
     assert all(v >= 0 for v in cm.summary().values())
     big = p.prefill[-1]
-    assert cm.step([(64, 0)] * 16, []) == pytest.approx(big["s"], rel=0.5)
+    bare = CostModel(dataclasses.replace(p, serving_factor=1.0))  # the engine's own steps
+    assert bare.step([(64, 0)] * 16, []) == pytest.approx(big["s"], rel=0.5)
+    assert cm.step([(64, 0)] * 16, []) == pytest.approx(p.serving_factor
+                                                        * bare.step([(64, 0)] * 16, []))
