@@ -1,6 +1,6 @@
 """``baton profile``: what this engine costs on this hardware, and the cost model built on it.
 
-Three measurements, each the median of a few repeats:
+Four measurements, each the median of a few repeats:
 
 * **batched prefill**: one engine step of N prompt tokens, as many 64-token prompts (so attention is
   small and the time is the per-token work: weights, MLP, projections), N = 1 .. 1024;
@@ -11,11 +11,12 @@ Three measurements, each the median of a few repeats:
 * **KV hand-off**: real prefill and decode worker processes; the time from the prefill RPC's
   answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
   the KV bytes.
-* **serving**: B concurrent streams on the real decode worker, their time per token against the
-  bare engine's decode step for the same batch.  A worker's steps share its core with its gRPC
-  streams, detokenizing and NIXL, and the machine with the router and the clients; the median
-  ratio (``serving_factor``) scales every simulated step.  Without it the simulator was ~10%
-  optimistic per step on a 2-core VM, which near a TPOT SLO moved predicted goodputs by 30-50%.
+* **serving**: B concurrent streams through a router to the real decode worker, their time per
+  token against the bare engine's decode step for the same batch.  A worker's steps share its
+  core with its gRPC streams, detokenizing and NIXL, and the machine with the router and the
+  clients; the median ratio (``serving_factor``) scales every simulated step.  Without it the
+  simulator was ~10% optimistic per step on a 2-core VM, which near a TPOT SLO moved predicted
+  goodputs by 30-50%.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -32,6 +33,7 @@ multiplied by the serving factor.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 import json
 import os
@@ -248,8 +250,8 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
 
     prefill_step([8])  # warm-up
     out: dict = {"prefill": [], "prefill_long": [], "decode": []}
+    k = PREFILL_PROMPT
     for n in PREFILL_TOKENS:
-        k = PREFILL_PROMPT
         lengths = [k] * (n // k) + ([n % k] if n % k else [])
         s = _median_time(lambda ls=lengths: prefill_step(ls), repeats)
         out["prefill"].append({"tokens": n, "requests": len(lengths), "s": s})
@@ -314,9 +316,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
     grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
-    redis = EmbeddedRedis().start()
     common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1",
-              "--redis-url", redis.url,
               "--num-blocks", str(max(4 * (max(handoffs, default=0) // 16 + 2),
                                       *(b * ((c + SERVED_TOKENS[1]) // 16 + 4)
                                         for c, b in grid)))]
@@ -324,25 +324,23 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         common += ["--model", model]
     say("starting a prefill and a decode worker and a router for the hand-off and serving "
         "measurements ...")
-    procs = []
-    try:
-        prefill = WorkerProcess("prefill", common, cpus={cores[0]})
-        procs.append(prefill)
-        decode = WorkerProcess("decode", [*common, "--peers", prefill.address],
-                               cpus={cores[1 % len(cores)]})
-        procs.append(decode)
-        router = WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1",
-                                          "--local-prefill-max-tokens", "1000000"])
-        procs.append(router)
-    except BaseException:
-        for proc in reversed(procs):
-            proc.stop()
-        redis.stop()
-        raise
     prompts = _Prompts(min(vocab, 10000))
     params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
     rows = []
-    try:
+    # stops the processes (last started first), then Redis, on every way out
+    with contextlib.ExitStack() as stack:
+        redis = stack.enter_context(EmbeddedRedis())
+        common += ["--redis-url", redis.url]
+
+        def start(role: str, args: list[str], cpus: set[int] | None = None) -> WorkerProcess:
+            proc = WorkerProcess(role, args, cpus=cpus)
+            stack.callback(proc.stop)
+            return proc
+
+        prefill = start("prefill", common, {cores[0]})
+        decode = start("decode", [*common, "--peers", prefill.address], {cores[1 % len(cores)]})
+        router = start("router", ["--redis-url", redis.url, "--http-port", "-1",
+                                  "--local-prefill-max-tokens", "1000000"])
         pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
         dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
         for n in handoffs:
@@ -369,10 +367,6 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         for r in served:
             say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
                 f"{r['s'] * 1000:8.2f} ms a token")
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        redis.stop()
     return rows, served
 
 
@@ -380,7 +374,7 @@ def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
     """Median over ``streams`` concurrent Generate streams (through the router ``rstub``) of
     ``ctx``-token prompts of the time per token between tokens :data:`SERVED_TOKENS` (every
     stream is decoding by then)."""
-    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     from baton.engine.params import SamplingParams
     from baton.services.common.worker import params_to_proto
@@ -388,28 +382,18 @@ def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
 
     lo, hi = SERVED_TOKENS
     params = params_to_proto(SamplingParams(max_tokens=hi + 4, ignore_eos=True))
-    itl: list[float] = []
-    errors: list[BaseException] = []
+    requests = [api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts(ctx)),
+                                        params=params) for _ in range(streams)]
 
-    def one(i: int) -> None:
+    def one(request) -> float:
         stamps: list[float] = []
-        try:
-            for m in rstub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=prompts(ctx)), params=params), timeout=300):
-                if m.HasField("delta"):
-                    stamps += [time.perf_counter()] * len(m.delta.token_ids)
-            itl.append((stamps[hi] - stamps[lo]) / (hi - lo))
-        except Exception as e:  # noqa: BLE001 (raised below, in the caller's thread)
-            errors.append(e)
+        for m in rstub.Generate(request, timeout=300):
+            if m.HasField("delta"):
+                stamps += [time.perf_counter()] * len(m.delta.token_ids)
+        return (stamps[hi] - stamps[lo]) / (hi - lo)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise ProfileError(f"served decode measurement failed: {errors[0]}")
-    return statistics.median(itl)
+    with ThreadPoolExecutor(streams) as ex:  # all at once; a stream's error is raised here
+        return statistics.median(ex.map(one, requests))
 
 
 def neighbor_load(model: str, dtype: str, cores: str) -> None:
@@ -435,32 +419,26 @@ def neighbor_load(model: str, dtype: str, cores: str) -> None:
             print("ready", flush=True)
 
 
-class _Neighbors:
-    """:func:`neighbor_load` on ``cores`` for the duration of a ``with`` block."""
+@contextlib.contextmanager
+def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[str], None]):
+    """:func:`neighbor_load` on ``cores`` (none: nothing) for the duration of a ``with``."""
+    import subprocess
 
-    def __init__(self, model: str | None, dtype: str, cores: list[int],
-                 say: Callable[[str], None]) -> None:
-        self.args, self.say, self.proc = (model or "", dtype, ",".join(map(str, cores))), say, None
-
-    def __enter__(self) -> _Neighbors:
-        import subprocess
-
-        if not self.args[2]:
-            return self
-        self.say(f"starting a busy engine on core(s) {self.args[2]} as the neighbour ...")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from baton.control.profile import neighbor_load; "
-             "neighbor_load(*sys.argv[1:])", *self.args], stdout=subprocess.PIPE)
-        if self.proc.stdout.readline().strip() != b"ready":
-            self.__exit__()
+    if not cores:
+        yield
+        return
+    cores_arg = ",".join(map(str, cores))
+    say(f"starting a busy engine on core(s) {cores_arg} as the neighbour ...")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from baton.control.profile import neighbor_load; "
+         "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg], stdout=subprocess.PIPE)
+    try:
+        if proc.stdout.readline().strip() != b"ready":
             raise ProfileError("the neighbour load did not start (see its error above)")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
@@ -482,7 +460,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     try:
         say(f"loading the model ({dtype}) ...")
         engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
-        with _Neighbors(model, dtype, others, say):
+        with _neighbors(model, dtype, others, say):
             costs = measure_engine(engine, repeats, say)
     finally:  # the caller's cores and threads back (its later workers pin themselves)
         os.sched_setaffinity(0, affinity)
