@@ -12,11 +12,14 @@ Four measurements, each the median of a few repeats:
   answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
   the KV bytes.
 * **serving**: B concurrent streams through a router to the real decode worker, their time per
-  token against the bare engine's decode step for the same batch.  A worker's steps share its
-  core with its gRPC streams, detokenizing and NIXL, and the machine with the router and the
-  clients; the median ratio (``serving_factor``) scales every simulated step.  Without it the
-  simulator was ~10% optimistic per step on a 2-core VM, which near a TPOT SLO moved predicted
-  goodputs by 30-50%.
+  token against the bare engine's decode step for the same batch (``serving_factor``), while
+  the real prefill worker prefills 512-, 1024- and 2048-token prompts in turn, their time
+  against the bare engine's (``prefill_factor``).  A worker's steps share its core with its
+  gRPC streams, detokenizing and NIXL, and the machine with the router, the clients and the
+  other worker; the two medians scale every simulated step.  Without them the simulator was
+  ~10% optimistic per decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO
+  moved predicted goodputs by 30-50%.  (Measured with the prefill worker idle, the decode
+  factor came out ~4% lower: the router and clients had a core to themselves.)
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -27,7 +30,8 @@ Four measurements, each the median of a few repeats:
 
 where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
 prefill table and the other coefficients are least-squares fits of what is left; the whole is
-multiplied by the serving factor.
+multiplied by the two factors weighed by the step's tokens:
+``(P * prefill_factor + D * serving_factor) / (P + D)``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-VERSION = 1
+VERSION = 2  # 2: the prefill factor
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 LONG_PROMPTS = (256, 512, 1024, 2048)
@@ -53,6 +57,7 @@ DECODE_GRID = {128: (64, 16, 4, 1), 768: (12, 4, 1)}
 HANDOFF_TOKENS = (64, 256, 1024)
 SERVED = ((128, 16), (768, 12), (768, 4))  # (context, concurrent streams) on a real worker
 SERVED_TOKENS = (12, 36)  # the window of each stream timed: every stream decoding by then
+BUSY_PROMPTS = (512, 1024, 2048)  # the prefill worker's prompts meanwhile, in turn
 
 
 @dataclass
@@ -74,7 +79,9 @@ class Profile:
     router_s: float = 0.004  # router work + two gRPC hops per request (bench/router_latency.py)
     neighbors: list[int] = field(default_factory=list)  # cores kept busy while measuring
     served: list[dict] = field(default_factory=list)  # {batch, context, s, model_s}
-    serving_factor: float = 1.0  # a serving worker's step over the bare engine's
+    serving_factor: float = 1.0  # a serving decode worker's step over the bare engine's
+    served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
+    prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
     machine: dict = field(default_factory=dict)
     version: int = VERSION
 
@@ -161,7 +168,7 @@ class CostModel:
             raise ProfileError("the profile has no prefill or decode measurements")
         rows = sorted((r["tokens"], r["s"]) for r in p.prefill)
         self._tx, self._ty = [r[0] for r in rows], [r[1] for r in rows]
-        budget = p.max_num_batched_tokens
+        self.budget = budget = p.max_num_batched_tokens
         chunked = [(r, _chunks(r["tokens"], budget)) for r in p.prefill_long]
         self.attn_prefill = _fit_through_origin(
             [sum(_pairs(k, done) for k, done in cs) for _, cs in chunked],
@@ -179,7 +186,7 @@ class CostModel:
         elif ys:
             self.handoff_fixed = statistics.fmean(ys)
         self.kv_bytes_per_token = p.kv_bytes_per_token
-        self.serving_factor = p.serving_factor
+        self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
 
     def tok(self, n: int) -> float:
         """Per-token work of a step that runs ``n`` tokens (no attention)."""
@@ -188,9 +195,12 @@ class CostModel:
     def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int]) -> float:
         """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
         request, ``decode_ctxs`` = context length per decoding request."""
-        n = sum(c[0] for c in chunks) + len(decode_ctxs)
+        p, d = sum(c[0] for c in chunks), len(decode_ctxs)
+        if not p + d:
+            return 0.0
         pairs = sum(_pairs(k, done) for k, done in chunks)
-        return self.serving_factor * self.engine_step(n, pairs, decode_ctxs)
+        factor = (p * self.prefill_factor + d * self.serving_factor) / (p + d)
+        return factor * self.engine_step(p + d, pairs, decode_ctxs)
 
     def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
         """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
@@ -198,11 +208,17 @@ class CostModel:
         return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * len(decode_ctxs)
                 + self.attn_decode * sum(decode_ctxs))
 
+    def engine_prompt(self, n: int) -> float:
+        """The bare engine's time for a lone ``n``-token prompt, chunked as the scheduler runs
+        it."""
+        return sum(self.engine_step(k, _pairs(k, done), [])
+                   for k, done in _chunks(n, self.budget))
+
     def handoff(self, tokens: int) -> float:
         return self.handoff_fixed + self.handoff_per_byte * tokens * self.kv_bytes_per_token
 
     def summary(self) -> dict:
-        return {"serving_factor": self.serving_factor,
+        return {"serving_factor": self.serving_factor, "prefill_factor": self.prefill_factor,
                 "attn_prefill_s_per_pair": self.attn_prefill,
                 "decode_s_per_sequence": self.per_seq,
                 "attn_decode_s_per_context_token": self.attn_decode,
@@ -225,10 +241,10 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
 class _Prompts:
     """Fresh random prompts (no prefix-cache hits between measurements)."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, seed: int = 0) -> None:
         import random
 
-        self.rng, self.vocab = random.Random(0), vocab
+        self.rng, self.vocab = random.Random(seed), vocab
 
     def __call__(self, n: int) -> list[int]:
         return [self.rng.randrange(100, self.vocab) for _ in range(n)]
@@ -303,11 +319,13 @@ def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
 def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                     say: Callable[[str], None] = print,
                     max_model_len: int = 1 << 30,
-                    vocab: int = 10000) -> tuple[list[dict], list[dict]]:
+                    vocab: int = 10000) -> tuple[list[dict], list[dict], list[dict]]:
     """Real prefill and decode worker processes (one core each): per prompt size, the time from
     the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
     the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
-    router, as clients reach it."""
+    router, as clients reach it, while the prefill worker prefills :data:`BUSY_PROMPTS` one
+    after another (the engine's time for each, from the worker's answer). Both workers busy,
+    the router and the clients share their cores, as in a cluster near its goodput."""
     from baton.control.redis_server import EmbeddedRedis
     from baton.engine.params import SamplingParams
     from baton.services.common.launch import WorkerProcess
@@ -362,12 +380,63 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             say(f"hand-off {n:5d} tokens ({nbytes / 2**20:6.1f} MiB): "
                 f"{rows[-1]['s'] * 1000:8.2f} ms")
         rstub = api_pb2_grpc.BatonStub(router.channel)
-        served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
-                  for c, b in grid]
+        sizes = ([n for n in BUSY_PROMPTS if n < max_model_len]
+                 or [max(n for n in LONG_PROMPTS if n < max_model_len)])
+        with _BusyPrefill(pstub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
+            served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
+                      for c, b in grid]
         for r in served:
             say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
                 f"{r['s'] * 1000:8.2f} ms a token")
-    return rows, served
+        for n in sizes:
+            ss = [r["s"] for r in busy.rows if r["tokens"] == n]
+            say(f"served prefill {n:5d} tokens meanwhile: {len(ss)} prompts, median "
+                f"{statistics.median(ss) * 1000 if ss else float('nan'):8.2f} ms")
+    return rows, served, busy.rows
+
+
+class _BusyPrefill:
+    """A thread that keeps a prefill worker prefilling ``sizes``-token prompts in turn (one
+    token each, so no KV is kept), recording the engine's time for each, for the duration of a
+    ``with``."""
+
+    def __init__(self, pstub, prompts: _Prompts, sizes: Sequence[int]) -> None:
+        import threading
+
+        self.pstub, self.prompts, self.sizes = pstub, prompts, sizes
+        self.rows: list[dict] = []
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="busy-prefill", daemon=True)
+
+    def _run(self) -> None:
+        from baton.engine.params import SamplingParams
+        from baton.services.common.worker import params_to_proto
+        from baton.v1 import worker_pb2
+
+        params = params_to_proto(SamplingParams(max_tokens=1, ignore_eos=True))
+        try:
+            for i in itertools.count():
+                if self._stop.is_set():
+                    return
+                n = self.sizes[i % len(self.sizes)]
+                r = self.pstub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=f"profile-busy-{i}", prompt_token_ids=self.prompts(n),
+                    params=params), timeout=120)
+                if i >= len(self.sizes):  # the first round warms up
+                    self.rows.append({"tokens": n, "s": r.prefill_s - r.queue_s})
+        except BaseException as e:  # raised in the caller's thread by __exit__
+            self.error = e
+
+    def __enter__(self) -> _BusyPrefill:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.error is not None and exc[0] is None:
+            raise ProfileError(f"the busy prefill worker failed: {self.error}") from self.error
 
 
 def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
@@ -474,16 +543,20 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     engine_len, vocab = engine.max_model_len, engine.model_config.vocab_size
     del engine
     if handoff:
-        p.handoff, p.served = measure_workers(model, dtype, cores, repeats, say,
-                                              engine_len, vocab)
+        p.handoff, p.served, p.served_prefill = measure_workers(
+            model, dtype, cores, repeats, say, engine_len, vocab)
         engine_cost = CostModel(p)
         for r in p.served:
             mid = r["context"] + sum(SERVED_TOKENS) // 2
             r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
+        for r in p.served_prefill:
+            r["model_s"] = engine_cost.engine_prompt(r["tokens"])
         if p.served:
             p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
-        say(f"serving factor {p.serving_factor:.3f} (a worker's time per token over the "
-            "engine's step)")
+        p.prefill_factor = (statistics.median(r["s"] / r["model_s"] for r in p.served_prefill)
+                            if p.served_prefill else p.serving_factor)
+        say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
+            "(a serving worker's time over the bare engine's)")
     return p
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -69,14 +70,26 @@ def test_long_prompts_past_the_token_budget_are_fitted_as_their_chunks():
         p.prefill_long[1]["s"], rel=1e-6)
 
 
-def test_the_serving_factor_scales_every_step_but_not_the_hand_off():
+def test_the_serving_factors_scale_steps_by_their_tokens_but_not_the_hand_off():
     p = make_profile(per_seq=0.002, attn_decode=1e-5, attn_prefill=3e-7)
     bare = CostModel(p)
-    p.serving_factor = 1.1
+    p.serving_factor, p.prefill_factor = 1.1, 1.3
     served = CostModel(p)
-    for chunks, decodes in (([(100, 50)], [40, 60]), ([], [500] * 8), ([(1024, 0)], [])):
-        assert served.step(chunks, decodes) == pytest.approx(1.1 * bare.step(chunks, decodes))
+    assert served.step([], [500] * 8) == pytest.approx(1.1 * bare.step([], [500] * 8))
+    assert served.step([(1024, 0)], []) == pytest.approx(1.3 * bare.step([(1024, 0)], []))
+    # a mixed step: 100 prompt tokens and 2 decodes weigh the factors 100:2
+    mixed = ([(100, 50)], [40, 60])
+    assert served.step(*mixed) == pytest.approx((100 * 1.3 + 2 * 1.1) / 102 * bare.step(*mixed))
     assert served.handoff(1000) == bare.handoff(1000)
+    assert served.step([], []) == 0.0
+
+
+def test_engine_prompt_is_a_lone_prompt_chunked_under_the_token_budget():
+    cm = CostModel(make_profile(batched=1024, attn_prefill=3e-7))
+    assert cm.engine_prompt(512) == pytest.approx(cm.engine_step(512, 512 * 513 / 2, []))
+    first, second = 1024 * 1025 / 2, 1024 * (1024 + 1025 / 2)  # the second sees the first too
+    assert cm.engine_prompt(2048) == pytest.approx(
+        cm.engine_step(1024, first, []) + cm.engine_step(1024, second, []))
 
 
 def test_tok_interpolates_and_extends_linearly():
@@ -231,12 +244,17 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     served = p.served[0]
     assert served["s"] > 0 and served["model_s"] > 0
     assert p.serving_factor == pytest.approx(served["s"] / served["model_s"])
-    assert "serving factor" in out.stderr
+    # the prefill worker prefilled its largest long prompt that fits, over and over, meanwhile
+    assert p.served_prefill and {r["tokens"] for r in p.served_prefill} == {256}
+    assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served_prefill)
+    assert p.prefill_factor == pytest.approx(
+        statistics.median(r["s"] / r["model_s"] for r in p.served_prefill))
+    assert "serving factors" in out.stderr and "served prefill   256 tokens" in out.stderr
     assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
     cm = CostModel(p)
     assert all(v >= 0 for v in cm.summary().values())
     big = p.prefill[-1]
-    bare = CostModel(dataclasses.replace(p, serving_factor=1.0))  # the engine's own steps
-    assert bare.step([(64, 0)] * 16, []) == pytest.approx(big["s"], rel=0.5)
-    assert cm.step([(64, 0)] * 16, []) == pytest.approx(p.serving_factor
+    bare = CostModel(dataclasses.replace(p, serving_factor=1.0, prefill_factor=1.0))
+    assert bare.step([(64, 0)] * 16, []) == pytest.approx(big["s"], rel=0.5)  # the engine's own
+    assert cm.step([(64, 0)] * 16, []) == pytest.approx(p.prefill_factor
                                                         * bare.step([(64, 0)] * 16, []))
