@@ -323,9 +323,10 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     """Real prefill and decode worker processes (one core each): per prompt size, the time from
     the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
     the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
-    router, as clients reach it, while the prefill worker prefills :data:`BUSY_PROMPTS` one
-    after another (the engine's time for each, from the worker's answer). Both workers busy,
-    the router and the clients share their cores, as in a cluster near its goodput."""
+    router, as clients reach it, while requests of :data:`BUSY_PROMPTS` tokens take the
+    remote path one after another (each prompt's prefill call, as the router times it). Both
+    workers busy, the routers and the clients share their cores, as in a cluster near its
+    goodput."""
     from baton.control.redis_server import EmbeddedRedis
     from baton.engine.params import SamplingParams
     from baton.services.common.launch import WorkerProcess
@@ -357,8 +358,13 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
 
         prefill = start("prefill", common, {cores[0]})
         decode = start("decode", [*common, "--peers", prefill.address], {cores[1 % len(cores)]})
+        # the streams' router prefills every prompt on the decode worker, so the streams are
+        # all decoding by the timed window; the busy prompts take the remote path through a
+        # router of their own: prefill, KV hand-off, lease release, decode, as in a cluster
         router = start("router", ["--redis-url", redis.url, "--http-port", "-1",
                                   "--local-prefill-max-tokens", "1000000"])
+        remote = start("router", ["--redis-url", redis.url, "--http-port", "-1",
+                                  "--local-prefill-max-tokens", "0"])
         pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
         dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
         for n in handoffs:
@@ -382,7 +388,8 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         rstub = api_pb2_grpc.BatonStub(router.channel)
         sizes = ([n for n in BUSY_PROMPTS if n < max_model_len]
                  or [max(n for n in LONG_PROMPTS if n < max_model_len)])
-        with _BusyPrefill(pstub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
+        busy_stub = api_pb2_grpc.BatonStub(remote.channel)
+        with _BusyPrefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
             served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
                       for c, b in grid]
         for r in served:
@@ -396,14 +403,15 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
 
 
 class _BusyPrefill:
-    """A thread that keeps a prefill worker prefilling ``sizes``-token prompts in turn (one
-    token each, so no KV is kept), recording the engine's time for each, for the duration of a
-    ``with``."""
+    """A thread that keeps the prefill worker busy for the duration of a ``with``: requests of
+    ``sizes``-token prompts in turn, 2 tokens each, through ``rstub`` (a router that sends every
+    prompt to the prefill worker), recording each prompt's prefill call (the router's
+    ``prefill_s`` less the prefill worker's queue)."""
 
-    def __init__(self, pstub, prompts: _Prompts, sizes: Sequence[int]) -> None:
+    def __init__(self, rstub, prompts: _Prompts, sizes: Sequence[int]) -> None:
         import threading
 
-        self.pstub, self.prompts, self.sizes = pstub, prompts, sizes
+        self.rstub, self.prompts, self.sizes = rstub, prompts, sizes
         self.rows: list[dict] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -412,19 +420,26 @@ class _BusyPrefill:
     def _run(self) -> None:
         from baton.engine.params import SamplingParams
         from baton.services.common.worker import params_to_proto
-        from baton.v1 import worker_pb2
+        from baton.v1 import api_pb2
 
-        params = params_to_proto(SamplingParams(max_tokens=1, ignore_eos=True))
+        params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
         try:
             for i in itertools.count():
                 if self._stop.is_set():
                     return
                 n = self.sizes[i % len(self.sizes)]
-                r = self.pstub.Prefill(worker_pb2.PrefillRequest(
-                    request_id=f"profile-busy-{i}", prompt_token_ids=self.prompts(n),
-                    params=params), timeout=120)
+                final = None
+                for m in self.rstub.Generate(api_pb2.GenerateRequest(
+                        token_ids=api_pb2.TokenIds(ids=self.prompts(n)), params=params),
+                        timeout=120):
+                    if m.HasField("final"):
+                        final = m.final
+                if final is None or final.path != "remote":
+                    raise ProfileError(f"a {n}-token prompt took the "
+                                       f"{final.path if final else 'no'} path, not remote")
                 if i >= len(self.sizes):  # the first round warms up
-                    self.rows.append({"tokens": n, "s": r.prefill_s - r.queue_s})
+                    t = final.timing
+                    self.rows.append({"tokens": n, "s": t.prefill_s - t.queue_s})
         except BaseException as e:  # raised in the caller's thread by __exit__
             self.error = e
 
