@@ -13,8 +13,9 @@ Four measurements, each the median of a few repeats:
   the KV bytes.
 * **serving**: B concurrent streams through a router to the real decode worker, their time per
   token against the bare engine's decode step for the same batch (``serving_factor``), while
-  the real prefill worker prefills 512-, 1024- and 2048-token prompts in turn, their time
-  against the bare engine's (``prefill_factor``).  A worker's steps share its core with its
+  requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker,
+  KV hand-off, decode worker), their prefill calls against the bare engine's prompt
+  (``prefill_factor``).  A worker's steps share its core with its
   gRPC streams, detokenizing and NIXL, and the machine with the router, the clients and the
   other worker; the two medians scale every simulated step.  Without them the simulator was
   ~10% optimistic per decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO
