@@ -387,72 +387,65 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             say(f"hand-off {n:5d} tokens ({nbytes / 2**20:6.1f} MiB): "
                 f"{rows[-1]['s'] * 1000:8.2f} ms")
         rstub = api_pb2_grpc.BatonStub(router.channel)
-        sizes = ([n for n in BUSY_PROMPTS if n < max_model_len]
-                 or [max(n for n in LONG_PROMPTS if n < max_model_len)])
+        fits = [n for n in LONG_PROMPTS if n < max_model_len]
+        sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
-        with _BusyPrefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
+        with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
             served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
                       for c, b in grid]
         for r in served:
             say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
                 f"{r['s'] * 1000:8.2f} ms a token")
         for n in sizes:
-            ss = [r["s"] for r in busy.rows if r["tokens"] == n]
+            ss = [r["s"] for r in busy if r["tokens"] == n]
             say(f"served prefill {n:5d} tokens meanwhile: {len(ss)} prompts, median "
                 f"{statistics.median(ss) * 1000 if ss else float('nan'):8.2f} ms")
-    return rows, served, busy.rows
+    return rows, served, busy
 
 
-class _BusyPrefill:
-    """A thread that keeps the prefill worker busy for the duration of a ``with``: requests of
+@contextlib.contextmanager
+def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int]):
+    """Keeps the prefill worker busy for the duration of a ``with``: a thread sends requests of
     ``sizes``-token prompts in turn, 2 tokens each, through ``rstub`` (a router that sends every
-    prompt to the prefill worker), recording each prompt's prefill call (the router's
-    ``prefill_s`` less the prefill worker's queue)."""
+    prompt to the prefill worker). Yields the list it fills with each prompt's prefill call (the
+    router's ``prefill_s`` less the prefill worker's queue), the first round left out (warm-up).
+    """
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
-    def __init__(self, rstub, prompts: _Prompts, sizes: Sequence[int]) -> None:
-        import threading
+    from baton.engine.params import SamplingParams
+    from baton.services.common.worker import params_to_proto
+    from baton.v1 import api_pb2
 
-        self.rstub, self.prompts, self.sizes = rstub, prompts, sizes
-        self.rows: list[dict] = []
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="busy-prefill", daemon=True)
+    params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
+    rows: list[dict] = []
+    stop = threading.Event()
 
-    def _run(self) -> None:
-        from baton.engine.params import SamplingParams
-        from baton.services.common.worker import params_to_proto
-        from baton.v1 import api_pb2
+    def run() -> None:
+        for i in itertools.count():
+            if stop.is_set() or not sizes:
+                return
+            n = sizes[i % len(sizes)]
+            final = None
+            for m in rstub.Generate(api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=prompts(n)), params=params), timeout=120):
+                if m.HasField("final"):
+                    final = m.final
+            if final is None or final.path != "remote":
+                raise ProfileError(f"a {n}-token prompt took the "
+                                   f"{final.path if final else 'no'} path, not remote")
+            if i >= len(sizes):
+                rows.append({"tokens": n, "s": final.timing.prefill_s - final.timing.queue_s})
 
-        params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
+    with ThreadPoolExecutor(1) as ex:
+        done = ex.submit(run)
         try:
-            for i in itertools.count():
-                if self._stop.is_set():
-                    return
-                n = self.sizes[i % len(self.sizes)]
-                final = None
-                for m in self.rstub.Generate(api_pb2.GenerateRequest(
-                        token_ids=api_pb2.TokenIds(ids=self.prompts(n)), params=params),
-                        timeout=120):
-                    if m.HasField("final"):
-                        final = m.final
-                if final is None or final.path != "remote":
-                    raise ProfileError(f"a {n}-token prompt took the "
-                                       f"{final.path if final else 'no'} path, not remote")
-                if i >= len(self.sizes):  # the first round warms up
-                    t = final.timing
-                    self.rows.append({"tokens": n, "s": t.prefill_s - t.queue_s})
-        except BaseException as e:  # raised in the caller's thread by __exit__
-            self.error = e
-
-    def __enter__(self) -> _BusyPrefill:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        if self.error is not None and exc[0] is None:
-            raise ProfileError(f"the busy prefill worker failed: {self.error}") from self.error
+            yield rows
+        finally:
+            stop.set()
+        error = done.exception()  # reached only when the body succeeded: its error comes first
+        if error is not None:
+            raise ProfileError(f"the busy prefill worker failed: {error}") from error
 
 
 def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
