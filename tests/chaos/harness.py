@@ -162,8 +162,9 @@ class Load:
     cancel_after: list[float] | None = None
     cache_salt: str | None = None  # a fresh one: no cached prefix steers the routing
     outcomes: list[Outcome] = field(default_factory=list)
-    # tokens received so far by each client's request in flight
+    # tokens received so far by each client's request in flight, and its prompt's index
     progress: dict[int, int] = field(default_factory=dict)
+    prompt_of: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -201,6 +202,7 @@ class Load:
             with self._lock:
                 i, self._n = self._n, self._n + 1
             cancel = rng.choice(self.cancel_after) if self.cancel_after else None
+            self.prompt_of[c] = i % len(PROMPTS)
             self.progress[c] = 0
             out = self._one(c, i, cancel)
             del self.progress[c]
@@ -208,10 +210,15 @@ class Load:
             if out.code not in ("OK", "CANCELLED"):
                 time.sleep(0.2)  # as a client would back off before trying again
 
-    def streaming(self) -> bool:
-        """Every request in flight has had tokens (none is still before its first)."""
-        now = list(self.progress.values())
-        return bool(now) and min(now) > 0
+    def streaming(self, want: list[list[int]] | None = None, left: int = 0) -> bool:
+        """Every request in flight has had tokens (none is still before its first) and, given
+        the ``want``ed outputs, has at least ``left`` still to come (none is about to end)."""
+        now = list(self.progress.items())
+        if not now or min(n for _, n in now) == 0:
+            return False
+        if want is None:
+            return True
+        return all(len(want[self.prompt_of.get(c, 0)]) - n >= left for c, n in now)
 
     def _one(self, c: int, i: int, cancel: float | None) -> Outcome:
         ids, final = [], None

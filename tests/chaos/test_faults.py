@@ -34,12 +34,15 @@ def want():
     return reference(LLMEngine.from_path(None), MAX_TOKENS)
 
 
-def streaming_on(workers, load: Load, timeout: float = 30.0) -> int:
+def streaming_on(workers, load: Load, timeout: float = 30.0,
+                 want: list[list[int]] | None = None, left: int = 0) -> int:
     """Index in ``workers`` of one whose requests' tokens are reaching their clients: it runs a
-    request while every request in flight has had tokens (a fixed wait raced slow prefills)."""
+    request while every request in flight has had tokens (a fixed wait raced slow prefills)
+    and, given ``want``, has ``left`` more to come (a stream about to end may finish before a
+    signal lands, and then nothing on that worker is left to move)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if load.streaming():
+        if load.streaming(want, left):
             for k, w in enumerate(workers):
                 if w.info().running_requests > 0:
                     return k
@@ -123,7 +126,7 @@ def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, wan
 def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want):
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    k = streaming_on(cluster.decode, load)
+    k = streaming_on(cluster.decode, load, want=want, left=12)
     victim = cluster.decode[k]
     others = {w: p for w, p in pids(cluster).items() if w != victim.worker_id}
     victim.kill()
@@ -186,7 +189,7 @@ def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
     # deadline: room for a stream to stall (3 s), then finish elsewhere
     load = Load(cluster, clients=4, deadline=20.0, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    k = streaming_on(cluster.decode, load)
+    k = streaming_on(cluster.decode, load, want=want, left=12)
     stopped = cluster.decode[k]
     stopped.proc.send_signal(signal.SIGSTOP)
     try:
