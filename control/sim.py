@@ -11,7 +11,8 @@ hand-off's reserve and commit) waits for the step in progress to end, as ``Engin
 A request's path, as the router takes it::
 
     colocated:      arrive ─► worker (least in flight): prefill ─► decode ─► done
-    disaggregated:  arrive ─► prompt <= local_max tokens, or every prefill worker saturated?
+    disaggregated:  arrive ─► prompt <= local_max tokens, or every prefill worker saturated
+                       and prompt <= saturated_local_max tokens?
                        yes: decode worker prefills locally (as colocated)
                        no:  prefill worker ─► first token ─► decode worker: reserve blocks
                             ─► hand-off (profile) ─► commit: the client sees the first token
@@ -200,6 +201,7 @@ class Knobs:
 
     local_prefill_max_tokens: int = 64
     prefill_saturation: int = 8
+    saturated_local_max_tokens: int = 256  # < 0: any length
     rpc_s: float = 0.001  # one gRPC hop between processes on one machine
 
 
@@ -235,8 +237,10 @@ class Cluster:
         k = self.knobs
         local = (self.layout.colocated or not self.prefills
                  or r.prompt_tokens <= k.local_prefill_max_tokens
-                 or all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
-                        for e in self.prefills))
+                 or ((r.prompt_tokens <= k.saturated_local_max_tokens
+                      or k.saturated_local_max_tokens < 0)
+                     and all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
+                             for e in self.prefills)))
         if local:
             r.path = "local"
             d.submit(t, _Seq(r))

@@ -56,7 +56,8 @@ class Evaluator:
 
     def __init__(self, profile: Profile, reqs, a: argparse.Namespace) -> None:
         self.p, self.cost, self.reqs, self.a = profile, CostModel(profile), reqs, a
-        self.knobs = Knobs(a.local_prefill_max_tokens, a.prefill_saturation)
+        self.knobs = Knobs(a.local_prefill_max_tokens, a.prefill_saturation,
+                           saturated_local_max_tokens=a.saturated_local_max_tokens)
 
     def at(self, layout: Layout, rate: float | None) -> float:
         from baton.bench import loadgen as lg
@@ -204,6 +205,7 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("router settings simulated")
     g.add_argument("--local-prefill-max-tokens", type=int, default=64)
     g.add_argument("--prefill-saturation", type=int, default=8)
+    g.add_argument("--saturated-local-max-tokens", type=int, default=256)
     ap.add_argument("--out", default=None,
                     help="path stem for the JSON and PNG (default ./baton-tune)")
     ap.add_argument("--no-plot", action="store_true")

@@ -774,7 +774,12 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--prefill-saturation", type=int, default=8,
                    help="a prefill worker with this many requests in flight plus queued is "
                         "saturated; when all are, decode workers prefill locally (0: never) "
-                        "(default 8)")
+                        "prompts up to --saturated-local-max-tokens (default 8)")
+    g.add_argument("--saturated-local-max-tokens", type=int, default=256,
+                   help="when every prefill worker is saturated, the decode worker prefills a "
+                        "prompt itself only if it lacks at most this many of its tokens; a "
+                        "longer one waits for a prefill worker, as a long local prefill would "
+                        "stall every stream the decode worker runs (default 256; -1: any)")
     g.add_argument("--inflight-ttl", type=float, default=30.0,
                    help="seconds a router's in-flight entries in Redis outlive the router "
                         "(re-armed while it runs) (default 30)")
@@ -860,7 +865,8 @@ def main(argv: list[str] | None = None) -> None:
              if args.routing == "cache-aware" else None)
     policy = RoutingPolicy(pool, index, mode=args.routing, weights=weights,
                            local_max_new_tokens=args.local_prefill_max_tokens,
-                           prefill_saturation=args.prefill_saturation)
+                           prefill_saturation=args.prefill_saturation,
+                           saturated_local_max_tokens=args.saturated_local_max_tokens)
     policy.prompt_hashes([0] * 256, worker.fingerprint, None, 16)  # builds the native hasher
     service = RouterService(pool, BatonTokenizer.from_json(json.loads(tok.tokenizer_json)),
                             tok.model, tok.max_model_len, worker.fingerprint, policy,

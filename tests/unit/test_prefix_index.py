@@ -218,14 +218,34 @@ def _wait(cond, timeout=5.0):
 
 
 class _Pool:  # the router's WorkerPool as RoutingPolicy sees it: the registry's records
-    def __init__(self, records):
-        self.records = records
+    def __init__(self, records, inflight=None):
+        self.records, self._inflight = records, inflight or {}
 
     def workers(self, role=None):
         return [w for w in self.records if role is None or w.role in (role, "both")]
 
     def inflight(self, address):
-        return 0
+        return self._inflight.get(address, 0)
+
+
+def test_a_saturated_prefill_worker_leaves_only_short_prompts_to_the_decode_worker():
+    from baton.services.router.routing import MANY_NEW_TOKENS, PREFILL_SATURATED, RoutingPolicy
+
+    d = WorkerRecord("d1", "decode", "127.0.0.1:1", "fp", "i1")
+    p = WorkerRecord("p1", "prefill", "127.0.0.1:2", "fp", "i1")
+
+    def decide(n, inflight, **kw):
+        policy = RoutingPolicy(_Pool([d, p], {p.address: inflight}), None,
+                               mode="least-loaded", prefill_saturation=8, **kw)
+        got = policy.decide(list(range(n)), b"", set())
+        return got.path, got.reason
+
+    assert decide(200, 8) == ("local", PREFILL_SATURATED)
+    assert decide(256, 8) == ("local", PREFILL_SATURATED)
+    # longer prompts wait for the prefill worker: prefilled here, they would stall the streams
+    assert decide(257, 8) == ("remote", MANY_NEW_TOKENS)
+    assert decide(2000, 8, saturated_local_max_tokens=-1) == ("local", PREFILL_SATURATED)
+    assert decide(200, 7) == ("remote", MANY_NEW_TOKENS)  # not saturated
 
 
 def test_a_forced_choice_skips_the_index_and_a_real_choice_reads_it(client):

@@ -163,6 +163,19 @@ def test_short_prompts_stay_on_the_decode_worker():
     assert (short.path, long_.path) == ("local", "remote")
 
 
+def test_a_saturated_prefill_worker_sends_only_short_prompts_to_the_decode_worker():
+    # the first prompt makes the prefill worker saturated (1 in flight); while it prefills, a
+    # 200-token prompt is prefilled locally and a 900-token one waits for the prefill worker
+    burst = [(1000, 2, 0.0), (200, 2, 0.001), (900, 2, 0.002)]
+    first, short, long_ = simulate(Layout(1, 1), make_profile(), burst,
+                                   Knobs(prefill_saturation=1, saturated_local_max_tokens=256))
+    assert (first.path, short.path, long_.path) == ("remote", "local", "remote")
+    assert long_.ttft > first.ttft  # it waited for the first prompt's prefill
+    anything = simulate(Layout(1, 1), make_profile(), burst,
+                        Knobs(prefill_saturation=1, saturated_local_max_tokens=-1))
+    assert [r.path for r in anything] == ["remote", "local", "local"]
+
+
 def test_a_saturated_queue_serves_in_arrival_order():
     """Budget 100 tokens a step: 5 prompts of 100 tokens arriving together prefill one a step;
     the k-th one's first token comes after k + 1 steps, each also carrying the decodes of those
