@@ -11,22 +11,19 @@ Four measurements, each the median of a few repeats:
 * **KV hand-off**: real prefill and decode worker processes; the time from the prefill RPC's
   answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
   the KV bytes.
-* **serving**: B concurrent streams of C-token contexts through a router to the real decode
-  worker (:data:`SERVED`), their time per token against the bare engine's decode step for the
-  same batch, split by least squares into a factor on the step's attention over the contexts
-  (``attention_factor``) and one on the rest (``serving_factor``), while
+* **serving**: B concurrent streams through a router to the real decode worker, their time per
+  token against the bare engine's decode step for the same batch (``serving_factor``), while
   requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker,
   KV hand-off, decode worker), their prefill calls against the bare engine's prompt
   (``prefill_factor``).  A worker's steps share its core with its
   gRPC streams, detokenizing and NIXL, and the machine with the router, the clients and the
-  other worker; the factors scale every simulated step.  Without them the simulator was
+  other worker; the two medians scale every simulated step.  Without them the simulator was
   ~10% optimistic per decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO
   moved predicted goodputs by 30-50%.  (Measured with the prefill worker idle, the decode
-  factor came out ~4% lower: the router and clients had a core to themselves.)  One factor for
-  the whole decode step fitted short contexts and missed long ones: on a 2-core VM 12 streams
-  at 768 tokens ran 1.11-1.29x the bare engine, 16 at 128 tokens 1.05-1.15x (the attention
-  reads the KV cache from memory, which the neighbours' traffic slows more than the matrix
-  work), and the simulated decode steps of a trace near its goodput came out ~15% short.
+  factor came out ~4% lower: the router and clients had a core to themselves.)  A factor of
+  its own for the decode attention, fitted by least squares over the five points, came out
+  1.06-1.27 against 1.01-1.16 for the rest of the step in four profiles, with no consistent
+  difference and no better predictions: one factor it is.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -36,9 +33,9 @@ Four measurements, each the median of a few repeats:
                                           + attn_decode * sum(ctx)      each decode's context
 
 where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
-prefill table and the other coefficients are least-squares fits of what is left.  The decode
-attention term is multiplied by ``attention_factor``, the rest by the two other factors weighed
-by the step's tokens: ``(P * prefill_factor + D * serving_factor) / (P + D)``.
+prefill table and the other coefficients are least-squares fits of what is left; the whole is
+multiplied by the two factors weighed by the step's tokens:
+``(P * prefill_factor + D * serving_factor) / (P + D)``.
 """
 
 from __future__ import annotations
@@ -55,7 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-VERSION = 3  # 2: the prefill factor; 3: the attention factor
+VERSION = 2  # 2: the prefill factor
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 LONG_PROMPTS = (256, 512, 1024, 2048)
@@ -63,7 +60,7 @@ LONG_PROMPTS = (256, 512, 1024, 2048)
 DECODE_GRID = {128: (64, 16, 4, 1), 768: (12, 4, 1)}
 HANDOFF_TOKENS = (64, 256, 1024)
 # (context, concurrent streams) on a real worker: short and long contexts, small and large
-# batches, so that the attention's factor and the rest's are told apart
+# batches (the ratio moves by ±5% from one to the next; the median of five is steadier)
 SERVED = ((128, 16), (384, 8), (768, 4), (768, 12), (1536, 8))
 SERVED_TOKENS = (12, 36)  # the window of each stream timed: every stream decoding by then
 BUSY_PROMPTS = (512, 1024, 2048)  # the prefill worker's prompts meanwhile, in turn
@@ -88,8 +85,7 @@ class Profile:
     router_s: float = 0.004  # router work + two gRPC hops per request (bench/router_latency.py)
     neighbors: list[int] = field(default_factory=list)  # cores kept busy while measuring
     served: list[dict] = field(default_factory=list)  # {batch, context, s, model_s}
-    serving_factor: float = 1.0  # a serving decode worker's step over the bare engine's,
-    attention_factor: float = 1.0  # ... and its decode attention's (the rest: serving_factor)
+    serving_factor: float = 1.0  # a serving decode worker's step over the bare engine's
     served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
     machine: dict = field(default_factory=dict)
@@ -197,7 +193,6 @@ class CostModel:
             self.handoff_fixed = statistics.fmean(ys)
         self.kv_bytes_per_token = p.kv_bytes_per_token
         self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
-        self.attention_factor = p.attention_factor
 
     def tok(self, n: int) -> float:
         """Per-token work of a step that runs ``n`` tokens (no attention)."""
@@ -211,19 +206,13 @@ class CostModel:
             return 0.0
         pairs = sum(_pairs(k, done) for k, done in chunks)
         factor = (p * self.prefill_factor + d * self.serving_factor) / (p + d)
-        attention = self.decode_attention(decode_ctxs)
-        return (factor * (self.engine_step(p + d, pairs, decode_ctxs) - attention)
-                + self.attention_factor * attention)
+        return factor * self.engine_step(p + d, pairs, decode_ctxs)
 
     def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
         """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
         ``pairs`` prompt attention pairs, decodes at ``decode_ctxs``."""
         return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * len(decode_ctxs)
                 + self.attn_decode * sum(decode_ctxs))
-
-    def decode_attention(self, decode_ctxs: Sequence[int]) -> float:
-        """The bare engine's attention over the decodes' contexts (part of its step)."""
-        return self.attn_decode * sum(decode_ctxs)
 
     def engine_prompt(self, n: int) -> float:
         """The bare engine's time for a lone ``n``-token prompt, chunked as the scheduler runs
@@ -235,8 +224,7 @@ class CostModel:
         return self.handoff_fixed + self.handoff_per_byte * tokens * self.kv_bytes_per_token
 
     def summary(self) -> dict:
-        return {"serving_factor": self.serving_factor,
-                "attention_factor": self.attention_factor, "prefill_factor": self.prefill_factor,
+        return {"serving_factor": self.serving_factor, "prefill_factor": self.prefill_factor,
                 "attn_prefill_s_per_pair": self.attn_prefill,
                 "decode_s_per_sequence": self.per_seq,
                 "attn_decode_s_per_context_token": self.attn_decode,
@@ -573,32 +561,17 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
             model, dtype, cores, repeats, say, engine_len, vocab)
         engine_cost = CostModel(p)
         for r in p.served:
-            ctxs = [r["context"] + sum(SERVED_TOKENS) // 2] * r["batch"]
-            r["model_s"] = engine_cost.engine_step(r["batch"], 0, ctxs)
-            r["model_attention_s"] = engine_cost.decode_attention(ctxs)
+            mid = r["context"] + sum(SERVED_TOKENS) // 2
+            r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
         for r in p.served_prefill:
             r["model_s"] = engine_cost.engine_prompt(r["tokens"])
         if p.served:
-            p.serving_factor, p.attention_factor = serving_factors(p.served)
+            p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
         p.prefill_factor = (statistics.median(r["s"] / r["model_s"] for r in p.served_prefill)
                             if p.served_prefill else p.serving_factor)
-        say(f"serving factors: decode {p.serving_factor:.3f} (its attention "
-            f"{p.attention_factor:.3f}), prefill {p.prefill_factor:.3f} (a serving worker's "
-            "time over the bare engine's)")
+        say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
+            "(a serving worker's time over the bare engine's)")
     return p
-
-
-def serving_factors(served: Sequence[dict]) -> tuple[float, float]:
-    """(rest, attention): the least-squares factors for ``s = rest * (model_s -
-    model_attention_s) + attention * model_attention_s`` over the served decode rows.  With
-    fewer than two rows, or a fit that would drop one part (a factor at 0), both are the
-    median of ``s / model_s``."""
-    xs = [(r["model_s"] - r["model_attention_s"], r["model_attention_s"]) for r in served]
-    rest, attention = _fit2(xs, [r["s"] for r in served]) if len(served) > 1 else (0.0, 0.0)
-    if rest > 0 and attention > 0:
-        return rest, attention
-    median = statistics.median(r["s"] / r["model_s"] for r in served)
-    return median, median
 
 
 def default_path() -> Path:

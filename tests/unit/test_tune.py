@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from baton.control.profile import CostModel, Profile, ProfileError, serving_factors
+from baton.control.profile import CostModel, Profile, ProfileError
 from baton.control.sim import Knobs, Layout, attainment, simulate
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -73,41 +73,15 @@ def test_long_prompts_past_the_token_budget_are_fitted_as_their_chunks():
 def test_the_serving_factors_scale_steps_by_their_tokens_but_not_the_hand_off():
     p = make_profile(per_seq=0.002, attn_decode=1e-5, attn_prefill=3e-7)
     bare = CostModel(p)
-    p.serving_factor, p.attention_factor, p.prefill_factor = 1.1, 1.1, 1.3
+    p.serving_factor, p.prefill_factor = 1.1, 1.3
     served = CostModel(p)
     assert served.step([], [500] * 8) == pytest.approx(1.1 * bare.step([], [500] * 8))
     assert served.step([(1024, 0)], []) == pytest.approx(1.3 * bare.step([(1024, 0)], []))
+    # a mixed step: 100 prompt tokens and 2 decodes weigh the factors 100:2
+    mixed = ([(100, 50)], [40, 60])
+    assert served.step(*mixed) == pytest.approx((100 * 1.3 + 2 * 1.1) / 102 * bare.step(*mixed))
     assert served.handoff(1000) == bare.handoff(1000)
     assert served.step([], []) == 0.0
-    # the decode attention has a factor of its own; the rest of the step keeps the others
-    p.attention_factor = 1.5
-    split = CostModel(p)
-    attention = bare.decode_attention([500] * 8)
-    assert attention == pytest.approx(1e-5 * 4000) and attention < bare.step([], [500] * 8)
-    assert split.step([], [500] * 8) == pytest.approx(
-        1.1 * (bare.step([], [500] * 8) - attention) + 1.5 * attention)
-    assert split.step([(1024, 0)], []) == pytest.approx(1.3 * bare.step([(1024, 0)], []))
-    # a mixed step: 100 prompt tokens and 2 decodes weigh the other factors 100:2
-    mixed = ([(100, 50)], [40, 60])
-    attention = bare.decode_attention([40, 60])
-    assert split.step(*mixed) == pytest.approx(
-        (100 * 1.3 + 2 * 1.1) / 102 * (bare.step(*mixed) - attention) + 1.5 * attention)
-
-
-def test_the_served_decode_rows_split_into_an_attention_factor_and_the_rest():
-    def row(rest_s, attention_s, f_rest, f_attention):
-        return {"model_s": rest_s + attention_s, "model_attention_s": attention_s,
-                "s": f_rest * rest_s + f_attention * attention_s}
-
-    rows = [row(0.050, 0.005, 1.05, 1.4), row(0.045, 0.035, 1.05, 1.4),
-            row(0.030, 0.012, 1.05, 1.4), row(0.040, 0.060, 1.05, 1.4)]
-    assert serving_factors(rows) == pytest.approx((1.05, 1.4))
-    # one row cannot tell them apart, nor rows whose fit would drop a part: the median ratio
-    assert serving_factors(rows[:1]) == pytest.approx((rows[0]["s"] / rows[0]["model_s"],) * 2)
-    odd = [row(0.05, 0.01, 1.0, 1.0), row(0.05, 0.02, 1.0, 0.2)]
-    odd[1]["s"] = 0.03  # slower with less to do: the attention's factor would come out < 0
-    median = statistics.median(r["s"] / r["model_s"] for r in odd)
-    assert serving_factors(odd) == pytest.approx((median, median))
 
 
 def test_engine_prompt_is_a_lone_prompt_chunked_under_the_token_budget():
@@ -279,11 +253,10 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.decode and p.prefill_long
     assert [r["tokens"] for r in p.handoff] == [64, 256]  # 1024 does not fit the context
     assert p.handoff[1]["bytes"] == 4 * p.handoff[0]["bytes"] > 0
-    # the two that fit the context, the rest of their steps and their attention told apart
-    assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128), (8, 384)]
-    # (a tiny model's decode attention may fit as 0: then both factors are the median ratio)
-    assert all(r["s"] > 0 and r["model_s"] > r["model_attention_s"] >= 0 for r in p.served)
-    assert (p.serving_factor, p.attention_factor) == pytest.approx(serving_factors(p.served))
+    assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128), (8, 384)]  # they fit
+    assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served)
+    assert p.serving_factor == pytest.approx(
+        statistics.median(r["s"] / r["model_s"] for r in p.served))
     # the prefill worker prefilled its largest long prompt that fits, over and over, meanwhile
     assert p.served_prefill and {r["tokens"] for r in p.served_prefill} == {256}
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served_prefill)
