@@ -213,6 +213,8 @@ class Cluster:
         self.layout, self.p = layout, profile
         self.cost = cost or CostModel(profile)
         self.knobs = knobs or Knobs()
+        limit = self.knobs.saturated_local_max_tokens
+        self._saturated_local_max = limit if limit >= 0 else float("inf")
         self.sim = Sim()
         self.prefills = [SimEngine(self.sim, self.cost, profile, f"prefill-{i}")
                          for i in range(layout.prefill)]
@@ -237,8 +239,7 @@ class Cluster:
         k = self.knobs
         local = (self.layout.colocated or not self.prefills
                  or r.prompt_tokens <= k.local_prefill_max_tokens
-                 or ((r.prompt_tokens <= k.saturated_local_max_tokens
-                      or k.saturated_local_max_tokens < 0)
+                 or (r.prompt_tokens <= self._saturated_local_max
                      and all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
                              for e in self.prefills)))
         if local:

@@ -205,7 +205,8 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("router settings simulated")
     g.add_argument("--local-prefill-max-tokens", type=int, default=64)
     g.add_argument("--prefill-saturation", type=int, default=8)
-    g.add_argument("--saturated-local-max-tokens", type=int, default=256)
+    g.add_argument("--saturated-local-max-tokens", type=int, default=256,
+                   help="as `baton router`: -1 for any length (default 256)")
     ap.add_argument("--out", default=None,
                     help="path stem for the JSON and PNG (default ./baton-tune)")
     ap.add_argument("--no-plot", action="store_true")

@@ -123,7 +123,9 @@ class RoutingPolicy:
         self.weights = weights or parse_weights(DEFAULT_WEIGHTS)
         self.local_max_new_tokens, self.prefill_saturation = (local_max_new_tokens,
                                                               prefill_saturation)
-        self.saturated_local_max_tokens = saturated_local_max_tokens  # < 0: no limit
+        # < 0: any length
+        self.saturated_local_max = (saturated_local_max_tokens if saturated_local_max_tokens >= 0
+                                    else float("inf"))
         self._turns: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -195,8 +197,7 @@ class RoutingPolicy:
             path, reason = "local", NO_PREFILL_WORKER
         elif new_tokens <= self.local_max_new_tokens:
             path, reason = "local", FEW_NEW_TOKENS
-        elif saturated and (new_tokens <= self.saturated_local_max_tokens
-                            or self.saturated_local_max_tokens < 0):
+        elif saturated and new_tokens <= self.saturated_local_max:
             path, reason = "local", PREFILL_SATURATED
         else:
             path, reason = "remote", MANY_NEW_TOKENS

@@ -773,8 +773,9 @@ def main(argv: list[str] | None = None) -> None:
                         "to a prefill worker (default 64; 0: always a prefill worker if any)")
     g.add_argument("--prefill-saturation", type=int, default=8,
                    help="a prefill worker with this many requests in flight plus queued is "
-                        "saturated; when all are, decode workers prefill locally (0: never) "
-                        "prompts up to --saturated-local-max-tokens (default 8)")
+                        "saturated; when all are, decode workers prefill prompts up to "
+                        "--saturated-local-max-tokens themselves (0: never saturated) "
+                        "(default 8)")
     g.add_argument("--saturated-local-max-tokens", type=int, default=256,
                    help="when every prefill worker is saturated, the decode worker prefills a "
                         "prompt itself only if it lacks at most this many of its tokens; a "

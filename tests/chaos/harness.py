@@ -218,7 +218,7 @@ class Load:
             return False
         if want is None:
             return True
-        return all(len(want[self.prompt_of.get(c, 0)]) - n >= left for c, n in now)
+        return all(len(want[self.prompt_of[c]]) - n >= left for c, n in now)
 
     def _one(self, c: int, i: int, cancel: float | None) -> Outcome:
         ids, final = [], None
