@@ -1,0 +1,323 @@
+"""Triton kernels for the engine on CUDA: paged decode and prefill attention, and the KV store.
+
+They read and write Baton's block-major KV cache in place (see docs/kv-layout.md)::
+
+    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+A layer's keys ``kv[:, layer, 0]`` are a strided view ``[num_blocks, block_size, H, D]``: within a
+block, one token's heads are contiguous, so a tile of ``BLOCK_N`` keys for one head is
+``BLOCK_N`` rows of ``D`` contiguous elements gathered through the block table.
+
+Each launcher asserts shapes, strides and dtypes, reads no tensor value on the host (so decode
+can be captured in a CUDA graph), and has a torch reference in ``paged_attention.py``; the
+tests compare the two on irregular shapes under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _check_kv(kv: torch.Tensor, layer: int) -> tuple[int, int, int]:
+    assert kv.dim() == 6 and kv.shape[2] == 2, f"kv must be [N, L, 2, bs, H, D], got {kv.shape}"
+    assert kv.is_contiguous(), "kv must be contiguous (block-major layout)"
+    assert 0 <= layer < kv.shape[1], f"layer {layer} out of range for {kv.shape[1]} layers"
+    _, _, _, bs, h, d = kv.shape
+    assert bs & (bs - 1) == 0, f"block size {bs} must be a power of two"
+    return bs, h, d
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 stays float32 (no TF32): the engine's float32 mode must match the CPU engine's tokens
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# =================================================================================================
+# KV store
+# =================================================================================================
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, blk_ptr, off_ptr,
+    stride_kt, stride_vt, stride_cb, stride_co,
+    ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+):
+    t = tl.program_id(0)
+    blk = tl.load(blk_ptr + t).to(tl.int64)
+    if blk >= 0:  # a negative block id marks a padding row (CUDA-graph batches): nothing to store
+        off = tl.load(off_ptr + t).to(tl.int64)
+        cols = tl.arange(0, ROW_PAD)
+        m = cols < ROW
+        dst = blk * stride_cb + off * stride_co + cols
+        k = tl.load(k_ptr + t * stride_kt + cols, mask=m)
+        v = tl.load(v_ptr + t * stride_vt + cols, mask=m)
+        tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def store_kv(
+    kv: torch.Tensor, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
+    k: torch.Tensor, v: torch.Tensor,
+) -> None:
+    """Write new keys/values into their slots. k, v: [T, H, D] (each token's heads contiguous);
+    block_ids, offsets: [T] (block id < 0: skip the row)."""
+    _, h, d = _check_kv(kv, layer)
+    t = k.shape[0]
+    assert k.shape == v.shape == (t, h, d), f"k/v {tuple(k.shape)} vs cache heads {(h, d)}"
+    assert k.stride(2) == 1 and k.stride(1) == d and v.stride(2) == 1 and v.stride(1) == d
+    assert block_ids.shape == offsets.shape == (t,)
+    if t == 0:
+        return
+    kc, vc = kv[:, layer, 0], kv[:, layer, 1]
+    _store_kv_kernel[(t,)](
+        k, v, kc, vc, block_ids, offsets, k.stride(0), v.stride(0), kc.stride(0), kc.stride(1),
+        ROW=h * d, ROW_PAD=triton.next_power_of_2(h * d), num_warps=4,
+    )
+
+
+# =================================================================================================
+# Decode attention: one query token per sequence, the context split into NUM_SPLITS pieces
+# =================================================================================================
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
+    scale, num_splits,
+    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Program (b, kv head, split): the GROUP query heads sharing one KV head, over one split of
+    the sequence's keys. With DIRECT (one split) it writes the output; otherwise the partial
+    accumulator with its running max and sum, which ``_reduce_kernel`` merges."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    per = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(start + per, ctx)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    gmask = offs_g < GROUP
+    dmask = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    q = (q.to(tl.float32) * scale).to(q.dtype)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    bt_row = bt_ptr + b * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+        kvmask = valid[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+        v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    omask = gmask[:, None] & dmask[None, :]
+    if DIRECT:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        # partials: pacc [B, Hq, S, D_PAD] and pml [B, Hq, S, 2] (max, sum), float32
+        num_heads = tl.num_programs(1) * GROUP
+        base = (b * num_heads + heads) * num_splits + split
+        tl.store(pacc_ptr + base[:, None] * D_PAD + offs_d[None, :], acc, mask=omask)
+        tl.store(pml_ptr + base * 2, m_i, mask=gmask)
+        tl.store(pml_ptr + base * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _reduce_kernel(
+    pacc_ptr, pml_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    smask = offs_s < num_splits
+    base = (b * num_heads + h) * num_splits + offs_s
+    m = tl.load(pml_ptr + base * 2, mask=smask, other=float("-inf"))
+    l_s = tl.load(pml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # an empty row (context 0): zeros out
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    acc = tl.load(pacc_ptr + base[:, None] * D_PAD + offs_d[None, :], mask=smask[:, None],
+                  other=0.0)
+    denom = tl.sum(l_s * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
+                  block_n: int = 64) -> int:
+    """How many pieces to split each sequence's context into so that ``batch * num_kv_heads *
+    splits`` programs fill the device about twice over, without a piece shorter than one tile."""
+    want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max(1, max_context), block_n), 64))
+
+
+def decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged decode attention. q: [B, Hq, D]; block_tables: [B, max_blocks] (int32/int64,
+    entries past a sequence's blocks may be anything valid); context_lens: [B] (keys per sequence
+    including the query's own; 0 for a padding row, whose output is zeros). Returns [B, Hq, D].
+    ``num_splits`` (see :func:`decode_splits`) is fixed by the caller, never read off the data."""
+    bs, hkv, d = _check_kv(kv, layer)
+    b, hq, dq = q.shape
+    assert dq == d and hq % hkv == 0, f"q {tuple(q.shape)} does not fit {hkv} KV heads of dim {d}"
+    assert q.stride(2) == 1, "q's head dim must be contiguous"
+    assert q.dtype == kv.dtype, f"q is {q.dtype}, the KV cache {kv.dtype}"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.stride(1) == 1
+    assert context_lens.shape == (b,)
+    assert num_splits >= 1
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.stride(2) == 1
+    if b == 0:
+        return out
+    group = hq // hkv
+    kc, vc = kv[:, layer, 0], kv[:, layer, 1]
+    d_pad = triton.next_power_of_2(d)
+    direct = num_splits == 1
+    if direct:
+        pacc = pml = out  # unused
+    else:
+        pacc = torch.empty((b, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
+        pml = torch.empty((b, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, hkv, num_splits)](
+        q, kc, vc, block_tables, context_lens, out, pacc, pml, scale, num_splits,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
+        BLOCK_SIZE=bs, BLOCK_N=64, DIRECT=direct, PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=3,
+    )
+    if not direct:
+        _reduce_kernel[(b, hq)](
+            pacc, pml, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+# =================================================================================================
+# Prefill attention: chunks of new queries over cached + new keys, causal, several sequences
+# =================================================================================================
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, qlen_ptr, past_ptr, out_ptr, scale,
+    stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (query tile, sequence, query head). Query i of a sequence sits at position
+    ``num_past + i`` and sees keys ``0 .. num_past + i``, all read from the paged cache (the new
+    keys were stored before the call). Keys wholly before the tile's first query need no mask."""
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    q_len = tl.load(qlen_ptr + s)
+    if tile * BLOCK_M < q_len:
+        q0 = tl.load(qstart_ptr + s)
+        past = tl.load(past_ptr + s)
+        kvh = h // GROUP
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        mmask = offs_m < q_len
+        dmask = offs_d < HEAD_DIM
+        qp = q_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh
+        q = tl.load(qp + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
+        q = (q.to(tl.float32) * scale).to(q.dtype)
+        pos = past + offs_m  # each query's position
+        last = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # keys [0, last) matter to the tile
+        full = (past + tile * BLOCK_M) // BLOCK_N * BLOCK_N  # keys [0, full) visible to all rows
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        bt_row = bt_ptr + s * stride_btb
+        for n0 in range(0, last, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            valid = offs_n < last
+            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+            kvmask = valid[:, None] & dmask[None, :]
+            k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+            v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+            if n0 + BLOCK_N > full:  # the causal edge (and the tail past ``last``)
+                sc = tl.where((offs_n[None, :] <= pos[:, None]) & valid[None, :], sc,
+                              float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        op = out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh
+        tl.store(op + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & dmask[None, :])
+
+
+def prefill_attention(
+    q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
+    q_starts: torch.Tensor, q_lens: torch.Tensor, num_past: torch.Tensor, max_q_len: int,
+    scale: float, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of several sequences' new query chunks over their cached and new keys.
+
+    q: [T, Hq, D] (the batch's rows); sequence s owns rows ``q_starts[s] .. + q_lens[s]`` and has
+    ``num_past[s]`` keys cached before them; block_tables: [S, max_blocks] covering ``num_past +
+    q_len`` keys, the new ones already stored. ``max_q_len`` (host int) sizes the grid. Rows of
+    ``out`` that belong to no sequence are left as they were."""
+    bs, hkv, d = _check_kv(kv, layer)
+    t, hq, dq = q.shape
+    assert dq == d and hq % hkv == 0, f"q {tuple(q.shape)} does not fit {hkv} KV heads of dim {d}"
+    assert q.stride(2) == 1 and q.dtype == kv.dtype, f"q must be {kv.dtype} with contiguous heads"
+    n = q_starts.shape[0]
+    assert q_lens.shape == num_past.shape == (n,) and block_tables.shape[0] == n
+    assert block_tables.stride(1) == 1
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.stride(2) == 1
+    if n == 0 or max_q_len == 0:
+        return out
+    kc, vc = kv[:, layer, 0], kv[:, layer, 1]
+    d_pad = triton.next_power_of_2(d)
+    block_m = 64 if q.dtype != torch.float32 else 32
+    grid = (triton.cdiv(max_q_len, block_m), n, hq)
+    _prefill_kernel[grid](
+        q, kc, vc, block_tables, q_starts, q_lens, num_past, out, scale,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=64,
+        PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=3,
+    )
+    return out

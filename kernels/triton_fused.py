@@ -1,0 +1,157 @@
+"""Fused elementwise Triton kernels for the engine on CUDA.
+
+A decode step of a small batch is a chain of short kernels between the weight reads; each one
+that is folded into a neighbour is one launch and one round trip of activations fewer:
+
+- ``add_rms_norm``: the residual add and the next RMSNorm in one pass (``h += delta`` in place);
+- ``rope_store_kv``: rotary embedding of the query and key heads, and the new keys and values
+  written into their KV-cache slots, straight from the fused qkv projection's output;
+- ``silu_mul``: SwiGLU's ``silu(gate) * up`` on the fused gate/up projection's output.
+
+Arithmetic is float32 inside, rounded once to the model's dtype; RMSNorm rounds the normalized
+value to the dtype before the weight multiplies it, as the CPU engine (and Hugging Face) do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    h_ptr, d_ptr, w_ptr, out_ptr, n_cols, eps, stride_h, stride_d, stride_o,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(h_ptr + row * stride_h + cols, mask=m, other=0.0)
+    if HAS_DELTA:
+        x = x + tl.load(d_ptr + row * stride_d + cols, mask=m, other=0.0)
+        tl.store(h_ptr + row * stride_h + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``h += delta`` (in place, when given), then ``rms_norm(h) * weight``. h, delta: [T, C]."""
+    assert h.dim() == 2 and h.stride(1) == 1, "h must be [T, C] with contiguous rows"
+    t, c = h.shape
+    assert weight.shape == (c,) and weight.is_contiguous()
+    if delta is not None:
+        assert delta.shape == h.shape and delta.stride(1) == 1 and delta.dtype == h.dtype
+    out = torch.empty_like(h) if out is None else out
+    if t:
+        _rms_norm_kernel[(t,)](
+            h, h if delta is None else delta, weight, out, c, eps, h.stride(0),
+            0 if delta is None else delta.stride(0), out.stride(0),
+            HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(c), num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, blk_ptr, off_ptr,
+    stride_qkv, stride_cs, stride_q, stride_cb, stride_co,
+    HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    """Program t: token t's row of qkv = [q heads | k heads | v heads], each head D = 2 * HALF."""
+    t = tl.program_id(0).to(tl.int64)
+    d = 2 * HALF
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, HALF_PAD)
+    cmask = offs < HALF
+    # rotate-half: out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin (cos/sin halves equal)
+    cos = tl.load(cos_ptr + pos * stride_cs + offs, mask=cmask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * stride_cs + offs, mask=cmask, other=0.0).to(tl.float32)
+    row = qkv_ptr + t * stride_qkv
+
+    hq = tl.arange(0, HQ_PAD)
+    mq = (hq < HQ)[:, None] & cmask[None, :]
+    x1 = tl.load(row + hq[:, None] * d + offs[None, :], mask=mq, other=0.0).to(tl.float32)
+    x2 = tl.load(row + hq[:, None] * d + HALF + offs[None, :], mask=mq, other=0.0).to(tl.float32)
+    qo = q_ptr + t * stride_q + hq[:, None] * d + offs[None, :]
+    tl.store(qo, (x1 * cos[None, :] - x2 * sin[None, :]).to(q_ptr.dtype.element_ty), mask=mq)
+    tl.store(qo + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(q_ptr.dtype.element_ty),
+             mask=mq)
+
+    blk = tl.load(blk_ptr + t).to(tl.int64)
+    if blk >= 0:  # negative: a padding row of a CUDA-graph batch, nothing to store
+        slot = blk * stride_cb + tl.load(off_ptr + t).to(tl.int64) * stride_co
+        hk = tl.arange(0, HKV_PAD)
+        mk = (hk < HKV)[:, None] & cmask[None, :]
+        kb = row + HQ * d + hk[:, None] * d + offs[None, :]
+        k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
+        k2 = tl.load(kb + HALF, mask=mk, other=0.0).to(tl.float32)
+        ko = kc_ptr + slot + hk[:, None] * d + offs[None, :]
+        tl.store(ko, (k1 * cos[None, :] - k2 * sin[None, :]).to(kc_ptr.dtype.element_ty),
+                 mask=mk)
+        tl.store(ko + HALF, (k2 * cos[None, :] + k1 * sin[None, :]).to(kc_ptr.dtype.element_ty),
+                 mask=mk)
+        vb = row + (HQ + HKV) * d + hk[:, None] * d + offs[None, :]
+        vo = vc_ptr + slot + hk[:, None] * d + offs[None, :]
+        tl.store(vo, tl.load(vb, mask=mk, other=0.0).to(vc_ptr.dtype.element_ty), mask=mk)
+        tl.store(vo + HALF, tl.load(vb + HALF, mask=mk, other=0.0).to(vc_ptr.dtype.element_ty),
+                 mask=mk)
+
+
+def rope_store_kv(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    kv: torch.Tensor, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
+    num_heads: int, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate the query and key heads of ``qkv`` ([T, (Hq + 2 Hkv) * D]) at ``positions`` ([T]),
+    store the rotated keys and the values at (``block_ids``, ``offsets``) of layer ``layer`` in
+    the KV cache (block id < 0: skip), and return the rotated queries [T, Hq, D].
+    cos, sin: [max_position, D], each row's two halves equal (rotate-half convention)."""
+    assert kv.dim() == 6 and kv.is_contiguous()
+    _, _, _, _, hkv, d = kv.shape
+    t = qkv.shape[0]
+    assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * hkv) * d and qkv.stride(1) == 1
+    assert d % 2 == 0 and cos.shape == sin.shape and cos.shape[1] == d and cos.stride(1) == 1
+    assert positions.shape == block_ids.shape == offsets.shape == (t,)
+    out = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device) if out is None \
+        else out
+    assert out.shape == (t, num_heads, d) and out.is_contiguous()
+    if t:
+        kc, vc = kv[:, layer, 0], kv[:, layer, 1]
+        _rope_store_kernel[(t,)](
+            qkv, positions, cos, sin, out, kc, vc, block_ids, offsets,
+            qkv.stride(0), cos.stride(0), out.stride(0), kc.stride(0), kc.stride(1),
+            HQ=num_heads, HKV=hkv, HQ_PAD=triton.next_power_of_2(num_heads),
+            HKV_PAD=triton.next_power_of_2(hkv), HALF=d // 2,
+            HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4,
+        )
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n
+    g = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + n + cols, mask=m, other=0.0).to(tl.float32)
+    # silu rounded to the dtype first, as torch's silu-then-multiply does
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (s * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] = [gate | up]. Returns silu(gate) * up: [T, I]."""
+    assert x.dim() == 2 and x.stride(1) == 1 and x.shape[1] % 2 == 0
+    t, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t:
+        block = 1024
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0),
+                                                       BLOCK=block, num_warps=4)
+    return out
