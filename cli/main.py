@@ -16,7 +16,7 @@ def _generate(a: argparse.Namespace) -> int:
     from baton.engine.params import SamplingParams
 
     try:
-        engine = LLMEngine.from_path(a.model, EngineConfig(dtype=a.dtype))
+        engine = LLMEngine.from_path(a.model, EngineConfig(dtype=a.dtype, device=a.device))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
                                 top_p=a.top_p, top_k=a.top_k, seed=a.seed)
         if a.chat:
@@ -174,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("prompt")
     _sampling_args(g)
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--device", default="cpu",
+                   help="cpu (default) or cuda[:N]: on CUDA the engine runs Triton kernels and "
+                        "replays CUDA graphs for decode steps")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object with text, token_ids, prompt_token_ids")
     h = sub.add_parser(

@@ -97,8 +97,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None leaves torch's default
-    # auto | native (C kernels on CPU: paged decode attention, small-batch linear) | torch (reference)
+    # auto | native (C kernels on CPU: paged decode attention, small-batch linear) | triton
+    # (Triton kernels on CUDA) | torch (reference). auto: native on CPU, triton on CUDA.
     attention_backend: str = "auto"
+    # on CUDA, decode steps of up to max_num_seqs sequences replay captured CUDA graphs
+    cuda_graphs: bool = True
     # the KV pool records prefix-cache events (BlockPool.events) for the Redis prefix index
     record_kv_events: bool = False
 
@@ -113,9 +116,11 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise InvalidRequestError("max_num_seqs", self.max_num_seqs, "must be >= 1")
-        if self.attention_backend not in ("auto", "native", "torch"):
+        if self.attention_backend not in ("auto", "native", "triton", "torch"):
             raise InvalidRequestError("attention_backend", self.attention_backend,
-                                      "must be auto, native or torch")
+                                      "must be auto, native, triton or torch")
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise InvalidRequestError("device", self.device, "must be cpu, cuda or cuda:N")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
 

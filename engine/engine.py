@@ -114,7 +114,9 @@ class LLMEngine:
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size)
         storage, compute = cfg.torch_dtype, cfg.compute_dtype
-        weights = {k: v.to(storage).to(compute) for k, v in model.weights.items()}
+        if cfg.device != "cpu" and not torch.cuda.is_available():
+            raise InvalidRequestError("device", cfg.device, "CUDA is not available here")
+        weights = {k: v.to(storage).to(compute).to(cfg.device) for k, v in model.weights.items()}
         self.model = LlamaModel(mc, weights, compute, cfg.attention_backend, storage,
                                 cfg.gemm_dtype)
         self.attention_backend = self.model.attention_backend
@@ -123,7 +125,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  cfg.record_kv_events)
         self.scheduler = Scheduler(cfg, self.kv)
-        self.runner = ModelRunner(self.model, cfg, num_blocks)
+        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._pinned: dict[str, Request] = {}  # prefill-only requests holding blocks for hand-off

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import mmap
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +50,14 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [B]
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # Triton backend (CUDA): the decode kernel's context splits, and every prefill chunk of the
+    # batch described for one kernel launch (see ``kernels/triton_attention.py``)
+    decode_splits: int = 1
+    prefill_block_tables: torch.Tensor | None = None  # [S, max_blocks]
+    prefill_starts: torch.Tensor | None = None  # [S] first row of each chunk
+    prefill_lens: torch.Tensor | None = None  # [S] new tokens of each chunk
+    prefill_past: torch.Tensor | None = None  # [S] tokens cached before each chunk
+    max_prefill_len: int = 0
 
     @property
     def num_decodes(self) -> int:
@@ -226,6 +235,10 @@ class LlamaModel:
         precision they were rounded to, which the native small-M linear kernel reads;
         ``gemm_dtype`` (default: ``dtype``) the precision of BLAS matrix products."""
         self.cfg = cfg
+        self.device = weights["embed"].device
+        if self.device.type == "cuda" or attention_backend == "triton":
+            self._init_triton(cfg, weights, dtype, attention_backend)
+            return
         native = dtype == torch.float32 and cpu_attention.load() is not None
         if attention_backend == "native" and not native:
             raise RuntimeError("attention_backend='native' needs float32 compute and a C compiler")
@@ -255,12 +268,47 @@ class LlamaModel:
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [max_position, D]
         self.scale = cfg.head_dim**-0.5
 
+    def _init_triton(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                     dtype: torch.dtype, attention_backend: str) -> None:
+        """On CUDA every matrix product is cuBLAS in ``dtype`` and everything else is a Triton
+        kernel; the torch reference kernels stay on CPU, where the tests compare against them.
+        On CPU this path runs only under Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
+        if attention_backend not in ("auto", "triton"):
+            raise RuntimeError(f"attention_backend={attention_backend!r} runs on CPU only; "
+                               "on CUDA the engine uses triton")
+        if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("attention_backend='triton' needs a CUDA device (or "
+                               "TRITON_INTERPRET=1 to interpret the kernels on CPU)")
+        from baton.kernels import triton_attention, triton_fused
+
+        self._tri, self._fused = triton_attention, triton_fused
+        self.attention_backend = "triton"
+        self.decode_attention = triton_attention.decode_attention
+        self.dtype = self.gemm_dtype = dtype
+        self.embed = weights["embed"]
+        self.lm_head = Linear(weights.get("lm_head", self.embed).contiguous(), None, None)
+        self.norm = weights["norm"]
+        self.layers = [
+            Layer({k.split(".", 2)[2]: v for k, v in weights.items()
+                   if k.startswith(f"layers.{i}.")}, None, dtype)
+            for i in range(cfg.num_layers)
+        ]
+        freqs = weights.get("rope_freqs")
+        inv = rope_inv_freq(cfg, None if freqs is None else freqs.cpu())
+        pos = torch.arange(cfg.max_position, dtype=torch.float32)
+        emb = torch.cat((pos[:, None] * inv[None, :],) * 2, dim=-1)
+        self.cos = emb.cos().to(dtype).to(self.device)
+        self.sin = emb.sin().to(dtype).to(self.device)
+        self.scale = cfg.head_dim**-0.5
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         kv: torch.Tensor, logits_rows: torch.Tensor,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns float32 logits for ``logits_rows``: [N, vocab]."""
+        if self.attention_backend == "triton":
+            return self._forward_triton(input_ids, positions, meta, kv, logits_rows)
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed)  # [T, hidden]
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -281,6 +329,48 @@ class LlamaModel:
             h = h + layer.down(F.silu(gate) * up)
         h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()
+
+    def _forward_triton(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv: torch.Tensor, logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """The CUDA forward: per layer, add+RMSNorm, qkv GEMM, rope+KV store, attention, o GEMM,
+        add+RMSNorm, gate/up GEMM, silu*mul, down GEMM (the residual add is folded into the
+        next norm). No value is read back to the host, so decode can run in a CUDA graph."""
+        cfg, fused, eps = self.cfg, self._fused, self.cfg.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream (in place)
+        t = h.shape[0]
+        x = fused.add_rms_norm(h, None, self.layers[0].attn_norm, eps)
+        for i, layer in enumerate(self.layers):
+            q = fused.rope_store_kv(layer.qkv(x), positions, self.cos, self.sin, kv, i,
+                                    meta.slot_blocks, meta.slot_offsets, cfg.num_heads)
+            o = self._attention_triton(q, meta, kv, i)
+            x = fused.add_rms_norm(h, layer.o(o.view(t, cfg.q_size)), layer.mlp_norm, eps)
+            mlp = layer.down(fused.silu_mul(layer.gate_up(x)))
+            if i + 1 < len(self.layers):
+                x = fused.add_rms_norm(h, mlp, self.layers[i + 1].attn_norm, eps)
+            else:
+                h += mlp
+        h = fused.add_rms_norm(h[logits_rows], None, self.norm, eps)
+        return self.lm_head(h).float()
+
+    def _attention_triton(self, q: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
+                          layer: int) -> torch.Tensor:
+        tri = self._tri
+        if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
+            return tri.decode_attention(q, kv, layer, meta.decode_block_tables,
+                                        meta.decode_context_lens, self.scale,
+                                        meta.decode_splits)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[meta.decode_rows] = tri.decode_attention(
+                q[meta.decode_rows], kv, layer, meta.decode_block_tables,
+                meta.decode_context_lens, self.scale, meta.decode_splits)
+        if meta.prefill_starts is not None:
+            tri.prefill_attention(q, kv, layer, meta.prefill_block_tables, meta.prefill_starts,
+                                  meta.prefill_lens, meta.prefill_past, meta.max_prefill_len,
+                                  self.scale, out=out)
+        return out
 
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,

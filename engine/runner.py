@@ -40,13 +40,25 @@ class ModelRunner:
     docs/kv-layout.md): one block's keys and values for every layer form one contiguous region.
     """
 
-    def __init__(self, model: LlamaModel, cfg: EngineConfig, num_blocks: int) -> None:
+    def __init__(self, model: LlamaModel, cfg: EngineConfig, num_blocks: int,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.cfg = cfg
         mc = model.cfg
         self.kv = alloc_kv_pool((num_blocks, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads,
                                  mc.head_dim), cfg.torch_dtype, cfg.device)
         self.generators: dict[str, torch.Generator] = {}
+        self.device = self.kv.device
+        self.triton = model.attention_backend == "triton"
+        self.graphs = None
+        self._sms = 4  # the interpreter on CPU: a few programs are as good as many
+        if self.triton and self.device.type == "cuda":
+            self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if cfg.cuda_graphs:
+                from baton.engine.cuda_graphs import DecodeGraphs
+
+                self.graphs = DecodeGraphs(model, self.kv, cfg.max_num_seqs,
+                                           max_model_len or mc.max_position, cfg.block_size)
 
     @staticmethod
     def block_nbytes(model_cfg, cfg: EngineConfig) -> int:
@@ -89,20 +101,49 @@ class ModelRunner:
                 samplers.append(req)
             row += n
 
-        meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks),
-            slot_offsets=torch.tensor(positions) % bs,
-            prefills=prefills,
-        )
-        if dec_rows:
-            width = max(len(t) for t in dec_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
-            meta.decode_context_lens = torch.tensor(dec_lens)
-            meta.decode_rows = None if not prefills else torch.tensor(dec_rows)
-        logits = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta, self.kv,
-                                    torch.tensor(logits_rows, dtype=torch.long))
+        if self.graphs is not None and not prefills and self.graphs.batch_size_for(len(ids)):
+            logits = self.graphs.run(ids, positions, slot_blocks, dec_tables, dec_lens)
+        else:
+            logits = self._forward(ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens,
+                                   prefills, logits_rows)
         if not samplers:
             return {}
+        if logits.device.type != "cpu" and not all(
+                r.params.greedy and r.params.logprobs is None for r in samplers):
+            logits = logits.cpu()  # seeded sampling draws from CPU generators
         tokens, logprobs = sample(logits, [r.params for r in samplers],
                                   [self.generators[r.request_id] for r in samplers])
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}
+
+    def _forward(self, ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens, prefills,
+                 logits_rows) -> torch.Tensor:
+        """One eager forward pass: the batch's host lists as tensors on the KV cache's device."""
+        dev, bs = self.device, self.cfg.block_size
+
+        def put(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(slot_blocks=put(slot_blocks),
+                                 slot_offsets=put([p % bs for p in positions]), prefills=prefills)
+        table_dtype = torch.int32 if self.triton else torch.long
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            meta.decode_block_tables = put([t + [0] * (width - len(t)) for t in dec_tables],
+                                           table_dtype)
+            meta.decode_context_lens = put(dec_lens, table_dtype)
+            meta.decode_rows = None if not prefills else put(dec_rows)
+            if self.triton:
+                from baton.kernels.triton_attention import decode_splits
+
+                meta.decode_splits = decode_splits(len(dec_rows), self.model.cfg.num_kv_heads,
+                                                   max(dec_lens), self._sms)
+        if prefills and self.triton:
+            width = max(len(p.block_table) for p in prefills)
+            meta.prefill_block_tables = put(
+                [p.block_table.tolist() + [0] * (width - len(p.block_table)) for p in prefills],
+                torch.int32)
+            meta.prefill_starts = put([p.start for p in prefills], torch.int32)
+            meta.prefill_lens = put([p.n for p in prefills], torch.int32)
+            meta.prefill_past = put([p.num_past for p in prefills], torch.int32)
+            meta.max_prefill_len = max(p.n for p in prefills)
+        return self.model.forward(put(ids), put(positions), meta, self.kv, put(logits_rows))

