@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import functools
-import itertools
 import json
 import os
 import statistics
@@ -349,17 +348,37 @@ def bench_model(ceil: dict, batches: list[int], prefills: list[int], ctx: int) -
     return out
 
 
-def bench_attention(ceil: dict, contexts: list[int], batches: list[int]) -> list[dict]:
+def graph_time(fn, inner: int = 20, reps: int = 20) -> float:
+    """Seconds per call of ``fn(i)`` for i in 0..inner-1, captured in one CUDA graph and replayed
+    (as the engine runs decode): the launch cost of a short kernel is not in the figure."""
+    for i in range(inner):  # compiles, and warms the allocator outside the capture
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(inner):
+            fn(i)
+    return cuda_time(g.replay, reps, warmup=3) / inner
+
+
+# launcher settings tried by --sweep-attention: (BLOCK_N, num_warps, num_stages, waves)
+SWEEP = [(bn, w, st, wv) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)
+         for wv in (1, 2, 4, 8)]
+
+
+def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
+                    sweep: bool = False) -> list[dict]:
     from baton.kernels import triton_attention as tri
 
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = tri.DECODE_LAUNCH
     rows = []
     for ctx in contexts:
         for b in batches:
             nbl = -(-ctx // bs)
             kv_bytes = b * ctx * hkv * d * 2 * 2
-            sets = max(1, min(8, (256 << 20) // kv_bytes))  # rotate past L2 for small cases
+            sets = max(1, min(8, (512 << 20) // kv_bytes))  # rotate past L2 for small cases
             kv = torch.empty((sets * b * nbl, 1, 2, bs, hkv, d), dtype=dtype,
                              device="cuda").normal_()
             perm = torch.randperm(sets * b * nbl, device="cuda").to(torch.int32)
@@ -367,41 +386,55 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int]) -> list
             ctxs = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
             q = torch.randn((b, hq, d), dtype=dtype, device="cuda")
             out = torch.empty_like(q)
-            splits = tri.decode_splits(b, hkv, ctx, sms)
-            calls = itertools.count()
 
-            def run(it=calls, sets=sets, q=q, kv=kv, tables=tables, ctxs=ctxs,
-                    splits=splits, out=out):
-                tri.decode_attention(q, kv, 0, tables[next(it) % sets], ctxs, d**-0.5, splits,
-                                     out=out)
+            def run(i, cfg, q=q, kv=kv, tables=tables, ctxs=ctxs, out=out, sets=sets, b=b,
+                    ctx=ctx):
+                bn, w, st, wv = cfg
+                splits = tri.decode_splits(b, hkv, ctx, sms, block_n=bn, waves=wv)
+                tri.decode_attention(q, kv, 0, tables[i % sets], ctxs, d**-0.5, splits,
+                                     out=out, block_n=bn, num_warps=w, num_stages=st)
 
-            t = cuda_time(run, 50, warmup=5)
+            inner = 20 if kv_bytes < (64 << 20) else 4
+            tried = {}
+            for cfg in (SWEEP if sweep else [default]):
+                tried[cfg] = graph_time(functools.partial(run, cfg=cfg), inner=inner)
+            t = tried[default] if default in tried else min(tried.values())
             # the same keys/values laid out contiguously for SDPA: [B, Hkv, ctx, D]
             k = torch.randn((b, hkv, ctx, d), dtype=dtype, device="cuda")
             v = torch.randn_like(k)
             q4 = q.unsqueeze(2)
             try:
-                t_sdpa = cuda_time(functools.partial(
-                    F.scaled_dot_product_attention, q4, k, v, scale=d**-0.5, enable_gqa=True),
-                    50, warmup=5)
+                t_sdpa = graph_time(lambda i, q4=q4, k=k, v=v: F.scaled_dot_product_attention(
+                    q4, k, v, scale=d**-0.5, enable_gqa=True))
                 how = "enable_gqa"
             except RuntimeError:  # a torch without GQA in SDPA: the heads expanded
                 ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-                t_sdpa = cuda_time(functools.partial(
-                    F.scaled_dot_product_attention, q4, ke, ve, scale=d**-0.5), 50, warmup=5)
+                t_sdpa = graph_time(lambda i, q4=q4, ke=ke, ve=ve: F.scaled_dot_product_attention(
+                    q4, ke, ve, scale=d**-0.5))
                 how = "expanded heads"
             # correctness on this very data: the kernel against SDPA over the gathered cache
-            tri.decode_attention(q, kv, 0, tables[0], ctxs, d**-0.5, splits, out=out)
+            run(0, default)
             kk = kv[tables[0].long(), 0, 0].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
             vv = kv[tables[0].long(), 0, 1].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
             want = F.scaled_dot_product_attention(q4.float(), kk.float(), vv.float(),
                                                   scale=d**-0.5, enable_gqa=True).squeeze(2)
-            rows.append({"context": ctx, "batch": b, "splits": splits, "us": t * 1e6,
-                         "kv_bytes": kv_bytes, "bandwidth_util": kv_bytes / t / ceil[
-                             "copy_bytes_per_s"], "sdpa_us": t_sdpa * 1e6, "sdpa_mode": how,
-                         "speedup_vs_sdpa": t_sdpa / t, "rel_err": rel_err(out.float(), want)})
+            bw = ceil["copy_bytes_per_s"]
+            row = {"context": ctx, "batch": b, "launch": list(default),
+                   "splits": tri.decode_splits(b, hkv, ctx, sms, block_n=default[0],
+                                               waves=default[3]),
+                   "us": t * 1e6, "kv_bytes": kv_bytes, "bandwidth_util": kv_bytes / t / bw,
+                   "sdpa_us": t_sdpa * 1e6, "sdpa_mode": how, "speedup_vs_sdpa": t_sdpa / t,
+                   "sdpa_bandwidth_util": kv_bytes / t_sdpa / bw,
+                   "rel_err": rel_err(out.float(), want)}
+            if sweep:
+                best = min(tried, key=tried.get)
+                row["sweep_best"] = {"launch": list(best), "us": tried[best] * 1e6,
+                                     "bandwidth_util": kv_bytes / tried[best] / bw}
+                row["sweep"] = {",".join(map(str, c)): round(x * 1e6, 2) for c, x in tried.items()}
+            rows.append(row)
             log(f"attention ctx {ctx} batch {b}: {t * 1e6:.1f} us "
-                f"({rows[-1]['bandwidth_util']:.1%}), SDPA {t_sdpa * 1e6:.1f} us")
+                f"({row['bandwidth_util']:.1%}), SDPA {t_sdpa * 1e6:.1f} us"
+                + (f", sweep best {row['sweep_best']}" if sweep else ""))
             kv = k = v = kk = vv = None
             torch.cuda.empty_cache()
     return rows
@@ -420,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefills", default="512,2048,8192")
     ap.add_argument("--contexts", default="1024,8192,32768")
     ap.add_argument("--attention-batches", default="1,8,32")
+    ap.add_argument("--sweep-attention", action="store_true",
+                    help="time the decode kernel under every launch setting in SWEEP too")
+    ap.add_argument("--into", default=None,
+                    help="a results JSON of an earlier run on the same device to add this run's "
+                         "parts to (the combined file is written anew)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels, smollm2, "
                                                "model, attention")
     a = ap.parse_args(argv)
@@ -429,8 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, a.skip.split(",")))
     torch.backends.cuda.matmul.allow_tf32 = False
     res = {"device": device_info(), "started": dt.datetime.now(dt.UTC).isoformat()}
+    if a.into:
+        earlier = json.loads(Path(a.into).read_text())
+        if earlier["device"].get("gpu") != res["device"].get("gpu"):
+            print(f"--into: {a.into} was measured on {earlier['device'].get('gpu')}",
+                  file=sys.stderr)
+            return 2
+        res = {**earlier, "added": res["started"]}  # its ceilings stay: its figures use them
     log(f"device: {res['device']}")
-    res["ceilings"] = ceilings()
+    if "ceilings" not in res:
+        res["ceilings"] = ceilings()
     log(f"ceilings: copy {res['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
         f"{res['ceilings']['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s")
     if "kernels" not in skip:
@@ -442,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
         log(f"smollm2: {({k: v for k, v in res['smollm2'].items() if 'tokens' not in k})}")
     if "attention" not in skip:
         res["attention"] = bench_attention(res["ceilings"], [int(x) for x in a.contexts.split(",")],
-                                           [int(x) for x in a.attention_batches.split(",")])
+                                           [int(x) for x in a.attention_batches.split(",")],
+                                           a.sweep_attention)
     if "model" not in skip:
         res["model"] = bench_model(res["ceilings"], [int(x) for x in a.batches.split(",")],
                                    [int(x) for x in a.prefills.split(",")], 1024)

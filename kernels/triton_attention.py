@@ -121,7 +121,10 @@ def _decode_kernel(
         valid = offs_n < end
         blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
-        kvmask = valid[:, None] & dmask[None, :]
+        if HEAD_DIM == D_PAD:  # a row mask only: the loads stay 16 bytes wide along D
+            kvmask = tl.broadcast_to(valid[:, None], (BLOCK_N, D_PAD))
+        else:
+            kvmask = valid[:, None] & dmask[None, :]
         k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
         v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK_N]
@@ -172,17 +175,25 @@ def _reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
+# (BLOCK_N, num_warps, num_stages, waves): the decode kernel's launch settings, from
+# bench/gpu.py --sweep-attention on an H100 (Llama-3-8B heads, bf16)
+DECODE_LAUNCH = (64, 4, 3, 2)
+
+
 def decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
-                  block_n: int = 64) -> int:
+                  block_n: int | None = None, waves: int | None = None) -> int:
     """How many pieces to split each sequence's context into so that ``batch * num_kv_heads *
-    splits`` programs fill the device about twice over, without a piece shorter than one tile."""
-    want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    splits`` programs fill the device ``waves`` times over, without a piece shorter than one
+    tile."""
+    block_n = block_n or DECODE_LAUNCH[0]
+    want = triton.cdiv((waves or DECODE_LAUNCH[3]) * num_sms, max(1, batch * num_kv_heads))
     return max(1, min(want, triton.cdiv(max(1, max_context), block_n), 64))
 
 
 def decode_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
 ) -> torch.Tensor:
     """Paged decode attention. q: [B, Hq, D]; block_tables: [B, max_blocks] (int32/int64,
     entries past a sequence's blocks may be anything valid); context_lens: [B] (keys per sequence
@@ -214,8 +225,9 @@ def decode_attention(
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
-        BLOCK_SIZE=bs, BLOCK_N=64, DIRECT=direct, PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=3,
+        BLOCK_SIZE=bs, BLOCK_N=block_n or DECODE_LAUNCH[0], DIRECT=direct,
+        PRECISION=_dot_precision(q.dtype), num_warps=num_warps or DECODE_LAUNCH[1],
+        num_stages=num_stages or DECODE_LAUNCH[2],
     )
     if not direct:
         _reduce_kernel[(b, hq)](
@@ -268,7 +280,10 @@ def _prefill_kernel(
             valid = offs_n < last
             blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
-            kvmask = valid[:, None] & dmask[None, :]
+            if HEAD_DIM == D_PAD:
+                kvmask = tl.broadcast_to(valid[:, None], (BLOCK_N, D_PAD))
+            else:
+                kvmask = valid[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
             v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
             sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
