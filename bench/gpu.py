@@ -378,7 +378,7 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
         for b in batches:
             nbl = -(-ctx // bs)
             kv_bytes = b * ctx * hkv * d * 2 * 2
-            sets = max(1, min(8, (512 << 20) // kv_bytes))  # rotate past L2 for small cases
+            sets = max(1, min(64, (512 << 20) // kv_bytes))  # rotate past L2 (50 MB)
             kv = torch.empty((sets * b * nbl, 1, 2, bs, hkv, d), dtype=dtype,
                              device="cuda").normal_()
             perm = torch.randperm(sets * b * nbl, device="cuda").to(torch.int32)
@@ -399,19 +399,22 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
             for cfg in (SWEEP if sweep else [default]):
                 tried[cfg] = graph_time(functools.partial(run, cfg=cfg), inner=inner)
             t = tried[default] if default in tried else min(tried.values())
-            # the same keys/values laid out contiguously for SDPA: [B, Hkv, ctx, D]
-            k = torch.randn((b, hkv, ctx, d), dtype=dtype, device="cuda")
+            # the same amount of keys/values laid out contiguously for SDPA, [B, Hkv, ctx, D],
+            # rotated over as many sets as the kernel's
+            k = torch.randn((sets, b, hkv, ctx, d), dtype=dtype, device="cuda")
             v = torch.randn_like(k)
             q4 = q.unsqueeze(2)
             try:
-                t_sdpa = graph_time(lambda i, q4=q4, k=k, v=v: F.scaled_dot_product_attention(
-                    q4, k, v, scale=d**-0.5, enable_gqa=True))
+                t_sdpa = graph_time(lambda i, q4=q4, k=k, v=v, n=sets: (
+                    F.scaled_dot_product_attention(q4, k[i % n], v[i % n], scale=d**-0.5,
+                                                   enable_gqa=True)), inner=inner)
                 how = "enable_gqa"
             except RuntimeError:  # a torch without GQA in SDPA: the heads expanded
-                ke, ve = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-                t_sdpa = graph_time(lambda i, q4=q4, ke=ke, ve=ve: F.scaled_dot_product_attention(
-                    q4, ke, ve, scale=d**-0.5))
-                how = "expanded heads"
+                t_sdpa = graph_time(lambda i, q4=q4, k=k, v=v, n=sets, g=hq // hkv: (
+                    F.scaled_dot_product_attention(q4, k[i % n].repeat_interleave(g, 1),
+                                                   v[i % n].repeat_interleave(g, 1),
+                                                   scale=d**-0.5)), inner=inner)
+                how = "expanded heads (the expansion timed too)"
             # correctness on this very data: the kernel against SDPA over the gathered cache
             run(0, default)
             kk = kv[tables[0].long(), 0, 0].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
@@ -437,6 +440,67 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
                 + (f", sweep best {row['sweep_best']}" if sweep else ""))
             kv = k = v = kk = vv = None
             torch.cuda.empty_cache()
+    return rows
+
+
+# prefill kernel settings tried by --sweep-attention: (BLOCK_M, BLOCK_N, num_warps, num_stages)
+PREFILL_SWEEP = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8)
+                 for st in (2, 3, 4)]
+
+
+def bench_prefill_attention(ceil: dict, lengths: list[int], sweep: bool = False) -> list[dict]:
+    """The paged prefill kernel alone: one sequence of n new tokens (nothing cached before), FLOP
+    utilisation of its causal attention, against SDPA's causal attention on contiguous data."""
+    from baton.kernels import triton_attention as tri
+
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    rows = []
+    for n in lengths:
+        nbl = -(-n // bs)
+        kv = torch.empty((nbl + 8, 1, 2, bs, hkv, d), dtype=dtype, device="cuda").normal_()
+        table = torch.randperm(nbl + 8, device="cuda")[:nbl].to(torch.int32)[None, :]
+        q = torch.randn((n, hq, d), dtype=dtype, device="cuda")
+        out = torch.empty_like(q)
+        z = torch.zeros(1, dtype=torch.int32, device="cuda")
+        lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+        flops = 4 * d * hq * n * (n + 1) / 2
+
+        def run(launch, q=q, kv=kv, table=table, lens=lens, out=out, n=n, z=z):
+            tri.prefill_attention(q, kv, 0, table, z, lens, z, n, d**-0.5, out=out,
+                                  launch=launch)
+
+        tried = {}
+        for cfg in (PREFILL_SWEEP if sweep else [tri.PREFILL_LAUNCH]):
+            try:
+                tried[cfg] = cuda_time(functools.partial(run, cfg), 10, warmup=2)
+            except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory)
+                log(f"prefill {n} {cfg}: {type(e).__name__}")
+        default = tri.PREFILL_LAUNCH
+        t = tried.get(default, min(tried.values()))
+        k = kv[table[0].long(), 0, 0].reshape(nbl * bs, hkv, d)[:n].transpose(0, 1)[None]
+        v = kv[table[0].long(), 0, 1].reshape(nbl * bs, hkv, d)[:n].transpose(0, 1)[None]
+        k, v = k.contiguous(), v.contiguous()
+        q4 = q.transpose(0, 1)[None].contiguous()
+        t_sdpa = cuda_time(lambda q4=q4, k=k, v=v: F.scaled_dot_product_attention(
+            q4, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True), 10, warmup=2)
+        run(default)
+        want = F.scaled_dot_product_attention(q4.float(), k.float(), v.float(), is_causal=True,
+                                              scale=d**-0.5, enable_gqa=True)[0].transpose(0, 1)
+        mm = ceil["matmul_bf16_flops"]
+        row = {"tokens": n, "launch": list(default), "ms": t * 1e3, "flops": flops,
+               "flop_util": flops / t / mm, "sdpa_ms": t_sdpa * 1e3,
+               "sdpa_flop_util": flops / t_sdpa / mm, "speedup_vs_sdpa": t_sdpa / t,
+               "rel_err": rel_err(out.float(), want)}
+        if sweep:
+            best = min(tried, key=tried.get)
+            row["sweep_best"] = {"launch": list(best), "ms": tried[best] * 1e3,
+                                 "flop_util": flops / tried[best] / mm}
+            row["sweep"] = {",".join(map(str, c)): round(x * 1e3, 3) for c, x in tried.items()}
+        rows.append(row)
+        log(f"prefill attention {n}: {t * 1e3:.2f} ms ({row['flop_util']:.1%}), SDPA "
+            f"{t_sdpa * 1e3:.2f} ms" + (f", sweep best {row['sweep_best']}" if sweep else ""))
+        kv = k = v = None
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -490,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         res["attention"] = bench_attention(res["ceilings"], [int(x) for x in a.contexts.split(",")],
                                            [int(x) for x in a.attention_batches.split(",")],
                                            a.sweep_attention)
+    if "attention" not in skip:
+        res["prefill_attention"] = bench_prefill_attention(
+            res["ceilings"], [int(x) for x in a.prefills.split(",")], a.sweep_attention)
     if "model" not in skip:
         res["model"] = bench_model(res["ceilings"], [int(x) for x in a.batches.split(",")],
                                    [int(x) for x in a.prefills.split(",")], 1024)
@@ -520,6 +587,10 @@ def print_table(res: dict) -> None:
     for r in res.get("model", {}).get("prefill", []):
         print(f"prefill {r['tokens']:5d} tokens: {r['ms']:8.2f} ms {r['flop_util']:6.1%} of "
               f"matmul rate (GEMMs {r['gemm_ms_per_layer']:.3f} ms/layer)")
+    for r in res.get("prefill_attention", []):
+        print(f"pattn   {r['tokens']:5d} tokens: {r['ms']:8.3f} ms {r['flop_util']:6.1%} of "
+              f"matmul rate, SDPA {r['sdpa_ms']:.3f} ms (x{r['speedup_vs_sdpa']:.2f}), "
+              f"err {r['rel_err']:.1e}")
     for r in res.get("attention", []):
         print(f"attn    ctx {r['context']:6d} batch {r['batch']:3d}: {r['us']:8.1f} us "
               f"{r['bandwidth_util']:6.1%} of copy bw, SDPA {r['sdpa_us']:8.1f} us "

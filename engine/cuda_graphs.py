@@ -13,6 +13,7 @@ are fixed per batch size (from ``max_model_len``), and every sequence splits its
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from baton.engine.model import AttentionMetadata, LlamaModel
 from baton.kernels.triton_attention import decode_splits
@@ -81,10 +82,10 @@ class DecodeGraphs:
         self.slot_blocks[:b].copy_(torch.tensor(slot_blocks + [-1] * pad), non_blocking=True)
         self.slot_offsets[:b].copy_(torch.tensor([p % self.block_size for p in positions]
                                                  + [0] * pad), non_blocking=True)
-        rows = torch.zeros((b, self.width), dtype=torch.int32)
+        rows = np.zeros((b, self.width), dtype=np.int32)
         for i, t in enumerate(tables):
-            rows[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.tables[:b].copy_(rows, non_blocking=True)
+            rows[i, : len(t)] = t
+        self.tables[:b].copy_(torch.from_numpy(rows), non_blocking=True)
         self.ctx[:b].copy_(torch.tensor(context_lens + [0] * pad, dtype=torch.int32),
                            non_blocking=True)
         self.graphs[b].replay()

@@ -177,7 +177,7 @@ def _reduce_kernel(
 
 # (BLOCK_N, num_warps, num_stages, waves): the decode kernel's launch settings, from
 # bench/gpu.py --sweep-attention on an H100 (Llama-3-8B heads, bf16)
-DECODE_LAUNCH = (64, 4, 3, 2)
+DECODE_LAUNCH = (32, 4, 2, 4)
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
@@ -243,6 +243,36 @@ def decode_attention(
 
 
 @triton.jit
+def _prefill_tile(
+    acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, kvh,
+    stride_cb, stride_ct, stride_ch,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One tile of keys [n0, n0 + BLOCK_N) into the running softmax (base 2: q carries log2 e).
+    MASKED: the causal edge and the tail past ``last``; otherwise every key is visible."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    valid = offs_n < last
+    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+    if HEAD_DIM == D_PAD:
+        kvmask = tl.broadcast_to(valid[:, None], (BLOCK_N, D_PAD))
+    else:
+        kvmask = valid[:, None] & dmask[None, :]
+    k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        sc = tl.where((offs_n[None, :] <= pos[:, None]) & valid[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, qlen_ptr, past_ptr, out_ptr, scale,
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ot, stride_oh,
@@ -251,8 +281,10 @@ def _prefill_kernel(
 ):
     """Program (query tile, sequence, query head). Query i of a sequence sits at position
     ``num_past + i`` and sees keys ``0 .. num_past + i``, all read from the paged cache (the new
-    keys were stored before the call). Keys wholly before the tile's first query need no mask."""
-    tile = tl.program_id(0)
+    keys were stored before the call). Keys wholly before the tile's first query take a loop
+    without masks; the causal edge a second, masked one. The last tiles (the most keys) start
+    first."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     s = tl.program_id(1)
     h = tl.program_id(2)
     q_len = tl.load(qlen_ptr + s)
@@ -266,7 +298,7 @@ def _prefill_kernel(
         dmask = offs_d < HEAD_DIM
         qp = q_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh
         q = tl.load(qp + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
-        q = (q.to(tl.float32) * scale).to(q.dtype)
+        q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(q.dtype)
         pos = past + offs_m  # each query's position
         last = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # keys [0, last) matter to the tile
         full = (past + tile * BLOCK_M) // BLOCK_N * BLOCK_N  # keys [0, full) visible to all rows
@@ -275,37 +307,32 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         bt_row = bt_ptr + s * stride_btb
-        for n0 in range(0, last, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            valid = offs_n < last
-            blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
-            if HEAD_DIM == D_PAD:
-                kvmask = tl.broadcast_to(valid[:, None], (BLOCK_N, D_PAD))
-            else:
-                kvmask = valid[:, None] & dmask[None, :]
-            k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-            v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            if n0 + BLOCK_N > full:  # the causal edge (and the tail past ``last``)
-                sc = tl.where((offs_n[None, :] <= pos[:, None]) & valid[None, :], sc,
-                              float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        for n0 in range(0, full, BLOCK_N):
+            acc, l_i, m_i = _prefill_tile(
+                acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, kvh,
+                stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False,
+                PRECISION)
+        for n0 in range(full, last, BLOCK_N):
+            acc, l_i, m_i = _prefill_tile(
+                acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, kvh,
+                stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
+                PRECISION)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         op = out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh
         tl.store(op + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=mmask[:, None] & dmask[None, :])
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for 16-bit dtypes (float32
+# takes BLOCK_M 32), from bench/gpu.py --sweep-attention on an H100
+PREFILL_LAUNCH = (64, 64, 4, 3)
+
+
 def prefill_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
     q_starts: torch.Tensor, q_lens: torch.Tensor, num_past: torch.Tensor, max_q_len: int,
     scale: float, out: torch.Tensor | None = None,
+    launch: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of several sequences' new query chunks over their cached and new keys.
 
@@ -326,13 +353,15 @@ def prefill_attention(
         return out
     kc, vc = kv[:, layer, 0], kv[:, layer, 1]
     d_pad = triton.next_power_of_2(d)
-    block_m = 64 if q.dtype != torch.float32 else 32
+    block_m, block_n, warps, stages = launch or PREFILL_LAUNCH
+    if q.dtype == torch.float32:  # float32 tiles take twice the registers
+        block_m, block_n = min(block_m, 32), min(block_n, 64)
     grid = (triton.cdiv(max_q_len, block_m), n, hq)
     _prefill_kernel[grid](
         q, kc, vc, block_tables, q_starts, q_lens, num_past, out, scale,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_M=block_m, BLOCK_N=64,
-        PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=3,
+        GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_M=block_m,
+        BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     return out

@@ -7,6 +7,7 @@ mask is the one the GPU runs. Tests marked ``gpu`` run the same comparisons on C
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -194,7 +195,10 @@ def test_silu_mul_matches_reference(device):
 
 
 def test_decode_splits_fill_the_device_without_empty_tiles():
-    assert tri.decode_splits(1, 8, 1024, 132) == 16  # capped by 1024 / 64 tiles
-    assert tri.decode_splits(1, 8, 32768, 132) == 33
-    assert tri.decode_splits(128, 8, 1024, 132) == 1
-    assert tri.decode_splits(4, 3, 10, 132) == 1
+    split = functools.partial(tri.decode_splits, block_n=64, waves=2)
+    assert split(1, 8, 1024, 132) == 16  # capped by 1024 / 64 tiles
+    assert split(1, 8, 32768, 132) == 33  # 2 x 132 programs
+    assert split(1, 1, 1 << 20, 132) == 64  # at most 64 pieces to merge
+    assert split(128, 8, 1024, 132) == 1
+    assert split(4, 3, 10, 132) == 1
+    assert tri.decode_splits(1, 8, 32768, 132, block_n=32, waves=4) == 64  # 66 wanted, capped
