@@ -372,7 +372,7 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
 
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default = tri.DECODE_LAUNCH
+    default = "rule"  # the launcher's own choice (decode_splits without settings)
     rows = []
     for ctx in contexts:
         for b in batches:
@@ -389,6 +389,10 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
 
             def run(i, cfg, q=q, kv=kv, tables=tables, ctxs=ctxs, out=out, sets=sets, b=b,
                     ctx=ctx):
+                if cfg == "rule":
+                    tri.decode_attention(q, kv, 0, tables[i % sets], ctxs, d**-0.5,
+                                         tri.decode_splits(b, hkv, ctx, sms), out=out)
+                    return
                 bn, w, st, wv = cfg
                 splits = tri.decode_splits(b, hkv, ctx, sms, block_n=bn, waves=wv)
                 tri.decode_attention(q, kv, 0, tables[i % sets], ctxs, d**-0.5, splits,
@@ -396,7 +400,7 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
 
             inner = 20 if kv_bytes < (64 << 20) else 4
             tried = {}
-            for cfg in (SWEEP if sweep else [default]):
+            for cfg in ([default] + SWEEP if sweep else [default]):
                 tried[cfg] = graph_time(functools.partial(run, cfg=cfg), inner=inner)
             t = tried[default] if default in tried else min(tried.values())
             # the same amount of keys/values laid out contiguously for SDPA, [B, Hkv, ctx, D],
@@ -422,18 +426,20 @@ def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
             want = F.scaled_dot_product_attention(q4.float(), kk.float(), vv.float(),
                                                   scale=d**-0.5, enable_gqa=True).squeeze(2)
             bw = ceil["copy_bytes_per_s"]
-            row = {"context": ctx, "batch": b, "launch": list(default),
-                   "splits": tri.decode_splits(b, hkv, ctx, sms, block_n=default[0],
-                                               waves=default[3]),
+            splits = tri.decode_splits(b, hkv, ctx, sms)
+            row = {"context": ctx, "batch": b, "splits": splits,
+                   "launch": list(tri.DECODE_WHOLE_LAUNCH if splits == 1
+                                  else tri.DECODE_SPLIT_LAUNCH),
                    "us": t * 1e6, "kv_bytes": kv_bytes, "bandwidth_util": kv_bytes / t / bw,
                    "sdpa_us": t_sdpa * 1e6, "sdpa_mode": how, "speedup_vs_sdpa": t_sdpa / t,
                    "sdpa_bandwidth_util": kv_bytes / t_sdpa / bw,
                    "rel_err": rel_err(out.float(), want)}
             if sweep:
                 best = min(tried, key=tried.get)
-                row["sweep_best"] = {"launch": list(best), "us": tried[best] * 1e6,
+                row["sweep_best"] = {"launch": best, "us": tried[best] * 1e6,
                                      "bandwidth_util": kv_bytes / tried[best] / bw}
-                row["sweep"] = {",".join(map(str, c)): round(x * 1e6, 2) for c, x in tried.items()}
+                row["sweep"] = {c if isinstance(c, str) else ",".join(map(str, c)):
+                                round(x * 1e6, 2) for c, x in tried.items()}
             rows.append(row)
             log(f"attention ctx {ctx} batch {b}: {t * 1e6:.1f} us "
                 f"({row['bandwidth_util']:.1%}), SDPA {t_sdpa * 1e6:.1f} us"

@@ -175,18 +175,26 @@ def _reduce_kernel(
              mask=offs_d < HEAD_DIM)
 
 
-# (BLOCK_N, num_warps, num_stages, waves): the decode kernel's launch settings, from
-# bench/gpu.py --sweep-attention on an H100 (Llama-3-8B heads, bf16)
-DECODE_LAUNCH = (32, 4, 2, 4)
+# The decode kernel's launch settings, (BLOCK_N, num_warps, num_stages, waves), from bench/gpu.py
+# --sweep-attention on an H100 (Llama-3-8B heads, bf16). A batch with fewer (sequence, KV head)
+# programs than the device has multiprocessors splits each context so that ``waves`` times as
+# many programs run, over short tiles; a larger batch runs one program per (sequence, KV head)
+# over long tiles, and needs no merge.
+DECODE_SPLIT_LAUNCH = (32, 4, 2, 4)
+DECODE_WHOLE_LAUNCH = (128, 4, 3, 1)
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
                   block_n: int | None = None, waves: int | None = None) -> int:
     """How many pieces to split each sequence's context into so that ``batch * num_kv_heads *
     splits`` programs fill the device ``waves`` times over, without a piece shorter than one
-    tile."""
-    block_n = block_n or DECODE_LAUNCH[0]
-    want = triton.cdiv((waves or DECODE_LAUNCH[3]) * num_sms, max(1, batch * num_kv_heads))
+    tile and with at most 64 pieces to merge. Without ``waves``, the rule above."""
+    if waves is None:
+        if batch * num_kv_heads >= num_sms:
+            return 1
+        block_n, waves = block_n or DECODE_SPLIT_LAUNCH[0], DECODE_SPLIT_LAUNCH[3]
+    block_n = block_n or DECODE_SPLIT_LAUNCH[0]
+    want = triton.cdiv(waves * num_sms, max(1, batch * num_kv_heads))
     return max(1, min(want, triton.cdiv(max(1, max_context), block_n), 64))
 
 
@@ -215,6 +223,7 @@ def decode_attention(
     kc, vc = kv[:, layer, 0], kv[:, layer, 1]
     d_pad = triton.next_power_of_2(d)
     direct = num_splits == 1
+    launch = DECODE_WHOLE_LAUNCH if direct else DECODE_SPLIT_LAUNCH
     if direct:
         pacc = pml = out  # unused
     else:
@@ -225,9 +234,9 @@ def decode_attention(
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
-        BLOCK_SIZE=bs, BLOCK_N=block_n or DECODE_LAUNCH[0], DIRECT=direct,
-        PRECISION=_dot_precision(q.dtype), num_warps=num_warps or DECODE_LAUNCH[1],
-        num_stages=num_stages or DECODE_LAUNCH[2],
+        BLOCK_SIZE=bs, BLOCK_N=block_n or launch[0], DIRECT=direct,
+        PRECISION=_dot_precision(q.dtype), num_warps=num_warps or launch[1],
+        num_stages=num_stages or launch[2],
     )
     if not direct:
         _reduce_kernel[(b, hq)](
@@ -323,9 +332,11 @@ def _prefill_kernel(
                  mask=mmask[:, None] & dmask[None, :])
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for 16-bit dtypes (float32
-# takes BLOCK_M 32), from bench/gpu.py --sweep-attention on an H100
-PREFILL_LAUNCH = (64, 64, 4, 3)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for 16-bit dtypes, from
+# bench/gpu.py --sweep-attention on an H100 (Llama-3-8B heads, 2k and 8k tokens); float32 tiles
+# take four times the shared memory of these (PREFILL_LAUNCH_F32)
+PREFILL_LAUNCH = (128, 128, 8, 3)
+PREFILL_LAUNCH_F32 = (32, 64, 4, 2)
 
 
 def prefill_attention(
@@ -353,9 +364,8 @@ def prefill_attention(
         return out
     kc, vc = kv[:, layer, 0], kv[:, layer, 1]
     d_pad = triton.next_power_of_2(d)
-    block_m, block_n, warps, stages = launch or PREFILL_LAUNCH
-    if q.dtype == torch.float32:  # float32 tiles take twice the registers
-        block_m, block_n = min(block_m, 32), min(block_n, 64)
+    default = PREFILL_LAUNCH_F32 if q.dtype == torch.float32 else PREFILL_LAUNCH
+    block_m, block_n, warps, stages = launch or default
     grid = (triton.cdiv(max_q_len, block_m), n, hq)
     _prefill_kernel[grid](
         q, kc, vc, block_tables, q_starts, q_lens, num_past, out, scale,

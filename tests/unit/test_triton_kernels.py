@@ -202,3 +202,7 @@ def test_decode_splits_fill_the_device_without_empty_tiles():
     assert split(128, 8, 1024, 132) == 1
     assert split(4, 3, 10, 132) == 1
     assert tri.decode_splits(1, 8, 32768, 132, block_n=32, waves=4) == 64  # 66 wanted, capped
+    # the launcher's own rule: a batch with a program per multiprocessor is not split
+    assert tri.decode_splits(32, 8, 32768, 132) == 1
+    assert tri.decode_splits(8, 8, 8192, 132) == tri.decode_splits(
+        8, 8, 8192, 132, *tri.DECODE_SPLIT_LAUNCH[::3]) > 1
