@@ -37,7 +37,8 @@ class ModelRunner:
     """Owns the KV tensor and runs the model on scheduled batches.
 
     kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (block-major, see
-    docs/kv-layout.md): one block's keys and values for every layer form one contiguous region.
+    README.md, "KV layout"): one block's keys and values for every layer form one contiguous
+    region.
     """
 
     def __init__(self, model: LlamaModel, cfg: EngineConfig, num_blocks: int,

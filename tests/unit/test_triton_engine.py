@@ -64,3 +64,13 @@ def test_cuda_engine_matches_cpu_engine(tiny_engine, graphs):
     gpu = tiny_engine(device="cuda", cuda_graphs=graphs, max_num_seqs=8, **common)
     assert (gpu.runner.graphs is not None) == graphs
     assert run_all(gpu) == want
+
+
+def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
+    from baton.engine.cuda_graphs import graph_batch_sizes
+
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = graph_batch_sizes(64)
+    assert sizes[-1] == 64 and all(any(s >= n for s in sizes) for n in range(1, 65))
