@@ -104,6 +104,8 @@ class ModelRunner:
 
         if self.graphs is not None and not prefills and self.graphs.batch_size_for(len(ids)):
             logits = self.graphs.run(ids, positions, slot_blocks, dec_tables, dec_lens)
+            if len(logits_rows) != len(ids):  # a 1-token prompt chunk that is not the last
+                logits = logits[torch.tensor(logits_rows, device=logits.device)]
         else:
             logits = self._forward(ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens,
                                    prefills, logits_rows)
