@@ -85,17 +85,16 @@ def store_kv(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr, cnt_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
     scale, num_splits,
     stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, S_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (b, kv head, split): the GROUP query heads sharing one KV head, over one split of
     the sequence's keys. With DIRECT (one split) it writes the output; otherwise the partial
-    accumulator with its running max and sum, which the sequence's last split to finish merges
-    (FUSED_MERGE) or ``_reduce_kernel`` does."""
+    accumulator with its running max and sum, which ``_reduce_kernel`` merges."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -149,41 +148,6 @@ def _decode_kernel(
         tl.store(pacc_ptr + base[:, None] * D_PAD + offs_d[None, :], acc, mask=omask)
         tl.store(pml_ptr + base * 2, m_i, mask=gmask)
         tl.store(pml_ptr + base * 2 + 1, l_i, mask=gmask)
-        if FUSED_MERGE:
-            # the last of the sequence's splits to finish merges them all: every thread's
-            # stores are done (barrier) before the counter's release; the merging program's
-            # loads come after its acquire and bypass L1 (.cg), which may hold an older call's
-            tl.debug_barrier()
-            ctr = cnt_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(ctr, 1, sem="acq_rel") == num_splits - 1:
-                tl.debug_barrier()
-                for g in tl.static_range(GROUP):
-                    _merge_head(pacc_ptr, pml_ptr, out_ptr, b, kvh * GROUP + g, num_heads,
-                                num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, S_PAD)
-                tl.atomic_xchg(ctr, 0)  # ready for the next call (and graph replay)
-
-
-@triton.jit
-def _merge_head(
-    pacc_ptr, pml_ptr, out_ptr, b, h, num_heads, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
-):
-    """Merge the ``num_splits`` partial results of head ``h`` of sequence ``b`` by their maxima."""
-    offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, D_PAD)
-    smask = offs_s < num_splits
-    base = (b * num_heads + h) * num_splits + offs_s
-    m = tl.load(pml_ptr + base * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    l_s = tl.load(pml_ptr + base * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # an empty row (context 0): zeros out
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
-    acc = tl.load(pacc_ptr + base[:, None] * D_PAD + offs_d[None, :], mask=smask[:, None],
-                  other=0.0, cache_modifier=".cg")
-    denom = tl.sum(l_s * w, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -191,22 +155,24 @@ def _reduce_kernel(
     pacc_ptr, pml_ptr, out_ptr, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
 ):
-    _merge_head(pacc_ptr, pml_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
-                tl.num_programs(1), num_splits, stride_ob, stride_oh, HEAD_DIM, D_PAD, S_PAD)
-
-
-# Split-completion counters of the fused merge, one per (sequence, KV head), zero between calls;
-# allocated outside any CUDA-graph capture (the engine's first, eager step of each batch size)
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: run once eagerly before capturing a graph")
-        c = _COUNTERS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return c
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    smask = offs_s < num_splits
+    base = (b * num_heads + h) * num_splits + offs_s
+    m = tl.load(pml_ptr + base * 2, mask=smask, other=float("-inf"))
+    l_s = tl.load(pml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # an empty row (context 0): zeros out
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+    acc = tl.load(pacc_ptr + base[:, None] * D_PAD + offs_d[None, :], mask=smask[:, None],
+                  other=0.0)
+    denom = tl.sum(l_s * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 # The decode kernel's launch settings, (BLOCK_N, num_warps, num_stages, waves), from bench/gpu.py
@@ -215,9 +181,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 # many programs run, over short tiles; a larger batch runs one program per (sequence, KV head)
 # over long tiles, and needs no merge.
 DECODE_SPLIT_LAUNCH = (32, 4, 2, 4)
-# merge the splits in the decode kernel itself (its last program per sequence and KV head) rather
-# than in a second launch
-FUSED_MERGE = True
 DECODE_WHOLE_LAUNCH = (128, 4, 3, 1)
 
 
@@ -239,7 +202,6 @@ def decode_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Paged decode attention. q: [B, Hq, D]; block_tables: [B, max_blocks] (int32/int64,
     entries past a sequence's blocks may be anything valid); context_lens: [B] (keys per sequence
@@ -262,24 +224,21 @@ def decode_attention(
     d_pad = triton.next_power_of_2(d)
     direct = num_splits == 1
     launch = DECODE_WHOLE_LAUNCH if direct else DECODE_SPLIT_LAUNCH
-    fused = FUSED_MERGE if fused_merge is None else fused_merge
-    cnt = _counters(q.device, b * hkv) if fused and not direct else out
     if direct:
         pacc = pml = out  # unused
     else:
         pacc = torch.empty((b, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
         pml = torch.empty((b, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     _decode_kernel[(b, hkv, num_splits)](
-        q, kc, vc, block_tables, context_lens, out, pacc, pml, cnt, scale, num_splits,
+        q, kc, vc, block_tables, context_lens, out, pacc, pml, scale, num_splits,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
-        BLOCK_SIZE=bs, BLOCK_N=block_n or launch[0], DIRECT=direct, FUSED_MERGE=fused,
-        S_PAD=triton.next_power_of_2(num_splits),
+        BLOCK_SIZE=bs, BLOCK_N=block_n or launch[0], DIRECT=direct,
         PRECISION=_dot_precision(q.dtype), num_warps=num_warps or launch[1],
         num_stages=num_stages or launch[2],
     )
-    if not direct and not fused:
+    if not direct:
         _reduce_kernel[(b, hq)](
             pacc, pml, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=triton.next_power_of_2(num_splits), num_warps=4,
