@@ -13,17 +13,20 @@ Four measurements, each the median of a few repeats:
   the KV bytes.
 * **serving**: B concurrent streams through a router to the real decode worker, their time per
   token against the bare engine's decode step for the same batch (``serving_factor``), while
-  requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker,
-  KV hand-off, decode worker), their prefill calls against the bare engine's prompt
-  (``prefill_factor``).  A worker's steps share its core with its
-  gRPC streams, detokenizing and NIXL, and the machine with the router, the clients and the
-  other worker; the two medians scale every simulated step.  Without them the simulator was
-  ~10% optimistic per decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO
-  moved predicted goodputs by 30-50%.  (Measured with the prefill worker idle, the decode
-  factor came out ~4% lower: the router and clients had a core to themselves.)  A factor of
-  its own for the decode attention, fitted by least squares over the five points, came out
-  1.06-1.27 against 1.01-1.16 for the rest of the step in four profiles, with no consistent
-  difference and no better predictions: one factor it is.
+  requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker, KV
+  hand-off, decode worker), sent by two clients so the prefill worker always has the next prompt
+  queued: its throughput (the wall time between the first and last prefill completions over the
+  bare engine's time for the prompts completed in between) gives ``prefill_factor``. Timed one
+  prompt at a time, with the queue empty, the factor came out ~1.0 while the simulator's TTFT near
+  saturation was several times short of the measured one. A worker's steps share its core with its
+  gRPC streams, detokenizing and NIXL, and the machine with the router, the clients and the other
+  worker; the two factors scale every simulated step. Without them the simulator was ~10%
+  optimistic per decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO moved
+  predicted goodputs by 30-50%. (Measured with the prefill worker idle, the decode factor came out
+  ~4% lower: the router and clients had a core to themselves.) A factor of its own for the decode
+  attention, fitted by least squares over the five points, came out 1.06-1.27 against 1.01-1.16
+  for the rest of the step in four profiles, with no consistent difference and no better
+  predictions: one factor it is.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -52,7 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-VERSION = 2  # 2: the prefill factor
+VERSION = 3  # 2: the prefill factor; 3: the prefill factor from throughput under a queue
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 LONG_PROMPTS = (256, 512, 1024, 2048)
@@ -64,6 +67,7 @@ HANDOFF_TOKENS = (64, 256, 1024)
 SERVED = ((128, 16), (384, 8), (768, 4), (768, 12), (1536, 8))
 SERVED_TOKENS = (12, 36)  # the window of each stream timed: every stream decoding by then
 BUSY_PROMPTS = (512, 1024, 2048)  # the prefill worker's prompts meanwhile, in turn
+BUSY_CLIENTS = 2  # clients sending them: the prefill worker's queue is never empty
 
 
 @dataclass
@@ -409,12 +413,12 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
 
 
 @contextlib.contextmanager
-def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int]):
-    """Keeps the prefill worker busy for the duration of a ``with``: a thread sends requests of
-    ``sizes``-token prompts in turn, 2 tokens each, through ``rstub`` (a router that sends every
-    prompt to the prefill worker). Yields the list it fills with each prompt's prefill call (the
-    router's ``prefill_s`` less the prefill worker's queue), the first round left out (warm-up).
-    """
+def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int = BUSY_CLIENTS):
+    """Keeps the prefill worker busy for the duration of a ``with``: ``clients`` threads send
+    requests of ``sizes``-token prompts in turn, 2 tokens each, through ``rstub`` (a router that
+    sends every prompt to the prefill worker). Yields the list it fills with each prompt's
+    prefill call (the router's ``prefill_s`` less the prefill worker's queue) and the wall time
+    its prefill ended (``end``), each client's first round left out (warm-up)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
@@ -426,31 +430,52 @@ def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int]):
     rows: list[dict] = []
     stop = threading.Event()
 
-    def run() -> None:
-        for i in itertools.count():
+    lock = threading.Lock()
+
+    def run(client: int) -> None:
+        for i in itertools.count(client):
             if stop.is_set() or not sizes:
                 return
             n = sizes[i % len(sizes)]
+            with lock:
+                ids = prompts(n)
             final = None
+            sent = time.monotonic()
             for m in rstub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=prompts(n)), params=params), timeout=120):
+                    token_ids=api_pb2.TokenIds(ids=ids), params=params), timeout=300):
                 if m.HasField("final"):
                     final = m.final
             if final is None or final.path != "remote":
                 raise ProfileError(f"a {n}-token prompt took the "
                                    f"{final.path if final else 'no'} path, not remote")
-            if i >= len(sizes):
-                rows.append({"tokens": n, "s": final.timing.prefill_s - final.timing.queue_s})
+            if i >= client + len(sizes):
+                t = final.timing
+                with lock:
+                    rows.append({"tokens": n, "s": t.prefill_s - t.queue_s,
+                                 "end": sent + t.route_s + t.prefill_s})
 
-    with ThreadPoolExecutor(1) as ex:
-        done = ex.submit(run)
+    with ThreadPoolExecutor(clients) as ex:
+        done = [ex.submit(run, c) for c in range(clients)]
         try:
             yield rows
         finally:
             stop.set()
-        error = done.exception()  # reached only when the body succeeded: its error comes first
-        if error is not None:
-            raise ProfileError(f"the busy prefill worker failed: {error}") from error
+        for d in done:  # reached only when the body succeeded: its error comes first
+            error = d.exception()
+            if error is not None:
+                raise ProfileError(f"the busy prefill worker failed: {error}") from error
+
+
+def prefill_throughput_factor(rows: Sequence[dict], engine_prompt: Callable[[int], float]
+                              ) -> float | None:
+    """A queued prefill worker's wall time between its first and last prefill completions in
+    ``rows`` ({tokens, end}) over the bare engine's time for the prompts completed after the
+    first; None with fewer than three completions."""
+    done = sorted(rows, key=lambda r: r["end"])
+    if len(done) < 3:
+        return None
+    work = sum(engine_prompt(r["tokens"]) for r in done[1:])
+    return (done[-1]["end"] - done[0]["end"]) / work
 
 
 def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
@@ -567,8 +592,12 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
             r["model_s"] = engine_cost.engine_prompt(r["tokens"])
         if p.served:
             p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
-        p.prefill_factor = (statistics.median(r["s"] / r["model_s"] for r in p.served_prefill)
-                            if p.served_prefill else p.serving_factor)
+        through = prefill_throughput_factor(p.served_prefill, engine_cost.engine_prompt)
+        p.prefill_factor = through if through is not None else p.serving_factor
+        if p.served_prefill:
+            say("served prefill, one prompt at a time (for comparison): "
+                f"{statistics.median(r['s'] / r['model_s'] for r in p.served_prefill):.3f} "
+                "of the bare engine's time")
         say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
             "(a serving worker's time over the bare engine's)")
     return p

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from baton.control.profile import CostModel, Profile, ProfileError
+from baton.control.profile import CostModel, Profile, ProfileError, prefill_throughput_factor
 from baton.control.sim import Knobs, Layout, attainment, simulate
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -258,10 +258,11 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.serving_factor == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served))
     # the prefill worker prefilled its largest long prompt that fits, over and over, meanwhile
-    assert p.served_prefill and {r["tokens"] for r in p.served_prefill} == {256}
+    # by two clients, so the factor is its throughput with a queue
+    assert len(p.served_prefill) >= 3 and {r["tokens"] for r in p.served_prefill} == {256}
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served_prefill)
     assert p.prefill_factor == pytest.approx(
-        statistics.median(r["s"] / r["model_s"] for r in p.served_prefill))
+        prefill_throughput_factor(p.served_prefill, CostModel(p).engine_prompt))
     assert "serving factors" in out.stderr and "served prefill   256 tokens" in out.stderr
     assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
     cm = CostModel(p)
@@ -271,3 +272,14 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert bare.step([(64, 0)] * 16, []) == pytest.approx(big["s"], rel=0.5)  # the engine's own
     assert cm.step([(64, 0)] * 16, []) == pytest.approx(p.prefill_factor
                                                         * bare.step([(64, 0)] * 16, []))
+
+
+def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed():
+    rows = [{"tokens": 100, "end": 10.0}, {"tokens": 300, "end": 13.0},
+            {"tokens": 200, "end": 11.0}]  # in any order
+    # from the first completion (10.0) to the last (13.0): 3 s for the 200 + 300 tokens after it
+    assert prefill_throughput_factor(rows, lambda n: n / 250) == pytest.approx(3.0 / 2.0)
+    # two prompts ending together (one batched step) count once each
+    rows.append({"tokens": 300, "end": 13.0})
+    assert prefill_throughput_factor(rows, lambda n: n / 250) == pytest.approx(3.0 / 3.2)
+    assert prefill_throughput_factor(rows[:2], lambda n: 1.0) is None
