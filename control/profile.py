@@ -14,19 +14,20 @@ Four measurements, each the median of a few repeats:
 * **serving**: B concurrent streams through a router to the real decode worker, their time per
   token against the bare engine's decode step for the same batch (``serving_factor``), while
   requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker, KV
-  hand-off, decode worker), sent by two clients so the prefill worker always has the next prompt
-  queued: its throughput (the wall time between the first and last prefill completions over the
-  bare engine's time for the prompts completed in between) gives ``prefill_factor``. Timed one
-  prompt at a time, with the queue empty, the factor came out ~1.0 while the simulator's TTFT near
-  saturation was several times short of the measured one. A worker's steps share its core with its
-  gRPC streams, detokenizing and NIXL, and the machine with the router, the clients and the other
-  worker; the two factors scale every simulated step. Without them the simulator was ~10%
-  optimistic per decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO moved
-  predicted goodputs by 30-50%. (Measured with the prefill worker idle, the decode factor came out
-  ~4% lower: the router and clients had a core to themselves.) A factor of its own for the decode
-  attention, fitted by least squares over the five points, came out 1.06-1.27 against 1.01-1.16
-  for the rest of the step in four profiles, with no consistent difference and no better
-  predictions: one factor it is.
+  hand-off, decode worker), sent by four clients so the prefill worker always has the next prompt
+  queued (with two, each client's hand-off and decode left it idle between some prompts): its
+  throughput (the wall time between the first and last prefill completions over the bare engine's
+  time for the prompts completed in between) gives ``prefill_factor``. Timed one prompt at a time,
+  with the queue empty, the factor came out ~1.0 while the simulator's TTFT near saturation was
+  several times short of the measured one. A worker's steps share its core with its gRPC streams,
+  detokenizing and NIXL, and the machine with the router, the clients and the other worker; the
+  two factors scale every simulated step. Without them the simulator was ~10% optimistic per
+  decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO moved predicted goodputs
+  by 30-50%. (Measured with the prefill worker idle, the decode factor came out ~4% lower: the
+  router and clients had a core to themselves.) A factor of its own for the decode attention,
+  fitted by least squares over the five points, came out 1.06-1.27 against 1.01-1.16 for the rest
+  of the step in four profiles, with no consistent difference and no better predictions: one
+  factor it is.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -67,7 +68,7 @@ HANDOFF_TOKENS = (64, 256, 1024)
 SERVED = ((128, 16), (384, 8), (768, 4), (768, 12), (1536, 8))
 SERVED_TOKENS = (12, 36)  # the window of each stream timed: every stream decoding by then
 BUSY_PROMPTS = (512, 1024, 2048)  # the prefill worker's prompts meanwhile, in turn
-BUSY_CLIENTS = 2  # clients sending them: the prefill worker's queue is never empty
+BUSY_CLIENTS = 4  # clients sending them: the prefill worker's queue is never empty
 
 
 @dataclass

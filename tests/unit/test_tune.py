@@ -258,7 +258,7 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.serving_factor == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served))
     # the prefill worker prefilled its largest long prompt that fits, over and over, meanwhile
-    # by two clients, so the factor is its throughput with a queue
+    # by several clients, so the factor is its throughput with a queue
     assert len(p.served_prefill) >= 3 and {r["tokens"] for r in p.served_prefill} == {256}
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served_prefill)
     assert p.prefill_factor == pytest.approx(
