@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, machine  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -536,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     skip = set(filter(None, a.skip.split(",")))
     torch.backends.cuda.matmul.allow_tf32 = False
-    res = {"device": device_info(), "started": dt.datetime.now(dt.UTC).isoformat()}
+    res = {"device": device_info(), "host": machine(),
+           "started": dt.datetime.now(dt.UTC).isoformat()}
     if a.into:
         earlier = json.loads(Path(a.into).read_text())
         if earlier["device"].get("gpu") != res["device"].get("gpu"):

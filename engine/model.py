@@ -87,6 +87,16 @@ def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) ->
     return inv
 
 
+def rope_tables(cfg: ModelConfig, freq_factors: torch.Tensor | None, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position, [max_position, D] in ``dtype`` on ``device`` (halves
+    duplicated: the rotate-half convention), computed in float32 on CPU."""
+    inv = rope_inv_freq(cfg, None if freq_factors is None else freq_factors.cpu())
+    freqs = torch.arange(cfg.max_position, dtype=torch.float32)[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # one fused op, same arithmetic
@@ -261,11 +271,7 @@ class LlamaModel:
                    if k.startswith(f"layers.{i}.")}, small_dtype, gemm)
             for i in range(cfg.num_layers)
         ]
-        inv = rope_inv_freq(cfg, weights.get("rope_freqs"))
-        pos = torch.arange(cfg.max_position, dtype=torch.float32)
-        freqs = pos[:, None] * inv[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [max_position, D]
+        self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
         self.scale = cfg.head_dim**-0.5
 
     def _init_triton(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
@@ -283,7 +289,6 @@ class LlamaModel:
 
         self._tri, self._fused = triton_attention, triton_fused
         self.attention_backend = "triton"
-        self.decode_attention = triton_attention.decode_attention
         self.dtype = self.gemm_dtype = dtype
         self.embed = weights["embed"]
         self.lm_head = Linear(weights.get("lm_head", self.embed).contiguous(), None, None)
@@ -293,12 +298,7 @@ class LlamaModel:
                    if k.startswith(f"layers.{i}.")}, None, dtype)
             for i in range(cfg.num_layers)
         ]
-        freqs = weights.get("rope_freqs")
-        inv = rope_inv_freq(cfg, None if freqs is None else freqs.cpu())
-        pos = torch.arange(cfg.max_position, dtype=torch.float32)
-        emb = torch.cat((pos[:, None] * inv[None, :],) * 2, dim=-1)
-        self.cos = emb.cos().to(dtype).to(self.device)
-        self.sin = emb.sin().to(dtype).to(self.device)
+        self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
         self.scale = cfg.head_dim**-0.5
 
     @torch.inference_mode()

@@ -53,6 +53,10 @@ class ModelRunner:
         self.triton = model.attention_backend == "triton"
         self.graphs = None
         self._sms = 4  # the interpreter on CPU: a few programs are as good as many
+        if self.triton:
+            from baton.kernels.triton_attention import decode_splits
+
+            self._decode_splits = decode_splits
         if self.triton and self.device.type == "cuda":
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             if cfg.cuda_graphs:
@@ -136,10 +140,8 @@ class ModelRunner:
             meta.decode_context_lens = put(dec_lens, table_dtype)
             meta.decode_rows = None if not prefills else put(dec_rows)
             if self.triton:
-                from baton.kernels.triton_attention import decode_splits
-
-                meta.decode_splits = decode_splits(len(dec_rows), self.model.cfg.num_kv_heads,
-                                                   max(dec_lens), self._sms)
+                meta.decode_splits = self._decode_splits(
+                    len(dec_rows), self.model.cfg.num_kv_heads, max(dec_lens), self._sms)
         if prefills and self.triton:
             width = max(len(p.block_table) for p in prefills)
             meta.prefill_block_tables = put(

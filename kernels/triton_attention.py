@@ -84,6 +84,24 @@ def store_kv(
 
 
 @triton.jit
+def _load_kv_tile(
+    kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh, stride_cb, stride_ct, stride_ch,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Keys and values [BLOCK_N, D_PAD] of KV head ``kvh`` at sequence positions ``offs_n``,
+    gathered through the sequence's block table ``bt_row`` (invalid rows: zeros)."""
+    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
+    if HEAD_DIM == D_PAD:  # a row mask only: the loads stay 16 bytes wide along D
+        kvmask = tl.broadcast_to(valid[:, None], (BLOCK_N, D_PAD))
+    else:
+        kvmask = valid[:, None] & dmask[None, :]
+    k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
     scale, num_splits,
@@ -119,14 +137,9 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
-        if HEAD_DIM == D_PAD:  # a row mask only: the loads stay 16 bytes wide along D
-            kvmask = tl.broadcast_to(valid[:, None], (BLOCK_N, D_PAD))
-        else:
-            kvmask = valid[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-        v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+        k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh,
+                             stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE,
+                             BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -262,14 +275,8 @@ def _prefill_tile(
     MASKED: the causal edge and the tail past ``last``; otherwise every key is visible."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     valid = offs_n < last
-    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
-    if HEAD_DIM == D_PAD:
-        kvmask = tl.broadcast_to(valid[:, None], (BLOCK_N, D_PAD))
-    else:
-        kvmask = valid[:, None] & dmask[None, :]
-    k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-    v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
+    k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh,
+                         stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N)
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         sc = tl.where((offs_n[None, :] <= pos[:, None]) & valid[None, :], sc, float("-inf"))
