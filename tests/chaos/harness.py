@@ -97,6 +97,8 @@ class ChaosCluster:
                             "--local-prefill-max-tokens", "0", "--stall-timeout", "3",
                             *router_args]
         self.router = WorkerProcess("router", self.router_args)
+        self.loads: list[Load] = []  # every Load started, halted after each test
+        self.extra: list[WorkerProcess] = []  # workers a test added for itself alone
 
     def start(self, role: str, *args: str) -> WorkerProcess:
         """A new worker of ``role`` (it joins through the registry; nothing else restarts)."""
@@ -131,7 +133,26 @@ class ChaosCluster:
             time.sleep(0.25)
         assert not held, held
 
+    def start_extra(self, role: str, *args: str) -> WorkerProcess:
+        """A worker for one test: :meth:`after_test` kills it if the test did not."""
+        w = self.start(role, *args)
+        self.extra.append(w)
+        return w
+
+    def after_test(self) -> None:
+        """Leave nothing of a test (passed or failed) to the next: its clients stop sending and
+        the workers it added for itself are killed, so one failure does not fail every test
+        after it."""
+        for load in self.loads:
+            load.halt()
+        self.loads.clear()
+        for w in self.extra:
+            if w.proc.poll() is None:
+                w.kill()
+        self.extra.clear()
+
     def stop(self) -> None:
+        self.after_test()
         for w in (self.router, *self.decode, self.prefill):
             w.stop()
         self.proxy.close()
@@ -160,7 +181,10 @@ class Load:
     deadline: float = 30.0
     max_tokens: int = 32
     cancel_after: list[float] | None = None
-    cache_salt: str | None = None  # a fresh one: no cached prefix steers the routing
+    # a salt of its own for every request: no cached prefix steers the routing, which then
+    # spreads requests by load alone (one salt for all lets each prompt stick to the worker
+    # that first served it)
+    salt_each: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
     # tokens received so far by each client's request in flight, and its prompt's index
     progress: dict[int, int] = field(default_factory=dict)
@@ -170,13 +194,21 @@ class Load:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._n = 0
+        self._nonce = time.time_ns()
         self._threads = [threading.Thread(target=self._client, args=(c,), daemon=True)
                          for c in range(self.clients)]
 
     def start(self) -> Load:
+        self.cluster.loads.append(self)
         for t in self._threads:
             t.start()
         return self
+
+    def halt(self) -> None:
+        """Stop sending and wait a while for the calls in flight (cleanup: asserts nothing)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.deadline + 2 * MARGIN_S)
 
     def stop(self) -> list[Outcome]:
         self._stop.set()
@@ -225,7 +257,8 @@ class Load:
         t0 = time.monotonic()
         try:
             stub = api_pb2_grpc.BatonStub(self.cluster.router.channel)
-            call = stub.Generate(request(i, self.max_tokens, self.cache_salt),
+            salt = f"{self._nonce}-{i}" if self.salt_each else None
+            call = stub.Generate(request(i, self.max_tokens, salt),
                                  timeout=self.deadline)
             if cancel is not None:
                 threading.Timer(cancel, call.cancel).start()

@@ -29,6 +29,12 @@ def cluster():
     c.stop()
 
 
+@pytest.fixture(autouse=True)
+def _isolated(cluster):
+    yield
+    cluster.after_test()
+
+
 @pytest.fixture(scope="module")
 def want():
     return reference(LLMEngine.from_path(None), MAX_TOKENS)
@@ -149,11 +155,12 @@ def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want
 
 def test_decode_sigkill_mid_transfer(cluster, want):
     # a third decode worker that keeps each lease 1 s after its read: a wide transfer window
-    slow = cluster.start("decode", "--fault-delay-release", "1.0")
-    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS, cache_salt=f"{time.time_ns()}")
-    load.start()
+    slow = cluster.start_extra("decode", "--fault-delay-release", "1.0")
+    # a salt per request: the routing spreads them over all three by load (with one salt a
+    # prompt would stay with the worker that first cached it, maybe never the slow one)
+    load = Load(cluster, clients=4, max_tokens=MAX_TOKENS, salt_each=True).start()
     end = time.monotonic() + 60
-    while info(slow).handoffs_in_flight == 0:  # the routing spreads the load over all three
+    while info(slow).handoffs_in_flight == 0:
         assert time.monotonic() < end, "no hand-off reached the slow worker"
         time.sleep(0.01)
     assert cluster.prefill.info().active_leases > 0
