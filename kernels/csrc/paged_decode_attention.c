@@ -112,6 +112,26 @@ static inline __m512 load16(const void *kv, int64_t i, const int is_bf16) {
     return _mm512_loadu_ps((const float *)kv + i);
 }
 
+/* r[i] = the sum of v[i]'s 16 elements, for 16 vectors: pairs interleaved and added within
+ * 128-bit lanes (unpack ps, then pd), then the 4x4 matrix of lane sums transposed and added. */
+static inline __m512 hsum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)  /* lane k: [v2i, v2i+1, v2i, v2i+1] partial sums */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int j = 0; j < 4; j++) {  /* lane k: partial sums of v4j .. v4j+3 over lane k */
+        const __m512d p = _mm512_castps_pd(a[2 * j]), q = _mm512_castps_pd(a[2 * j + 1]);
+        b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+    }
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* item_impl for head_dim 64 and G query heads per KV head with AVX-512: the G queries and G
  * accumulators (4 vectors each) stay in registers for the whole sequence instead of being
  * reloaded from memory for every key and value row. Same arithmetic order per (query, key) as
@@ -127,6 +147,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
     const float *qb = a->q + ((int64_t)b * H * G + (int64_t)h * G) * D;
     __m512 q[4][4], acc[4][4];
     float m[4], l[4], s[4][MAX_BS];
+    const __m512 scale = _mm512_set1_ps(a->scale);
     for (int g = 0; g < G; g++) {
         m[g] = -INFINITY; l[g] = 0.f;
         for (int j = 0; j < 4; j++) {
@@ -138,31 +159,59 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
         const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
         const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
         const int cnt = (int)((n - start) < BS ? (n - start) : BS);
+        /* the next block's rows are fetched a row at a time, as this block's are used: a burst
+         * of all of them at the block's start queues more misses than the core tracks */
+        const char *nk = NULL;
         if (start + BS < n)
-            prefetch_block(a, a->bt[(int64_t)b * a->max_blocks + start / BS + 1], h, D, esize);
-        for (int t = 0; t < cnt; t++) {
-            const int64_t kr = kbase + t * row;
-            const __m512 k0 = load16(a->kv, kr, is_bf16), k1 = load16(a->kv, kr + 16, is_bf16);
-            const __m512 k2 = load16(a->kv, kr + 32, is_bf16), k3 = load16(a->kv, kr + 48, is_bf16);
-            for (int g = 0; g < G; g++) {
-                __m512 d0 = _mm512_mul_ps(q[g][0], k0), d1 = _mm512_mul_ps(q[g][1], k1);
-                d0 = _mm512_fmadd_ps(q[g][2], k2, d0);
-                d1 = _mm512_fmadd_ps(q[g][3], k3, d1);
-                s[g][t] = _mm512_reduce_add_ps(_mm512_add_ps(d0, d1)) * a->scale;
+            nk = (const char *)a->kv + (a->bt[(int64_t)b * a->max_blocks + start / BS + 1] * block
+                                        + (int64_t)a->layer * 2 * kv_part + h * D) * esize;
+        /* scores 16 keys at a time: each key's products stay a vector, and one transposing
+         * sum turns 16 of them into 16 scores (a horizontal sum per key cost ~3x the ops) */
+        for (int t0 = 0; t0 < cnt; t0 += 16) {
+            const int n16 = cnt - t0 < 16 ? cnt - t0 : 16;
+            __m512 dv[4][16];
+            for (int t = 0; t < 16; t++) {
+                if (t >= n16) {
+                    for (int g = 0; g < G; g++) dv[g][t] = _mm512_setzero_ps();
+                    continue;
+                }
+                const int64_t kr = kbase + (t0 + t) * row;
+                if (nk)
+                    for (int off = 0; off < D * esize; off += 64)
+                        __builtin_prefetch(nk + (t0 + t) * row * esize + off);
+                const __m512 k0 = load16(a->kv, kr, is_bf16), k1 = load16(a->kv, kr + 16, is_bf16);
+                const __m512 k2 = load16(a->kv, kr + 32, is_bf16);
+                const __m512 k3 = load16(a->kv, kr + 48, is_bf16);
+                for (int g = 0; g < G; g++) {
+                    __m512 d0 = _mm512_mul_ps(q[g][0], k0), d1 = _mm512_mul_ps(q[g][1], k1);
+                    d0 = _mm512_fmadd_ps(q[g][2], k2, d0);
+                    d1 = _mm512_fmadd_ps(q[g][3], k3, d1);
+                    dv[g][t] = _mm512_add_ps(d0, d1);
+                }
             }
+            for (int g = 0; g < G; g++)  /* s has room: t0 + 16 <= MAX_BS */
+                _mm512_storeu_ps(&s[g][t0], _mm512_mul_ps(hsum16(dv[g]), scale));
         }
         for (int g = 0; g < G; g++) {
-            float mx = m[g];
-            for (int t = 0; t < cnt; t++) mx = s[g][t] > mx ? s[g][t] : mx;
+            float mx = m[g], sum = 0.f;
+            float *sg = s[g];
+            /* both loops vectorize (the exponentials through libmvec): scalar expf was about
+             * half of this kernel's time at head_dim 64 */
+            #pragma omp simd reduction(max:mx)
+            for (int t = 0; t < cnt; t++) mx = sg[t] > mx ? sg[t] : mx;
             const float corr = expf(m[g] - mx);
-            l[g] *= corr;
             const __m512 c = _mm512_set1_ps(corr);
             for (int j = 0; j < 4; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], c);
-            for (int t = 0; t < cnt; t++) { s[g][t] = expf(s[g][t] - mx); l[g] += s[g][t]; }
+            #pragma omp simd reduction(+:sum)
+            for (int t = 0; t < cnt; t++) { const float e = expf(sg[t] - mx); sg[t] = e; sum += e; }
+            l[g] = l[g] * corr + sum;
             m[g] = mx;
         }
         for (int t = 0; t < cnt; t++) {
             const int64_t vr = kbase + kv_part + t * row;
+            if (nk)
+                for (int off = 0; off < D * esize; off += 64)
+                    __builtin_prefetch(nk + (kv_part + t * row) * esize + off);
             const __m512 v0 = load16(a->kv, vr, is_bf16), v1 = load16(a->kv, vr + 16, is_bf16);
             const __m512 v2 = load16(a->kv, vr + 32, is_bf16), v3 = load16(a->kv, vr + 48, is_bf16);
             for (int g = 0; g < G; g++) {

@@ -30,9 +30,11 @@ def test_small_m_linear_no_rows():
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bs, hkv, group, d", [(4, 3, 3, 16), (4, 3, 3, 64), (16, 2, 1, 64),
-                                               (8, 1, 4, 64), (4, 2, 2, 64), (4, 1, 5, 64)])
+                                               (8, 1, 4, 64), (4, 2, 2, 64), (4, 1, 5, 64),
+                                               (32, 2, 3, 64)])
 def test_paged_decode_attention_matches_reference(kv_dtype, bs, hkv, group, d):
-    # head_dim 64 with up to 4 query heads per KV head takes the AVX-512 path where the CPU has it
+    # head_dim 64 with up to 4 query heads per KV head takes the AVX-512 path where the CPU has
+    # it, which scores 16 keys at a time: block size 32 has blocks of one and two such groups
     g = torch.Generator().manual_seed(1)
     nb, layers = 23, 2
     kv = torch.randn(nb, layers, 2, bs, hkv, d, generator=g).to(kv_dtype)
