@@ -142,28 +142,27 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_m:
             return cpu_linear.linear(x, self.small, self.bias)
-        w = self.w
-        if w.dtype != x.dtype:  # a bf16 GEMM: float32 accumulation, float32 out
-            xh = x.to(w.dtype)
-            if self.packed is not None:
-                y = torch.ops.mkldnn._linear_pointwise(xh, self.packed, None, "none", [], "")
-            else:
-                y = xh @ w if self.transposed else F.linear(xh, w)
-            y = y.float()
+        if self.w.dtype != x.dtype:  # a bf16 GEMM: float32 accumulation, float32 out
+            y = self._half_gemm(x).float()
             return y if self.bias is None else y + self.bias
         if self.transposed:
-            return x @ w
-        return F.linear(x, w, self.bias)
+            return x @ self.w
+        return F.linear(x, self.w, self.bias)
+
+    def _half_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` for a bf16 ``w``, ``x`` rounded to bf16; the bf16 product, no bias."""
+        xh = x.to(self.w.dtype)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(xh, self.packed, None, "none", [], "")
+        return xh @ self.w if self.transposed else F.linear(xh, self.w)
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> None:
         """``h += self(x)``, in place, with the same result: a bf16 GEMM's output is added to
         the float32 ``h`` as it is (the add widens it exactly), so no float32 copy of it is
         made. In a 2k-token prefill those copies and their fresh pages cost more than the add."""
-        if (self.bias is None and self.w.dtype != x.dtype and not self.transposed
+        if (self.bias is None and self.w.dtype != x.dtype
                 and (self.small is None or x.shape[0] > self.small_m)):
-            xh = x.to(self.w.dtype)
-            h.add_(torch.ops.mkldnn._linear_pointwise(xh, self.packed, None, "none", [], "")
-                   if self.packed is not None else F.linear(xh, self.w))
+            h.add_(self._half_gemm(x))
         else:
             h.add_(self(x))
 
@@ -322,8 +321,8 @@ class LlamaModel:
         if self.attention_backend == "triton":
             return self._forward_triton(input_ids, positions, meta, kv, logits_rows)
         cfg = self.cfg
-        h = F.embedding(input_ids, self.embed).float()  # [T, hidden], the residual, added to
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # in place
+        h = F.embedding(input_ids, self.embed).float()  # [T, hidden]: the residual, added in place
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)

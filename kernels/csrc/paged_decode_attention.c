@@ -29,6 +29,11 @@ static inline float load(const void *base, int64_t i, int is_bf16) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
+/* Every 64-byte line of ``nbytes`` from ``p``. */
+static inline void prefetch_row(const char *p, int nbytes) {
+    for (int off = 0; off < nbytes; off += 64) __builtin_prefetch(p + off);
+}
+
 /* Prefetch head h's K and V rows of KV block `blk` (this layer): the next block of a sequence,
  * while the current one is computed. */
 static inline void prefetch_block(const Args *a, int64_t blk, int h, int D, int esize) {
@@ -36,11 +41,10 @@ static inline void prefetch_block(const Args *a, int64_t blk, int h, int D, int 
     const int64_t block = (int64_t)a->num_layers * 2 * kv_part;
     const char *nk = (const char *)a->kv
         + (blk * block + (int64_t)a->layer * 2 * kv_part + (int64_t)h * D) * esize;
-    for (int t = 0; t < a->bs; t++)
-        for (int off = 0; off < D * esize; off += 64) {
-            __builtin_prefetch(nk + t * row * esize + off);
-            __builtin_prefetch(nk + (kv_part + t * row) * esize + off);
-        }
+    for (int t = 0; t < a->bs; t++) {
+        prefetch_row(nk + t * row * esize, D * esize);
+        prefetch_row(nk + (kv_part + t * row) * esize, D * esize);
+    }
 }
 
 /* One (sequence, kv head) item. Always inlined with constant D and is_bf16 (see item_d), so the
@@ -134,8 +138,9 @@ static inline __m512 hsum16(const __m512 v[16]) {
 
 /* item_impl for head_dim 64 and G query heads per KV head with AVX-512: the G queries and G
  * accumulators (4 vectors each) stay in registers for the whole sequence instead of being
- * reloaded from memory for every key and value row. Same arithmetic order per (query, key) as
- * far as float32 allows; the test compares both paths with the torch reference. */
+ * reloaded from memory for every key and value row. A score's products are summed in another
+ * order than item_impl's (16 keys per transposing sum); the test compares both paths with the
+ * torch reference. */
 static inline __attribute__((always_inline)) void item64(const Args *a, int item, const int G,
                                                          const int is_bf16) {
     const int H = a->hkv, BS = a->bs, D = 64;
@@ -176,9 +181,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
                     continue;
                 }
                 const int64_t kr = kbase + (t0 + t) * row;
-                if (nk)
-                    for (int off = 0; off < D * esize; off += 64)
-                        __builtin_prefetch(nk + (t0 + t) * row * esize + off);
+                if (nk) prefetch_row(nk + (t0 + t) * row * esize, D * esize);
                 const __m512 k0 = load16(a->kv, kr, is_bf16), k1 = load16(a->kv, kr + 16, is_bf16);
                 const __m512 k2 = load16(a->kv, kr + 32, is_bf16);
                 const __m512 k3 = load16(a->kv, kr + 48, is_bf16);
@@ -195,8 +198,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
         for (int g = 0; g < G; g++) {
             float mx = m[g], sum = 0.f;
             float *sg = s[g];
-            /* both loops vectorize (the exponentials through libmvec): scalar expf was about
-             * half of this kernel's time at head_dim 64 */
+            /* both loops vectorize (the exponentials through libmvec) */
             #pragma omp simd reduction(max:mx)
             for (int t = 0; t < cnt; t++) mx = sg[t] > mx ? sg[t] : mx;
             const float corr = expf(m[g] - mx);
@@ -209,9 +211,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
         }
         for (int t = 0; t < cnt; t++) {
             const int64_t vr = kbase + kv_part + t * row;
-            if (nk)
-                for (int off = 0; off < D * esize; off += 64)
-                    __builtin_prefetch(nk + (kv_part + t * row) * esize + off);
+            if (nk) prefetch_row(nk + (kv_part + t * row) * esize, D * esize);
             const __m512 v0 = load16(a->kv, vr, is_bf16), v1 = load16(a->kv, vr + 16, is_bf16);
             const __m512 v2 = load16(a->kv, vr + 32, is_bf16), v3 = load16(a->kv, vr + 48, is_bf16);
             for (int g = 0; g < G; g++) {

@@ -211,9 +211,7 @@ class Load:
             t.join(self.deadline + 2 * MARGIN_S)
 
     def stop(self) -> list[Outcome]:
-        self._stop.set()
-        for t in self._threads:
-            t.join(self.deadline + 2 * MARGIN_S)
+        self.halt()
         assert not any(t.is_alive() for t in self._threads), "a client never got an answer"
         return self.outcomes
 
