@@ -93,7 +93,7 @@ class KVAgent:
     """
 
     def __init__(self, name: str, kv: torch.Tensor, num_threads: int = 0,
-                 progress_interval_s: float = 0.002) -> None:
+                 progress_interval_s: float = 0.002, idle_interval_s: float = 0.064) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         assert kv.is_contiguous(), "the KV pool must be one contiguous tensor"
@@ -108,8 +108,11 @@ class KVAgent:
         self._transports = _TransportLog(Path(ucx_log) if ucx_log else None)
         # No NIXL progress thread: it busy-polls a core per process, which on a small machine
         # starves the engine. A reader progresses its own reads while it waits for them; the
-        # holder of one-sided READs only answers connection set-up, for which a thread that
-        # wakes every ``progress_interval_s`` is plenty.
+        # holder of one-sided READs only answers connection set-up. A thread of ours does that:
+        # every ``progress_interval_s`` after ``wake()`` (a reader's handshake, a lease grant:
+        # a read, maybe from a new peer, is coming), backing off to ``idle_interval_s``. Waking
+        # every 2 ms for good cost a loaded worker's engine 5-6% (a GIL hand-over and a context
+        # switch on the engine's core 500 times a second).
         conf = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                                  num_threads=num_threads,
                                  sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
@@ -122,7 +125,8 @@ class KVAgent:
             self.mem_type)
         self._remote: dict[str, object] = {}  # peer agent name -> prepped descriptor list
         self._closed = threading.Event()
-        self._progress_interval_s = progress_interval_s
+        self._wake = threading.Event()
+        self._progress_interval_s, self._idle_interval_s = progress_interval_s, idle_interval_s
         threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True).start()
         log.info("NIXL agent %s: %d KV blocks of %d bytes registered (%s), UCX_TLS=%s",
                  name, self.num_blocks, self.block_nbytes, self.mem_type, self.ucx_tls or "default")
@@ -136,9 +140,23 @@ class KVAgent:
         descs[:, 2] = dev
         return descs
 
+    def wake(self) -> None:
+        """A peer may need answers soon (it is connecting, or about to read): progress UCX at
+        the fast interval again, then back off."""
+        self._wake.set()
+
     def _progress_loop(self) -> None:
-        while not self._closed.wait(self._progress_interval_s):
-            self.agent.get_new_notifs()  # progresses UCX: answers peers' connection set-up
+        interval = self._progress_interval_s
+        while not self._closed.is_set():
+            if self._wake.wait(interval):
+                self._wake.clear()
+                interval = self._progress_interval_s
+            else:
+                interval = min(2 * interval, self._idle_interval_s)
+            if self._closed.is_set():
+                return
+            if self.agent.get_new_notifs():  # progresses UCX: answers peers' connection set-up
+                interval = self._progress_interval_s
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
@@ -214,6 +232,7 @@ class KVAgent:
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
         if self._transports.path is not None and os.environ.get("BATON_UCX_LOG") == str(
                 self._transports.path):
             self._transports.path.unlink(missing_ok=True)

@@ -54,6 +54,7 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
 
     def grant(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int) -> KVHandle:
         lease = self.leases.grant(request_id, block_ids)
+        self.agent.wake()  # a read is coming, maybe over a connection not set up yet
         crc = block_crc32(self.agent.kv, block_ids) if self.checksums else ()
         return KVHandle(self.worker_id, self.incarnation, self.address, lease.lease_id,
                         tuple(block_ids), num_tokens, self.fingerprint, lease.expires_at, crc)
@@ -117,6 +118,7 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
                           f"model fingerprint mismatch: holder {self.worker_id} has "
                           f"{self.fingerprint[:16]}..., reader {request.reader_id} has "
                           f"{request.fingerprint[:16]}...")
+        self.agent.wake()  # the reader connects next
         return worker_pb2.HandshakeResponse(
             worker_id=self.worker_id, incarnation=self.incarnation, fingerprint=self.fingerprint,
             agent_metadata=self.agent.metadata(), kv_base_address=self.agent.base,

@@ -25,3 +25,42 @@ def test_transports_are_read_from_ucx_protocol_tables(tmp_path):
         f.write(row + "| 0..8192 | software emulation | 60% on tcp/lo and 40% on tcp/eth0 |\n")
     assert t.poll() == ["cma/memory", "tcp/eth0", "tcp/lo"]
     assert _TransportLog(None).poll() == []
+
+
+def test_the_holders_progress_thread_backs_off_when_idle_and_wakes_for_a_read():
+    """The agent's progress thread (a real NIXL agent over a real registered pool) polls at the
+    fast interval after ``wake()`` and backs off to the idle one, so an idle or decoding worker
+    is not interrupted 500 times a second."""
+    import threading
+    import time
+
+    import torch
+    from baton.transfer.agent import KVAgent
+
+    agent = KVAgent("backoff-test", torch.zeros(4, 1024, dtype=torch.uint8),
+                    progress_interval_s=0.002, idle_interval_s=0.064)
+    calls: list[float] = []
+    lock = threading.Lock()
+    poll = agent.agent.get_new_notifs
+
+    def counted(*args, **kwargs):
+        with lock:
+            calls.append(time.monotonic())
+        return poll(*args, **kwargs)
+
+    agent.agent.get_new_notifs = counted
+    try:
+        time.sleep(0.5)  # backed off by now: 2+4+...+64 ms, then every 64 ms
+        with lock:
+            calls.clear()
+        time.sleep(0.64)
+        with lock:
+            idle = len(calls)
+        assert 5 <= idle <= 12, idle  # ~10 polls at 64 ms (500 Hz would be ~320)
+        agent.wake()
+        time.sleep(0.03)
+        with lock:
+            woken = [t for t in calls if t > calls[idle - 1]] if idle else list(calls)
+        assert len(woken) >= 3, woken  # 2, 4, 8, 16 ms after the wake: at least 3 in 30 ms
+    finally:
+        agent.close()
