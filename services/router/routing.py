@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from baton.control.prefix_index import PrefixIndex, Signals
@@ -128,6 +129,15 @@ class RoutingPolicy:
                                     else float("inf"))
         self._turns: dict[str, int] = {}
         self._lock = threading.Lock()
+        # Decisions by number, (seq, decode id, prefill id or None): the in-flight counts a
+        # decision reads were taken before its read, and the decisions this router made
+        # meanwhile (a burst's other requests, racing in other threads) have not claimed their
+        # workers yet, so a burst would pile onto the worker every racer saw as least loaded.
+        # Each decision adds the ones made since it started, and picks and records under one
+        # lock, so the racers of one router see each other.
+        self._seq = 0
+        self._decided: deque[tuple[int, str, str | None]] = deque(maxlen=4096)
+        self._pick_lock = threading.Lock()
 
     def prompt_hashes(self, ids: list[int], fingerprint: str, cache_salt: str | None,
                       block_size: int) -> bytes:
@@ -156,6 +166,8 @@ class RoutingPolicy:
             return self._finish(ids, decodes[0], None, 0, 0, False, False, t0)
         union = {w.worker_id: w for w in decodes + prefills}
         records = list(union.values())
+        with self._pick_lock:
+            since = self._seq
         sig = None
         if self.mode == "cache-aware" and self.index is not None:
             sig = self.index.signals(hashes or b"", records)
@@ -163,6 +175,20 @@ class RoutingPolicy:
         if sig is None:
             sig = [Signals(inflight=self.pool.inflight(w.address)) for w in records]
         by_id = dict(zip(union, sig))
+        with self._pick_lock:
+            for seq, *wids in reversed(self._decided):
+                if seq < since:
+                    break
+                for wid in wids:
+                    if wid in by_id:
+                        by_id[wid].inflight += 1
+            decision = self._pick(ids, hashes, decodes, prefills, by_id, used_index, t0)
+            self._decided.append((self._seq, decision.decode.worker_id,
+                                  decision.prefill.worker_id if decision.prefill else None))
+            self._seq += 1
+        return decision
+
+    def _pick(self, ids, hashes, decodes, prefills, by_id, used_index, t0) -> Decision:
         weights = self.weights if used_index else {k: v for k, v in self.weights.items()
                                                    if k != "prefix"} or {"inflight": 1.0}
         n_blocks = len(hashes or b"") // 32

@@ -270,3 +270,46 @@ def test_a_forced_choice_skips_the_index_and_a_real_choice_reads_it(client):
     assert len(calls) == 1 and d.used_index
     assert (d.decode, d.path, d.prefill) == (two, "remote", one)
     index.close()
+
+
+def test_racing_decisions_of_one_router_see_each_other(client):
+    """A burst's requests decide in parallel threads: each reads the in-flight counts before any
+    of them has claimed its workers. Forced to read at the same moment (a barrier inside the
+    real index read), six racers still balance two prefill workers, one of which another router
+    already has a request on, because each pick adds the picks made since its read began
+    (without that, all six saw p1 busier and piled onto p2)."""
+    import threading
+
+    from baton.services.router.routing import RoutingPolicy
+
+    other = PrefixIndex(client, "r-other")
+    other.claim("req-0", ["p1"])
+    other.flush()
+    index = PrefixIndex(client, "r-race")
+    read = index.signals
+    together = threading.Barrier(6)
+
+    def signals(*a):
+        out = read(*a)
+        together.wait(timeout=10)  # nobody picks before everybody has read
+        return out
+
+    index.signals = signals
+    d = WorkerRecord("d1", "decode", "127.0.0.1:1", "fp", "i1")
+    ps = [WorkerRecord(f"p{i}", "prefill", f"127.0.0.1:{2 + i}", "fp", "i1") for i in (1, 2)]
+    policy = RoutingPolicy(_Pool([d, *ps]), index, weights={"prefix": 3, "inflight": 1})
+    ids = list(range(300))
+    picks: list[str] = []
+
+    def one():
+        picks.append(policy.decide(ids, b"", set()).prefill.worker_id)
+
+    threads = [threading.Thread(target=one) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    index.close()
+    other.close()
+    totals = {"p1": 1 + picks.count("p1"), "p2": picks.count("p2")}
+    assert len(picks) == 6 and abs(totals["p1"] - totals["p2"]) <= 1, picks
