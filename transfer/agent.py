@@ -147,16 +147,17 @@ class KVAgent:
 
     def _progress_loop(self) -> None:
         interval = self._progress_interval_s
-        while not self._closed.is_set():
-            if self._wake.wait(interval):
+        while True:
+            woken = self._wake.wait(interval)
+            if self._closed.is_set():
+                return
+            if woken:
                 self._wake.clear()
+            # progresses UCX: answers peers' connection set-up
+            if self.agent.get_new_notifs() or woken:
                 interval = self._progress_interval_s
             else:
                 interval = min(2 * interval, self._idle_interval_s)
-            if self._closed.is_set():
-                return
-            if self.agent.get_new_notifs():  # progresses UCX: answers peers' connection set-up
-                interval = self._progress_interval_s
 
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()

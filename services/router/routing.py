@@ -29,6 +29,7 @@ cache-blind baseline: workers in turn, the threshold applied to the whole prompt
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -129,14 +130,13 @@ class RoutingPolicy:
                                     else float("inf"))
         self._turns: dict[str, int] = {}
         self._lock = threading.Lock()
-        # Decisions by number, (seq, decode id, prefill id or None): the in-flight counts a
-        # decision reads were taken before its read, and the decisions this router made
-        # meanwhile (a burst's other requests, racing in other threads) have not claimed their
-        # workers yet, so a burst would pile onto the worker every racer saw as least loaded.
-        # Each decision adds the ones made since it started, and picks and records under one
-        # lock, so the racers of one router see each other.
-        self._seq = 0
-        self._decided: deque[tuple[int, str, str | None]] = deque(maxlen=4096)
+        # The in-flight counts a decision reads were taken before its read, and the decisions
+        # this router made meanwhile (a burst's other requests, racing in other threads) have
+        # not claimed their workers yet, so a burst would pile onto the worker every racer saw
+        # as least loaded. Each decision adds the ones made since it started, and picks and
+        # records under one lock, so the racers of one router see each other.
+        self._seq = 0  # decisions made so far; the last 4096 kept: (decode id, prefill id)
+        self._decided: deque[tuple[str, str | None]] = deque(maxlen=4096)
         self._pick_lock = threading.Lock()
 
     def prompt_hashes(self, ids: list[int], fingerprint: str, cache_salt: str | None,
@@ -176,14 +176,12 @@ class RoutingPolicy:
             sig = [Signals(inflight=self.pool.inflight(w.address)) for w in records]
         by_id = dict(zip(union, sig))
         with self._pick_lock:
-            for seq, *wids in reversed(self._decided):
-                if seq < since:
-                    break
+            for wids in itertools.islice(reversed(self._decided), self._seq - since):
                 for wid in wids:
                     if wid in by_id:
                         by_id[wid].inflight += 1
             decision = self._pick(ids, hashes, decodes, prefills, by_id, used_index, t0)
-            self._decided.append((self._seq, decision.decode.worker_id,
+            self._decided.append((decision.decode.worker_id,
                                   decision.prefill.worker_id if decision.prefill else None))
             self._seq += 1
         return decision
