@@ -84,7 +84,10 @@ class EngineConfig:
     products (prefill, big decode batches) run in bfloat16 where the CPU does bf16 arithmetic in
     hardware (AMX, AVX512-BF16), and in float32 elsewhere: without it (AVX2 only) PyTorch's
     half-precision GEMMs are 5-10x slower than float32. ``compute_dtype`` and ``gemm_dtype``
-    report what is used.
+    report what is used. With bf16 GEMMs on prepacked weights, what passes between them (the
+    normalized GEMM inputs, the rotated queries and keys, the attention output, SiLU-and-multiply)
+    is kept in bf16 by native one-pass kernels, each rounded once from float32 arithmetic: the
+    residual stream and decode attention's queries stay float32 (``LlamaModel.fused_bf16``).
     """
 
     dtype: str = "float32"

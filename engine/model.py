@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from baton.engine.config import ModelConfig
-from baton.kernels import cpu_attention, cpu_linear
+from baton.kernels import cpu_attention, cpu_fused, cpu_linear
 from baton.kernels.paged_attention import (
     decode_attention,
     gather_kv,
@@ -148,6 +148,10 @@ class Linear:
         if self.transposed:
             return x @ self.w
         return F.linear(x, self.w, self.bias)
+
+    def product(self, xh: torch.Tensor) -> torch.Tensor:
+        """``xh @ w.T`` for a bf16 ``xh`` and a prepacked bf16 ``w``: bf16 [M, N], no bias."""
+        return torch.ops.mkldnn._linear_pointwise(xh, self.packed, None, "none", [], "")
 
     def _half_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ w.T`` for a bf16 ``w``, ``x`` rounded to bf16; the bf16 product, no bias."""
@@ -284,6 +288,15 @@ class LlamaModel:
         ]
         self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
         self.scale = cfg.head_dim**-0.5
+        # bf16 GEMMs on prepacked weights with a float32 residual: everything between them in
+        # native one-pass kernels, bf16 in and out (see kernels/cpu_fused.py)
+        self.fused_bf16 = (
+            dtype == torch.float32 and gemm == torch.bfloat16 and attention_backend != "torch"
+            and cfg.head_dim <= cpu_fused.MAX_HEAD_DIM and cpu_fused.load() is not None
+            and all(lin.packed is not None and lin.small is None
+                    and (lin.bias is None or lin is layer.qkv)
+                    for layer in self.layers
+                    for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)))
 
     def _init_triton(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                      dtype: torch.dtype, attention_backend: str) -> None:
@@ -320,6 +333,8 @@ class LlamaModel:
         """input_ids, positions: [T]. Returns float32 logits for ``logits_rows``: [N, vocab]."""
         if self.attention_backend == "triton":
             return self._forward_triton(input_ids, positions, meta, kv, logits_rows)
+        if self.fused_bf16:
+            return self._forward_fused_bf16(input_ids, positions, meta, kv, logits_rows)
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed).float()  # [T, hidden]: the residual, added in place
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -338,6 +353,32 @@ class LlamaModel:
             x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # views of a fresh tensor
             layer.down.add_to(h, F.silu(gate, inplace=True).mul_(up))
+        h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    def _forward_fused_bf16(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv: torch.Tensor, logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` with bf16 activations between the GEMMs and the float32 residual
+        ``h``: the same arithmetic as the float32 path with bf16 GEMMs (each GEMM input rounded
+        once, float32 in between), less the copies and the chains of small ops. A 1,024-token
+        prefill on one thread of a 2-vCPU AMX Xeon: 0.73 -> 0.39 s, where before the copies and
+        elementwise ops took longer than the GEMMs."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed).float()
+        t, rotated = h.shape[0], cfg.num_heads + cfg.num_kv_heads
+        for i, layer in enumerate(self.layers):
+            x = cpu_fused.rms_norm_bf16(h, layer.attn_norm, cfg.rms_norm_eps)
+            qkv, qf = cpu_fused.rope_bf16(layer.qkv.product(x), layer.qkv.bias, self.cos,
+                                          self.sin, positions, rotated, cfg.head_dim,
+                                          cfg.num_heads if meta.num_decodes else 0)
+            q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+            store_kv(kv, i, meta.slot_blocks, meta.slot_offsets, k, v)
+            o = self._attention(q, k, v, meta, kv, i, qf)
+            h.add_(layer.o.product(o.reshape(t, cfg.q_size)))
+            x = cpu_fused.rms_norm_bf16(h, layer.mlp_norm, cfg.rms_norm_eps)
+            h.add_(layer.down.product(cpu_fused.silu_mul_bf16(layer.gate_up.product(x))))
         h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()
 
@@ -385,16 +426,19 @@ class LlamaModel:
 
     def _attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-        kv: torch.Tensor, layer: int,
+        kv: torch.Tensor, layer: int, q_float: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of every row of ``q``: float32, or bf16 on the fused path, where the result
+        is bf16 too and ``q_float`` holds the same queries unrounded for decode attention."""
+        qd = q if q_float is None else q_float
         if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
-            return self.decode_attention(q, kv, layer, meta.decode_block_tables,
-                                         meta.decode_context_lens, self.scale)
+            return self.decode_attention(qd, kv, layer, meta.decode_block_tables,
+                                         meta.decode_context_lens, self.scale).to(q.dtype)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[meta.decode_rows] = self.decode_attention(
-                q[meta.decode_rows], kv, layer, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale)
+                qd[meta.decode_rows], kv, layer, meta.decode_block_tables,
+                meta.decode_context_lens, self.scale).to(q.dtype)
         for p in meta.prefills:
             rows = slice(p.start, p.start + p.n)
             if p.num_past == 0:  # nothing cached before: attend to the fresh keys directly

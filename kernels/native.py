@@ -7,6 +7,11 @@ engine then uses its torch code paths); without a compiler :func:`build` returns
 Kernels that use OpenMP link ``libgomp.so.1``: PyTorch has loaded its own copy of that library by
 the time a kernel loads, so the dynamic linker hands the kernel the same one and they share a
 thread pool instead of two pools fighting over the cores.
+
+A kernel is compiled and linked in two steps: linking with ``-ffast-math`` (some kernels compile
+with it) adds ``crtfastmath.o``, whose constructor turns on flush-to-zero and denormals-are-zero
+for the whole process the moment the library loads, changing every torch result that passes
+through a subnormal.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC"]
 
 
 def enabled() -> bool:
@@ -37,14 +42,22 @@ def build(name: str, extra_flags: list[str], torch_runtime: bool = True) -> ctyp
         return None
     src = CSRC / f"{name}.c"
     flags = FLAGS + extra_flags
-    tag = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()
+    compile_flags = [f for f in flags if not f.startswith("-l")]
+    link_flags = ["-shared"] + [f for f in flags if f.startswith("-l") or f == "-fopenmp"]
+    tag = hashlib.sha256(src.read_bytes() + cc.encode() + " ".join(compile_flags).encode()
+                         + b"|" + " ".join(link_flags).encode()).hexdigest()
     root = Path(os.environ.get("BATON_CACHE_DIR", Path.home() / ".cache" / "baton"))
     lib = root / "kernels" / f"{name}-{tag[:16]}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([cc, str(src), *flags, "-o", str(tmp)], capture_output=True,
-                           text=True)
+        obj = lib.with_suffix(f".{os.getpid()}.o")
+        r = subprocess.run([cc, "-c", str(src), *compile_flags, "-o", str(obj)],
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            r = subprocess.run([cc, str(obj), *link_flags, "-o", str(tmp)], capture_output=True,
+                               text=True)
+        obj.unlink(missing_ok=True)
         if r.returncode != 0:
             print(f"[baton] native kernel {name} failed to compile, using torch:\n{r.stderr}",
                   file=sys.stderr)

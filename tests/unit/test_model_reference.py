@@ -104,3 +104,34 @@ def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_b
     ref = hf_logprobs(hf, PROMPT + c.token_ids)
     for i, lp in enumerate(c.logprobs):
         assert abs(float(ref[len(PROMPT) - 1 + i][lp.token_id]) - lp.logprob) < 0.1
+
+
+def test_the_fused_bf16_path_computes_what_the_unfused_one_does(tiny_llama, monkeypatch):
+    # bf16 GEMMs with native kernels in between (rounding each GEMM input once, as the float32
+    # path with bf16 GEMMs does) against that float32 path, on mixed batches: chunked prefills
+    # beside decode steps (a 12-token budget), prefix-cache hits, and a pure decode tail
+    from baton.engine import config as config_mod
+    from baton.kernels import cpu_fused
+
+    if cpu_fused.load() is None or not torch.backends.mkldnn.is_available():
+        pytest.skip("no C compiler or no oneDNN: the fused path is off")
+    monkeypatch.setattr(config_mod, "cpu_has_native_half", lambda: True)
+    path, _ = tiny_llama
+    engine = LLMEngine(load_model(path), EngineConfig(dtype="bfloat16", block_size=4,
+                                                      num_kv_blocks=64,
+                                                      max_num_batched_tokens=12))
+    assert engine.model.fused_bf16
+    prompts = [PROMPT, PROMPT[:9] + [77, 78], list(range(30, 61)), [399]]
+    got = {}
+    for fused in (True, False):
+        engine.model.fused_bf16 = fused
+        params = SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True,
+                                cache_salt=f"fused={fused}")
+        got[fused] = engine.generate(prompts, params)
+        engine.check_integrity()
+    for a, b in zip(got[True], got[False], strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            for (_, va), (_, vb) in zip(la.top, lb.top, strict=True):
+                assert abs(va - vb) < 2e-3, (va, vb)

@@ -85,3 +85,85 @@ def test_prefill_attention_over_cached_and_new_keys(monkeypatch, merged, dtype, 
     assert got.dtype == dtype and got.shape == (n, hq, 64)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors are, elementwise (same-sign values)."""
+    return (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+
+
+@pytest.mark.parametrize("t, h", [(1, 5), (7, 33), (3, 576), (16, 64)])
+def test_rms_norm_to_bf16_matches_torch(t, h):
+    # one pass from the float32 residual to the GEMM's bf16 input: float32 arithmetic rounded
+    # once, as F.rms_norm followed by .bfloat16(); a sum in another order may move a value
+    # sitting on a rounding boundary by one bf16 step, no more
+    from baton.kernels import cpu_fused
+
+    g = torch.Generator().manual_seed(t * 100 + h)
+    x, w = torch.randn(t, h, generator=g) * 3, torch.randn(h, generator=g)
+    got = cpu_fused.rms_norm_bf16(x, w, 1e-5)
+    want = F.rms_norm(x, (h,), w, 1e-5).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (t, h)
+    ulps = _bf16_ulps(got, want)
+    assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 0.02
+
+
+@pytest.mark.parametrize("t, inter", [(1, 3), (5, 17), (9, 1536), (2, 64)])
+def test_silu_mul_bf16_matches_torch(t, inter):
+    from baton.kernels import cpu_fused
+
+    g = torch.Generator().manual_seed(t + inter)
+    gu = (torch.randn(t, 2 * inter, generator=g) * 4).bfloat16()
+    gu[0, 0] = float("nan")  # propagates, as in torch
+    gu[-1, inter - 1] = -200.0  # exp would overflow: silu is ~0, not NaN
+    got = cpu_fused.silu_mul_bf16(gu)
+    f = gu.float()
+    want = (F.silu(f[:, :inter]) * f[:, inter:]).bfloat16()
+    assert got.shape == (t, inter) and bool(got[0, 0].isnan())
+    assert abs(float(got[-1, inter - 1])) < 1e-30
+    ok = ~want.isnan()
+    ok[-1, inter - 1] = False
+    assert int(_bf16_ulps(got[ok], want[ok]).max()) <= 1
+
+
+@pytest.mark.parametrize("t, hq, hkv, d", [(1, 3, 1, 16), (6, 9, 3, 64), (4, 2, 2, 128),
+                                           (11, 4, 1, 32)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rope_bf16_matches_the_float32_rotation(t, hq, hkv, d, with_bias):
+    # queries and keys rotate at their own positions, values pass through (plus the bias);
+    # float_queries returns the rotated queries before rounding
+    from baton.engine.model import apply_rope
+    from baton.kernels import cpu_fused
+
+    g = torch.Generator().manual_seed(t * hq + d)
+    width = (hq + 2 * hkv) * d
+    qkv = torch.randn(t, width, generator=g).bfloat16()
+    bias = torch.randn(width, generator=g) if with_bias else None
+    ang = torch.rand(50, d // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    pos = torch.randint(0, 50, (t,), generator=g)
+    out, qf = cpu_fused.rope_bf16(qkv, bias, cos, sin, pos, hq + hkv, d, float_queries=hq)
+    x = qkv.float() + (0 if bias is None else bias)
+    x = x.view(t, hq + 2 * hkv, d)
+    rot = apply_rope(x[:, : hq + hkv], cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+    assert out.shape == (t, hq + 2 * hkv, d) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(qf, rot[:, :hq], atol=1e-5, rtol=1e-5)
+    assert int(_bf16_ulps(out[:, : hq + hkv], rot.bfloat16()).max()) <= 1
+    assert torch.equal(out[:, hq + hkv:], x[:, hq + hkv:].bfloat16())
+    out2, none = cpu_fused.rope_bf16(qkv, bias, cos, sin, pos, hq + hkv, d)
+    assert none is None and torch.equal(out2, out)
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone():
+    # a library linked with -ffast-math sets flush-to-zero for the whole process when it loads;
+    # torch would then compute 1e-39 * 1 as 0. A fresh process: nothing else loaded them first
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from baton.kernels import cpu_attention, cpu_fused, cpu_linear\n"
+            "assert cpu_attention.load() and cpu_fused.load() and cpu_linear.load()\n"
+            "x = torch.tensor([1e-39])\n"
+            "print(float(x * 1.0) > 0, float(torch.tensor([1e-38]) / 100) > 0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
