@@ -117,8 +117,10 @@ class LLMEngine:
         if cfg.device != "cpu" and not torch.cuda.is_available():
             raise InvalidRequestError("device", cfg.device, "CUDA is not available here")
         weights = {k: v.to(storage).to(compute).to(cfg.device) for k, v in model.weights.items()}
+        # GGUF blocks hold the float32 weights exactly; rounded to a half dtype they do not
+        exact = storage == compute == torch.float32 and cfg.device == "cpu"
         self.model = LlamaModel(mc, weights, compute, cfg.attention_backend, storage,
-                                cfg.gemm_dtype)
+                                cfg.gemm_dtype, model.quantized if exact else None)
         self.attention_backend = self.model.attention_backend
         self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // self.block_nbytes)

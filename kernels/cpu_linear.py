@@ -27,8 +27,60 @@ def load() -> ctypes.CDLL | None:
     return dll
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] float32, w [N, K] float32/bfloat16 contiguous, bias [N] float32 -> [M, N]."""
+QUANT_TYPES = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}  # kernel code, bytes a block
+QUANT_MAX_K = 16384
+
+
+class QuantWeight:
+    """A [N, K] weight kept as its GGUF blocks: ``blocks`` uint8 [N, K / 32 * block bytes], each
+    row its own run of 32-weight blocks (``qtype``: Q8_0, Q4_0 or Q4_1). :func:`linear` reads it
+    directly; :func:`dequantize` gives the float32 matrix, equal bit for bit to the gguf
+    package's."""
+
+    __slots__ = ("qtype", "blocks", "shape")
+
+    def __init__(self, qtype: str, blocks: torch.Tensor, k: int):
+        code, nbytes = QUANT_TYPES[qtype]
+        assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and k % 32 == 0
+        assert blocks.shape[1] == k // 32 * nbytes, (qtype, blocks.shape, k)
+        self.qtype, self.blocks, self.shape = qtype, blocks.contiguous(), (blocks.shape[0], k)
+
+    @staticmethod
+    def usable(qtype: str, k: int) -> bool:
+        return qtype in QUANT_TYPES and k % 32 == 0 and k <= QUANT_MAX_K and quant_load() is not None
+
+
+@cache
+def quant_load() -> ctypes.CDLL | None:
+    # no multiply-add may fuse in the dequantization: each weight must be the float32 value the
+    # gguf package computes (a product, then a sum, each rounded)
+    dll = native.build("quant_linear", ["-fopenmp", "-ffp-contract=off"])
+    if dll is None:
+        return None
+    dll.quant_linear.restype = dll.quant_dequantize.restype = ctypes.c_int
+    dll.quant_linear.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
+                                 + [ctypes.c_int64] * 3 + [ctypes.c_int])
+    dll.quant_dequantize.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int]
+                                     + [ctypes.c_int64] * 2)
+    return dll
+
+
+def dequantize(w: QuantWeight) -> torch.Tensor:
+    dll = quant_load()
+    assert dll is not None
+    out = torch.empty(w.shape, dtype=torch.float32)
+    rc = dll.quant_dequantize(out.data_ptr(), w.blocks.data_ptr(), QUANT_TYPES[w.qtype][0],
+                              *w.shape)
+    assert rc == 0
+    return out
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32, w [N, K] float32/bfloat16 contiguous or a :class:`QuantWeight`, bias [N]
+    float32 -> [M, N]."""
+    if isinstance(w, QuantWeight):
+        return _quant_linear(x, w, bias)
     dll = load()
     assert dll is not None
     assert x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16), (x.dtype,
@@ -46,4 +98,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
                             None if bias is None else bias.data_ptr(), m, n, k,
                             torch.get_num_threads())
     assert rc == 0
+    return y
+
+
+def _quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    dll = quant_load()
+    assert dll is not None
+    assert x.dtype == torch.float32 and x.shape[-1] == w.shape[1], (x.shape, w.shape)
+    x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.shape[0], dtype=torch.float32)
+    if m == 0:
+        return y
+    if bias is not None:
+        bias = bias.float().contiguous()
+    rc = dll.quant_linear(y.data_ptr(), x.data_ptr(), w.blocks.data_ptr(),
+                          QUANT_TYPES[w.qtype][0], None if bias is None else bias.data_ptr(),
+                          m, w.shape[0], w.shape[1], torch.get_num_threads())
+    assert rc == 0, (w.qtype, w.shape)
     return y

@@ -10,6 +10,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.errors import ModelLoadError, UnsupportedModelError
 from baton.engine.loader import load_model
+from baton.engine.params import SamplingParams
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
@@ -147,3 +148,49 @@ def test_bad_paths(tmp_path):
     (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
         load_model(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_a_float32_engine_reads_the_gguf_blocks_in_small_batches(tiny_llama, tmp_path, cache,
+                                                                  qtype):
+    # every fused linear weight keeps its source blocks (q/k rows un-permuted like the float32
+    # rows), which dequantize to exactly the float32 weights; a float32 engine's small batches
+    # read them, with the same tokens and logprobs as from the float32 copy
+    from dataclasses import replace
+
+    from baton.kernels import cpu_linear
+
+    if cpu_linear.quant_load() is None:
+        pytest.skip("no C compiler")
+    hf_dir, hf = tiny_llama
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf, qtype)
+    model = load_model(tmp_path / "m.gguf")
+    layer_mats = {f"layers.{i}.{n}" for i in range(hf.config.num_hidden_layers)
+                  for n in ("qkv", "o", "gate_up", "down")}
+    assert set(model.quantized) == layer_mats | {"embed", "lm_head"}
+    for name, (q, blocks) in model.quantized.items():
+        assert q == qtype.name
+        w = cpu_linear.QuantWeight(q, blocks, model.weights[name].shape[1])
+        assert torch.equal(cpu_linear.dequantize(w), model.weights[name]), name
+    again = load_model(tmp_path / "m.gguf")  # from the cache
+    assert again.quantized.keys() == model.quantized.keys()
+    assert all(torch.equal(again.quantized[k][1], b) for k, (_, b) in model.quantized.items())
+
+    cfg = EngineConfig(block_size=4, num_kv_blocks=64)
+    engine = LLMEngine(model, cfg)
+    assert isinstance(engine.model.layers[0].qkv.small, cpu_linear.QuantWeight)
+    assert isinstance(engine.model.lm_head.small, cpu_linear.QuantWeight)
+    plain = LLMEngine(replace(model, quantized={}), cfg)
+    assert isinstance(plain.model.layers[0].qkv.small, torch.Tensor)
+    prompts = [PROMPT, PROMPT[:5], list(range(40, 75))]
+    params = SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True)
+    for a, b in zip(engine.generate(prompts, params), plain.generate(prompts, params),
+                    strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 1e-4
+    # weights rounded to bf16 are not the blocks' values: that engine never reads them
+    half = LLMEngine(model, EngineConfig(dtype="bfloat16", block_size=4, num_kv_blocks=64))
+    assert not any(isinstance(lin.small, cpu_linear.QuantWeight)
+                   for lin in (half.model.lm_head, half.model.layers[0].qkv))

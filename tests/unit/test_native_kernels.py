@@ -167,3 +167,28 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone():
             "print(float(x * 1.0) > 0, float(torch.tensor([1e-38]) / 100) > 0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("m, n, k", [(1, 7, 32), (3, 33, 96), (16, 5, 64), (2, 1, 160)])
+def test_quant_linear_reads_gguf_blocks_exactly(qtype, m, n, k):
+    # the kernel's weights are bit for bit the gguf package's dequantized values (scales
+    # include subnormal, negative and zero halves), and its products match float64
+    from gguf import GGMLQuantizationType, quants
+
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    w = torch.randn(n, k, generator=g).numpy()
+    w[0, :32] *= 1e-6  # a block whose fp16 scale is subnormal
+    if n > 1:
+        w[1, 32:64] = 0.0
+    qt = GGMLQuantizationType[qtype]
+    blocks = quants.quantize(w, qt)
+    want_w = torch.from_numpy(quants.dequantize(blocks, qt).astype("float32")).reshape(n, k)
+    qw = cpu_linear.QuantWeight(qtype, torch.from_numpy(blocks.copy()), k)
+    assert torch.equal(cpu_linear.dequantize(qw), want_w)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        want = F.linear(x.double(), want_w.double(), None if bias is None else bias.double())
+        got = cpu_linear.linear(x, qw, bias)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
