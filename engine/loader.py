@@ -21,7 +21,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 
 import numpy as np
@@ -53,7 +54,7 @@ class LoadedModel:
     weights_id: str  # content hash of the source weights
     # fused name -> (GGUF block type, uint8 blocks [rows, row bytes]) for linear weights (and a
     # tied embedding) whose source is Q8_0/Q4_0/Q4_1: exactly ``weights[name]``, dequantized
-    quantized: dict[str, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    quantized: dict[str, tuple[str, torch.Tensor]] = dc_field(default_factory=dict)
 
     def fingerprint(self, dtype: str, block_size: int) -> str:
         return model_fingerprint(self.config, self.weights_id, dtype, block_size)
@@ -257,8 +258,10 @@ def _convert_gguf(p: Path) -> LoadedModel:
 KEPT_BLOCKS = {"Q8_0", "Q4_0", "Q4_1"}
 
 
-def _fuse_blocks(cfg: ModelConfig,
-                 blocks: dict[str, tuple[str, torch.Tensor]]) -> dict[str, tuple[str, torch.Tensor]]:
+Blocks = dict[str, tuple[str, torch.Tensor]]  # name -> (GGUF block type, uint8 rows)
+
+
+def _fuse_blocks(cfg: ModelConfig, blocks: Blocks) -> Blocks:
     """The fused matrices (as in :func:`_fuse`) whose parts are all blocks of one type."""
     out = {}
 

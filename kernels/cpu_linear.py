@@ -47,7 +47,8 @@ class QuantWeight:
 
     @staticmethod
     def usable(qtype: str, k: int) -> bool:
-        return qtype in QUANT_TYPES and k % 32 == 0 and k <= QUANT_MAX_K and quant_load() is not None
+        return (qtype in QUANT_TYPES and k % 32 == 0 and k <= QUANT_MAX_K
+                and quant_load() is not None)
 
 
 @cache
