@@ -106,6 +106,7 @@ static inline __attribute__((always_inline)) void item_impl(const Args *a, int i
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+__m512 _ZGVeN16v_expf(__m512);  /* glibc's libmvec (linked with -lmvec) */
 
 /* 16 elements of row `base + i` as float32 (bf16 widened by a shift). */
 static inline __m512 load16(const void *kv, int64_t i, const int is_bf16) {
@@ -198,14 +199,26 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
         for (int g = 0; g < G; g++) {
             float mx = m[g], sum = 0.f;
             float *sg = s[g];
-            /* both loops vectorize (the exponentials through libmvec) */
             #pragma omp simd reduction(max:mx)
             for (int t = 0; t < cnt; t++) mx = sg[t] > mx ? sg[t] : mx;
             const float corr = expf(m[g] - mx);
             const __m512 c = _mm512_set1_ps(corr);
             for (int j = 0; j < 4; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], c);
-            #pragma omp simd reduction(+:sum)
-            for (int t = 0; t < cnt; t++) { const float e = expf(sg[t] - mx); sg[t] = e; sum += e; }
+            /* the exponentials 16 at a time through libmvec's AVX-512 expf, called by name:
+             * GCC vectorizes expf only under -ffinite-math-only, which this file cannot use
+             * (the running maximum starts at -inf), and a scalar expf per score was most of a
+             * bf16 decode step's attention time */
+            const __m512 vmx = _mm512_set1_ps(mx);
+            __m512 vsum = _mm512_setzero_ps();
+            for (int t = 0; t < cnt; t += 16) {
+                const __mmask16 k = cnt - t >= 16 ? (__mmask16)0xffff
+                                                  : (__mmask16)((1u << (cnt - t)) - 1);
+                const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(
+                    _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, sg + t), vmx));
+                _mm512_mask_storeu_ps(sg + t, k, e);
+                vsum = _mm512_add_ps(vsum, e);  /* masked lanes are exp(-inf) = 0 */
+            }
+            sum = _mm512_reduce_add_ps(vsum);
             l[g] = l[g] * corr + sum;
             m[g] = mx;
         }
