@@ -45,7 +45,11 @@ def sample(
 
 
 def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    row = row / p.temperature
+    # shifted so the largest logit is 0 before dividing, and the temperature kept a float32
+    # normal: a tiny temperature (1e-38, or 1e-300, which is 0 in float32) then sends the
+    # others to -inf instead of overflowing them all to inf or dividing 0 by 0, whose softmax
+    # is NaN (that killed the engine loop); the distribution is the same
+    row = (row - row.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
     if p.top_k and p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

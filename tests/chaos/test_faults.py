@@ -19,7 +19,9 @@ from tests.chaos.harness import ChaosCluster, Load, check, info, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-MAX_TOKENS = 40
+# long enough that a stream picked with `left` tokens still to come is running when the signal
+# lands (with 40 and 12 left, a float32 decode fast enough finished them first)
+MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +134,7 @@ def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, wan
 def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want):
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    k = streaming_on(cluster.decode, load, want=want, left=12)
+    k = streaming_on(cluster.decode, load, want=want, left=24)
     victim = cluster.decode[k]
     others = {w: p for w, p in pids(cluster).items() if w != victim.worker_id}
     victim.kill()
@@ -196,7 +198,7 @@ def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
     # deadline: room for a stream to stall (3 s), then finish elsewhere
     load = Load(cluster, clients=4, deadline=20.0, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
-    k = streaming_on(cluster.decode, load, want=want, left=12)
+    k = streaming_on(cluster.decode, load, want=want, left=24)
     stopped = cluster.decode[k]
     stopped.proc.send_signal(signal.SIGSTOP)
     try:

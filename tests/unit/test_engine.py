@@ -174,6 +174,19 @@ def test_seed_reproducible_and_sampling_filters(tiny_engine):
         assert eng.generate(p, sp)[0].token_ids == greedy, kw
 
 
+def test_a_vanishing_temperature_samples_the_argmax_and_the_engine_lives(tiny_engine):
+    # 1e-38 overflowed every logit / temperature to inf and 1e-300 is 0 in float32: the softmax
+    # was NaN, torch.multinomial raised, and the engine loop died for every request
+    eng = tiny_engine()
+    p = [[11, 12, 13, 14, 15]]
+    greedy = eng.generate(p, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    for t in (1e-20, 1e-38, 1e-41, 1e-300):
+        for kw in ({}, {"top_p": 0.5}, {"top_k": 3}):
+            sp = SamplingParams(max_tokens=6, temperature=t, seed=5, ignore_eos=True, **kw)
+            assert eng.generate(p, sp)[0].token_ids == greedy, (t, kw)
+    eng.check_integrity()
+
+
 def test_logprobs(tiny_engine):
     eng = tiny_engine()
     c = eng.generate([[20, 21, 22]], SamplingParams(max_tokens=5, logprobs=3,
