@@ -230,11 +230,9 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
     if (small_dtype == torch.float32 and blocks is not None
             and cpu_linear.QuantWeight.usable(blocks[0], t.shape[1])):
         small = cpu_linear.QuantWeight(blocks[0], blocks[1], t.shape[1])
-        if transposed:
-            return Linear(resident(t.t(), gemm_dtype), bias, small, True)
-        return Linear(resident(t, gemm_dtype), bias, small, False)
-    small = None if small_dtype is None else resident(t, small_dtype)
-    plain = small if small is not None and small.dtype == gemm_dtype else None
+    else:
+        small = None if small_dtype is None else resident(t, small_dtype)
+    plain = small if isinstance(small, torch.Tensor) and small.dtype == gemm_dtype else None
     packed = None
     if gemm_dtype == torch.bfloat16 and t.dtype != gemm_dtype:  # bf16 GEMMs, f32 activations
         plain = plain if plain is not None else resident(t, gemm_dtype)

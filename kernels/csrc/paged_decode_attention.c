@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
                 _mm512_storeu_ps(&s[g][t0], _mm512_mul_ps(hsum16(dv[g]), scale));
         }
         for (int g = 0; g < G; g++) {
-            float mx = m[g], sum = 0.f;
+            float mx = m[g];
             float *sg = s[g];
             #pragma omp simd reduction(max:mx)
             for (int t = 0; t < cnt; t++) mx = sg[t] > mx ? sg[t] : mx;
@@ -218,8 +218,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
                 _mm512_mask_storeu_ps(sg + t, k, e);
                 vsum = _mm512_add_ps(vsum, e);  /* masked lanes are exp(-inf) = 0 */
             }
-            sum = _mm512_reduce_add_ps(vsum);
-            l[g] = l[g] * corr + sum;
+            l[g] = l[g] * corr + _mm512_reduce_add_ps(vsum);
             m[g] = mx;
         }
         for (int t = 0; t < cnt; t++) {

@@ -55,7 +55,8 @@ static int64_t block_bytes(int qtype) {
     return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : -1;
 }
 
-/* Row of K weights (K / 32 blocks) -> float32 out[K]. */
+#ifndef HAVE_AVX512
+/* Row of K weights (K / 32 blocks) -> float32 out[K] (CPUs without AVX-512). */
 static void dequant_row(float *restrict out, const uint8_t *restrict row, int qtype, int64_t K) {
     const int64_t bb = block_bytes(qtype);
     for (int64_t b = 0; b < K / 32; b++) {
@@ -86,7 +87,6 @@ static void dequant_row(float *restrict out, const uint8_t *restrict row, int qt
     }
 }
 
-#ifndef HAVE_AVX512
 static inline float dot(const float *restrict a, const float *restrict b, int64_t K) {
     float s = 0.f;
     for (int64_t k = 0; k < K; k++) s += a[k] * b[k];
@@ -206,10 +206,23 @@ int quant_linear(float *y, const float *x, const uint8_t *w, int qtype, const fl
     return 0;
 }
 
-/* The float32 weights themselves (the test checks them against the gguf package's). */
+/* The float32 weights themselves, through the dequantization quant_linear uses on this CPU (the
+ * test checks them bit for bit against the gguf package's). */
 int quant_dequantize(float *out, const uint8_t *w, int qtype, int64_t N, int64_t K) {
     const int64_t bb = block_bytes(qtype);
     if (bb < 0 || K % 32 != 0) return -1;
-    for (int64_t n = 0; n < N; n++) dequant_row(out + n * K, w + n * (K / 32 * bb), qtype, K);
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = w + n * (K / 32 * bb);
+#ifdef HAVE_AVX512
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512 w0, w1;
+            dequant_block(row + k / 32 * bb, qtype, &w0, &w1);
+            _mm512_storeu_ps(out + n * K + k, w0);
+            _mm512_storeu_ps(out + n * K + k + 16, w1);
+        }
+#else
+        dequant_row(out + n * K, row, qtype, K);
+#endif
+    }
     return 0;
 }

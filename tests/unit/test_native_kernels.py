@@ -186,6 +186,10 @@ def test_quant_linear_reads_gguf_blocks_exactly(qtype, m, n, k):
     want_w = torch.from_numpy(quants.dequantize(blocks, qt).astype("float32")).reshape(n, k)
     qw = cpu_linear.QuantWeight(qtype, torch.from_numpy(blocks.copy()), k)
     assert torch.equal(cpu_linear.dequantize(qw), want_w)
+    # one-hot rows pick single weights out of the product itself: exact, so the kernel's own
+    # dequantization is bit for bit too
+    cols = torch.arange(m) % k
+    assert torch.equal(cpu_linear.linear(torch.eye(k)[cols], qw), want_w[:, cols].T)
     x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
     for bias in (None, b):
         want = F.linear(x.double(), want_w.double(), None if bias is None else bias.double())
