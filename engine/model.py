@@ -124,29 +124,42 @@ SMALL_M_HALF = 4
 # SmolLM2 Q4_1 file on the 2-vCPU AMX Xeon, 500-token contexts, against float32 BLAS:
 # 24 rows 96 -> 87 ms, 32 rows 118 -> 114 ms
 SMALL_M_BLOCKS = 32
+# A float32 weight prepacked for oneDNN (make_linear) takes over above 4 rows, from the blocks
+# and from float32 weights alike. Decode steps of the SmolLM2 Q4_1 file on a 2-vCPU Zen 4,
+# 500-token contexts, blocks -> packed: 1 row 12.7 -> 32.5 ms (the blocks stream at a quarter
+# of the bytes), 4 rows 23 -> 31, 8 rows ~equal, 32 rows 125 -> 93 ms.
+SMALL_M_PACKED_BLOCKS = 4
+SMALL_M_PACKED = 4
 
 
 class Linear:
     """``y = x @ w.T + bias``, float32 in and out. ``small`` is the same matrix for the native
     small-M kernel, in the storage dtype (bfloat16 weights stream at half the bytes), or ``None``
     to always use BLAS. ``w`` is in the GEMM dtype: float32, or bfloat16 on a CPU with bf16
-    arithmetic (``x`` is rounded to it for the product). A bf16 ``w`` is prepacked for oneDNN
-    (``packed``) where PyTorch can: otherwise every product repacks the whole matrix into the
-    AMX layout, ~30% of a decode step's linear time at 8-128 rows. With ``transposed``, ``w`` is
-    stored as [K, N] for BLAS (faster for a very tall float32 matrix)."""
+    arithmetic (``x`` is rounded to it for the product). ``packed`` is ``w`` prepacked for oneDNN
+    where PyTorch can: for bf16, otherwise every product repacks the whole matrix into the AMX
+    layout (~30% of a decode step's linear time at 8-128 rows); for float32, oneDNN's GEMM on it
+    beats CPU BLAS on the plain matrix, and ``w`` is only the reference. With ``transposed``,
+    ``w`` is stored as [K, N] for BLAS (faster for a very tall float32 matrix)."""
 
     __slots__ = ("w", "bias", "small", "transposed", "small_m", "packed")
 
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, small: torch.Tensor | None,
                  transposed: bool = False, packed: torch.Tensor | None = None):
         self.w, self.bias, self.small, self.transposed = w, bias, small, transposed
-        self.small_m = (SMALL_M_BLOCKS if isinstance(small, cpu_linear.QuantWeight)
-                        else SMALL_M if w.dtype == torch.float32 else SMALL_M_HALF)
+        blocks = isinstance(small, cpu_linear.QuantWeight)
+        if packed is not None and w.dtype == torch.float32:
+            self.small_m = SMALL_M_PACKED_BLOCKS if blocks else SMALL_M_PACKED
+        else:
+            self.small_m = (SMALL_M_BLOCKS if blocks
+                            else SMALL_M if w.dtype == torch.float32 else SMALL_M_HALF)
         self.packed = packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_m:
             return cpu_linear.linear(x, self.small, self.bias)
+        if self.packed is not None and self.w.dtype == x.dtype:  # float32, prepacked
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.w.dtype != x.dtype:  # a bf16 GEMM: float32 accumulation, float32 out
             y = self._half_gemm(x).float()
             return y if self.bias is None else y + self.bias
@@ -176,23 +189,27 @@ class Linear:
             h.add_(self(x))
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
-    """``w`` [N, K] bf16 in oneDNN's blocked layout for ``mkldnn._linear_pointwise``, or None
-    where this PyTorch build cannot (no oneDNN): the plain GEMM is used then."""
-    return torch.ops.mkldnn._reorder_linear_weight(w) if _packing_works() else None
+def prepack(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` [N, K] (float32 or bf16) in oneDNN's blocked layout for
+    ``mkldnn._linear_pointwise``, or None where this PyTorch build cannot (no oneDNN): the plain
+    GEMM is used then."""
+    return torch.ops.mkldnn._reorder_linear_weight(w) if _packing_works(w.dtype) else None
 
 
 @functools.cache
-def _packing_works() -> bool:
-    """Whether this PyTorch has oneDNN's prepacked bf16 linear and it agrees with F.linear."""
+def _packing_works(dtype: torch.dtype) -> bool:
+    """Whether this PyTorch has oneDNN's prepacked linear for ``dtype`` and it agrees with
+    F.linear (a float32 one to float32 rounding: no reduced-precision math mode)."""
     try:
         if not torch.backends.mkldnn.is_available():
             return False
-        w = torch.randn(8, 32).bfloat16()
-        x = torch.randn(2, 32).bfloat16()
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(8, 64, generator=gen).to(dtype)
+        x = torch.randn(2, 64, generator=gen).to(dtype)
         y = torch.ops.mkldnn._linear_pointwise(
             x, torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-        return torch.allclose(y.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        return torch.allclose(y.float(), F.linear(x, w).float(), rtol=tol, atol=tol)
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
@@ -222,11 +239,12 @@ _HUGE_PAGE = 1 << 21
 
 def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.dtype | None,
                 gemm_dtype: torch.dtype, transposed: bool = False,
-                blocks: tuple[str, torch.Tensor] | None = None) -> Linear:
+                blocks: tuple[str, torch.Tensor] | None = None, pack: bool = True) -> Linear:
     """A :class:`Linear` for weight ``t`` ([N, K], compute dtype), sharing one copy between the
-    small-M kernel and BLAS where the dtypes allow it. ``transposed`` (a very tall matrix) applies
-    to a plain float32 GEMM only; a prepacked bf16 one takes [N, K]. ``blocks`` (GGUF block type,
-    uint8 blocks) are ``t``'s own source blocks: with a float32 small-M kernel, it reads those."""
+    small-M kernel and BLAS where the dtypes allow it. With ``pack`` (CPU), the GEMM runs on a
+    copy prepacked for oneDNN where this PyTorch can; ``transposed`` (a very tall matrix) applies
+    to a plain float32 GEMM only. ``blocks`` (GGUF block type, uint8 blocks) are ``t``'s own
+    source blocks: with a float32 small-M kernel, it reads those."""
     if (small_dtype == torch.float32 and blocks is not None
             and cpu_linear.QuantWeight.usable(blocks[0], t.shape[1])):
         small = cpu_linear.QuantWeight(blocks[0], blocks[1], t.shape[1])
@@ -234,11 +252,18 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
         small = None if small_dtype is None else resident(t, small_dtype)
     plain = small if isinstance(small, torch.Tensor) and small.dtype == gemm_dtype else None
     packed = None
-    if gemm_dtype == torch.bfloat16 and t.dtype != gemm_dtype:  # bf16 GEMMs, f32 activations
+    if pack and gemm_dtype == torch.bfloat16 and t.dtype != gemm_dtype:  # bf16 GEMMs
         plain = plain if plain is not None else resident(t, gemm_dtype)
-        packed = pack_bf16(plain)
+        packed = prepack(plain)
         if packed is not None:  # faster than the native kernel at every batch (SMALL_M_HALF)
             small = None
+    elif pack and gemm_dtype == torch.float32 == t.dtype and t.device.type == "cpu":
+        # oneDNN's prepacked float32 GEMM against CPU BLAS (F.linear) on a 2-vCPU Zen 4, SmolLM2
+        # shapes: 1.4-1.8x at 32 rows, 1.1-1.4x at 1,024; the small-M kernel stays faster at a
+        # few rows (SMALL_M_PACKED). ``w`` is then kept as the reference, not copied.
+        packed = prepack(t.contiguous())
+        if packed is not None:
+            return Linear(plain if plain is not None else t, bias, small, False, packed)
     if transposed and packed is None:
         return Linear(resident(t.t(), gemm_dtype), bias, small, True)
     return Linear(plain if plain is not None else resident(t, gemm_dtype), bias, small, False,
@@ -248,10 +273,11 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
 class Layer:
     def __init__(self, w: dict[str, torch.Tensor], small_dtype: torch.dtype | None,
                  gemm_dtype: torch.dtype,
-                 blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> None:
+                 blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
+                 pack: bool = True) -> None:
         def lin(name, bias=None):
             return make_linear(w[name], bias, small_dtype, gemm_dtype,
-                               blocks=(blocks or {}).get(name))
+                               blocks=(blocks or {}).get(name), pack=pack)
 
         self.attn_norm = w["attn_norm"]
         self.qkv = lin("qkv", w.get("qkv_bias"))  # [q_size + 2 * kv_size, hidden]
@@ -340,7 +366,7 @@ class LlamaModel:
         self.norm = weights["norm"]
         self.layers = [
             Layer({k.split(".", 2)[2]: v for k, v in weights.items()
-                   if k.startswith(f"layers.{i}.")}, None, dtype)
+                   if k.startswith(f"layers.{i}.")}, None, dtype, pack=False)
             for i in range(cfg.num_layers)
         ]
         self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)

@@ -69,6 +69,30 @@ def test_bfloat16_stays_close(tiny_llama):
         assert abs(float(ref[len(PROMPT) - 1 + i][lp.token_id]) - lp.logprob) < 0.1
 
 
+def test_float32_gemms_run_on_prepacked_weights(tmp_path):
+    # a float32 engine multiplies batches above SMALL_M_PACKED rows on weights prepacked for
+    # oneDNN (faster than CPU BLAS on the same matrix), in float32: the same products as
+    # F.linear to float32 rounding, bias included (Qwen2's qkv), and the same tokens as HF
+    from baton.engine.model import SMALL_M_PACKED, make_linear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this PyTorch has no oneDNN")
+    hf = make_hf_model(tmp_path / "q", "qwen2", tie_word_embeddings=True)
+    engine = LLMEngine(load_model(tmp_path / "q"), EngineConfig(block_size=4, num_kv_blocks=64))
+    for lin in (engine.model.layers[0].qkv, engine.model.layers[0].down, engine.model.lm_head):
+        assert lin.packed is not None and lin.packed.dtype == torch.float32
+        x = torch.randn(SMALL_M_PACKED + 5, lin.w.shape[1], dtype=torch.float64).float()
+        ref = x.double() @ lin.w.double().t() + (0 if lin.bias is None else lin.bias.double())
+        for y in (lin(x), torch.cat([lin(x[i : i + 1]) for i in range(len(x))])):
+            torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    assert engine.model.layers[0].qkv.bias is not None
+    assert_matches_hf(engine, hf, PROMPT)
+    # a weight that cannot be packed (this build, or a CUDA one) keeps the plain GEMM
+    w = torch.randn(16, 32)
+    assert make_linear(w, None, None, torch.float32, pack=False).packed is None
+    assert torch.equal(make_linear(w, None, None, torch.float32, pack=False).w, w)
+
+
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_bf16):
     # bf16 weights: activations stay float32; large products run in bf16 only where the CPU has
