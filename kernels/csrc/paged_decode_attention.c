@@ -29,9 +29,12 @@ static inline float load(const void *base, int64_t i, int is_bf16) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
-/* Every 64-byte line of ``nbytes`` from ``p``. */
+/* Every 64-byte line of ``nbytes`` from ``p``, into L2 (prefetcht1), not L1: on a 2-vCPU Zen 4
+ * prefetches into L1 hold the L1's few miss buffers that the current block's loads wait on, and
+ * a 500-token, 32-sequence decode step's attention read 7.6 GB/s a thread that way, 10.7 into L2
+ * (2 threads: 14.9 -> 20.5 GB/s). */
 static inline void prefetch_row(const char *p, int nbytes) {
-    for (int off = 0; off < nbytes; off += 64) __builtin_prefetch(p + off);
+    for (int off = 0; off < nbytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
 /* Prefetch head h's K and V rows of KV block `blk` (this layer): the next block of a sequence,
