@@ -344,6 +344,10 @@ class LlamaModel:
                     and (lin.bias is None or lin is layer.qkv)
                     for layer in self.layers
                     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+        # float32 GEMMs: RMSNorm, RoPE and SiLU-and-multiply each in one native pass
+        self.fused_f32 = (
+            dtype == torch.float32 and gemm == torch.float32 and attention_backend != "torch"
+            and cfg.head_dim <= cpu_fused.MAX_HEAD_DIM and cpu_fused.load_f32() is not None)
 
     def _init_triton(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                      dtype: torch.dtype, attention_backend: str) -> None:
@@ -382,6 +386,8 @@ class LlamaModel:
             return self._forward_triton(input_ids, positions, meta, kv, logits_rows)
         if self.fused_bf16:
             return self._forward_fused_bf16(input_ids, positions, meta, kv, logits_rows)
+        if self.fused_f32:
+            return self._forward_fused_f32(input_ids, positions, meta, kv, logits_rows)
         cfg = self.cfg
         h = F.embedding(input_ids, self.embed).float()  # [T, hidden]: the residual, added in place
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -400,6 +406,29 @@ class LlamaModel:
             x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)  # views of a fresh tensor
             layer.down.add_to(h, F.silu(gate, inplace=True).mul_(up))
+        h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
+        return self.lm_head(h).float()
+
+    def _forward_fused_f32(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        kv: torch.Tensor, logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` for float32 GEMMs with RMSNorm, RoPE and SiLU-and-multiply in native
+        one-pass kernels (RoPE bit for bit torch's; the other two within float32 rounding). A
+        1,000-token prefill on a 2-vCPU Zen 4 spent ~8% of its time in those torch ops."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed).float()
+        t, rotated = h.shape[0], cfg.num_heads + cfg.num_kv_heads
+        for i, layer in enumerate(self.layers):
+            x = cpu_fused.rms_norm_f32(h, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = cpu_fused.rope_f32_(layer.qkv(x), self.cos, self.sin, positions, rotated,
+                                      cfg.head_dim).view(t, -1, cfg.head_dim)
+            q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
+            store_kv(kv, i, meta.slot_blocks, meta.slot_offsets, k, v)
+            o = self._attention(q, k, v, meta, kv, i)
+            layer.o.add_to(h, o.reshape(t, cfg.q_size))
+            x = cpu_fused.rms_norm_f32(h, layer.mlp_norm, cfg.rms_norm_eps)
+            layer.down.add_to(h, cpu_fused.silu_mul_f32(layer.gate_up(x)))
         h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()
 

@@ -91,3 +91,70 @@ def rope_bf16(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, s
                      cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), t, rotated_heads,
                      heads - rotated_heads, head_dim, torch.get_num_threads())
     return out, qf
+
+
+# ------------------------------------------------------------------------------------------------
+# float32 engines (csrc/fused_f32.c): the same three steps, float32 in and out
+# ------------------------------------------------------------------------------------------------
+
+
+@cache
+def load_f32() -> ctypes.CDLL | None:
+    # no -ffast-math and no contraction: RoPE must round as torch does (see the C file)
+    dll = native.build("fused_f32", ["-fopenmp", "-ffp-contract=off", "-lmvec", "-lm"])
+    if dll is None:
+        return None
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    for name, args in (
+        ("rms_norm_f32", [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int]),
+        ("silu_mul_f32", [ptr] * 2 + [i64] * 2 + [c_int]),
+        ("rope_f32", [ptr] * 4 + [i64] * 4 + [c_int]),
+    ):
+        fn = getattr(dll, name)
+        fn.restype, fn.argtypes = c_int, args
+    return dll
+
+
+def _dll_f32() -> ctypes.CDLL:
+    dll = load_f32()
+    assert dll is not None, "native kernels are off or could not be built"
+    return dll
+
+
+def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 ``x`` [T, H] with float32 ``weight`` [H]: float32 [T, H]."""
+    assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2, (x.dtype, weight.dtype)
+    assert weight.shape == (x.shape[1],) and weight.is_contiguous()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _dll_f32().rms_norm_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0],
+                            x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul_f32(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a float32 [T, 2I] tensor holding [gate | up]: float32 [T, I]."""
+    assert gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
+    gate_up = gate_up.contiguous()
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, inter)
+    _dll_f32().silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), t, inter,
+                            torch.get_num_threads())
+    return out
+
+
+def rope_f32_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+              rotated_heads: int, head_dim: int) -> torch.Tensor:
+    """Rotates the first ``rotated_heads`` heads of each row of float32 ``qkv`` [T, W] in place
+    (rotate-half rule, at ``positions`` [T]; ``cos``, ``sin``: float32 [max_position, D]) and
+    returns it: the same values as :func:`baton.engine.model.apply_rope`, bit for bit."""
+    t, width = qkv.shape
+    assert qkv.dtype == torch.float32 and qkv.is_contiguous() and head_dim % 2 == 0
+    assert head_dim <= MAX_HEAD_DIM and rotated_heads * head_dim <= width
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape[1] == head_dim
+    assert positions.shape == (t,)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    pos = positions.to(torch.int64).contiguous()
+    _dll_f32().rope_f32(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(), t, width,
+                        rotated_heads, head_dim, torch.get_num_threads())
+    return qkv

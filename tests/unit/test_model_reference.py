@@ -130,6 +130,35 @@ def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_b
         assert abs(float(ref[len(PROMPT) - 1 + i][lp.token_id]) - lp.logprob) < 0.1
 
 
+def test_the_fused_float32_path_computes_what_the_torch_ops_do(tiny_llama):
+    # RMSNorm, RoPE and SiLU-and-multiply in native kernels against the torch ops, on mixed
+    # batches (chunked prefills beside decode steps, prefix-cache hits, a pure decode tail)
+    from baton.kernels import cpu_fused
+
+    if cpu_fused.load_f32() is None:
+        pytest.skip("no C compiler: the fused path is off")
+    path, hf = tiny_llama
+    engine = LLMEngine(load_model(path), EngineConfig(block_size=4, num_kv_blocks=64,
+                                                      max_num_batched_tokens=12))
+    assert engine.model.fused_f32
+    prompts = [PROMPT, PROMPT[:9] + [77, 78], list(range(30, 61)), [399]]
+    got = {}
+    for fused in (True, False):
+        engine.model.fused_f32 = fused
+        params = SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True,
+                                cache_salt=f"fused={fused}")
+        got[fused] = engine.generate(prompts, params)
+        engine.check_integrity()
+    for a, b in zip(got[True], got[False], strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            for (_, va), (_, vb) in zip(la.top, lb.top, strict=True):
+                assert abs(va - vb) < 1e-5, (va, vb)
+    engine.model.fused_f32 = True
+    assert_matches_hf(engine, hf, PROMPT)
+
+
 def test_the_fused_bf16_path_computes_what_the_unfused_one_does(tiny_llama, monkeypatch):
     # bf16 GEMMs with native kernels in between (rounding each GEMM input once, as the float32
     # path with bf16 GEMMs does) against that float32 path, on mixed batches: chunked prefills

@@ -154,6 +154,53 @@ def test_rope_bf16_matches_the_float32_rotation(t, hq, hkv, d, with_bias):
     assert none is None and torch.equal(out2, out)
 
 
+@pytest.mark.parametrize("t, hq, hkv, d", [(1, 3, 1, 16), (6, 9, 3, 64), (4, 2, 2, 128),
+                                           (11, 4, 1, 32), (3, 2, 1, 510)])
+def test_rope_f32_is_torchs_rotation_bit_for_bit(t, hq, hkv, d):
+    # in place on the float32 QKV GEMM output: queries and keys rotated, values untouched, every
+    # value equal to apply_rope's (the kernel is built without contraction into fused multiply-add)
+    from baton.engine.model import apply_rope
+    from baton.kernels import cpu_fused
+
+    g = torch.Generator().manual_seed(t * hq + d)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g) * 7
+    ang = torch.rand(50, d // 2, generator=g) * 6
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    pos = torch.randint(0, 50, (t,), generator=g)
+    x = qkv.clone().view(t, hq + 2 * hkv, d)
+    want = apply_rope(x[:, : hq + hkv], cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+    got = cpu_fused.rope_f32_(qkv, cos, sin, pos, hq + hkv, d).view(t, hq + 2 * hkv, d)
+    assert got.data_ptr() == qkv.data_ptr()
+    assert torch.equal(got[:, : hq + hkv], want)
+    assert torch.equal(got[:, hq + hkv :], x[:, hq + hkv :])
+
+
+@pytest.mark.parametrize("t, h", [(1, 5), (7, 33), (3, 576), (16, 64)])
+def test_rms_norm_f32_matches_torch(t, h):
+    # the sum of squares in another order than torch's: float32 rounding apart
+    from baton.kernels import cpu_fused
+
+    g = torch.Generator().manual_seed(t * 100 + h)
+    x, w = torch.randn(t, h, generator=g) * 3, torch.randn(h, generator=g)
+    got = cpu_fused.rms_norm_f32(x, w, 1e-5)
+    torch.testing.assert_close(got, F.rms_norm(x, (h,), w, 1e-5), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t, inter", [(1, 3), (5, 17), (9, 1536), (2, 64)])
+def test_silu_mul_f32_matches_torch(t, inter):
+    from baton.kernels import cpu_fused
+
+    g = torch.Generator().manual_seed(t + inter)
+    gu = torch.randn(t, 2 * inter, generator=g) * 4
+    gu[0, 0] = float("nan")  # propagates, as in torch
+    gu[-1, inter - 1] = -200.0  # exp(200) overflows: silu is -0, not NaN
+    got = cpu_fused.silu_mul_f32(gu)
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    assert got.shape == (t, inter) and bool(got[0, 0].isnan())
+    assert float(got[-1, inter - 1]) == 0.0
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, equal_nan=True)
+
+
 def test_loading_the_kernels_leaves_subnormal_floats_alone():
     # a library linked with -ffast-math sets flush-to-zero for the whole process when it loads;
     # torch would then compute 1e-39 * 1 as 0. A fresh process: nothing else loaded them first
@@ -163,6 +210,7 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone():
     code = ("import torch\n"
             "from baton.kernels import cpu_attention, cpu_fused, cpu_linear\n"
             "assert cpu_attention.load() and cpu_fused.load() and cpu_linear.load()\n"
+            "assert cpu_fused.load_f32() and cpu_linear.quant_load()\n"
             "x = torch.tensor([1e-39])\n"
             "print(float(x * 1.0) > 0, float(torch.tensor([1e-38]) / 100) > 0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
