@@ -1,10 +1,15 @@
-"""Native one-pass elementwise kernels between bf16 GEMMs (``csrc/fused_bf16.c``), with ctypes.
+"""Native one-pass elementwise kernels between GEMMs, with ctypes: ``csrc/fused_bf16.c`` for bf16
+GEMMs, ``csrc/fused_f32.c`` for float32 ones.
 
-Used by the CPU model when its GEMMs run in bf16 (``LlamaModel`` with ``gemm_dtype`` bfloat16 and
-prepacked weights): RMSNorm straight to the GEMM's bf16 input, RoPE on the QKV GEMM's bf16 output,
-and SiLU-and-multiply on the gate/up GEMM's bf16 output. Each replaces a float32 round trip and a
-chain of torch ops with one read and one write; the arithmetic is float32 with one rounding to
-bf16, as before. :func:`load` returns ``None`` without a compiler or with ``BATON_NATIVE=0``.
+bf16: used by the CPU model when its GEMMs run in bf16 (``LlamaModel`` with ``gemm_dtype``
+bfloat16 and prepacked weights): RMSNorm straight to the GEMM's bf16 input, RoPE on the QKV GEMM's
+bf16 output, and SiLU-and-multiply on the gate/up GEMM's bf16 output. Each replaces a float32
+round trip and a chain of torch ops with one read and one write; the arithmetic is float32 with
+one rounding to bf16, as before.
+
+float32: the same three steps, float32 in and out, each one pass instead of up to five torch ops
+(``LlamaModel.fused_f32``). :func:`load` and :func:`load_f32` return ``None`` without a compiler
+or with ``BATON_NATIVE=0``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,23 @@ from baton.kernels import native
 MAX_HEAD_DIM = 512  # the RoPE kernel's per-head scratch
 
 
+i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def _declare(dll: ctypes.CDLL | None, suffix: str, rope_args: list) -> ctypes.CDLL | None:
+    """Argument types of a kernel library's three functions (``*_<suffix>``)."""
+    if dll is None:
+        return None
+    for name, args in (
+        ("rms_norm", [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int]),
+        ("silu_mul", [ptr] * 2 + [i64] * 2 + [c_int]),
+        ("rope", rope_args),
+    ):
+        fn = getattr(dll, f"{name}_{suffix}")
+        fn.restype, fn.argtypes = c_int, args
+    return dll
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     # -ffast-math without -fno-finite-math-only: glibc declares its vector expf (libmvec) only
@@ -25,17 +47,7 @@ def load() -> ctypes.CDLL | None:
     # thread: 5.5 ms with scalar expf, 0.9 ms vectorized at 512 bits)
     dll = native.build("fused_bf16", ["-fopenmp", "-ffast-math", "-mprefer-vector-width=512",
                                       "-lmvec", "-lm"])
-    if dll is None:
-        return None
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    for name, args in (
-        ("rms_norm_bf16", [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int]),
-        ("silu_mul_bf16", [ptr] * 2 + [i64] * 2 + [c_int]),
-        ("rope_bf16", [ptr] * 2 + [i64] + [ptr] * 5 + [i64] * 4 + [c_int]),
-    ):
-        fn = getattr(dll, name)
-        fn.restype, fn.argtypes = c_int, args
-    return dll
+    return _declare(dll, "bf16", [ptr] * 2 + [i64] + [ptr] * 5 + [i64] * 4 + [c_int])
 
 
 def _dll() -> ctypes.CDLL:
@@ -102,17 +114,7 @@ def rope_bf16(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, s
 def load_f32() -> ctypes.CDLL | None:
     # no -ffast-math and no contraction: RoPE must round as torch does (see the C file)
     dll = native.build("fused_f32", ["-fopenmp", "-ffp-contract=off", "-lmvec", "-lm"])
-    if dll is None:
-        return None
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    for name, args in (
-        ("rms_norm_f32", [ptr] * 3 + [i64] * 2 + [ctypes.c_float, c_int]),
-        ("silu_mul_f32", [ptr] * 2 + [i64] * 2 + [c_int]),
-        ("rope_f32", [ptr] * 4 + [i64] * 4 + [c_int]),
-    ):
-        fn = getattr(dll, name)
-        fn.restype, fn.argtypes = c_int, args
-    return dll
+    return _declare(dll, "f32", [ptr] * 4 + [i64] * 4 + [c_int])
 
 
 def _dll_f32() -> ctypes.CDLL:
