@@ -117,10 +117,12 @@ class LLMEngine:
         if cfg.device != "cpu" and not torch.cuda.is_available():
             raise InvalidRequestError("device", cfg.device, "CUDA is not available here")
         weights = {k: v.to(storage).to(compute).to(cfg.device) for k, v in model.weights.items()}
-        # GGUF blocks hold the float32 weights exactly; rounded to a half dtype they do not
-        exact = storage == compute == torch.float32 and cfg.device == "cpu"
+        # GGUF blocks hold the float32 weights exactly, and the bf16 ones once each weight is
+        # rounded to bf16 as it is read (the model decides which products read them)
+        blocks = (cfg.device == "cpu" and compute == torch.float32
+                  and storage in (torch.float32, torch.bfloat16))
         self.model = LlamaModel(mc, weights, compute, cfg.attention_backend, storage,
-                                cfg.gemm_dtype, model.quantized if exact else None)
+                                cfg.gemm_dtype, model.quantized if blocks else None)
         self.attention_backend = self.model.attention_backend
         self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // self.block_nbytes)

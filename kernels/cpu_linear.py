@@ -29,21 +29,29 @@ def load() -> ctypes.CDLL | None:
 
 QUANT_TYPES = {"Q8_0": (0, 34), "Q4_0": (1, 18), "Q4_1": (2, 20)}  # kernel code, bytes a block
 QUANT_MAX_K = 16384
+ROUND_BF16 = 0x100  # or-ed into the kernel's block type (csrc/quant_linear.c)
 
 
 class QuantWeight:
     """A [N, K] weight kept as its GGUF blocks: ``blocks`` uint8 [N, K / 32 * block bytes], each
     row its own run of 32-weight blocks (``qtype``: Q8_0, Q4_0 or Q4_1). :func:`linear` reads it
     directly; :func:`dequantize` gives the float32 matrix, equal bit for bit to the gguf
-    package's."""
+    package's. With ``round_bf16`` every weight is that value rounded to bf16 (to nearest even,
+    as ``.to(torch.bfloat16)``): the weights of a bf16 engine made from the same file."""
 
-    __slots__ = ("qtype", "blocks", "shape")
+    __slots__ = ("qtype", "blocks", "shape", "round_bf16")
 
-    def __init__(self, qtype: str, blocks: torch.Tensor, k: int):
+    def __init__(self, qtype: str, blocks: torch.Tensor, k: int, round_bf16: bool = False):
         code, nbytes = QUANT_TYPES[qtype]
         assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and k % 32 == 0
         assert blocks.shape[1] == k // 32 * nbytes, (qtype, blocks.shape, k)
         self.qtype, self.blocks, self.shape = qtype, blocks.contiguous(), (blocks.shape[0], k)
+        self.round_bf16 = round_bf16
+
+    @property
+    def code(self) -> int:
+        """The kernel's block type argument."""
+        return QUANT_TYPES[self.qtype][0] | (ROUND_BF16 if self.round_bf16 else 0)
 
     @staticmethod
     def usable(qtype: str, k: int) -> bool:
@@ -70,8 +78,7 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     dll = quant_load()
     assert dll is not None
     out = torch.empty(w.shape, dtype=torch.float32)
-    rc = dll.quant_dequantize(out.data_ptr(), w.blocks.data_ptr(), QUANT_TYPES[w.qtype][0],
-                              *w.shape)
+    rc = dll.quant_dequantize(out.data_ptr(), w.blocks.data_ptr(), w.code, *w.shape)
     assert rc == 0
     return out
 
@@ -113,8 +120,8 @@ def _quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None) ->
         return y
     if bias is not None:
         bias = bias.float().contiguous()
-    rc = dll.quant_linear(y.data_ptr(), x.data_ptr(), w.blocks.data_ptr(),
-                          QUANT_TYPES[w.qtype][0], None if bias is None else bias.data_ptr(),
+    rc = dll.quant_linear(y.data_ptr(), x.data_ptr(), w.blocks.data_ptr(), w.code,
+                          None if bias is None else bias.data_ptr(),
                           m, w.shape[0], w.shape[1], torch.get_num_threads())
     assert rc == 0, (w.qtype, w.shape)
     return y

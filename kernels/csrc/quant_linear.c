@@ -8,6 +8,10 @@
  * compiled with -ffp-contract=off so that no multiply-add fuses), so every weight is bit for bit
  * the float32 weight the model holds, and the products are float32 as in the float32 path.
  *
+ * A bf16 engine made from the same file holds those weights rounded to bf16; with ROUND_BF16
+ * each dequantized weight is rounded so here too, and with x rounded to bf16 by the caller the
+ * products are those of a bf16 GEMM (exact in float32, summed in float32).
+ *
  * Each thread takes a contiguous range of rows of w. With AVX-512 each block is dequantized in
  * registers and used by up to 16 rows of x at once; elsewhere a row is dequantized into a float32
  * buffer (dequant_row) and used for every row of x.
@@ -23,6 +27,9 @@
 #endif
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+/* or-ed into the block type: each dequantized weight rounded to bf16 (to nearest even, as
+ * torch's .to(torch.bfloat16)), the weights of a bf16 engine made from the same file */
+#define ROUND_BF16 0x100
 #define MAX_K 16384  /* longest row: 64 KiB of float32 per thread */
 #ifndef PREFETCH
 #define PREFETCH 4096  /* bytes ahead of the block being read */
@@ -51,13 +58,22 @@ static inline float f16_to_f32(uint16_t h) {
 }
 #endif
 
+static inline float round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;  /* weights are finite */
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 static int64_t block_bytes(int qtype) {
     return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : -1;
 }
 
 #ifndef HAVE_AVX512
 /* Row of K weights (K / 32 blocks) -> float32 out[K] (CPUs without AVX-512). */
-static void dequant_row(float *restrict out, const uint8_t *restrict row, int qtype, int64_t K) {
+static void dequant_row(float *restrict out, const uint8_t *restrict row, int qtype, int bf16,
+                        int64_t K) {
     const int64_t bb = block_bytes(qtype);
     for (int64_t b = 0; b < K / 32; b++) {
         const uint8_t *blk = row + b * bb;
@@ -85,6 +101,8 @@ static void dequant_row(float *restrict out, const uint8_t *restrict row, int qt
             }
         }
     }
+    if (bf16)
+        for (int64_t k = 0; k < K; k++) out[k] = round_bf16(out[k]);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t K) {
@@ -97,8 +115,30 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #ifdef HAVE_AVX512
 /* The 32 weights of one block as two vectors (elements 0-15, 16-31), with dequant_row's
  * arithmetic (mul, then add: -ffp-contract=off keeps them apart). */
+static inline __m512 round_bf16_512(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+static inline __attribute__((always_inline)) void dequant_block_f32(const uint8_t *blk,
+                                                                    int qtype, __m512 *w0,
+                                                                    __m512 *w1);
+
+/* dequant_block_f32, rounded to bf16 where ``qtype`` has ROUND_BF16. */
 static inline __attribute__((always_inline)) void dequant_block(const uint8_t *blk, int qtype,
                                                                 __m512 *w0, __m512 *w1) {
+    dequant_block_f32(blk, qtype & 0xff, w0, w1);
+    if (qtype & ROUND_BF16) {
+        *w0 = round_bf16_512(*w0);
+        *w1 = round_bf16_512(*w1);
+    }
+}
+
+static inline __attribute__((always_inline)) void dequant_block_f32(const uint8_t *blk,
+                                                                    int qtype, __m512 *w0,
+                                                                    __m512 *w1) {
     uint16_t dh;
     memcpy(&dh, blk, 2);
     const __m512 d = _mm512_set1_ps(f16_to_f32(dh));
@@ -178,7 +218,7 @@ static const row_chunk_fn ROW_CHUNKS[17] = {
 /* Returns 0, or -1 for an unknown block type or a K that is not a multiple of 32 (or too big). */
 int quant_linear(float *y, const float *x, const uint8_t *w, int qtype, const float *bias,
                  int64_t M, int64_t N, int64_t K, int nthreads) {
-    const int64_t bb = block_bytes(qtype);
+    const int64_t bb = block_bytes(qtype & 0xff);
     if (bb < 0 || K % 32 != 0 || K > MAX_K) return -1;
     const int64_t row_bytes = K / 32 * bb;
 #ifdef HAVE_AVX512
@@ -197,7 +237,7 @@ int quant_linear(float *y, const float *x, const uint8_t *w, int qtype, const fl
         float wrow[MAX_K] __attribute__((aligned(64)));  /* on each thread's stack */
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            dequant_row(wrow, w + n * row_bytes, qtype, K);
+            dequant_row(wrow, w + n * row_bytes, qtype & 0xff, qtype & ROUND_BF16, K);
             const float b = bias ? bias[n] : 0.f;
             for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(x + m * K, wrow, K) + b;
         }
@@ -209,7 +249,7 @@ int quant_linear(float *y, const float *x, const uint8_t *w, int qtype, const fl
 /* The float32 weights themselves, through the dequantization quant_linear uses on this CPU (the
  * test checks them bit for bit against the gguf package's). */
 int quant_dequantize(float *out, const uint8_t *w, int qtype, int64_t N, int64_t K) {
-    const int64_t bb = block_bytes(qtype);
+    const int64_t bb = block_bytes(qtype & 0xff);
     if (bb < 0 || K % 32 != 0) return -1;
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = w + n * (K / 32 * bb);
@@ -221,7 +261,7 @@ int quant_dequantize(float *out, const uint8_t *w, int qtype, int64_t N, int64_t
             _mm512_storeu_ps(out + n * K + k + 16, w1);
         }
 #else
-        dequant_row(out + n * K, row, qtype, K);
+        dequant_row(out + n * K, row, qtype & 0xff, qtype & ROUND_BF16, K);
 #endif
     }
     return 0;

@@ -190,7 +190,43 @@ def test_a_float32_engine_reads_the_gguf_blocks_in_small_batches(tiny_llama, tmp
         for la, lb in zip(a.logprobs, b.logprobs, strict=True):
             assert [t for t, _ in la.top] == [t for t, _ in lb.top]
             assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 1e-4
-    # weights rounded to bf16 are not the blocks' values: that engine never reads them
-    half = LLMEngine(model, EngineConfig(dtype="bfloat16", block_size=4, num_kv_blocks=64))
-    assert not any(isinstance(lin.small, cpu_linear.QuantWeight)
-                   for lin in (half.model.lm_head, half.model.layers[0].qkv))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_a_bf16_engine_reads_the_blocks_rounded_to_its_weights(tiny_llama, tmp_path, cache,
+                                                               qtype, monkeypatch):
+    # with bf16 GEMMs (forced here: torch's bf16 GEMM runs on any CPU), small batches read the
+    # blocks with each weight rounded to bf16 as it is read: exactly the engine's bf16 weights,
+    # multiplied as its bf16 GEMM does (x rounded to bf16, float32 sums, the result rounded once)
+    from dataclasses import replace
+
+    from baton.engine import config as config_mod
+    from baton.engine.model import SMALL_M_HALF_BLOCKS
+    from baton.kernels import cpu_linear
+
+    if cpu_linear.quant_load() is None or not torch.backends.mkldnn.is_available():
+        pytest.skip("no C compiler or no oneDNN")
+    monkeypatch.setattr(config_mod, "cpu_has_native_half", lambda: True)
+    hf_dir, hf = tiny_llama
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf, qtype)
+    model = load_model(tmp_path / "m.gguf")
+    cfg = EngineConfig(dtype="bfloat16", block_size=4, num_kv_blocks=64)
+    half = LLMEngine(model, cfg)
+    assert half.model.fused_bf16
+    for lin in (half.model.lm_head, half.model.layers[0].qkv, half.model.layers[1].down):
+        assert isinstance(lin.small, cpu_linear.QuantWeight) and lin.small.round_bf16
+        assert lin.packed is not None and lin.small_m == SMALL_M_HALF_BLOCKS
+        assert torch.equal(cpu_linear.dequantize(lin.small), lin.w.float())
+        x = torch.randn(SMALL_M_HALF_BLOCKS, lin.w.shape[1]).bfloat16()
+        gemm = torch.ops.mkldnn._linear_pointwise(x, lin.packed, None, "none", [], "")
+        steps = (lin.product(x).view(torch.int16).int() - gemm.view(torch.int16).int()).abs()
+        assert int(steps.max()) <= 1  # the sums' order: one rounding boundary at most
+    plain = LLMEngine(replace(model, quantized={}), cfg)
+    assert plain.model.layers[0].qkv.small is None
+    prompts = [PROMPT, PROMPT[:5], list(range(40, 75))]
+    params = SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True)
+    for a, b in zip(half.generate(prompts, params), plain.generate(prompts, params),
+                    strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 5e-3
