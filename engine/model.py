@@ -128,7 +128,6 @@ SMALL_M_BLOCKS = 32
 # and from float32 weights alike. Decode steps of the SmolLM2 Q4_1 file on a 2-vCPU Zen 4,
 # 500-token contexts, blocks -> packed: 1 row 12.7 -> 32.5 ms (the blocks stream at a quarter
 # of the bytes), 4 rows 23 -> 31, 8 rows ~equal, 32 rows 125 -> 93 ms.
-SMALL_M_PACKED_BLOCKS = 4
 SMALL_M_PACKED = 4
 # A bf16 engine from a GGUF file reads the blocks, each weight rounded to its bf16 value, up to
 # this many rows (x rounded to bf16 too: the bf16 GEMM's products) instead of the prepacked
@@ -154,22 +153,16 @@ class Linear:
     def __init__(self, w: torch.Tensor, bias: torch.Tensor | None, small: torch.Tensor | None,
                  transposed: bool = False, packed: torch.Tensor | None = None):
         self.w, self.bias, self.small, self.transposed = w, bias, small, transposed
-        blocks = isinstance(small, cpu_linear.QuantWeight)
-        if packed is not None and w.dtype == torch.float32:
-            self.small_m = SMALL_M_PACKED_BLOCKS if blocks else SMALL_M_PACKED
-        elif packed is not None:  # bf16, with bf16-rounded blocks or nothing
-            self.small_m = SMALL_M_HALF_BLOCKS
+        if packed is not None:  # bf16 packed: only bf16-rounded blocks (or nothing) beside it
+            self.small_m = SMALL_M_PACKED if w.dtype == torch.float32 else SMALL_M_HALF_BLOCKS
+        elif isinstance(small, cpu_linear.QuantWeight):
+            self.small_m = SMALL_M_BLOCKS
         else:
-            self.small_m = (SMALL_M_BLOCKS if blocks
-                            else SMALL_M if w.dtype == torch.float32 else SMALL_M_HALF)
+            self.small_m = SMALL_M if w.dtype == torch.float32 else SMALL_M_HALF
         self.packed = packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.small is not None and x.shape[0] <= self.small_m:
-            if getattr(self.small, "round_bf16", False):  # what the bf16 GEMM computes
-                y = cpu_linear.linear(x.to(torch.bfloat16).float(), self.small)
-                y = y.to(torch.bfloat16).float()
-                return y if self.bias is None else y + self.bias
             return cpu_linear.linear(x, self.small, self.bias)
         if self.packed is not None and self.w.dtype == x.dtype:  # float32, prepacked
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -183,7 +176,7 @@ class Linear:
     def product(self, xh: torch.Tensor) -> torch.Tensor:
         """``xh @ w.T`` for a bf16 ``xh`` and a prepacked bf16 ``w``: bf16 [M, N], no bias."""
         if self.small is not None and xh.shape[0] <= self.small_m:  # bf16-rounded blocks
-            return cpu_linear.linear(xh.float(), self.small).to(torch.bfloat16)
+            return cpu_linear.linear(xh.float(), self.small).bfloat16()  # exact: already bf16
         return torch.ops.mkldnn._linear_pointwise(xh, self.packed, None, "none", [], "")
 
     def _half_gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -260,8 +253,8 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
     copy prepacked for oneDNN where this PyTorch can; ``transposed`` (a very tall matrix) applies
     to a plain float32 GEMM only. ``blocks`` (GGUF block type, uint8 blocks) are ``t``'s own
     source blocks: with a float32 small-M kernel, it reads those."""
-    if (small_dtype == torch.float32 and blocks is not None
-            and cpu_linear.QuantWeight.usable(blocks[0], t.shape[1])):
+    readable = blocks is not None and cpu_linear.QuantWeight.usable(blocks[0], t.shape[1])
+    if small_dtype == torch.float32 and readable:
         small = cpu_linear.QuantWeight(blocks[0], blocks[1], t.shape[1])
     else:
         small = None if small_dtype is None else resident(t, small_dtype)
@@ -271,13 +264,10 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
         plain = plain if plain is not None else resident(t, gemm_dtype)
         packed = prepack(plain)
         if packed is not None:  # faster than the native kernel at every batch (SMALL_M_HALF)
-            small = None
-            if (small_dtype == torch.bfloat16 and blocks is not None
-                    and cpu_linear.QuantWeight.usable(blocks[0], t.shape[1])):
-                # but not than the GGUF blocks, rounded to these bf16 weights as they are read
-                # (SMALL_M_HALF_BLOCKS)
-                small = cpu_linear.QuantWeight(blocks[0], blocks[1], t.shape[1],
-                                               round_bf16=True)
+            # but not than the GGUF blocks, rounded to these bf16 weights as they are read
+            # (SMALL_M_HALF_BLOCKS)
+            small = (cpu_linear.QuantWeight(blocks[0], blocks[1], t.shape[1], round_bf16=True)
+                     if small_dtype == torch.bfloat16 and readable else None)
     elif pack and gemm_dtype == torch.float32 == t.dtype and t.device.type == "cpu":
         # oneDNN's prepacked float32 GEMM against CPU BLAS (F.linear) on a 2-vCPU Zen 4, SmolLM2
         # shapes: 1.4-1.8x at 32 rows, 1.1-1.4x at 1,024; the small-M kernel stays faster at a

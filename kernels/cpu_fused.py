@@ -56,25 +56,34 @@ def _dll() -> ctypes.CDLL:
     return dll
 
 
-def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of float32 ``x`` [T, H] with float32 ``weight`` [H], rounded to bf16 [T, H]."""
+def _rms_norm(fn, x: torch.Tensor, weight: torch.Tensor, eps: float,
+              dtype: torch.dtype) -> torch.Tensor:
     assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2, (x.dtype, weight.dtype)
     assert weight.shape == (x.shape[1],) and weight.is_contiguous()
     x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    _dll().rms_norm_bf16(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1],
-                         eps, torch.get_num_threads())
+    out = torch.empty(x.shape, dtype=dtype)
+    fn(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps,
+       torch.get_num_threads())
+    return out
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 ``x`` [T, H] with float32 ``weight`` [H], rounded to bf16 [T, H]."""
+    return _rms_norm(_dll().rms_norm_bf16, x, weight, eps, torch.bfloat16)
+
+
+def _silu_mul(fn, gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    assert gate_up.dtype == dtype and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
+    gate_up = gate_up.contiguous()
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, inter, dtype=dtype)
+    fn(out.data_ptr(), gate_up.data_ptr(), t, inter, torch.get_num_threads())
     return out
 
 
 def silu_mul_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a bf16 [T, 2I] tensor holding [gate | up]: bf16 [T, I]."""
-    assert gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
-    gate_up = gate_up.contiguous()
-    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, inter, dtype=torch.bfloat16)
-    _dll().silu_mul_bf16(out.data_ptr(), gate_up.data_ptr(), t, inter, torch.get_num_threads())
-    return out
+    return _silu_mul(_dll().silu_mul_bf16, gate_up, torch.bfloat16)
 
 
 def rope_bf16(qkv: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -125,24 +134,12 @@ def _dll_f32() -> ctypes.CDLL:
 
 def rms_norm_f32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of float32 ``x`` [T, H] with float32 ``weight`` [H]: float32 [T, H]."""
-    assert x.dtype == weight.dtype == torch.float32 and x.dim() == 2, (x.dtype, weight.dtype)
-    assert weight.shape == (x.shape[1],) and weight.is_contiguous()
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _dll_f32().rms_norm_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(), x.shape[0],
-                            x.shape[1], eps, torch.get_num_threads())
-    return out
+    return _rms_norm(_dll_f32().rms_norm_f32, x, weight, eps, torch.float32)
 
 
 def silu_mul_f32(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of a float32 [T, 2I] tensor holding [gate | up]: float32 [T, I]."""
-    assert gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0
-    gate_up = gate_up.contiguous()
-    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(t, inter)
-    _dll_f32().silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), t, inter,
-                            torch.get_num_threads())
-    return out
+    return _silu_mul(_dll_f32().silu_mul_f32, gate_up, torch.float32)
 
 
 def rope_f32_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,

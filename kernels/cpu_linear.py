@@ -37,7 +37,8 @@ class QuantWeight:
     row its own run of 32-weight blocks (``qtype``: Q8_0, Q4_0 or Q4_1). :func:`linear` reads it
     directly; :func:`dequantize` gives the float32 matrix, equal bit for bit to the gguf
     package's. With ``round_bf16`` every weight is that value rounded to bf16 (to nearest even,
-    as ``.to(torch.bfloat16)``): the weights of a bf16 engine made from the same file."""
+    as ``.to(torch.bfloat16)``): the weights of a bf16 engine made from the same file, which
+    :func:`linear` then multiplies as a bf16 GEMM does."""
 
     __slots__ = ("qtype", "blocks", "shape", "round_bf16")
 
@@ -87,6 +88,11 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32, w [N, K] float32/bfloat16 contiguous or a :class:`QuantWeight`, bias [N]
     float32 -> [M, N]."""
+    if isinstance(w, QuantWeight) and w.round_bf16:
+        # what a bf16 GEMM computes (Linear's bf16 path): x rounded to bf16, float32 sums
+        # rounded to bf16 once, the bias added in float32
+        y = _quant_linear(x.bfloat16().float(), w, None).bfloat16().float()
+        return y if bias is None else y + bias
     if isinstance(w, QuantWeight):
         return _quant_linear(x, w, bias)
     dll = load()

@@ -150,6 +150,20 @@ def test_bad_paths(tmp_path):
         load_model(tmp_path / "bad.gguf")
 
 
+def assert_same_generations(a_engine, b_engine, tol: float, same_top: bool) -> None:
+    """Both engines generate the same tokens for three prompts, each step's top-3 logprobs
+    within ``tol`` (and, with ``same_top``, the same top-3 tokens in the same order)."""
+    prompts = [PROMPT, PROMPT[:5], list(range(40, 75))]
+    params = SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True)
+    for a, b in zip(a_engine.generate(prompts, params), b_engine.generate(prompts, params),
+                    strict=True):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+            if same_top:
+                assert [t for t, _ in la.top] == [t for t, _ in lb.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < tol
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_a_float32_engine_reads_the_gguf_blocks_in_small_batches(tiny_llama, tmp_path, cache,
                                                                   qtype):
@@ -182,14 +196,7 @@ def test_a_float32_engine_reads_the_gguf_blocks_in_small_batches(tiny_llama, tmp
     assert isinstance(engine.model.lm_head.small, cpu_linear.QuantWeight)
     plain = LLMEngine(replace(model, quantized={}), cfg)
     assert isinstance(plain.model.layers[0].qkv.small, torch.Tensor)
-    prompts = [PROMPT, PROMPT[:5], list(range(40, 75))]
-    params = SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True)
-    for a, b in zip(engine.generate(prompts, params), plain.generate(prompts, params),
-                    strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert [t for t, _ in la.top] == [t for t, _ in lb.top]
-            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 1e-4
+    assert_same_generations(engine, plain, tol=1e-4, same_top=True)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
@@ -223,10 +230,4 @@ def test_a_bf16_engine_reads_the_blocks_rounded_to_its_weights(tiny_llama, tmp_p
         assert int(steps.max()) <= 1  # the sums' order: one rounding boundary at most
     plain = LLMEngine(replace(model, quantized={}), cfg)
     assert plain.model.layers[0].qkv.small is None
-    prompts = [PROMPT, PROMPT[:5], list(range(40, 75))]
-    params = SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True)
-    for a, b in zip(half.generate(prompts, params), plain.generate(prompts, params),
-                    strict=True):
-        assert a.token_ids == b.token_ids
-        for la, lb in zip(a.logprobs, b.logprobs, strict=True):
-            assert max(abs(x - y) for (_, x), (_, y) in zip(la.top, lb.top)) < 5e-3
+    assert_same_generations(half, plain, tol=5e-3, same_top=False)
