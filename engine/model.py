@@ -347,6 +347,11 @@ class LlamaModel:
         ]
         self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
         self.scale = cfg.head_dim**-0.5
+        # prefill attention in the native flash kernel where this CPU runs it (AVX-512, and
+        # AVX512-BF16 for bf16): 3x PyTorch's in bf16, 1.3-2x in float32 (kernels/csrc/
+        # prefill_attention.c)
+        self.prefill_native = (attention_backend in ("auto", "native")
+                               and cpu_attention.prefill_supported(self.gemm_dtype, cfg.head_dim))
         # bf16 GEMMs on prepacked weights with a float32 residual: everything between them in
         # native one-pass kernels, bf16 in and out (see kernels/cpu_fused.py)
         self.fused_bf16 = (
@@ -523,7 +528,7 @@ class LlamaModel:
         if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
             return self.decode_attention(qd, kv, layer, meta.decode_block_tables,
                                          meta.decode_context_lens, self.scale).to(q.dtype)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)  # contiguous: the prefill kernel writes rows
         if meta.num_decodes:
             out[meta.decode_rows] = self.decode_attention(
                 qd[meta.decode_rows], kv, layer, meta.decode_block_tables,
@@ -536,7 +541,10 @@ class LlamaModel:
                 ks, vs = gather_kv(kv, layer, p.block_table, self.gemm_dtype)
                 ks, vs = ks[: p.num_past + p.n], vs[: p.num_past + p.n]
             pd = self.gemm_dtype  # bf16 where the GEMMs are: 2.6x faster on AMX
-            # the assignment widens the bf16 result to float32 in the one copy it makes
-            out[rows] = prefill_attention(q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past,
-                                          self.scale)
+            if self.prefill_native:  # writes the rows of out in its dtype
+                cpu_attention.prefill_attention(q[rows].to(pd), ks.to(pd), vs.to(pd),
+                                                p.num_past, self.scale, out=out[rows])
+            else:  # the assignment widens a bf16 result to float32 in the one copy it makes
+                out[rows] = prefill_attention(q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past,
+                                              self.scale)
         return out

@@ -54,3 +54,53 @@ def decode_attention(
         scale, torch.get_num_threads())
     assert rc == 0, f"unsupported shape for the native kernel: group={hq // hkv} dim={d} bs={bs}"
     return out
+
+
+@cache
+def load_prefill() -> ctypes.CDLL | None:
+    dll = native.build("prefill_attention", ["-fopenmp", "-lm"])
+    if dll is None:
+        return None
+    dll.prefill_attention_supported.restype = ctypes.c_int
+    dll.prefill_attention_supported.argtypes = [ctypes.c_int]
+    dll.prefill_attention.restype = ctypes.c_int
+    dll.prefill_attention.argtypes = (
+        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int])
+    return dll
+
+
+def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :func:`prefill_attention` runs ``dtype`` inputs of ``head_dim`` on this CPU (it
+    needs AVX-512, and AVX512-BF16 for bf16; head_dim 64 or 128)."""
+    dll = load_prefill()
+    return (dll is not None and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128)
+            and bool(dll.prefill_attention_supported(int(dtype == torch.bfloat16))))
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Same contract as the torch reference (:func:`baton.kernels.paged_attention.
+    prefill_attention`): q [n, Hq, D], k and v [num_past + n, Hkv, D], all bf16 or all float32.
+    Writes ``out`` (a contiguous [n, Hq, D], float32 or bf16; default: q's dtype) and returns it."""
+    dll = load_prefill()
+    assert dll is not None
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16), (
+        q.dtype, k.dtype, v.dtype)
+    assert k.shape == v.shape == (num_past + n, hkv, d) and hq % hkv == 0, (q.shape, k.shape)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.is_contiguous(), (out.shape, q.shape)
+    assert out.dtype in (torch.float32, torch.bfloat16), out.dtype
+    rc = dll.prefill_attention(
+        out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16),
+        int(out.dtype == torch.bfloat16), n, num_past, hkv, hq // hkv, d, scale,
+        torch.get_num_threads())
+    if rc == 3:
+        raise MemoryError(f"prefill attention: no memory to pack {num_past + n} keys")
+    assert rc == 0, f"prefill attention cannot run here: dtype={q.dtype} head_dim={d} (rc={rc})"
+    return out

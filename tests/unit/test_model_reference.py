@@ -115,6 +115,32 @@ def test_float32_gemms_run_on_prepacked_weights(tmp_path):
     assert torch.equal(make_linear(w, None, None, torch.float32, pack=False).w, w)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefill_attention_in_the_native_kernel(tmp_path, dtype):
+    # head_dim 64 (3 query heads on one KV head): prefills attend in the native flash kernel,
+    # which gives what PyTorch's attention gives on mixed batches (chunked prefills over cached
+    # keys, prefix-cache hits) and, in float32, HF's logprobs. In bf16 this random model (weights
+    # drawn 10x wider than a trained one's) moves logprobs by up to 0.1 for PyTorch's own bf16
+    # attention against exact attention on the same inputs, and by 0.13 for the kernel's (whose
+    # outputs are as close to exact as PyTorch's: test_native_kernels), hence 0.25 there
+    from baton.kernels import cpu_attention
+
+    hf = make_hf_model(tmp_path / "m", hidden_size=192, num_attention_heads=3,
+                       num_key_value_heads=1, tie_word_embeddings=False)
+    engine = LLMEngine(load_model(tmp_path / "m"), EngineConfig(
+        dtype=dtype, block_size=4, num_kv_blocks=64, max_num_batched_tokens=12))
+    if not cpu_attention.prefill_supported(engine.model.gemm_dtype, 64):
+        pytest.skip(f"this CPU cannot run the native prefill kernel for {engine.model.gemm_dtype}")
+    assert engine.model.prefill_native
+    assert_fused_path_matches(engine, "prefill_native",
+                              tol=1e-5 if engine.model.gemm_dtype == torch.float32 else 0.25)
+    if dtype == "float32":
+        assert_matches_hf(engine, hf, PROMPT)
+    torch_engine = LLMEngine(load_model(tmp_path / "m"), EngineConfig(
+        dtype=dtype, block_size=4, num_kv_blocks=64, attention_backend="torch"))
+    assert not torch_engine.model.prefill_native
+
+
 @pytest.mark.parametrize("native_bf16", [False, True])
 def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_bf16):
     # bf16 weights: activations stay float32; large products run in bf16 only where the CPU has

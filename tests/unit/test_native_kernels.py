@@ -87,6 +87,85 @@ def test_prefill_attention_over_cached_and_new_keys(monkeypatch, merged, dtype, 
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+def _causal_reference(q, k, v, num_past: int, scale: float) -> torch.Tensor:
+    """float64 attention of query i over keys 0 .. num_past + i, the GQA heads expanded."""
+    n, hq, _ = q.shape
+    group = hq // k.shape[1]
+    qd, kd, vd = (t.double() for t in (q, k, v))
+    kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", qd, kd) * scale
+    hidden = torch.arange(k.shape[0])[None, :] > num_past + torch.arange(n)[:, None]
+    w = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1)
+    return torch.einsum("hnl,lhd->nhd", w, vd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, num_past, hkv, group, d", [
+    (1, 0, 1, 1, 64), (5, 3, 3, 3, 64), (13, 0, 2, 5, 64), (37, 70, 3, 3, 64),
+    (100, 0, 2, 4, 128), (13, 200, 1, 7, 128), (67, 31, 3, 3, 64), (32, 32, 4, 1, 64)])
+def test_native_prefill_attention_matches_float64(dtype, n, num_past, hkv, group, d):
+    # tiles of 12 rows (query x head of a group) over 32-key blocks: the shapes leave partial
+    # tiles, partial blocks, tiles whose queries straddle a block edge, and cached keys
+    if not cpu_attention.prefill_supported(dtype, d):
+        pytest.skip(f"this CPU cannot run the native prefill kernel for {dtype}")
+    g = torch.Generator().manual_seed(n * 1000 + num_past + d)
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
+    k, v = (torch.randn(num_past + n, hkv, d, generator=g).to(dtype) for _ in range(2))
+    want = _causal_reference(q, k, v, num_past, d ** -0.5)
+    got = cpu_attention.prefill_attention(q, k, v, num_past, d ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    else:  # bf16 probabilities multiply V, as in PyTorch's bf16 flash kernel
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+        wide = torch.empty(q.shape)  # the same kernel writing float32 rows: unrounded output
+        cpu_attention.prefill_attention(q, k, v, num_past, d ** -0.5, out=wide)
+        torch.testing.assert_close(wide.double(), want, atol=1e-2, rtol=1e-2)
+        assert torch.equal(wide.bfloat16(), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_attention_with_scores_that_grow_along_the_keys(dtype):
+    # later keys score far above earlier ones (up to ~300 apart): the running max is raised and
+    # the sums rescaled many times, and exp of the early scores underflows to 0
+    if not cpu_attention.prefill_supported(dtype, 64):
+        pytest.skip(f"this CPU cannot run the native prefill kernel for {dtype}")
+    g = torch.Generator().manual_seed(7)
+    n, past = 150, 50
+    q = torch.randn(n, 6, 64, generator=g).abs().to(dtype)
+    k = (torch.randn(past + n, 2, 64, generator=g).abs()
+         * torch.linspace(0.1, 6, past + n)[:, None, None]).to(dtype)
+    v = torch.randn(past + n, 2, 64, generator=g).to(dtype)
+    want = _causal_reference(q, k, v, past, 0.125)
+    got = cpu_attention.prefill_attention(q, k, v, past, 0.125, out=torch.empty(q.shape))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_native_prefill_attention_is_the_same_on_any_thread_count():
+    dtype = torch.bfloat16 if cpu_attention.prefill_supported(torch.bfloat16, 64) else torch.float32
+    if not cpu_attention.prefill_supported(dtype, 64):
+        pytest.skip("this CPU cannot run the native prefill kernel")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(90, 9, 64, generator=g).to(dtype)
+    k, v = (torch.randn(100, 3, 64, generator=g).to(dtype) for _ in range(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_attention.prefill_attention(q, k, v, 10, 0.125)
+        torch.set_num_threads(max(2, threads))
+        many = cpu_attention.prefill_attention(q, k, v, 10, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_native_prefill_attention_declines_what_it_cannot_run():
+    # the engine asks first and keeps PyTorch's attention for these
+    assert not cpu_attention.prefill_supported(torch.float32, 80)
+    assert not cpu_attention.prefill_supported(torch.float16, 64)
+
+
 def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """How many bf16 steps apart two bf16 tensors are, elementwise (same-sign values)."""
     return (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
@@ -211,6 +290,7 @@ def test_loading_the_kernels_leaves_subnormal_floats_alone():
             "from baton.kernels import cpu_attention, cpu_fused, cpu_linear\n"
             "assert cpu_attention.load() and cpu_fused.load() and cpu_linear.load()\n"
             "assert cpu_fused.load_f32() and cpu_linear.quant_load()\n"
+            "assert cpu_attention.load_prefill()\n"
             "x = torch.tensor([1e-39])\n"
             "print(float(x * 1.0) > 0, float(torch.tensor([1e-38]) / 100) > 0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
