@@ -541,10 +541,9 @@ class LlamaModel:
                 ks, vs = gather_kv(kv, layer, p.block_table, self.gemm_dtype)
                 ks, vs = ks[: p.num_past + p.n], vs[: p.num_past + p.n]
             pd = self.gemm_dtype  # bf16 where the GEMMs are: 2.6x faster on AMX
+            args = (q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past, self.scale)
             if self.prefill_native:  # writes the rows of out in its dtype
-                cpu_attention.prefill_attention(q[rows].to(pd), ks.to(pd), vs.to(pd),
-                                                p.num_past, self.scale, out=out[rows])
+                cpu_attention.prefill_attention(*args, out=out[rows])
             else:  # the assignment widens a bf16 result to float32 in the one copy it makes
-                out[rows] = prefill_attention(q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past,
-                                              self.scale)
+                out[rows] = prefill_attention(*args)
         return out

@@ -62,7 +62,7 @@ def load_prefill() -> ctypes.CDLL | None:
     if dll is None:
         return None
     dll.prefill_attention_supported.restype = ctypes.c_int
-    dll.prefill_attention_supported.argtypes = [ctypes.c_int]
+    dll.prefill_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int]
     dll.prefill_attention.restype = ctypes.c_int
     dll.prefill_attention.argtypes = (
         [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int])
@@ -73,8 +73,8 @@ def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :func:`prefill_attention` runs ``dtype`` inputs of ``head_dim`` on this CPU (it
     needs AVX-512, and AVX512-BF16 for bf16; head_dim 64 or 128)."""
     dll = load_prefill()
-    return (dll is not None and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128)
-            and bool(dll.prefill_attention_supported(int(dtype == torch.bfloat16))))
+    return (dll is not None and dtype in (torch.float32, torch.bfloat16)
+            and bool(dll.prefill_attention_supported(int(dtype == torch.bfloat16), head_dim)))
 
 
 def prefill_attention(

@@ -55,10 +55,6 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
-}
-
 /* Round-to-nearest-even float32 -> bf16 (NaN stays NaN). */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
@@ -265,9 +261,10 @@ static void tile(const Args *a, int h, int r0, int nrows, int D, int bf16) {
 }
 #endif
 
-/* Whether this build can run the kernel for bf16 (1) or float32 (0) inputs. */
-int prefill_attention_supported(int bf16) {
+/* Whether this build runs the kernel for bf16 (1) or float32 (0) inputs of head_dim ``dim``. */
+int prefill_attention_supported(int bf16, int dim) {
     (void)bf16;
+    if (dim != 64 && dim != 128) return 0;
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
     return 1;
@@ -279,13 +276,11 @@ int prefill_attention_supported(int bf16) {
 #endif
 }
 
-/* Returns 0 on success; 1: this build cannot run the dtype; 2: unsupported head_dim;
- * 3: out of memory. */
+/* Returns 0 on success; 1: unsupported (see prefill_attention_supported); 3: out of memory. */
 int prefill_attention(void *out, const void *q, const void *k, const void *v, int bf16,
                       int out_bf16, int n, int num_past, int hkv, int group, int dim, float scale,
                       int nthreads) {
-    if (!prefill_attention_supported(bf16)) return 1;
-    if (dim != 64 && dim != 128) return 2;
+    if (!prefill_attention_supported(bf16, dim)) return 1;
 #if defined(__AVX512F__)
     const int64_t L = (int64_t)num_past + n, nkb = (L + KB - 1) / KB;
     const size_t esize = bf16 ? 2 : 4;
