@@ -37,3 +37,13 @@ class KVHandle:
     def from_proto(cls, m) -> KVHandle:
         return cls(m.worker_id, m.incarnation, m.address, m.lease_id, tuple(m.block_ids),
                    m.num_tokens, m.fingerprint, m.expires_at, tuple(m.block_crc32))
+
+
+def release_request(handle):
+    """The ReleaseLeaseRequest that gives ``handle``'s lease back (a :class:`KVHandle` or its
+    protobuf message): the one place that reads the lease out of a handle, for the decode worker
+    after its read and for the router when a hand-off is abandoned."""
+    from baton.v1 import worker_pb2
+
+    return worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id,
+                                          incarnation=handle.incarnation)

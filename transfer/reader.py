@@ -32,7 +32,7 @@ from baton.transfer.errors import (
     TransferDeadlineError,
     TransferError,
 )
-from baton.transfer.handle import KVHandle
+from baton.transfer.handle import KVHandle, release_request
 from baton.transfer.holder import block_crc32
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
@@ -238,9 +238,7 @@ class KVReader:
             return self._release_on_channel(peer, handle, deadline)
         try:
             resp = peer.stub.ReleaseLease(
-                worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id,
-                                               incarnation=handle.incarnation),
-                timeout=_left(deadline, peer.address, "lease release"))
+                release_request(handle), timeout=_left(deadline, peer.address, "lease release"))
         except grpc.RpcError as e:
             self._drop(peer)
             raise _rpc_error(e, peer.address, "lease release") from e

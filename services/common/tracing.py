@@ -228,12 +228,18 @@ def start(name: str, kind: str = "internal", attrs: dict | None = None,
 
 def server_span(context, name: str, attrs: dict | None = None,
                 at: float | None = None) -> NoSpan:
-    """The span of one incoming call (that arrived ``at``), under the caller's span when its
-    metadata carries one."""
+    """The span of one incoming gRPC call (that arrived ``at``), under the caller's span when
+    its metadata carries one."""
+    return request_span(context.invocation_metadata() or (), name, attrs, at)
+
+
+def request_span(carrier, name: str, attrs: dict | None = None,
+                 at: float | None = None) -> NoSpan:
+    """The span of one incoming request (that arrived ``at``), under the caller's span when
+    ``carrier`` (its gRPC metadata or HTTP headers, as (name, value) pairs) names one."""
     if _current is None:
         return NO_SPAN
-    return _current.start(name, "server", attrs, parent=context.invocation_metadata() or (),
-                          at=at)
+    return _current.start(name, "server", attrs, parent=carrier, at=at)
 
 
 def shutdown() -> None:

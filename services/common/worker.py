@@ -357,6 +357,13 @@ def status_for(e: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+FIELD_METADATA = "baton-field"
+
+
 def abort_with(context: grpc.ServicerContext, e: BaseException):
-    """End the RPC with the typed status for ``e`` and its message (raises)."""
+    """End the RPC with the typed status for ``e`` and its message (raises). An invalid field is
+    named in the ``baton-field`` trailing metadata too, so the router reports it as it is."""
+    field = getattr(e, "field", None)
+    if isinstance(field, str):
+        context.set_trailing_metadata(((FIELD_METADATA, field),))
     context.abort(status_for(e), f"{type(e).__name__}: {e}")

@@ -1,122 +1,87 @@
-"""OpenAI-compatible HTTP on the router: ``/v1/completions``, ``/v1/chat/completions`` (server-sent
-events with ``"stream": true``, one JSON body otherwise), ``/v1/models``, ``/health``, ``/metrics``.
+"""The router's OpenAI-compatible HTTP front: ``/v1/completions``, ``/v1/chat/completions``
+(server-sent events with ``"stream": true``, one JSON body otherwise), ``/v1/models``, ``/health``,
+``/metrics``.
 
-Requests go to the same :class:`RouterService.Generate` the gRPC API uses, in-process (no second
-hop), through a small stand-in for the gRPC servicer context: a client that disconnects cancels
-the request like a cancelled gRPC call does. Errors come back as OpenAI-style JSON bodies with
-400 (invalid input, naming ``param``), 503 (no worker), 504 (deadline) or 500.
+It is a Starlette app served by uvicorn (httptools and uvloop when installed), the stack vLLM's
+and SGLang's OpenAI servers use, so keep-alive, pipelining, chunked streaming, TLS and slow or
+vanishing clients are handled by a maintained HTTP server rather than by Baton. A request is
+turned into a ``baton.v1.GenerateRequest`` and run by the same :class:`Orchestrator` the gRPC
+API uses, in-process: the orchestrator's generator runs on a thread of a pool sized like the gRPC
+server's, and its messages cross to the event loop through a queue. A client that disconnects,
+streaming or not, queued or running, cancels its request on every worker. Errors are OpenAI
+error bodies: 400 naming ``param`` (invalid input), 401 (API key), 429 (limits), 503 (no
+worker), 504 (deadline) or 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
 
-import grpc
+from baton.services.router.errors import RequestError, Status
+from baton.services.router.grpc_api import client_key
 from baton.services.router.limits import ApiKeys
+from baton.services.router.orchestrator import Caller, Cancellation, Orchestrator
 from baton.v1 import api_pb2, worker_pb2
+from prometheus_client import Counter, Gauge, Summary
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 log = logging.getLogger("baton.services.router")
 
-_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.UNAVAILABLE: 503,
-         grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-         grpc.StatusCode.FAILED_PRECONDITION: 400}
+_HTTP_STATUS = {Status.INVALID_ARGUMENT: 400, Status.FAILED_PRECONDITION: 400,
+                Status.UNAUTHENTICATED: 401, Status.RESOURCE_EXHAUSTED: 429,
+                Status.CANCELLED: 499, Status.UNAVAILABLE: 503, Status.DEADLINE_EXCEEDED: 504}
+_ERROR_TYPE = {Status.INVALID_ARGUMENT: "invalid_request_error",
+               Status.FAILED_PRECONDITION: "invalid_request_error",
+               Status.UNAUTHENTICATED: "authentication_error",
+               Status.RESOURCE_EXHAUSTED: "rate_limit_error",
+               Status.UNAVAILABLE: "service_unavailable", Status.DEADLINE_EXCEEDED: "timeout"}
+_PROPAGATED = ("traceparent", "tracestate", "authorization")
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
+class HttpMetrics:
+    """The front's counters, in the orchestrator's Prometheus registry (one ``/metrics``)."""
+
+    def __init__(self, registry) -> None:
+        r = registry
+        self.requests = Counter("baton_requests", "HTTP requests by API, path taken and status.",
+                                ["api", "path", "status"], registry=r)
+        self.prompt_tokens = Counter("baton_prompt_tokens", "Prompt tokens of HTTP requests.",
+                                     registry=r)
+        self.generated = Counter("baton_generated_tokens", "Tokens sent to HTTP clients.",
+                                 registry=r)
+        self.latency = Summary("baton_http_request_seconds", "HTTP request start to its end.",
+                               registry=r)
+        self.ttft = Summary("baton_http_time_to_first_token_seconds",
+                            "HTTP request start to its first token.", registry=r)
+        self.workers = Gauge("baton_workers", "Registered workers by role.", ["role"],
+                             registry=r)
+
+    def record(self, api: str, final=None, error: RequestError | None = None) -> None:
+        if error is not None:
+            self.requests.labels(api, "none", error.status.name).inc()
+            return
+        self.requests.labels(api, final.path or "none", "OK").inc()
+        self.prompt_tokens.inc(final.usage.prompt_tokens)
+        self.generated.inc(final.usage.completion_tokens)
+        self.latency.observe(final.timing.total_s)
+        self.ttft.observe(final.timing.first_token_s)
 
 
-class _Context:
-    """What RouterService.Generate uses of a grpc.ServicerContext."""
-
-    def __init__(self, timeout: float | None, headers=None, peer: str = "") -> None:
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._callbacks: list = []
-        self._active = True
-        # the caller's trace context (W3C traceparent / tracestate) and API key, as gRPC has them
-        self._metadata = tuple((k.lower(), headers[k])
-                               for k in ("traceparent", "tracestate", "Authorization")
-                               if headers is not None and headers.get(k))
-        self._peer = peer
-
-    def invocation_metadata(self):
-        return self._metadata
-
-    def peer(self) -> str:
-        return self._peer
-
-    def abort(self, code, details):
-        raise _Aborted(code, details)
-
-    def add_callback(self, fn) -> None:
-        self._callbacks.append(fn)
-
-    def is_active(self) -> bool:
-        return self._active and (self._deadline is None or time.monotonic() < self._deadline)
-
-    def time_remaining(self):
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def done(self) -> None:
-        self._active = False
-        for fn in self._callbacks:
-            fn()
+# ---- request bodies -> baton.v1.GenerateRequest --------------------------------------------------
 
 
-class Metrics:
-    """Counters for /metrics (Prometheus text format)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests: dict[tuple[str, str, str], int] = {}  # (api, path, status) -> count
-        self.prompt_tokens = self.completion_tokens = 0
-        self.latency_sum = self.ttft_sum = 0.0
-        self.latency_count = 0
-
-    def record(self, api: str, path: str, status: str, final=None) -> None:
-        with self._lock:
-            key = (api, path or "none", status)
-            self.requests[key] = self.requests.get(key, 0) + 1
-            if final is not None:
-                self.prompt_tokens += final.usage.prompt_tokens
-                self.completion_tokens += final.usage.completion_tokens
-                self.latency_sum += final.timing.total_s
-                self.ttft_sum += final.timing.first_token_s
-                self.latency_count += 1
-
-    def render(self, workers: dict[str, int]) -> str:
-        with self._lock:
-            out = ["# HELP baton_requests_total HTTP requests by API, path taken and status.",
-                   "# TYPE baton_requests_total counter"]
-            out += [f'baton_requests_total{{api="{a}",path="{p}",status="{s}"}} {n}'
-                    for (a, p, s), n in sorted(self.requests.items())]
-            out += ["# TYPE baton_prompt_tokens_total counter",
-                    f"baton_prompt_tokens_total {self.prompt_tokens}",
-                    "# TYPE baton_generated_tokens_total counter",
-                    f"baton_generated_tokens_total {self.completion_tokens}",
-                    "# TYPE baton_http_request_seconds summary",
-                    f"baton_http_request_seconds_sum {self.latency_sum}",
-                    f"baton_http_request_seconds_count {self.latency_count}",
-                    "# TYPE baton_http_time_to_first_token_seconds summary",
-                    f"baton_http_time_to_first_token_seconds_sum {self.ttft_sum}",
-                    f"baton_http_time_to_first_token_seconds_count {self.latency_count}",
-                    "# TYPE baton_workers gauge"]
-            out += [f'baton_workers{{role="{r}"}} {n}' for r, n in sorted(workers.items())]
-        return "\n".join(out) + "\n"
-
-
-class _BadRequest(Exception):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+def _bad(param: str, message: str) -> RequestError:
+    return RequestError(Status.INVALID_ARGUMENT, message, param)
 
 
 def _typed(body: dict, key: str, kind: type | tuple, what: str):
@@ -126,7 +91,7 @@ def _typed(body: dict, key: str, kind: type | tuple, what: str):
         return None
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _BadRequest(key, f"{key} must be {what}, got {value!r}")
+        raise _bad(key, f"{key} must be {what}, got {value!r}")
     return value
 
 
@@ -134,7 +99,11 @@ def _set(p, field: str, key: str, value) -> None:
     try:
         setattr(p, field, value)
     except (ValueError, TypeError) as e:  # out of the wire type's range
-        raise _BadRequest(key, f"{key}={value!r} is out of range ({e})") from None
+        raise _bad(key, f"{key}={value!r} is out of range ({e})") from None
+
+
+_NUMBERS = (("temperature", (int, float), "a number"), ("top_p", (int, float), "a number"),
+            ("seed", int, "an integer"), ("top_k", int, "an integer"))
 
 
 def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
@@ -144,9 +113,7 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
         if value is not None:
             _set(p, "max_tokens", key, value)
             break
-    for key, kind_, what in (("temperature", (int, float), "a number"),
-                             ("top_p", (int, float), "a number"), ("seed", int, "an integer"),
-                             ("top_k", int, "an integer")):
+    for key, kind_, what in _NUMBERS:
         value = _typed(body, key, kind_, what)
         if value is not None:
             _set(p, key, key, value)
@@ -156,7 +123,7 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise _BadRequest("stop", "stop must be a string or a list of strings")
+            raise _bad("stop", "stop must be a string or a list of strings")
         p.stop.extend(stops)
     ignore_eos = _typed(body, "ignore_eos", bool, "a boolean")  # vLLM's: exactly max_tokens
     if ignore_eos is not None:
@@ -164,281 +131,350 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     _typed(body, "stream", bool, "a boolean")
     _typed(body, "stream_options", dict, "an object")
     if body.get("n", 1) != 1:
-        raise _BadRequest("n", "only n=1 is supported")
+        raise _bad("n", "only n=1 is supported")
+    _logprobs_param(p, body, kind)
+    return p
+
+
+def _logprobs_param(p, body: dict, kind: str) -> None:
     lp = body.get("logprobs")
     if kind == "chat" and lp:  # logprobs: true, top_logprobs: n
         _set(p, "logprobs", "top_logprobs",
              _typed(body, "top_logprobs", int, "an integer") or 0)
     elif kind == "text" and lp is not None and lp is not False:  # logprobs: n
         _set(p, "logprobs", "logprobs", _typed(body, "logprobs", int, "an integer"))
-    return p
 
 
-def _generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
+def generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
+    """The gRPC API's request for an OpenAI ``kind`` ("chat" or "text") body; raises
+    RequestError (INVALID_ARGUMENT) naming the offending field."""
+    if not isinstance(body, dict):
+        raise _bad("body", "the body must be a JSON object")
     req = api_pb2.GenerateRequest(model=_typed(body, "model", str, "a string") or "",
                                   params=_params(body, kind))
     if kind == "chat":
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise _BadRequest("messages", "messages must be a non-empty list")
-        for i, m in enumerate(msgs):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                parts = [c.get("text", "") for c in content if isinstance(c, dict)]
-                content = "".join(parts) if all(isinstance(t, str) for t in parts) else None
-            if not isinstance(content, str) or not isinstance(m.get("role"), str):
-                raise _BadRequest(f"messages[{i}]", "each message needs a role and text content")
-            req.chat.messages.add(role=m["role"], content=content)
+        _chat(req, body.get("messages"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            req.text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            try:
-                req.token_ids.ids.extend(prompt)
-            except ValueError:
-                raise _BadRequest("prompt", "token ids must be 32-bit integers") from None
-        else:
-            raise _BadRequest("prompt", "prompt must be a string or a list of token ids")
+        _prompt(req, body.get("prompt"))
     return req
 
 
-class OpenAIHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    router = None  # set by serve_http
-    metrics: Metrics = None
-    keys: ApiKeys = ApiKeys()  # when any: /v1/* needs "Authorization: Bearer <key>"
+def _chat(req, msgs) -> None:
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages", "messages must be a non-empty list")
+    for i, m in enumerate(msgs):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = [c.get("text", "") for c in content if isinstance(c, dict)]
+            content = "".join(parts) if all(isinstance(t, str) for t in parts) else None
+        if not isinstance(content, str) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}]", "each message needs a role and text content")
+        req.chat.messages.add(role=m["role"], content=content)
 
-    def _authorized(self) -> bool:
-        """/v1/* with API keys set needs one as the bearer token (the OpenAI client's api_key);
-        /health and /metrics stay open for probes and scrapers."""
-        if not self.keys or not self.path.startswith("/v1/"):
-            return True
-        if self.keys.allows(self.headers.get("Authorization")):
-            return True
-        self._error(401, "missing or wrong API key (Authorization: Bearer ...)",
-                    "authentication_error")
-        return False
 
-    def log_message(self, fmt, *args) -> None:  # through logging, not stderr
-        log.debug("http %s", fmt % args)
-
-    # ---- routing ---------------------------------------------------------------------------------
-
-    def do_GET(self) -> None:
-        if not self._authorized():
-            return
-        path = self.path.split("?")[0]
-        if path == "/v1/models":
-            models = self.router.ListModels(None, None).models
-            self._json(200, {"object": "list", "data": [
-                {"id": m.id, "object": "model", "created": 0, "owned_by": "baton",
-                 "max_model_len": m.max_model_len} for m in models]})
-        elif path == "/health":
-            counts = self._worker_counts()
-            ok = counts.get("decode", 0) + counts.get("both", 0) > 0
-            self._json(200 if ok else 503, {"status": "ok" if ok else "no decode worker",
-                                            "workers": counts})
-        elif path == "/metrics":
-            body = (self.metrics.render(self._worker_counts())
-                    + self.router.metrics.render()).encode()
-            self._send(200, body, "text/plain; version=0.0.4")
-        else:
-            self._error(404, f"no route {path}", "not_found")
-
-    def do_POST(self) -> None:
-        if not self._authorized():
-            return
-        path = self.path.split("?")[0]
-        kind = {"/v1/completions": "text", "/v1/chat/completions": "chat"}.get(path)
-        if kind is None:
-            return self._error(404, f"no route {path}", "not_found")
+def _prompt(req, prompt) -> None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         try:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(length) or b"{}")
-            if not isinstance(body, dict):
-                raise _BadRequest("body", "the body must be a JSON object")
-            req = _generate_request(kind, body)
-        except (ValueError, _BadRequest) as e:
-            return self._error(400, str(e), "invalid_request_error",
-                               getattr(e, "param", "body"))
+            req.token_ids.ids.extend(prompt)
+        except ValueError:
+            raise _bad("prompt", "token ids must be 32-bit integers") from None
+    else:
+        raise _bad("prompt", "prompt must be a string or a list of token ids")
+
+
+# ---- the orchestrator's generator, on a thread, read from the event loop -------------------------
+
+_END = object()
+
+
+class _Relay:
+    """Runs one request's orchestrator generator on ``pool`` and hands its messages to the event
+    loop. :meth:`cancel` (the client went away) cancels the request on every worker."""
+
+    def __init__(self, orchestrator: Orchestrator, pool: ThreadPoolExecutor, req,
+                 caller: Caller) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cancel = Cancellation()
+        gen = orchestrator.generate(req, orchestrator.deadline(None), self._cancel, caller)
+        pool.submit(self._run, gen)
+
+    def cancel(self) -> None:
+        self._cancel.cancel()
+
+    def _run(self, gen) -> None:
+        put = self._loop.call_soon_threadsafe
+        try:
+            for msg in gen:
+                put(self._queue.put_nowait, msg)
+            put(self._queue.put_nowait, _END)
+        except RequestError as e:
+            put(self._queue.put_nowait, e)
+        except Exception as e:  # a bug: the client still gets an answer
+            log.exception("request failed")
+            put(self._queue.put_nowait, RequestError(Status.INTERNAL, f"{type(e).__name__}: {e}"))
+
+    async def __aiter__(self):
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, RequestError):
+                raise item
+            yield item
+
+
+async def _watch_disconnect(request: Request, relay: _Relay) -> None:
+    """Cancel ``relay`` when the client disconnects (the body was read already, so the next ASGI
+    message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    relay.cancel()
+
+
+# ---- the app -------------------------------------------------------------------------------------
+
+
+class OpenAIFront:
+    """The routes, bound to one orchestrator; :meth:`app` is the ASGI app."""
+
+    def __init__(self, orchestrator: Orchestrator, keys: ApiKeys | None = None,
+                 threads: int = 1024) -> None:
+        self.orch, self.keys = orchestrator, keys or ApiKeys()
+        self.metrics = HttpMetrics(orchestrator.metrics.registry)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="http-request")
+
+    def app(self) -> Starlette:
+        routes = [Route("/v1/models", self.models), Route("/health", self.health),
+                  Route("/metrics", self.scrape),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"])]
+        app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_found})
+        app.add_middleware(_ApiKeyCheck, keys=self.keys)
+        return app
+
+    async def models(self, request: Request) -> Response:
+        m = self.orch.model_card()
+        return _json({"object": "list", "data": [
+            {"id": m.id, "object": "model", "created": 0, "owned_by": "baton",
+             "max_model_len": m.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        counts = self.orch.pool.role_counts()
+        ok = counts.get("decode", 0) + counts.get("both", 0) > 0
+        return _json({"status": "ok" if ok else "no decode worker", "workers": counts},
+                            status_code=200 if ok else 503)
+
+    async def scrape(self, request: Request) -> Response:
+        self.metrics.workers.clear()
+        for role, n in self.orch.pool.role_counts().items():
+            self.metrics.workers.labels(role).set(n)
+        return Response(self.orch.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate("text", request)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate("chat", request)
+
+    async def _generate(self, kind: str, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body() or b"{}")
+            req = generate_request(kind, body)
+        except (ValueError, RecursionError) as e:
+            return _error(_bad("body", f"the body is not JSON: {e}"))
+        except RequestError as e:
+            self.metrics.record(kind, error=e)
+            return _error(e)
+        relay = _Relay(self.orch, self.pool, req, _caller(request))
+        answer = _Answer(kind, self.orch, req, body)
         if body.get("stream"):
-            self._stream(kind, req, body)
-        else:
-            self._complete(kind, req)
+            return await self._stream(answer, relay, request)
+        return await self._complete(answer, relay, request)
 
-    # ---- generation ------------------------------------------------------------------------------
-
-    def _context(self) -> _Context:
-        return _Context(timeout=None, headers=self.headers,
-                        peer=f"ipv4:{self.client_address[0]}:{self.client_address[1]}")
-
-    def _run(self, req, ctx):
-        self._gen = self.router.Generate(req, ctx)
-        return self._gen
-
-    def _complete(self, kind: str, req) -> None:
-        ctx = self._context()
-        text, final, lps = "", None, []
+    async def _complete(self, answer: _Answer, relay: _Relay, request: Request) -> Response:
+        watcher = asyncio.create_task(_watch_disconnect(request, relay))
         try:
-            for msg in self._run(req, ctx):
-                if msg.HasField("delta"):
-                    text += msg.delta.text
-                    lps += msg.delta.logprobs
-                else:
-                    final = msg.final
-        except _Aborted as e:
-            self.metrics.record(kind, "", e.code.name)
-            return self._error(_HTTP.get(e.code, 500), e.details, _err_type(e.code),
-                               _param(e.details))
+            async for msg in relay:
+                answer.take(msg)
+        except RequestError as e:
+            self.metrics.record(answer.kind, error=e)
+            return _error(e)
         finally:
-            self._close(ctx)
-        self.metrics.record(kind, final.path, "OK", final)
-        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model()
-        reason = _finish(final.finish_reason)
-        lp = self._logprobs(kind, lps) if req.params.HasField("logprobs") else None
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+            watcher.cancel()
+        self.metrics.record(answer.kind, answer.final)
+        return _json(answer.body())
+
+    async def _stream(self, answer: _Answer, relay: _Relay, request: Request) -> Response:
+        """Headers go out with the first message, once the first token is certain: an error
+        before it is a plain error response; after it, an error event ends the stream."""
+        messages = relay.__aiter__()
+        watcher = asyncio.create_task(_watch_disconnect(request, relay))
+        try:
+            first = await messages.__anext__()
+        except RequestError as e:
+            self.metrics.record(answer.kind, error=e)
+            return _error(e)
+        finally:
+            watcher.cancel()
+        return StreamingResponse(self._events(answer, relay, first, messages),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _events(self, answer: _Answer, relay: _Relay, first, messages):
+        try:
+            for event in answer.opening(first):
+                yield event
+            async for msg in messages:
+                for event in answer.events(msg):
+                    yield event
+            self.metrics.record(answer.kind, answer.final)
+            yield b"data: [DONE]\n\n"
+        except RequestError as e:
+            self.metrics.record(answer.kind, error=e)
+            yield _sse({"error": {"message": e.message, "type": _ERROR_TYPE.get(
+                e.status, "server_error"), "code": e.status.name}})
+        finally:  # also when the client went away (the response task is cancelled)
+            relay.cancel()
+
+
+class _Answer:
+    """One request's answer in the OpenAI shapes: the whole body, or its stream's events."""
+
+    def __init__(self, kind: str, orch: Orchestrator, req, body: dict) -> None:
+        self.kind, self.tokenizer = kind, orch.tokenizer
+        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), \
+            orch.model
+        self.want_lp = req.params.HasField("logprobs")
+        self.want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.text, self.lps, self.final = "", [], None
+        self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def take(self, msg) -> None:
+        if msg.HasField("delta"):
+            self.text += msg.delta.text
+            self.lps += msg.delta.logprobs
+        else:
+            self.final = msg.final
+
+    def body(self) -> dict:
+        f = self.final
+        lp = _logprobs(self.tokenizer, self.kind, self.lps) if self.want_lp else None
+        reason = _finish(f.finish_reason)
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
                       "finish_reason": reason, "logprobs": lp}
-            obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": lp}
-            obj = "text_completion"
-        self._json(200, {"id": rid, "object": obj, "created": created, "model": model,
-                         "choices": [choice], "usage": _usage(final),
-                         "baton": {"path": final.path, "retries": final.retries,
-                                   "migrations": final.migrations,
-                                   "prefill_worker": final.prefill_worker,
-                                   "decode_worker": final.decode_worker}})
+            choice = {"index": 0, "text": self.text, "finish_reason": reason, "logprobs": lp}
+        return {"id": self.id, "object": "chat.completion" if self.kind == "chat"
+                else "text_completion", "created": self.created, "model": self.model,
+                "choices": [choice], "usage": _usage(f),
+                "baton": {"path": f.path, "retries": f.retries, "migrations": f.migrations,
+                          "prefill_worker": f.prefill_worker, "decode_worker": f.decode_worker}}
 
-    def _stream(self, kind: str, req, body: dict) -> None:
-        ctx = self._context()
-        rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), self._model()
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        started = False
+    def opening(self, msg) -> list[bytes]:
+        """The stream's first events: the chat role, then ``msg``'s."""
+        head = [_sse(self._chunk(None, None, first=True))] if self.kind == "chat" else []
+        return head + self.events(msg)
 
-        want_lp = req.params.HasField("logprobs")
+    def events(self, msg) -> list[bytes]:
+        if msg.HasField("delta"):
+            return [_sse(self._chunk(msg.delta.text, None, lps=msg.delta.logprobs))]
+        self.final = f = msg.final
+        out = [_sse(self._chunk(None if self.kind == "chat" else "",
+                                _finish(f.finish_reason)))]
+        if self.want_usage:
+            out.append(_sse({"id": self.id, "object": self.obj, "created": self.created,
+                             "model": self.model, "choices": [], "usage": _usage(f)}))
+        return out
 
-        def chunk(delta_text: str | None, reason: str | None, first: bool = False,
-                  lps=()) -> dict:
-            lp = self._logprobs(kind, lps) if want_lp and lps else None
-            if kind == "chat":
-                delta = {"role": "assistant", "content": ""} if first else (
-                    {"content": delta_text} if delta_text is not None else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
-                          "logprobs": lp}
-            return {"id": rid, "object": obj, "created": created, "model": model,
-                    "choices": [choice]}
+    def _chunk(self, text: str | None, reason: str | None, first: bool = False,
+               lps=()) -> dict:
+        lp = _logprobs(self.tokenizer, self.kind, lps) if self.want_lp and lps else None
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else (
+                {"content": text} if text is not None else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": lp}
+        return {"id": self.id, "object": self.obj, "created": self.created,
+                "model": self.model, "choices": [choice]}
 
-        try:
-            for msg in self._run(req, ctx):
-                if not started:  # headers only once the first token is certain
-                    self._start_sse()
-                    started = True
-                    if kind == "chat":
-                        self._event(chunk(None, None, first=True))
-                if msg.HasField("delta"):
-                    self._event(chunk(msg.delta.text, None, lps=msg.delta.logprobs))
-                else:
-                    final = msg.final
-                    self._event(chunk(None if kind == "chat" else "",
-                                      _finish(final.finish_reason)))
-                    if want_usage:
-                        self._event({"id": rid, "object": obj, "created": created,
-                                     "model": model, "choices": [], "usage": _usage(final)})
-                    self.metrics.record(kind, final.path, "OK", final)
-            self._raw(b"data: [DONE]\n\n")
-            self._end_chunks()
-        except _Aborted as e:
-            self.metrics.record(kind, "", e.code.name)
-            if not started:
-                return self._error(_HTTP.get(e.code, 500), e.details, _err_type(e.code),
-                                   _param(e.details))
-            self._event({"error": {"message": e.details, "type": _err_type(e.code),
-                                   "code": e.code.name}})
-            self._end_chunks()
-        except (BrokenPipeError, ConnectionResetError):
-            log.info("HTTP client went away; cancelling its request")
-        finally:
-            self._close(ctx)
 
-    def _close(self, ctx: _Context) -> None:
-        ctx.done()  # cancels the worker calls still in flight
-        gen = getattr(self, "_gen", None)
-        if gen is not None:
-            gen.close()
-            self._gen = None
+class _ApiKeyCheck:
+    """ASGI middleware: with API keys set, /v1/* needs one as the bearer token (the OpenAI
+    client's api_key); /health and /metrics stay open for probes and scrapers."""
 
-    # ---- output helpers --------------------------------------------------------------------------
+    def __init__(self, app, keys: ApiKeys) -> None:
+        self.app, self.keys = app, keys
 
-    def _logprobs(self, kind: str, lps) -> dict:
-        """baton.v1.TokenLogprob list -> the OpenAI chat or legacy completions shape."""
-        tok = self.router.tokenizer
+    async def __call__(self, scope, receive, send) -> None:
+        if (scope["type"] != "http" or not self.keys or not scope["path"].startswith("/v1/")
+                or self.keys.allows(_header(scope, b"authorization"))):
+            await self.app(scope, receive, send)
+            return
+        await _error(RequestError(Status.UNAUTHENTICATED, "missing or wrong API key "
+                                  "(Authorization: Bearer ...)"))(scope, receive, send)
 
-        def s(token_id: int) -> str:
-            return tok.decode([token_id], skip_special_tokens=False)
 
-        if kind == "chat":
-            return {"content": [
-                {"token": s(lp.token_id), "logprob": lp.logprob,
-                 "bytes": list(s(lp.token_id).encode()),
-                 "top_logprobs": [{"token": s(t.token_id), "logprob": t.logprob,
-                                   "bytes": list(s(t.token_id).encode())} for t in lp.top]}
-                for lp in lps]}
-        tokens = [s(lp.token_id) for lp in lps]
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{s(t.token_id): t.logprob for t in lp.top} for lp in lps],
-                "text_offset": offsets}
+def _header(scope, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return v.decode("latin-1")
+    return None
 
-    def _model(self) -> str:
-        return self.router.model
 
-    def _worker_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for w in self.router.pool.workers():
-            counts[w.role] = counts.get(w.role, 0) + 1
-        return counts
+def _caller(request: Request) -> Caller:
+    metadata = tuple((k, request.headers[k]) for k in _PROPAGATED if request.headers.get(k))
+    host, port = request.client if request.client else ("", 0)
+    return Caller(client_key(metadata, f"ipv4:{host}:{port}"), metadata)
 
-    def _send(self, status: int, body: bytes, ctype: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
-    def _json(self, status: int, obj: dict) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json")
+async def _not_found(request: Request, exc) -> Response:
+    return _json({"error": {"message": f"no route {request.method} {request.url.path}",
+                                   "type": "not_found", "param": None, "code": None}}, 404)
 
-    def _error(self, status: int, message: str, etype: str, param: str | None = None) -> None:
-        self._json(status, {"error": {"message": message, "type": etype, "param": param,
-                                      "code": None}})
 
-    def _start_sse(self) -> None:
-        self.send_response(HTTPStatus.OK)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+def _error(e: RequestError) -> Response:
+    return _json({"error": {"message": e.message, "type": _ERROR_TYPE.get(
+        e.status, "server_error"), "param": e.field, "code": None}},
+        _HTTP_STATUS.get(e.status, 500))
 
-    def _raw(self, data: bytes) -> None:
-        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        self.wfile.flush()
 
-    def _event(self, obj: dict) -> None:
-        self._raw(b"data: " + json.dumps(obj).encode() + b"\n\n")
+def _json(obj: dict, status_code: int = 200) -> Response:
+    # json.dumps as it is: a log-probability of -inf goes out as -Infinity, as OpenAI's does
+    return Response(json.dumps(obj), status_code, media_type="application/json")
 
-    def _end_chunks(self) -> None:
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _logprobs(tok, kind: str, lps) -> dict:
+    """baton.v1.TokenLogprob list -> the OpenAI chat or legacy completions shape."""
+
+    def s(token_id: int) -> str:
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    if kind == "chat":
+        return {"content": [
+            {"token": s(lp.token_id), "logprob": lp.logprob,
+             "bytes": list(s(lp.token_id).encode()),
+             "top_logprobs": [{"token": s(t.token_id), "logprob": t.logprob,
+                               "bytes": list(s(t.token_id).encode())} for t in lp.top]}
+            for lp in lps]}
+    tokens = [s(lp.token_id) for lp in lps]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{s(t.token_id): t.logprob for t in lp.top} for lp in lps],
+            "text_offset": offsets}
 
 
 def _finish(reason: str) -> str:
@@ -452,32 +488,37 @@ def _usage(final) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def _err_type(code: grpc.StatusCode) -> str:
-    return {grpc.StatusCode.INVALID_ARGUMENT: "invalid_request_error",
-            grpc.StatusCode.UNAVAILABLE: "service_unavailable",
-            grpc.StatusCode.DEADLINE_EXCEEDED: "timeout"}.get(code, "server_error")
+# ---- the server ----------------------------------------------------------------------------------
 
 
-def _param(details: str) -> str | None:
-    # "InvalidRequestError: invalid temperature=-1.0: must be >= 0" -> "temperature"
-    if "invalid " in details and "=" in details:
-        return details.split("invalid ", 1)[1].split("=", 1)[0]
-    return None
+class HttpServer:
+    """uvicorn serving the front on its own thread and event loop; ``port`` is the bound one."""
+
+    def __init__(self, front: OpenAIFront, host: str, port: int,
+                 tls: tuple[str, str] | None = None) -> None:
+        import uvicorn
+
+        self._sock = socket.create_server((host, port), reuse_port=False)
+        self.port = self._sock.getsockname()[1]
+        cert, key = tls if tls else (None, None)
+        config = uvicorn.Config(front.app(), log_level="warning", access_log=False,
+                                timeout_keep_alive=30, backlog=2048, ssl_certfile=cert,
+                                ssl_keyfile=key, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="openai-http", daemon=True)
+
+    def start(self) -> HttpServer:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
 
 
-def serve_http(router, host: str, port: int, keys: ApiKeys | None = None,
-               tls: tuple[str, str] | None = None) -> ThreadingHTTPServer:
-    """Start the HTTP front on a thread; returns the server (``server_address`` has the port).
+def serve_http(orchestrator: Orchestrator, host: str, port: int, keys: ApiKeys | None = None,
+               tls: tuple[str, str] | None = None, threads: int = 1024) -> HttpServer:
+    """Start the HTTP front on its own thread; returns the server (``port`` is the bound one).
     ``tls``: (certificate file, key file) to serve HTTPS."""
-    handler = type("Handler", (OpenAIHandler,), {"router": router, "metrics": Metrics(),
-                                                 "keys": keys or ApiKeys()})
-    server = ThreadingHTTPServer((host, port), handler)
-    if tls is not None:
-        import ssl
-
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(*tls)
-        server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="openai-http", daemon=True).start()
-    return server
+    return HttpServer(OpenAIFront(orchestrator, keys, threads), host, port, tls).start()

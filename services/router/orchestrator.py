@@ -1,0 +1,582 @@
+"""The life of one request in the router, apart from any client transport.
+
+:meth:`Orchestrator.generate` takes a request, a :class:`Deadline` and a :class:`Cancellation`
+and yields ``GenerateResponse`` messages: deltas, then one final message. It raises
+:class:`RequestError` and nothing else. Both fronts (``grpc_api``, ``openai_http``) are adapters
+around it::
+
+    validate ─► admission slot ─► attempt 1 ─► attempt 2 ... ─► final
+                                     │
+      decide (routing.RoutingPolicy) ┤
+       remote: Prefill on a prefill worker ─handle─► Decode on a decode worker (KV by NIXL)
+       local:  Generate on a decode worker (it prefills itself)
+                                     │
+                                     └─► Outcome: Done | Retry | Migrate | Failed
+
+Each attempt ends in one explicit :data:`Outcome`. ``Retry``: a worker was unavailable before
+anything reached the client, so another is tried (``max_retries``). ``Migrate``: the decode worker
+failed after tokens were streamed, so the request resumes on another from the prompt plus those
+tokens (``max_migrations``). ``Failed``: the request ends with the error. Nothing is sent to the
+client before the decode worker's first chunk. Every worker call's timeout is what is left of
+the deadline; cancelling cancels the calls in flight, which frees the request's blocks on every
+worker. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from baton.engine.errors import InvalidRequestError
+from baton.engine.tokenizer import BatonTokenizer
+from baton.services.common import tracing
+from baton.services.common.metrics import RouterMetrics
+from baton.services.common.worker import params_from_proto
+from baton.services.router.errors import RequestError, Status
+from baton.services.router.limits import (
+    Admission,
+    LimitExceededError,
+    Limits,
+    StallWatch,
+    WaitEndedError,
+)
+from baton.services.router.progress import Progress, call_span, final_attrs, request_attrs
+from baton.services.router.routing import Decision, NoWorkerError, RoutingPolicy
+from baton.services.router.workers import Stream, WorkerError, WorkerPool
+from baton.v1 import api_pb2, worker_pb2
+
+log = logging.getLogger("baton.services.router")
+
+
+# ---- the request's deadline, its cancellation, its caller ----------------------------------------
+
+
+class Deadline:
+    """When the request must be over, on the monotonic clock."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + seconds)
+
+    def remaining(self) -> float:
+        """Seconds left, never below 1 ms (a worker call's timeout must be positive)."""
+        return max(self.at - time.monotonic(), 0.001)
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+class Cancellation:
+    """The client's "stop", set once by the front that noticed the client went away. Calls in
+    flight are :meth:`linked` to it and cancelled when it is set. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: set = set()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            calls, self._calls = self._calls, set()
+        for call in calls:
+            call.cancel()
+
+    @contextmanager
+    def linked(self, call):
+        """Cancel ``call`` (anything with ``cancel()``) if the request is cancelled during the
+        ``with`` body, or if the body ends by an exception (the consumer stopped reading)."""
+        with self._lock:
+            cancelled = self.cancelled
+            self._calls.add(call)
+        if cancelled:
+            call.cancel()
+        try:
+            yield call
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks: ``key`` counts against ``--max-concurrent-per-key`` (a digest of the API key,
+    else the client's host); ``trace`` is the W3C trace context as (name, value) pairs."""
+
+    key: str = "anonymous"
+    trace: tuple = ()
+
+
+# ---- outcomes of an attempt ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Done:
+    """The final message was sent."""
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The worker at ``address`` was unavailable before anything reached the client."""
+
+    address: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """The decode worker at ``address`` failed after tokens reached the client."""
+
+    address: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request ends with ``error``."""
+
+    error: RequestError
+
+
+Outcome = Done | Retry | Migrate | Failed
+
+
+# ---- settings ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    """What the orchestrator is told at start-up (``baton router`` flags; the model's identity
+    from the workers)."""
+
+    model: str
+    max_model_len: int
+    fingerprint: str
+    max_retries: int = 2
+    max_migrations: int = 2
+    max_prompt_tokens: int = 0  # 0: the context length bounds the prompt
+    max_tokens: int = 0  # 0: the context length bounds prompt + output
+    stall_timeout_s: float = 30.0
+    request_timeout_s: float = 600.0  # the deadline of a request whose client set none
+    limits: Limits = field(default_factory=Limits)
+
+    @property
+    def prompt_limit(self) -> int:
+        return min(self.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1)
+
+
+class Orchestrator:
+    """Runs requests on the workers of ``pool``; one per router process, shared by its fronts."""
+
+    def __init__(self, pool: WorkerPool, tokenizer: BatonTokenizer, settings: RouterSettings,
+                 policy: RoutingPolicy | None = None) -> None:
+        self.pool, self.tokenizer, self.settings = pool, tokenizer, settings
+        self.policy = policy or RoutingPolicy(pool, None)
+        self.admission = Admission(settings.limits)
+        self.stall = StallWatch(settings.stall_timeout_s)
+        self.metrics = RouterMetrics(self.policy.index)
+
+    @property
+    def model(self) -> str:
+        return self.settings.model
+
+    def deadline(self, client_seconds: float | None) -> Deadline:
+        """The request's deadline: the client's, or the router's default when it set none (or
+        a longer one)."""
+        limit = self.settings.request_timeout_s
+        if client_seconds is None or client_seconds > limit:
+            client_seconds = limit
+        return Deadline.after(client_seconds)
+
+    def model_card(self) -> api_pb2.ModelCard:
+        s = self.settings
+        return api_pb2.ModelCard(id=s.model, max_model_len=s.max_model_len,
+                                 fingerprint=s.fingerprint)
+
+    # ---- one request -----------------------------------------------------------------------------
+
+    def generate(self, request: api_pb2.GenerateRequest, deadline: Deadline,
+                 cancel: Cancellation, caller: Caller = Caller()
+                 ) -> Iterator[api_pb2.GenerateResponse]:
+        """Deltas, then the final message; raises RequestError. A consumer that stops reading
+        cancels the request's worker calls."""
+        t0 = time.monotonic()
+        rid = request.request_id or uuid.uuid4().hex
+        span = tracing.NO_SPAN
+        if tracing.enabled():
+            span = tracing.request_span(caller.trace, *request_attrs(request, self.model, rid),
+                                        at=t0)
+        status = "CANCELLED"  # unless it ends otherwise: the consumer stopped reading
+        try:
+            for msg in self._admitted(request, deadline, cancel, caller, t0, rid, span):
+                if msg.HasField("final"):
+                    status = "OK"
+                    self.metrics.finished(msg.final)
+                    span.set(final_attrs(msg.final))
+                yield msg
+        except RequestError as e:
+            status = e.status.name
+            raise
+        finally:
+            if status == "OK":
+                span.end()
+            else:
+                self.metrics.failed(status)
+                span.end(error=status)
+
+    def validate(self, request: api_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids; raises RequestError (INVALID_ARGUMENT) naming the field."""
+        try:
+            ids = self._prompt_ids(request)
+            p = params_from_proto(request.params)  # validation: the workers get the proto
+            if self.settings.max_tokens and p.max_tokens > self.settings.max_tokens:
+                raise InvalidRequestError("params.max_tokens", p.max_tokens,
+                                          f"this router allows at most "
+                                          f"{self.settings.max_tokens} (--max-tokens)")
+        except InvalidRequestError as e:
+            raise RequestError.invalid(e) from None
+        return ids
+
+    def _admitted(self, request, deadline: Deadline, cancel: Cancellation, caller: Caller,
+                  t0: float, rid: str, span):
+        """Validate, then run under the admission limits (see baton.services.router.limits)."""
+        ids = self.validate(request)
+        try:
+            with self.admission.slot(caller.key, lambda: deadline.at - time.monotonic(),
+                                     lambda: not cancel.cancelled):
+                span.event("baton.admitted")
+                yield from self._attempts(request, deadline, cancel, t0, rid, span, ids)
+        except LimitExceededError as e:
+            raise RequestError(Status.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}") from None
+        except WaitEndedError as e:
+            status = Status.CANCELLED if cancel.cancelled else Status.DEADLINE_EXCEEDED
+            raise RequestError(status, f"{type(e).__name__}: {e}") from None
+
+    def _attempts(self, request, deadline: Deadline, cancel: Cancellation, t0: float,
+                  rid: str, span, ids: list[int]):
+        """Attempts until one is done or the request fails; each is a new request on the
+        workers (a failed one may still be known there)."""
+        failed: set[str] = set()
+        st: Progress | None = None
+        retries = 0
+        hashes = _PromptHashes(self, request)
+        while True:
+            n = retries + (st.migrations if st else 0)
+            st = Progress(rid if n == 0 else f"{rid}.{n}", ids, t0, retries, self.metrics,
+                          span, before=st, last_delta_in_final=request.last_delta_in_final)
+            decision = self._route(st, hashes, failed)
+            outcome = yield from self._attempt(request, st, decision, deadline, cancel)
+            if isinstance(outcome, Done):
+                return
+            if isinstance(outcome, Failed):
+                raise outcome.error
+            failed.add(outcome.address)
+            self.pool.forget()
+            if cancel.cancelled:
+                raise _client_gone()
+            if deadline.passed():
+                raise RequestError(Status.DEADLINE_EXCEEDED, f"the deadline passed after "
+                                   f"{outcome.address} failed ({outcome.detail})")
+            if isinstance(outcome, Migrate):
+                self._migrate(request, st, outcome)
+            else:
+                retries += 1
+                self._retry(st, outcome, retries, failed)
+
+    def _route(self, st: Progress, hashes: _PromptHashes, failed: set[str]) -> Decision:
+        t = time.monotonic()
+        try:
+            try:
+                decision = self.policy.decide(st.ids, hashes.of(st.ids), failed)
+            except NoWorkerError:  # the registry read may predate a worker's start
+                if not self.pool.forget(if_older_than=0.1):
+                    raise
+                decision = self.policy.decide(st.ids, hashes.of(st.ids), failed)
+        except NoWorkerError as e:
+            raise RequestError(Status.UNAVAILABLE, str(e)) from None
+        st.route(decision, t, time.monotonic())
+        self.metrics.routed(decision)
+        return decision
+
+    def _migrate(self, request, st: Progress, m: Migrate) -> None:
+        """Resume after the tokens sent, on another decode worker; or end UNAVAILABLE."""
+        why = self._cannot_migrate(st, request)
+        if why:
+            raise RequestError(Status.UNAVAILABLE,
+                               f"worker {m.address} failed after tokens were streamed "
+                               f"({m.detail}); not migrated: {why}")
+        st.migrated(st.decode_worker, self.tokenizer)
+        self.metrics.migrations.inc()
+        st.span.event("baton.migrate", {"baton.worker.address": m.address,
+                                        "baton.migrate.tokens_sent": len(st.tokens)})
+        log.warning("request %s: %s after %d tokens; migrating (%d)", st.rid, m.detail,
+                    len(st.tokens), st.migrations)
+
+    def _retry(self, st: Progress, r: Retry, retries: int, failed: set[str]) -> None:
+        """Try another worker; or end UNAVAILABLE when ``max_retries`` are spent."""
+        st.span.event("baton.retry", {"baton.worker.address": r.address,
+                                      "baton.retry.reason": r.detail})
+        if retries > self.settings.max_retries:
+            raise RequestError(Status.UNAVAILABLE, "every attempt failed on an unavailable "
+                               f"worker ({sorted(failed)})")
+        log.warning("request %s: %s; retrying elsewhere (attempt %d)", st.rid, r.detail,
+                    retries)
+
+    def _cannot_migrate(self, st: Progress, request) -> str:
+        """Why the request cannot resume on another worker ("" when it can)."""
+        if st.migrations >= self.settings.max_migrations:
+            return f"already migrated {st.migrations} times (--max-migrations)"
+        p = request.params
+        if len(st.tokens) >= (p.max_tokens if p.HasField("max_tokens") else 16):
+            return "every requested token was sent, but not the finish"
+        if len(st.prompt) + len(st.tokens) >= self.settings.max_model_len:
+            return f"prompt and output fill the context length {self.settings.max_model_len}"
+        return ""
+
+    # ---- one attempt -----------------------------------------------------------------------------
+
+    def _attempt(self, request, st: Progress, decision: Decision, deadline: Deadline,
+                 cancel: Cancellation):
+        """One attempt on the decided workers, counted in flight on them (in Redis too): on the
+        decode worker until the attempt ends, on the prefill worker until its prefill does (a
+        prefill worker counted through every decode it handed off to would look saturated to
+        the routers while it idles, and they would prefill on the decode workers instead)."""
+        index = self.policy.index
+        if index is not None:
+            index.claim(st.rid, [decision.decode.worker_id])
+            if decision.prefill is not None:
+                index.claim(_prefill_key(st.rid), [decision.prefill.worker_id])
+        try:
+            if decision.path == "remote":
+                return (yield from self._remote(request, st, decision, deadline, cancel))
+            return (yield from self._local(request, st, decision.decode, deadline, cancel))
+        finally:
+            if index is not None:
+                index.release(st.rid)
+                index.release(_prefill_key(st.rid))
+
+    def _remote(self, request, st: Progress, decision: Decision, deadline: Deadline,
+                cancel: Cancellation):
+        """Prefill on the prefill worker, then decode from its KV handle on the decode worker.
+        A hand-off that does not end in Done gives the lease back at once."""
+        prefill, p = decision.prefill, st.params(request.params)
+        pre = self._prefill(prefill, st, p, deadline, cancel)
+        if not isinstance(pre, worker_pb2.PrefillResponse):
+            return pre
+        first_lp = [pre.first_logprob] if pre.HasField("first_logprob") else []
+        if pre.finish_reason:  # the first token ended the request: nothing to hand off
+            st.tokens.append(pre.first_token_id)
+            text = self.tokenizer.decode([pre.first_token_id])
+            yield from st.ending(st.delta([pre.first_token_id], text, first_lp),
+                                 pre.finish_reason, "remote")
+            return Done()
+        st.first_logprob = first_lp
+        decode = decision.decode
+        with self.pool.busy(decode.address):
+            cs = call_span(st.span, decode, "DecodeWorker", "Decode")
+            stream = self.pool.decode(decode.address, worker_pb2.DecodeRequest(
+                request_id=st.rid, prompt_token_ids=st.ids, first_token_id=pre.first_token_id,
+                params=p, handle=pre.handle, sampler_state=pre.sampler_state),
+                deadline.remaining(), cs.metadata())
+            outcome = yield from self._relay(decode, "remote", st, stream, cs, deadline, cancel)
+        if not isinstance(outcome, Done):
+            self.pool.release(prefill.address, pre.handle)  # free the blocks now, not at expiry
+        return outcome
+
+    def _prefill(self, prefill, st: Progress, p, deadline: Deadline, cancel: Cancellation
+                 ) -> worker_pb2.PrefillResponse | Outcome:
+        """The prefill worker's answer (a KV handle and the first token), or the outcome that
+        ends the attempt."""
+        st.prefill_worker = prefill.worker_id
+        t = time.monotonic()
+        with self.pool.busy(prefill.address):
+            cs = call_span(st.span, prefill, "PrefillWorker", "Prefill")
+            call = self.pool.prefill(prefill.address, worker_pb2.PrefillRequest(
+                request_id=st.rid, prompt_token_ids=st.ids, params=p), deadline.remaining(),
+                cs.metadata())
+            try:
+                with cancel.linked(call):
+                    pre = call.result()
+            except WorkerError as e:
+                cs.end(error=e.status.name)
+                if e.status is Status.RESOURCE_EXHAUSTED:  # backpressure: elsewhere
+                    return Retry(prefill.address, f"{prefill.address} refused: {e.detail}")
+                return self._failure(e, deadline, cancel, sent=False)
+            finally:
+                if self.policy.index is not None:
+                    self.policy.index.release(_prefill_key(st.rid))
+            cs.end()
+        st.prefill_s = time.monotonic() - t
+        st.queue_s, st.cached = pre.queue_s, pre.num_cached_tokens
+        return pre
+
+    def _local(self, request, st: Progress, decode, deadline: Deadline, cancel: Cancellation):
+        """The decode worker prefills the prompt itself and decodes."""
+        with self.pool.busy(decode.address):
+            cs = call_span(st.span, decode, "DecodeWorker", "Generate")
+            stream = self.pool.generate(decode.address, worker_pb2.LocalRequest(
+                request_id=st.rid, prompt_token_ids=st.ids, params=st.params(request.params)),
+                deadline.remaining(), cs.metadata())
+            return (yield from self._relay(decode, "local", st, stream, cs, deadline, cancel))
+
+    def _relay(self, decode, path: str, st: Progress, stream: Stream, cs, deadline: Deadline,
+               cancel: Cancellation):
+        """Relay the decode worker's chunks as deltas, then the final message."""
+        st.decode_worker = decode.worker_id
+        reason, watch, final = "", None, None
+        try:
+            with cancel.linked(stream):
+                for chunk in stream:
+                    if watch is None:  # mid-stream from here: a silent worker is a hung one
+                        watch = self.stall.watch(stream)
+                    watch.beat()
+                    delta = _absorb(st, chunk)
+                    reason = chunk.finish_reason or reason
+                    if not reason or final is not None:
+                        yield delta
+                        continue
+                    # the finishing chunk is the worker's last message: the client gets the
+                    # final one now, while the worker's status is still on its way
+                    for final in st.ending(delta, reason, path):
+                        yield final
+        except WorkerError as e:
+            cs.end(error=e.status.name)
+            return self._after_stream_error(e, decode, st, watch, final, deadline, cancel)
+        finally:
+            if watch is not None:
+                self.stall.unwatch(watch)
+        cs.end()
+        if not reason:  # the stream ended without a finish: never report that as success
+            return Failed(RequestError(Status.INTERNAL, f"decode worker {decode.worker_id} "
+                                       "ended the stream unfinished"))
+        return Done()
+
+    def _after_stream_error(self, e: WorkerError, decode, st: Progress, watch, final,
+                            deadline: Deadline, cancel: Cancellation) -> Outcome:
+        if final is not None:  # everything was delivered; only the status was lost
+            log.info("request %s: %s failed after its finish (%s); already complete",
+                     st.rid, decode.address, e.status.name)
+            return Done()
+        if watch is not None and watch.stalled:
+            return Migrate(decode.address, f"{decode.address} sent nothing for "
+                           f"{self.stall.timeout_s:g}s (--stall-timeout)")
+        return self._failure(e, deadline, cancel, sent=st.sent)
+
+    @staticmethod
+    def _failure(e: WorkerError, deadline: Deadline, cancel: Cancellation,
+                 sent: bool) -> Outcome:
+        """What a failed worker call means: retry elsewhere if the worker was unavailable before
+        anything was sent, migrate if it failed after, else the request fails with the
+        worker's status."""
+        if e.status is Status.CANCELLED and cancel.cancelled:
+            return Failed(_client_gone())
+        if not sent and (e.status in _RETRY_BEFORE_FIRST_TOKEN or (
+                # the worker's own timeout (a KV hand-off from a stalled peer), not the client's
+                e.status is Status.DEADLINE_EXCEEDED and deadline.at - time.monotonic() > 1.0)):
+            return Retry(e.address, str(e))
+        if sent and e.status in (Status.UNAVAILABLE, Status.CANCELLED):
+            return Migrate(e.address, f"{e.address} failed: {e.status.name} {e.detail}")
+        return Failed(RequestError(e.status, e.detail, e.field))
+
+    # ---- input -----------------------------------------------------------------------------------
+
+    def _prompt_ids(self, request) -> list[int]:
+        if request.model and request.model != self.model:
+            raise InvalidRequestError("model", request.model, f"this cluster serves {self.model!r}")
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            if not request.text:
+                raise InvalidRequestError("text", "", "the prompt is empty")
+            ids = self.tokenizer.encode(request.text)
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+        elif kind == "chat":
+            ids = self.tokenizer.encode_chat(_chat_messages(request.chat.messages))
+        else:
+            raise InvalidRequestError("input", None, "give text, token_ids or chat")
+        if not ids:
+            raise InvalidRequestError("prompt", "", "the prompt has no tokens")
+        limit = self.settings.prompt_limit
+        if len(ids) > limit:
+            raise InvalidRequestError(
+                "prompt", f"<{len(ids)} tokens>",
+                f"does not fit the context length {self.settings.max_model_len}"
+                if limit == self.settings.max_model_len - 1 else
+                f"this router takes at most {limit} tokens (--max-prompt-tokens)")
+        return ids
+
+
+# before anything reached the client: the worker is gone, or the hand-off's lease was lost
+# (expired while a worker stalled; its blocks were discarded, never decoded): start over
+_RETRY_BEFORE_FIRST_TOKEN = (Status.UNAVAILABLE, Status.ABORTED)
+
+
+class _PromptHashes:
+    """The prompt's block hashes for the routing index: computed once per prompt, so retries
+    reuse them and a migration (the prompt plus the tokens sent) recomputes them."""
+
+    def __init__(self, orch: Orchestrator, request) -> None:
+        self._orch = orch
+        p = request.params
+        self._salt = p.cache_salt if p.HasField("cache_salt") else None
+        self._hashes, self._len = None, -1
+
+    def of(self, ids: list[int]) -> bytes | None:
+        policy = self._orch.policy
+        if policy.mode == "round-robin" or self._len == len(ids):
+            return self._hashes
+        workers = self._orch.pool.workers()
+        bs = workers[0].block_size if workers else 16
+        self._hashes = policy.prompt_hashes(ids, self._orch.settings.fingerprint, self._salt, bs)
+        self._len = len(ids)
+        return self._hashes
+
+
+def _chat_messages(messages) -> list[dict]:
+    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    if not msgs:
+        raise InvalidRequestError("chat.messages", [], "must not be empty")
+    for i, m in enumerate(msgs):
+        if m["role"] not in ("system", "user", "assistant", "tool"):
+            raise InvalidRequestError(f"chat.messages[{i}].role", m["role"],
+                                      "must be system, user, assistant or tool")
+    return msgs
+
+
+def _absorb(st: Progress, chunk) -> api_pb2.GenerateResponse:
+    """Take one decode chunk's news into ``st``; the delta message for the client."""
+    if chunk.HasField("transfer"):
+        t = chunk.transfer
+        st.transfer_s = t.handshake_s + t.read_s + t.release_s
+        st.blocks_read, st.blocks_local = t.blocks_read, t.blocks_local
+        st.transports = t.transports
+        st.span.set({"baton.kv.bytes": t.bytes})
+    if chunk.num_cached_tokens:
+        st.cached = chunk.num_cached_tokens
+    if chunk.queue_s:
+        st.queue_s = chunk.queue_s
+    lps = list(chunk.logprobs)
+    if len(st.tokens) == st.start and st.first_logprob and len(lps) < len(chunk.token_ids):
+        lps = st.first_logprob + lps  # the hand-off's first token: prefill's
+    st.tokens.extend(chunk.token_ids)
+    return st.delta(chunk.token_ids, chunk.text, lps)
+
+
+def _client_gone() -> RequestError:
+    return RequestError(Status.CANCELLED, "the client went away")
+
+
+def _prefill_key(rid: str) -> str:
+    """The in-flight claim of a request's prefill, apart from its decode's."""
+    return f"{rid}/prefill"

@@ -1,0 +1,177 @@
+"""What the client has been sent so far, across a request's attempts, and the final message.
+
+One :class:`Progress` per attempt; an attempt after a migration starts from the one before it,
+so the tokens and text already streamed carry over and the workers get the prompt plus those
+tokens. The final message's timings, path, workers and usage are built here too, as are the
+tracing attributes that describe a request and its worker calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+from baton.control.registry import WorkerRecord
+from baton.engine.tokenizer import BatonTokenizer
+from baton.services.common import tracing
+from baton.services.router.routing import Decision
+from baton.v1 import api_pb2
+
+
+class Progress:
+    """One attempt's progress and the timings for the final message. An attempt after a
+    migration starts from the one ``before``: what the client was sent carries over, and the
+    workers get the prompt plus those tokens (``ids``) with ``max_tokens`` reduced by them."""
+
+    def __init__(self, rid: str, prompt: list[int], t0: float, attempt: int,
+                 metrics=None, span=tracing.NO_SPAN, before: Progress | None = None,
+                 last_delta_in_final: bool = False) -> None:
+        self.rid, self.prompt, self.t0, self.attempt = rid, prompt, t0, attempt
+        self.last_delta_in_final = last_delta_in_final
+        self.metrics, self.span = metrics, span
+        b = before
+        self.tokens: list[int] = list(b.tokens) if b else []  # every token sent to the client
+        self.start = len(self.tokens)  # this attempt's first token's index in ``tokens``
+        self.ids = prompt + self.tokens  # the prompt the workers get
+        self.text = b.text if b else ""  # every character sent to the client
+        self.unsent_text = b.unsent_text if b else ""  # goes out before this attempt's text
+        self.sent = b.sent if b else False
+        self.first_at: float | None = b.first_at if b else None
+        self.second_at: float | None = b.second_at if b else None  # after the first token
+        self.last_at = b.last_at if b else None
+        self.migrations = b.migrations if b else 0
+        self.migrated_from: list[str] = list(b.migrated_from) if b else []
+        self.cached = 0
+        self.prefill_s = self.transfer_s = 0.0
+        self.transports = self.prefill_worker = self.decode_worker = ""
+        self.first_logprob: list = []
+        self.route_s = self.queue_s = 0.0
+        self.decision: Decision | None = None
+        self.blocks_read = self.blocks_local = 0
+
+    def params(self, p):
+        """The request's sampling parameters for this attempt (``max_tokens`` less the tokens
+        already sent)."""
+        if self.start == 0:
+            return p
+        q = type(p)()
+        q.CopyFrom(p)
+        q.max_tokens = (p.max_tokens if p.HasField("max_tokens") else 16) - self.start
+        return q
+
+    def migrated(self, worker_id: str, tokenizer: BatonTokenizer) -> None:
+        """The decode worker failed after streaming ``tokens``: the next attempt resumes after
+        them. Text the worker held back (an unfinished UTF-8 character, a possible stop string's
+        start) was never sent; it goes out first, from the router's own decode of the tokens."""
+        self.migrations += 1
+        self.migrated_from.append(worker_id)
+        seed = self.prompt[-5:]  # as the workers' detokenizer: context for a leading space
+        full = tokenizer.decode(seed + self.tokens)[len(tokenizer.decode(seed)):]
+        sent = self.text
+        if full.startswith(sent):
+            self.unsent_text = full[len(sent):].rstrip("\ufffd")
+
+    def route(self, decision: Decision, start: float, end: float) -> None:
+        self.decision, self.route_s = decision, end - start
+        if self.span.recording:
+            d = decision
+            self.span.child("baton.route", attrs={
+                "baton.route.path": d.path, "baton.route.reason": d.reason,
+                "baton.route.index_used": d.used_index,
+                "baton.route.cached_tokens": d.cached_tokens,
+                "baton.prefill.worker": d.prefill.worker_id if d.prefill else None,
+                "baton.decode.worker": d.decode.worker_id if d.decode else None,
+                "baton.attempt": self.attempt}, at=start).end(at=end)
+
+    def delta(self, token_ids, text, logprobs=()):
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+        elif self.second_at is None and token_ids:
+            self.second_at = now
+        if self.last_at is not None and self.metrics is not None:
+            self.metrics.itl.observe(now - self.last_at)
+        self.last_at = now
+        self.sent = True
+        if self.unsent_text:
+            text, self.unsent_text = self.unsent_text + text, ""
+        self.text += text
+        return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
+            text=text, token_ids=token_ids, logprobs=logprobs))
+
+    def ending(self, delta, reason: str, path: str) -> tuple:
+        """The messages that end the request: its last ``delta`` and then the final message,
+        or the final message alone, carrying the delta, when the client asked for that
+        (``GenerateRequest.last_delta_in_final``)."""
+        if self.last_delta_in_final:
+            return (self.final(reason, path, delta.delta),)
+        return (delta, self.final(reason, path))
+
+    def final(self, reason: str, path: str, last_delta=None):
+        if self.migrations:
+            path = "migrated"
+        now = time.monotonic()
+        first = self.first_at or now
+        d = self.decision
+        return api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(
+            finish_reason=reason, path=path, prefill_worker=self.prefill_worker,
+            decode_worker=self.decode_worker, transports=self.transports, retries=self.attempt,
+            prompt_token_ids=self.prompt, route_reason=d.reason if d else "",
+            migrations=self.migrations, migrated_from=self.migrated_from,
+            index_cached_tokens=d.cached_tokens if d else 0,
+            index_used=d.used_index if d else False, kv_blocks_read=self.blocks_read,
+            kv_blocks_local=self.blocks_local, last_delta=last_delta,
+            usage=api_pb2.Usage(prompt_tokens=len(self.prompt),
+                                cached_tokens=min(self.cached, len(self.prompt)),
+                                completion_tokens=len(self.tokens)),
+            timing=api_pb2.Timing(prefill_s=self.prefill_s, transfer_s=self.transfer_s,
+                                  first_token_s=first - self.t0, decode_s=now - first,
+                                  total_s=now - self.t0, route_s=self.route_s,
+                                  queue_s=self.queue_s,
+                                  first_decode_step_s=(self.second_at - first
+                                                       if self.second_at else 0.0))))
+
+
+def request_attrs(request, model: str, rid: str) -> tuple[str, dict]:
+    """The request span's name and attributes (OpenTelemetry GenAI conventions, plus Baton's)."""
+    op = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
+    p = request.params
+    return f"{op} {model}", {
+        "gen_ai.operation.name": op, "gen_ai.provider.name": "baton",
+        "gen_ai.request.model": request.model or model,
+        "gen_ai.request.max_tokens": p.max_tokens if p.HasField("max_tokens") else 16,
+        "gen_ai.request.temperature": p.temperature,
+        "gen_ai.request.top_p": p.top_p if p.HasField("top_p") else None,
+        "gen_ai.request.top_k": p.top_k or None,
+        "gen_ai.request.seed": p.seed if p.HasField("seed") else None,
+        "gen_ai.request.stop_sequences": list(p.stop) or None,
+        "gen_ai.response.id": rid, "gen_ai.response.model": model,
+        "baton.request_id": rid}
+
+
+def final_attrs(f) -> dict:
+    t, u = f.timing, f.usage
+    return {"gen_ai.response.finish_reasons": [f.finish_reason],
+            "gen_ai.usage.input_tokens": u.prompt_tokens,
+            "gen_ai.usage.output_tokens": u.completion_tokens,
+            "baton.usage.cached_tokens": u.cached_tokens, "baton.path": f.path,
+            "baton.route.reason": f.route_reason, "baton.retries": f.retries,
+            "baton.prefill.worker": f.prefill_worker or None,
+            "baton.decode.worker": f.decode_worker or None,
+            "baton.kv.blocks_read": f.kv_blocks_read, "baton.kv.blocks_local": f.kv_blocks_local,
+            "baton.kv.transport": f.transports or None,
+            "baton.timing.route_s": t.route_s, "baton.timing.queue_s": t.queue_s,
+            "baton.timing.prefill_s": t.prefill_s, "baton.timing.transfer_s": t.transfer_s,
+            "baton.timing.first_token_s": t.first_token_s,
+            "baton.timing.first_decode_step_s": t.first_decode_step_s,
+            "baton.timing.total_s": t.total_s}
+
+
+def call_span(span, worker: WorkerRecord, service: str, method: str):
+    """The client span of a call to a worker, under the request's ``span``."""
+    if not span.recording:
+        return tracing.NO_SPAN
+    host, _, port = worker.address.rpartition(":")
+    return span.child(f"baton.v1.{service}/{method}", "client", {
+        "rpc.system": "grpc", "rpc.service": f"baton.v1.{service}", "rpc.method": method,
+        "server.address": host, "server.port": int(port) if port.isdigit() else None,
+        "baton.worker.id": worker.worker_id})
