@@ -21,18 +21,21 @@ tokens inside the final message, as the SDK does (``GenerateRequest.last_delta_i
 target is checked on ``router``.
 
     python bench/router_latency.py [--requests 300] [--max-tokens 1] [--workers 1]
+        [--baseline DIR]
+
+``--baseline DIR`` starts a second router from another build of Baton (``DIR`` goes first on its
+PYTHONPATH: ``pip install --no-deps --target DIR <old checkout>``) beside this one, in front of
+the same workers, and adds its calls as one more arm (``baseline``) of every round: the two
+routers' added latencies come from one run, at the same moment, on the same workers.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, pct, write_result  # noqa: E402
+from baton.bench.common import machine, pct, write_result
 
 
 def wpct(pairs: list[tuple[float, float]], q: float) -> float:
@@ -60,6 +63,9 @@ def main() -> None:
                     help="a model directory for the workers (default: SmolLM2). A tiny model "
                          "makes the workers' compute, and its noise, small next to the router's "
                          "part; the prompt's ids are taken modulo 400 so that any vocabulary fits")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also measure the router of another Baton build installed in DIR "
+                         "(pip install --no-deps --target DIR <checkout>), in the same run")
     ap.add_argument("--no-save", action="store_true")
     args = ap.parse_args()
 
@@ -76,14 +82,17 @@ def main() -> None:
         model = ["--model", args.model] if args.model else []
         workers = [WorkerProcess("decode", ["--num-blocks", "64", "--redis-url", redis.url,
                                             *model]) for _ in range(args.workers)]
-        router = WorkerProcess("router", ["--redis-url", redis.url, "--port", "0",
-                                          "--http-port", "-1",
-                                          "--local-prefill-max-tokens", "100000"])
+        router_args = ["--redis-url", redis.url, "--port", "0", "--http-port", "-1",
+                       "--local-prefill-max-tokens", "100000"]
+        router = WorkerProcess("router", router_args)
+        baseline = (WorkerProcess("router", router_args, env={"PYTHONPATH": args.baseline})
+                    if args.baseline else None)
         try:
             directs = {w.worker_id: worker_pb2_grpc.DecodeWorkerStub(w.channel)
                        for w in workers}
             ids = list(directs)
             routed = api_pb2_grpc.BatonStub(router.channel)
+            base = api_pb2_grpc.BatonStub(baseline.channel) if baseline else None
             last = [ids[0]]  # the worker that served the previous call
 
             def via_worker(i, k):
@@ -99,9 +108,9 @@ def main() -> None:
 
             route_s, used_index = [], []
 
-            def via_router(i, in_final=True):
+            def via_router(i, in_final=True, stub=None):
                 wid = None
-                for m in routed.Generate(api_pb2.GenerateRequest(
+                for m in (stub or routed).Generate(api_pb2.GenerateRequest(
                         token_ids=api_pb2.TokenIds(ids=prompt), params=params,
                         last_delta_in_final=in_final), timeout=30):
                     if m.HasField("final"):
@@ -114,8 +123,10 @@ def main() -> None:
             arms = (("direct", lambda i: via_worker(i, 0)), ("router", via_router),
                     ("direct", lambda i: via_worker(i, 1)),
                     ("router-2msg", lambda i: via_router(i, False)))
+            if base is not None:
+                arms += (("baseline", lambda i: via_router(i, stub=base)),)
             # (seconds, "same" | "other") per call, by arm
-            times = {"direct": [], "router": [], "router-2msg": []}
+            times = {name: [] for name, _ in arms}
             for i in range(args.warmup + args.requests):
                 for name, fn in arms:
                     prev = last[0]
@@ -126,6 +137,8 @@ def main() -> None:
                                             "same" if last[0] == prev else "other"))
         finally:
             router.stop()
+            if baseline is not None:
+                baseline.stop()
             for w in workers:
                 w.stop()
     res = {"machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens,
@@ -148,7 +161,7 @@ def main() -> None:
         sub = [c for c in direct if c[1] == cls]
         if sub and len(sub) < len(direct):
             res[f"direct-{cls}"] = row(f"  {cls} worker", sub)
-    for name in ("router", "router-2msg"):
+    for name in [n for n in ("router", "router-2msg", "baseline") if n in times]:
         calls = times[name]
         share = {cls: sum(c == cls for _, c in calls) / len(calls) for cls in ("same", "other")}
         # direct calls of each class, weighted so the classes mix as in the router's calls
@@ -166,6 +179,15 @@ def main() -> None:
     for k in ("added_p50_ms", "added_p99_ms", "added_p50_unmatched_ms"):
         res[k] = res["router"][k]  # the SDK's way: what the target is checked on
     res["meets_target"] = res["added_p50_ms"] <= 2.0
+    if "baseline" in times:
+        b = res["baseline"]
+        res["baseline_dir"] = args.baseline
+        res["added_p50_vs_baseline"] = res["added_p50_ms"] / b["added_p50_ms"]
+        res["p50_vs_baseline"] = res["router"]["p50_ms"] / b["p50_ms"]
+        print(f"this router vs the baseline's: added p50 {res['added_p50_ms']:.2f} vs "
+              f"{b['added_p50_ms']:.2f} ms ({res['added_p50_vs_baseline']:.2f}x); whole call "
+              f"p50 {res['router']['p50_ms']:.2f} vs {b['p50_ms']:.2f} ms "
+              f"({res['p50_vs_baseline']:.3f}x)")
     res["route_decision"] = {"p50_ms": statistics.median(route_s) * 1e3,
                              "p99_ms": pct(route_s, 0.99) * 1e3,
                              "index_read_share": sum(used_index) / len(route_s)}

@@ -1,0 +1,155 @@
+"""The router's transport-free core: what a failed worker call means for the request (retry,
+migrate, fail), the deadline a request gets, cancellation of calls in flight, how each front maps
+a RequestError, and that the router imports neither torch, numpy nor NIXL."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from baton.services.router.errors import RequestError, Status
+from baton.services.router.orchestrator import (
+    Cancellation,
+    Deadline,
+    Failed,
+    Migrate,
+    Orchestrator,
+    Retry,
+    RouterSettings,
+)
+from baton.services.router.workers import WorkerError
+
+
+def failure(status: Status, *, sent: bool = False, left: float = 60.0, cancelled=False,
+            field=None):
+    cancel = Cancellation()
+    if cancelled:
+        cancel.cancel()
+    e = WorkerError("10.0.0.1:5000", status, "what the worker said", field)
+    return Orchestrator._failure(e, Deadline.after(left), cancel, sent)
+
+
+@pytest.mark.parametrize("status", [Status.UNAVAILABLE, Status.ABORTED])
+def test_an_unavailable_worker_before_the_first_token_is_retried(status):
+    out = failure(status)
+    assert isinstance(out, Retry) and out.address == "10.0.0.1:5000"
+    assert status.name in out.detail and "what the worker said" in out.detail
+
+
+@pytest.mark.parametrize("status", [Status.UNAVAILABLE, Status.CANCELLED])
+def test_a_worker_lost_after_tokens_were_sent_is_migrated(status):
+    out = failure(status, sent=True)
+    assert isinstance(out, Migrate) and out.address == "10.0.0.1:5000"
+
+
+def test_a_workers_own_timeout_is_retried_but_the_clients_deadline_ends_the_request():
+    assert isinstance(failure(Status.DEADLINE_EXCEEDED, left=30), Retry)
+    out = failure(Status.DEADLINE_EXCEEDED, left=0.2)
+    assert isinstance(out, Failed) and out.error.status is Status.DEADLINE_EXCEEDED
+    out = failure(Status.DEADLINE_EXCEEDED, sent=True, left=30)  # tokens sent: not retried
+    assert isinstance(out, Failed) and out.error.status is Status.DEADLINE_EXCEEDED
+
+
+def test_a_workers_refusal_of_the_input_ends_the_request_naming_the_field():
+    out = failure(Status.INVALID_ARGUMENT, field="prompt_token_ids")
+    assert isinstance(out, Failed)
+    assert out.error.status is Status.INVALID_ARGUMENT
+    assert out.error.field == "prompt_token_ids" and out.error.message == "what the worker said"
+
+
+def test_a_cancelled_call_of_a_cancelled_request_is_the_client_going_away():
+    out = failure(Status.CANCELLED, cancelled=True)
+    assert isinstance(out, Failed) and out.error.status is Status.CANCELLED
+    # not cancelled by the client (a stall watch, a worker's own cancel): not the client's
+    assert isinstance(failure(Status.CANCELLED, sent=True), Migrate)
+
+
+def test_a_request_without_a_client_deadline_gets_the_routers_default():
+    orch = Orchestrator.__new__(Orchestrator)
+    orch.settings = RouterSettings("m", 100, "fp", request_timeout_s=42.0)
+    # gRPC reports a call without a deadline as ~9.2e18 seconds remaining
+    for client in (None, 9.223372035059208e18, 1e6):
+        left = orch.deadline(client).at - time.monotonic()
+        assert 41.0 < left <= 42.0, client
+    left = orch.deadline(5.0).at - time.monotonic()
+    assert 4.0 < left <= 5.0
+    assert Deadline.after(-3).remaining() == pytest.approx(0.001)  # a timeout stays positive
+
+
+class Call:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def test_cancelling_a_request_cancels_the_calls_linked_to_it_and_no_others():
+    cancel, inside, after = Cancellation(), Call(), Call()
+    with cancel.linked(inside):
+        cancel.cancel()
+        assert inside.cancelled.is_set()
+    with cancel.linked(after):  # linked after the cancel: cancelled at once
+        assert after.cancelled.is_set()
+    done, other = Cancellation(), Call()
+    with done.linked(other):
+        pass
+    done.cancel()
+    assert not other.cancelled.is_set()  # it ended before the cancel
+
+
+def test_a_consumer_that_stops_reading_cancels_the_call_in_flight():
+    cancel, call = Cancellation(), Call()
+
+    def relay():
+        with cancel.linked(call):
+            yield 1
+            yield 2
+
+    gen = relay()
+    next(gen)
+    gen.close()  # GeneratorExit at the yield
+    assert call.cancelled.is_set() and not cancel.cancelled
+
+
+def test_each_front_maps_a_request_error_once():
+    import grpc
+    from baton.services.router.openai_http import _error
+
+    for status in Status:
+        assert grpc.StatusCode[status.name].name == status.name
+    r = _error(RequestError(Status.INVALID_ARGUMENT, "temperature must be >= 0",
+                            "temperature", -1))
+    body = json.loads(r.body)
+    assert r.status_code == 400 and body["error"]["param"] == "temperature"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert _error(RequestError(Status.RESOURCE_EXHAUSTED, "full")).status_code == 429
+    assert _error(RequestError(Status.UNAVAILABLE, "no worker")).status_code == 503
+    assert _error(RequestError(Status.DEADLINE_EXCEEDED, "late")).status_code == 504
+    assert _error(RequestError(Status.DATA_LOSS, "bad")).status_code == 500
+
+
+def test_the_openai_body_errors_name_the_field():
+    from baton.services.router.openai_http import generate_request
+
+    cases = [({"prompt": "hi", "temperature": "hot"}, "temperature"),
+             ({"prompt": "hi", "n": 2}, "n"), ({"prompt": 5}, "prompt"),
+             ({"messages": [{"role": "user"}]}, "messages[0]"), ([1, 2], "body"),
+             ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens")]
+    for body, field in cases:
+        kind = "chat" if isinstance(body, dict) and "messages" in body else "text"
+        with pytest.raises(RequestError) as e:
+            generate_request(kind, body)
+        assert e.value.status is Status.INVALID_ARGUMENT and e.value.field == field, body
+
+
+def test_the_router_imports_no_torch_numpy_or_nixl():
+    code = ("import sys, baton.services.router.server, baton.services.router.openai_http; "
+            "print([m for m in ('torch', 'numpy', 'nixl') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
