@@ -526,9 +526,14 @@ def test_an_http_client_that_goes_away_cancels_its_request(cluster, stream):
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     if stream:
-        assert b"data: " in sock.recv(4096)  # the first tokens arrived: it is decoding
+        got = b""
+        while b"data: " not in got:  # the first tokens arrived: it is decoding
+            chunk = sock.recv(4096)
+            assert chunk, got
+            got += chunk
     else:
-        _wait_until(lambda: any(w.info().running_requests for w in cluster.decode))
+        decode = [w for w in cluster.workers() if w.role == "decode"]
+        _wait_until(lambda: any(w.info().running_requests for w in decode))
     sock.close()
     _wait_until(lambda: _router_metric(cluster, cancelled) > before)
     cluster.assert_no_blocks_held(timeout=20)
