@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_result  # noqa: E402
+from baton.bench.common import machine, write_result
 
 SHAPES = {"smollm2": (3, 3, 64), "llama3-8b": (8, 4, 128)}  # kv heads, group, head_dim
 _SALTS = itertools.count()

@@ -21,10 +21,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_result  # noqa: E402
+from baton.bench.common import machine, write_result
 
 
 def main() -> None:

@@ -29,17 +29,15 @@ import random
 import sys
 import threading
 import time
-from pathlib import Path
 from statistics import median
 from urllib.parse import urlparse
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torch  # noqa: E402
-from baton.engine.config import EngineConfig  # noqa: E402
-from baton.engine.engine import LLMEngine  # noqa: E402
-from baton.engine.loader import load_model  # noqa: E402
-from baton.engine.params import SamplingParams  # noqa: E402
-from common import machine, random_word_prompts, settle, write_result  # noqa: E402
+import torch
+from baton.bench.common import machine, random_word_prompts, settle, write_result
+from baton.engine.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.engine.loader import load_model
+from baton.engine.params import SamplingParams
 
 OUT_TOKENS = 128
 SINGLE_PROMPT = 500
@@ -340,7 +338,8 @@ def main(argv=None) -> int:
               f"{f(s.get('vllm_concurrent_tok_s')):>8} "
               f"{f(s.get('concurrent_ratio_vs_vllm'), '{:.2f}'):>6}")
         print(f"{'':9} {'TTFT 500-token prompt ms':34} {f(s['baton_ttft_s'] * 1000, '{:.0f}'):>8}"
-              f" {'':>8} {'':>6} {f(s.get('vllm_ttft_s') and s['vllm_ttft_s'] * 1000, '{:.0f}'):>8}")
+              f" {'':>8} {'':>6} "
+              f"{f(s.get('vllm_ttft_s') and s['vllm_ttft_s'] * 1000, '{:.0f}'):>8}")
     if not a.no_save:
         log(f"wrote {write_result('engine', res)}")
     return 0

@@ -40,9 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine  # noqa: E402
+from baton.bench.common import RESULTS, machine
 
 
 def log(msg: str) -> None:

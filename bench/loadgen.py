@@ -16,7 +16,6 @@ workloads share within a run, on purpose). Outputs are exact lengths (``ignore_e
 
 from __future__ import annotations
 
-import csv
 import http.client
 import json
 import random
@@ -25,163 +24,25 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from baton.bench.common import pct
+from baton.control.workload import (  # noqa: F401 (the workloads are part of the loadgen API)
+    Record,
+    Req,
+    Tokens,
+    azure,
+    find_goodput,
+    meets,
+    mooncake,
+    multi_turn,
+    poisson,
+    shared_prefix,
+    speed_up,
+    synthetic,
+)
 
 # ---- workloads -----------------------------------------------------------------------------------
-
-
-@dataclass
-class Req:
-    prompt: list[int]
-    max_tokens: int
-    at: float = 0.0  # seconds after the run's start (open loop)
-
-
-@dataclass
-class Tokens:
-    """Where prompt tokens come from: ids in ``[lo, hi)``, pseudo-random per ``salt``."""
-
-    lo: int = 100
-    hi: int = 10000
-    salt: str = ""
-
-    def random(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(self.lo, self.hi) for _ in range(n)]
-
-
-def synthetic(n: int, input_len: tuple[int, int], output_len: tuple[int, int],
-              tokens: Tokens, seed: int = 0) -> list[Req]:
-    """Prompt and output lengths uniform in the given inclusive ranges."""
-    rng = random.Random(f"{seed}/{tokens.salt}")
-    return [Req(tokens.random(rng, rng.randint(*input_len)), rng.randint(*output_len))
-            for _ in range(n)]
-
-
-def shared_prefix(n: int, groups: int, prefix_len: int, suffix_len: tuple[int, int],
-                  output_len: tuple[int, int], tokens: Tokens, seed: int = 0) -> list[Req]:
-    """``groups`` system prompts of ``prefix_len`` tokens; each request takes one (in turn) and
-    adds its own suffix (the multi-tenant chat pattern a prefix cache serves)."""
-    rng = random.Random(f"{seed}/{tokens.salt}")
-    prefixes = [tokens.random(rng, prefix_len) for _ in range(groups)]
-    return [Req(prefixes[i % groups] + tokens.random(rng, rng.randint(*suffix_len)),
-                rng.randint(*output_len)) for i in range(n)]
-
-
-def multi_turn(n: int, conversations: int, system_len: int, user_len: tuple[int, int],
-               output_len: tuple[int, int], tokens: Tokens, seed: int = 0) -> list[Req]:
-    """Chats: each of ``conversations`` starts with its own system prompt; turn k's prompt is
-    turn k-1's prompt, an assistant reply of that turn's output length and a new user message,
-    so every turn extends the previous one (what a decode worker's prefix cache keeps). Turns
-    interleave across conversations: request i is turn ``i // conversations`` of conversation
-    ``i % conversations``."""
-    rng = random.Random(f"{seed}/{tokens.salt}")
-    history = [tokens.random(rng, system_len) for _ in range(conversations)]
-    out = []
-    for i in range(n):
-        c = i % conversations
-        history[c] = history[c] + tokens.random(rng, rng.randint(*user_len))
-        nout = rng.randint(*output_len)
-        out.append(Req(list(history[c]), nout))
-        history[c] += tokens.random(rng, nout)  # stands in for the reply
-    return out
-
-
-def azure(path: str | Path, n: int, tokens: Tokens, scale: float = 1.0,
-          max_input: int = 2048, max_output: int = 512, start: int = 0) -> list[Req]:
-    """The Azure LLM trace (CSV: TIMESTAMP, ContextTokens, GeneratedTokens): its lengths times
-    ``scale`` (capped), its arrival times; rows ``start`` .. ``start + n``."""
-    import datetime as dt
-
-    rng = random.Random(f"azure/{tokens.salt}")
-    out, t0 = [], None
-    with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f)):
-            if i < start:
-                continue
-            if len(out) >= n:
-                break
-            ts = dt.datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
-            t0 = ts if t0 is None else t0
-            nin = max(1, min(max_input, round(int(row["ContextTokens"]) * scale)))
-            nout = max(1, min(max_output, round(int(row["GeneratedTokens"]) * scale)))
-            out.append(Req(tokens.random(rng, nin), nout, ts - t0))
-    return out
-
-
-def mooncake(path: str | Path, n: int, tokens: Tokens, block_tokens: int = 16,
-             max_input: int = 2048, max_output: int = 512) -> list[Req]:
-    """The Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids): each
-    512-token block id becomes ``block_tokens`` fixed tokens (same id, same tokens: shared
-    prefixes stay shared) and lengths shrink by ``block_tokens / 512``."""
-    blocks: dict[int, list[int]] = {}
-    out = []
-    with open(path) as f:
-        for line in f:
-            if len(out) >= n:
-                break
-            r = json.loads(line)
-            ids: list[int] = []
-            for h in r["hash_ids"]:
-                if h not in blocks:
-                    blocks[h] = tokens.random(random.Random(f"{h}/{tokens.salt}"), block_tokens)
-                ids += blocks[h]
-            nin = max(2, min(max_input, round(r["input_length"] * block_tokens / 512)))
-            nout = max(1, min(max_output, r["output_length"]))
-            out.append(Req(ids[:nin], nout, r["timestamp"] / 1000.0))
-    return out
-
-
-def poisson(reqs: Sequence[Req], rate: float, seed: int = 0) -> list[Req]:
-    """The same requests arriving as a Poisson process of ``rate`` per second."""
-    rng, t, out = random.Random(seed), 0.0, []
-    for r in reqs:
-        out.append(Req(r.prompt, r.max_tokens, t))
-        t += rng.expovariate(rate)
-    return out
-
-
-def speed_up(reqs: Sequence[Req], factor: float) -> list[Req]:
-    """A trace's own arrival times, ``factor`` times faster."""
-    return [Req(r.prompt, r.max_tokens, r.at / factor) for r in reqs]
-
-
-# ---- targets -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Record:
-    prompt_tokens: int
-    max_tokens: int
-    sent: float  # time.monotonic() seconds
-    first: float | None = None
-    end: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each piece of output
-    output_tokens: int = 0
-    error: str | None = None  # the status / exception name; None: succeeded
-    # Baton's gRPC API only: the router's path and its account of the first token's time
-    path: str | None = None
-    stages: dict[str, float] | None = None
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first is None else self.first - self.sent
-
-    @property
-    def tpot(self) -> float | None:
-        """(last token - first token) / (tokens - 1); None with fewer than 2 tokens."""
-        if self.first is None or self.end is None or self.output_tokens < 2:
-            return None
-        return (self.end - self.first) / (self.output_tokens - 1)
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.end is None else self.end - self.sent
-
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
 class GrpcTarget:
@@ -400,14 +261,6 @@ def stats(xs: Sequence[float]) -> dict:
             "p90": pct(xs, 0.9), "p99": pct(xs, 0.99)}
 
 
-def meets(r: Record, ttft_slo: float, tpot_slo: float) -> bool:
-    """Succeeded, first token within ``ttft_slo``, and (with 2+ tokens) TPOT within
-    ``tpot_slo``."""
-    if r.error is not None or r.ttft is None or r.ttft > ttft_slo:
-        return False
-    return r.tpot is None or r.tpot <= tpot_slo
-
-
 def summarize(records: Sequence[Record], wall_s: float, ttft_slo: float,
               tpot_slo: float) -> dict:
     ok = [r for r in records if r.error is None]
@@ -444,46 +297,3 @@ def _stages(ok: Sequence[Record]) -> dict:
         k: stats([r.stages[k] for r in rs]) for k in rs[0].stages}} for path, rs in by.items()}}
 
 
-def find_goodput(attainment_at: Callable[[float], float], start: float, target: float = 0.9,
-                 max_rate: float = 1e6, refine: int = 3,
-                 min_rate: float | None = None) -> tuple[float, list[tuple[float, float]]]:
-    """The highest request rate whose attainment is >= ``target``: double from ``start`` until
-    a rate fails (or halve until one passes), then bisect ``refine`` times between the last
-    passing and first failing rates. Returns (goodput, [(rate, attainment), ...] as measured);
-    goodput 0 when even ``min_rate`` (default ``start / 64``) fails."""
-    min_rate = start / 64 if min_rate is None else min_rate
-    points: list[tuple[float, float]] = []
-
-    def ok(rate: float) -> bool:
-        a = attainment_at(rate)
-        points.append((rate, a))
-        return a >= target
-
-    rate = start
-    if ok(rate):
-        lo, hi = rate, None
-        while hi is None and rate * 2 <= max_rate:
-            rate *= 2
-            if ok(rate):
-                lo = rate
-            else:
-                hi = rate
-        if hi is None:
-            return lo, points
-    else:
-        hi, lo = rate, None
-        while rate / 2 >= min_rate * (1 - 1e-9):
-            rate /= 2
-            if ok(rate):
-                lo = rate
-                break
-            hi = rate
-        if lo is None:
-            return 0.0, points
-    for _ in range(refine):
-        mid = (lo + hi) / 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, points

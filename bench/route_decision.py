@@ -17,13 +17,10 @@ import argparse
 import gc
 import random
 import statistics
-import sys
 import time
 from collections import deque
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, pct, write_result  # noqa: E402
+from baton.bench.common import machine, pct, write_result
 
 
 def main() -> None:

@@ -20,14 +20,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, pct, random_word_prompts, write_result  # noqa: E402
+from baton.bench.common import machine, pct, random_word_prompts, write_result
 
 
 def main() -> None:

@@ -23,8 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_result  # noqa: E402
+from baton.bench.common import machine, write_result
 
 
 def descendants(pid: int) -> list[int]:
@@ -93,8 +92,7 @@ def main() -> None:
     model, vocab = [], 49152
     if a.tiny:
         if not (Path(a.tiny) / "config.json").exists():
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-            from tests.conftest import make_hf_model
+            from baton.bench.tiny_model import make_hf_model
 
             make_hf_model(Path(a.tiny), tie_word_embeddings=False)
         model, vocab = ["--model", a.tiny], 400

@@ -26,17 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+from baton.bench.common import machine, write_result
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT))
-from common import machine, write_result  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 BLOCK = 16
@@ -100,10 +98,9 @@ def main() -> None:
     print(f"{len(prompts)} requests, {total} prompt tokens after scaling; ideal single infinite "
           f"cache hit rate {sum(ideal) / total:.1%}", flush=True)
 
+    from baton.bench.tiny_model import make_hf_model
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.common.launch import WorkerProcess
-
-    from tests.conftest import make_hf_model
 
     model_dir = Path(tempfile.mkdtemp(prefix="baton-trace-model-"))
     max_len = max(map(len, prompts)) + args.max_tokens + 16

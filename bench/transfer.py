@@ -26,10 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, random_word_prompts, write_result  # noqa: E402
+from baton.bench.common import machine, random_word_prompts, write_result
 
 BLOCK_SHAPE = (30, 2, 16, 3, 64)  # SmolLM2, one block: layers, k/v, tokens, kv heads, head dim
 MIB = 1 << 20

@@ -11,12 +11,9 @@ arrivals, same goodput search). Results in bench/results/tune-validation-*.json.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, write_result  # noqa: E402
+from baton.bench.common import RESULTS, machine, write_result
 
 
 def main() -> None:
@@ -40,7 +37,8 @@ def main() -> None:
 
     from baton.bench.cli import add_bench_args
     from baton.bench.compare import run_compare
-    from baton.control.profile import CostModel, Profile, run_profile
+    from baton.bench.profile import run_profile
+    from baton.control.profile import CostModel, Profile
     from baton.control.sim import Layout
     from baton.control.tune import Evaluator, add_tune_args, load_trace
 

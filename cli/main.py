@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "synthetic, shared-prefix or trace workloads. `baton bench "
                                    "run TARGET`, `baton bench compare`; --help on each.")
     add_bench_args(b)
-    from baton.control.profile import add_profile_args, cmd_profile
+    from baton.bench.profile import add_profile_args, cmd_profile
     from baton.control.tune import add_tune_args, cmd_tune
 
     pr = sub.add_parser("profile", help="measure this engine on this machine: prefill, decode "

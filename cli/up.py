@@ -214,7 +214,7 @@ def up(a: argparse.Namespace) -> int:
 
 def _leave_address(redis_url: str, router):
     """Write where this cluster is for `baton status` / `baton top` (removed at exit)."""
-    from baton.cli.status import state_file
+    from baton.control.cluster_state import state_file
 
     path = state_file()
     try:

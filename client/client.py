@@ -197,21 +197,43 @@ def _retry_delay(e: grpc.RpcError, col: _Collector, attempt: int, client,
     return min(client.backoff_s * 2 ** (attempt - 1), max(deadline - time.monotonic(), 0))
 
 
-class Stream:
-    """Iterator of :class:`Delta`; ``result`` is set once it is exhausted. Closing it early
-    (``break``, ``close()``, ``cancel()``, leaving a ``with`` block) cancels the request."""
+class _Attempts:
+    """What the sync and async streams share: one request's deadline, metadata and collected
+    output, each attempt's call (a new one per retry) and the wait before the next attempt.
+    The subclasses only drive the calls, blocking or awaiting."""
 
-    def __init__(self, client: Client, request, timeout: float) -> None:
+    def __init__(self, client, request, timeout: float) -> None:
         self._client, self._request = client, request
         self._deadline = time.monotonic() + timeout
         self._metadata = client._metadata + _trace_metadata()
         self._col = _Collector()
         self._call = None
+        self._attempt = 0
         self._gen = self._run()
 
     @property
     def result(self) -> Result | None:
         return self._col.result
+
+    def _start(self):
+        """This attempt's call, with what is left of the deadline."""
+        left = self._deadline - time.monotonic()
+        self._call = self._client._stub.Generate(self._request, timeout=max(left, 0.001),
+                                                  metadata=self._metadata)
+        return self._call
+
+    def _backoff(self, e: grpc.RpcError) -> float:
+        """Seconds before the next attempt; raises the typed error when none may be made."""
+        self._attempt += 1
+        return _retry_delay(e, self._col, self._attempt, self._client, self._deadline)
+
+    def _run(self):
+        raise NotImplementedError
+
+
+class Stream(_Attempts):
+    """Iterator of :class:`Delta`; ``result`` is set once it is exhausted. Closing it early
+    (``break``, ``close()``, ``cancel()``, leaving a ``with`` block) cancels the request."""
 
     def __iter__(self) -> Iterator[Delta]:
         return self
@@ -220,22 +242,18 @@ class Stream:
         return next(self._gen)
 
     def _run(self) -> Iterator[Delta]:
-        attempt = 0
         while True:
-            left = self._deadline - time.monotonic()
-            self._call = self._client._stub.Generate(self._request, timeout=max(left, 0.001),
-                                                      metadata=self._metadata)
+            call = self._start()
             try:
-                for msg in self._call:
+                for msg in call:
                     delta = self._col.add(msg)
                     if delta is not None:
                         yield delta
                 return
             except grpc.RpcError as e:
-                attempt += 1
-                time.sleep(_retry_delay(e, self._col, attempt, self._client, self._deadline))
+                time.sleep(self._backoff(e))
             finally:
-                self._call.cancel()  # no-op when it finished; frees the request otherwise
+                call.cancel()  # no-op when it finished; frees the request otherwise
 
     def cancel(self) -> None:
         if self._call is not None:
@@ -301,21 +319,9 @@ class Client:
         self.close()
 
 
-class AsyncStream:
+class AsyncStream(_Attempts):
     """Async iterator of :class:`Delta` (``async for``); ``result`` once exhausted;
     ``cancel()`` or ``aclose()`` cancels the request."""
-
-    def __init__(self, client: AsyncClient, request, timeout: float) -> None:
-        self._client, self._request = client, request
-        self._deadline = time.monotonic() + timeout
-        self._metadata = client._metadata + _trace_metadata()
-        self._col = _Collector()
-        self._call = None
-        self._gen = self._run()
-
-    @property
-    def result(self) -> Result | None:
-        return self._col.result
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self
@@ -324,26 +330,18 @@ class AsyncStream:
         return await self._gen.__anext__()
 
     async def _run(self) -> AsyncIterator[Delta]:
-        attempt = 0
         while True:
-            left = self._deadline - time.monotonic()
-            self._call = self._client._stub.Generate(self._request, timeout=max(left, 0.001),
-                                                      metadata=self._metadata)
+            call = self._start()
             try:
-                async for msg in self._call:
+                async for msg in call:
                     delta = self._col.add(msg)
                     if delta is not None:
                         yield delta
                 return
             except grpc.RpcError as e:
-                attempt += 1
-                await asyncio.sleep(_retry_delay(e, self._col, attempt, self._client,
-                                                 self._deadline))
-            except asyncio.CancelledError:
-                self._call.cancel()
-                raise
-            finally:
-                self._call.cancel()
+                await asyncio.sleep(self._backoff(e))
+            finally:  # also on asyncio.CancelledError: frees the request
+                call.cancel()
 
     def cancel(self) -> None:
         if self._call is not None:

@@ -356,7 +356,7 @@ class MetricsSignals:
         self._snaps: deque = deque()
 
     def __call__(self) -> Signals:
-        from baton.cli.status import collect, summarize
+        from baton.control.cluster_state import collect, summarize
 
         cur = collect(self.registry, self.redis_url)
         self._snaps.append(cur)
@@ -459,7 +459,7 @@ def cmd_autoscale(a) -> int:
     import signal
     import sys
 
-    from baton.cli.status import find_redis_url
+    from baton.control.cluster_state import find_redis_url
 
     url = a.redis_url or find_redis_url()
     if not url:

@@ -31,8 +31,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from baton.bench.loadgen import Record, meets
+from baton.control.pd import pd_path, saturated_limit
 from baton.control.profile import CostModel, Profile
+from baton.control.workload import Record, meets
 
 
 @dataclass(frozen=True)
@@ -213,8 +214,7 @@ class Cluster:
         self.layout, self.p = layout, profile
         self.cost = cost or CostModel(profile)
         self.knobs = knobs or Knobs()
-        limit = self.knobs.saturated_local_max_tokens
-        self._saturated_local_max = limit if limit >= 0 else float("inf")
+        self._saturated_local_max = saturated_limit(self.knobs.saturated_local_max_tokens)
         self.sim = Sim()
         self.prefills = [SimEngine(self.sim, self.cost, profile, f"prefill-{i}")
                          for i in range(layout.prefill)]
@@ -237,12 +237,11 @@ class Cluster:
         d = self._least(self.decodes, lambda e: e.inflight)
         d.inflight += 1
         k = self.knobs
-        local = (self.layout.colocated or not self.prefills
-                 or r.prompt_tokens <= k.local_prefill_max_tokens
-                 or (r.prompt_tokens <= self._saturated_local_max
-                     and all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
-                             for e in self.prefills)))
-        if local:
+        saturated = all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
+                        for e in self.prefills)
+        path, _ = pd_path(r.prompt_tokens, bool(self.prefills) and not self.layout.colocated,
+                          saturated, k.local_prefill_max_tokens, self._saturated_local_max)
+        if path == "local":
             r.path = "local"
             d.submit(t, _Seq(r))
             return

@@ -26,7 +26,7 @@ def layouts(n: int) -> list[Layout]:
 
 def load_trace(a: argparse.Namespace) -> list:
     """The trace's requests as loadgen ``Req`` (lengths and arrival offsets)."""
-    from baton.bench import loadgen as lg
+    from baton.control import workload as lg
 
     fmt = a.format
     if fmt == "auto":
@@ -60,14 +60,14 @@ class Evaluator:
                            saturated_local_max_tokens=a.saturated_local_max_tokens)
 
     def at(self, layout: Layout, rate: float | None) -> float:
-        from baton.bench import loadgen as lg
+        from baton.control import workload as lg
 
         reqs = self.reqs if rate is None else lg.poisson(self.reqs, rate, self.a.seed)
         done = simulate(layout, self.p, shape(reqs), self.knobs, self.cost)
         return attainment(done, self.a.ttft_slo, self.a.tpot_slo)
 
     def goodput(self, layout: Layout) -> tuple[float, list[tuple[float, float]]]:
-        from baton.bench import loadgen as lg
+        from baton.control import workload as lg
 
         return lg.find_goodput(lambda r: self.at(layout, r), self.a.start_rate,
                                self.a.attainment, max_rate=self.a.max_rate,

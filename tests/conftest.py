@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog. 0123456789",
-    "Baton splits prefill from decode and ships the KV cache between workers.",
-    "def add(a, b):\n    return a + b\n",
-    "Ünïcödé tëxt, 日本語, emoji 🙂 and symbols: <>{}[]!?",
-] * 20
+from baton.bench.tiny_model import CORPUS, make_hf_model, write_tokenizer  # noqa: F401
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,44 +13,6 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(skip)
-
-
-def write_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator(CORPUS, trainer)
-    tk.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
-        "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                         "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
-                         "assistant\n{% endif %}"}))
-
-
-def make_hf_model(path: Path, kind: str = "llama", **overrides):
-    """A tiny random Llama/Qwen2 saved as a Hugging Face directory; returns the HF model."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(path)
-    common = dict(vocab_size=400, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=0, eos_token_id=1, initializer_range=0.2, rms_norm_eps=1e-5)
-    common.update(overrides)
-    torch.manual_seed(0)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    model.eval()
-    model.save_pretrained(path, safe_serialization=True)
-    return model
 
 
 @pytest.fixture(scope="session")

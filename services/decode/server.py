@@ -25,6 +25,7 @@ from baton.engine.engine import LLMEngine
 from baton.engine.errors import InvalidRequestError
 from baton.services.common import tracing
 from baton.services.common.engine_loop import EngineLoop
+from baton.services.common.prefill_role import add_prefill_role, engine_spans
 from baton.services.common.worker import (
     abort_with,
     add_engine_args,
@@ -35,7 +36,6 @@ from baton.services.common.worker import (
     tokenizer_info,
     worker_info,
 )
-from baton.services.prefill.server import add_prefill_role, engine_spans
 from baton.transfer.errors import TransferError
 from baton.transfer.handle import KVHandle
 from baton.transfer.holder import KVHolder

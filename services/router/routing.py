@@ -35,6 +35,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from baton.control.pd import (  # noqa: F401 (the reasons are part of the routing API)
+    FEW_NEW_TOKENS,
+    MANY_NEW_TOKENS,
+    NO_PREFILL_WORKER,
+    PREFILL_SATURATED,
+    pd_path,
+    saturated_limit,
+)
 from baton.control.prefix_index import PrefixIndex, Signals
 from baton.control.registry import WorkerRecord
 from baton.engine.block_hash import hash_chain, namespace_for
@@ -42,12 +50,6 @@ from baton.engine.block_hash import hash_chain, namespace_for
 MODES = ("cache-aware", "least-loaded", "round-robin")
 DEFAULT_WEIGHTS = "prefix=3,inflight=1,queue=1,kv=0.5"
 
-# reasons, per path
-FEW_NEW_TOKENS = "few-new-tokens"  # local: the decode worker lacks at most the threshold
-NO_PREFILL_WORKER = "no-prefill-worker"  # local: none registered (or all failed / colocated)
-PREFILL_SATURATED = "prefill-saturated"  # local: every prefill worker is at its limit and
-# the prompt is short enough for a decode worker to prefill without stalling its streams
-MANY_NEW_TOKENS = "many-new-tokens"  # remote
 
 
 class NoWorkerError(Exception):
@@ -125,9 +127,7 @@ class RoutingPolicy:
         self.weights = weights or parse_weights(DEFAULT_WEIGHTS)
         self.local_max_new_tokens, self.prefill_saturation = (local_max_new_tokens,
                                                               prefill_saturation)
-        # < 0: any length
-        self.saturated_local_max = (saturated_local_max_tokens if saturated_local_max_tokens >= 0
-                                    else float("inf"))
+        self.saturated_local_max = saturated_limit(saturated_local_max_tokens)
         self._turns: dict[str, int] = {}
         self._lock = threading.Lock()
         # The in-flight counts a decision reads were taken before its read, and the decisions
@@ -216,15 +216,8 @@ class RoutingPolicy:
 
     def _finish(self, ids, d, p, d_cached, p_cached, saturated: bool, used_index,
                 t0) -> Decision:
-        new_tokens = len(ids) - d_cached
-        if p is None:
-            path, reason = "local", NO_PREFILL_WORKER
-        elif new_tokens <= self.local_max_new_tokens:
-            path, reason = "local", FEW_NEW_TOKENS
-        elif saturated and new_tokens <= self.saturated_local_max:
-            path, reason = "local", PREFILL_SATURATED
-        else:
-            path, reason = "remote", MANY_NEW_TOKENS
+        path, reason = pd_path(len(ids) - d_cached, p is not None, saturated,
+                               self.local_max_new_tokens, self.saturated_local_max)
         return Decision(path, reason, d, p if path == "remote" else None,
                         d_cached if path == "local" else p_cached, used_index,
                         time.perf_counter() - t0)

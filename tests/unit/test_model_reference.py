@@ -164,7 +164,9 @@ def test_bfloat16_gemms_where_the_cpu_has_them(tiny_llama, monkeypatch, native_b
     assert big.dtype == one_by_one.dtype == torch.float32
     tol = 0.05 if native_bf16 else 1e-4  # x rounded to bf16 for the GEMM
     torch.testing.assert_close(big, one_by_one, atol=tol, rtol=tol)
-    if native_bf16 and torch.backends.mkldnn.is_available():
+    from baton.engine.model import _packing_works
+
+    if native_bf16 and _packing_works(torch.bfloat16):
         assert lin.packed is not None and lin.small is None  # prepacked: every batch size
         plain = torch.nn.functional.linear(x.bfloat16(), lin.w).float()
         torch.testing.assert_close(big - (0 if lin.bias is None else lin.bias), plain,
@@ -198,10 +200,12 @@ def test_the_fused_bf16_path_computes_what_the_unfused_one_does(tiny_llama, monk
     # path with bf16 GEMMs does) against that float32 path, on mixed batches: chunked prefills
     # beside decode steps (a 12-token budget), prefix-cache hits, and a pure decode tail
     from baton.engine import config as config_mod
+    from baton.engine.model import _packing_works
     from baton.kernels import cpu_fused
 
-    if cpu_fused.load() is None or not torch.backends.mkldnn.is_available():
-        pytest.skip("no C compiler or no oneDNN: the fused path is off")
+    if cpu_fused.load() is None or not _packing_works(torch.bfloat16):
+        pytest.skip("no C compiler, or no oneDNN bf16 prepacking on this CPU (AVX2 only): "
+                    "the fused path is off")
     monkeypatch.setattr(config_mod, "cpu_has_native_half", lambda: True)
     path, _ = tiny_llama
     engine = LLMEngine(load_model(path), EngineConfig(dtype="bfloat16", block_size=4,

@@ -9,6 +9,7 @@ import random
 
 import pytest
 from baton.cli import status
+from baton.control import cluster_state
 from baton.services.common.metrics import LATENCY_BUCKETS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -27,8 +28,8 @@ def _worker_registry():
     return r, h, prompt, hit, gen
 
 
-def _scrape(r) -> status.Samples:
-    return status.parse_metrics(generate_latest(r).decode())
+def _scrape(r) -> cluster_state.Samples:
+    return cluster_state.parse_metrics(generate_latest(r).decode())
 
 
 def test_quantiles_from_buckets_land_in_the_true_bucket():
@@ -37,18 +38,18 @@ def test_quantiles_from_buckets_land_in_the_true_bucket():
     xs = sorted(rng.lognormvariate(-3, 1) for _ in range(2000))
     for x in xs:
         h.observe(x)
-    bks = status.buckets(_scrape(r), "baton_worker_time_to_first_token_seconds")
+    bks = cluster_state.buckets(_scrape(r), "baton_worker_time_to_first_token_seconds")
     assert bks[-1][1] == 2000
     bounds = (0.0, *LATENCY_BUCKETS)
     for q in (0.5, 0.9, 0.99):
-        est, true = status.quantile(q, bks), xs[int(q * len(xs))]
+        est, true = cluster_state.quantile(q, bks), xs[int(q * len(xs))]
         # the estimate lies in the bucket holding the true quantile
         i = next(i for i, b in enumerate(LATENCY_BUCKETS) if true <= b)
         assert bounds[i] <= est <= bounds[i + 1], (q, est, true)
-    assert status.quantile(0.5, []) is None
-    assert status.quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
+    assert cluster_state.quantile(0.5, []) is None
+    assert cluster_state.quantile(0.5, [(0.1, 0.0), (float("inf"), 0.0)]) is None
     # all beyond the largest finite bucket: its bound, not infinity
-    assert status.quantile(0.9, [(0.1, 0.0), (60.0, 0.0), (float("inf"), 5.0)]) == 60.0
+    assert cluster_state.quantile(0.9, [(0.1, 0.0), (60.0, 0.0), (float("inf"), 5.0)]) == 60.0
 
 
 def test_a_window_counts_only_what_happened_in_it():
@@ -57,28 +58,28 @@ def test_a_window_counts_only_what_happened_in_it():
         h.observe(5.0)  # slow, before the window
     prompt.inc(100)
     gen.inc(50)
-    node = status.Node("prefill", "p1", "127.0.0.1:1", "127.0.0.1:2", started_at=0.0)
-    before = status.Snapshot(1000.0, "redis://x", [status.Node(**{**node.__dict__,
+    node = cluster_state.Node("prefill", "p1", "127.0.0.1:1", "127.0.0.1:2", started_at=0.0)
+    before = cluster_state.Snapshot(1000.0, "redis://x", [cluster_state.Node(**{**node.__dict__,
                                                                    "samples": _scrape(r)})])
     for _ in range(10):
         h.observe(0.02)  # fast, in the window
     prompt.inc(100)
     hit.inc(75)
     gen.inc(40)
-    now = status.Snapshot(1010.0, "redis://x", [status.Node(**{**node.__dict__,
+    now = cluster_state.Snapshot(1010.0, "redis://x", [cluster_state.Node(**{**node.__dict__,
                                                                 "samples": _scrape(r)})])
-    (w,) = status.summarize(now, before)["workers"]
+    (w,) = cluster_state.summarize(now, before)["workers"]
     assert w["ttft"]["count"] == 10 and w["ttft"]["p99"] <= 0.025
     assert w["hit_rate"] == pytest.approx(0.75) and w["tokens_per_s"] == pytest.approx(4.0)
     assert (w["kv_used"], w["kv_total"], w["running"], w["queued"]) == (30, 120, 2, 1)
-    (w,) = status.summarize(now)["workers"]  # since start
+    (w,) = cluster_state.summarize(now)["workers"]  # since start
     assert w["ttft"]["count"] == 20 and w["hit_rate"] == pytest.approx(75 / 200)
     assert w["tokens_per_s"] is None
 
 
 def test_the_table_names_processes_without_metrics():
-    nodes = [status.Node("router", "router-a", "h:1", "", 0.0, "m"),
-             status.Node("decode", "decode-a", "h:2", "h:3", 0.0, "m")]
-    text = status.render(status.summarize(status.Snapshot(100.0, "redis://x", nodes)))
+    nodes = [cluster_state.Node("router", "router-a", "h:1", "", 0.0, "m"),
+             cluster_state.Node("decode", "decode-a", "h:2", "h:3", 0.0, "m")]
+    text = status.render(cluster_state.summarize(cluster_state.Snapshot(100.0, "redis://x", nodes)))
     assert "router-a" in text and "no metrics" in text and "decode-a" in text
     assert "1 decode; routers: 1" in text

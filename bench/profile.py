@@ -1,0 +1,420 @@
+"""``baton profile``: measures what this engine costs on this hardware (the measurements that
+:mod:`baton.control.profile` describes and turns into a cost model): the bare engine in-process,
+then real prefill and decode worker processes for the KV hand-off and the serving factors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from baton.control.profile import (
+    BUSY_CLIENTS,
+    BUSY_PROMPTS,
+    DECODE_GRID,
+    HANDOFF_TOKENS,
+    LONG_PROMPTS,
+    PREFILL_PROMPT,
+    PREFILL_TOKENS,
+    SERVED,
+    SERVED_TOKENS,
+    CostModel,
+    Profile,
+    ProfileError,
+    default_path,
+    prefill_throughput_factor,
+)
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class _Prompts:
+    """Fresh random prompts (no prefix-cache hits between measurements)."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        import random
+
+        self.rng, self.vocab = random.Random(seed), vocab
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.randrange(100, self.vocab) for _ in range(n)]
+
+
+def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print) -> dict:
+    """Batched prefill, long prefill and decode step times of ``engine`` (an LLMEngine)."""
+    from baton.engine.params import SamplingParams
+
+    prompts = _Prompts(min(engine.model_config.vocab_size, 30000))
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    bs = engine.cfg.block_size
+
+    def prefill_step(lengths: list[int]) -> None:
+        for n in lengths:
+            engine.add_request(prompt_token_ids=prompts(n), params=one)
+        while engine.has_unfinished():  # one step, or a long prompt's chunks
+            engine.step()
+
+    prefill_step([8])  # warm-up
+    out: dict = {"prefill": [], "prefill_long": [], "decode": []}
+    k = PREFILL_PROMPT
+    for n in PREFILL_TOKENS:
+        lengths = [k] * (n // k) + ([n % k] if n % k else [])
+        s = _median_time(lambda ls=lengths: prefill_step(ls), repeats)
+        out["prefill"].append({"tokens": n, "requests": len(lengths), "s": s})
+        say(f"prefill {n:5d} tokens in {len(lengths):3d} prompts: {s * 1000:8.2f} ms")
+    limit = engine.max_model_len - 1  # room for the token each request samples
+    for n in (n for n in LONG_PROMPTS if n <= limit):
+        s = _median_time(lambda k=n: prefill_step([k]), repeats)
+        out["prefill_long"].append({"tokens": n, "s": s})
+        say(f"prefill one {n:5d}-token prompt:       {s * 1000:8.2f} ms")
+    for ctx, batches in DECODE_GRID.items():
+        if ctx + 3 * repeats * len(batches) + 8 > limit:
+            say(f"decode at context {ctx}: skipped (the model's context is {limit + 1})")
+            continue
+        fits = [b for b in batches if b <= engine.cfg.max_num_seqs
+                and b * (ctx // bs + 2) <= engine.num_blocks]
+        for batch, s in _decode_steps(engine, prompts, fits, ctx, 3 * repeats):
+            out["decode"].append({"batch": batch, "context": ctx, "s": s})
+            say(f"decode batch {batch:3d} x context {ctx:5d}:    {s * 1000:8.2f} ms")
+    return out
+
+
+def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
+    """Median decode step time for each batch size (descending): prefill ``batches[0]``
+    requests of ``ctx`` tokens once, then abort requests down to each next size."""
+    from baton.engine.params import SamplingParams
+
+    if not batches:
+        return []
+    params = SamplingParams(max_tokens=len(batches) * (repeats + 2) + 4, ignore_eos=True,
+                            detokenize=False)
+    reqs = [engine.add_request(prompt_token_ids=prompts(ctx), params=params)
+            for _ in range(batches[0])]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        engine.step()
+    out = []
+    for b in batches:
+        for r in reqs[b:]:
+            engine.abort(r.request_id)
+        del reqs[b:]
+        engine.step()  # collects the aborts; every request left is decoding
+        out.append((b, _median_time(engine.step, repeats)))
+    for r in reqs:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
+                    say: Callable[[str], None] = print,
+                    max_model_len: int = 1 << 30,
+                    vocab: int = 10000) -> tuple[list[dict], list[dict], list[dict]]:
+    """Real prefill and decode worker processes (one core each): per prompt size, the time from
+    the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
+    the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
+    router, as clients reach it, while requests of :data:`BUSY_PROMPTS` tokens take the
+    remote path one after another (each prompt's prefill call, as the router times it). Both
+    workers busy, the routers and the clients share their cores, as in a cluster near its
+    goodput."""
+    from baton.control.redis_server import EmbeddedRedis
+    from baton.engine.params import SamplingParams
+    from baton.services.common.launch import WorkerProcess
+    from baton.services.common.worker import params_to_proto
+    from baton.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
+    grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
+    common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1",
+              "--num-blocks", str(max(4 * (max(handoffs, default=0) // 16 + 2),
+                                      *(b * ((c + SERVED_TOKENS[1]) // 16 + 4)
+                                        for c, b in grid)))]
+    if model:
+        common += ["--model", model]
+    say("starting a prefill and a decode worker and a router for the hand-off and serving "
+        "measurements ...")
+    prompts = _Prompts(min(vocab, 10000))
+    params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
+    rows = []
+    # stops the processes (last started first), then Redis, on every way out
+    with contextlib.ExitStack() as stack:
+        redis = stack.enter_context(EmbeddedRedis())
+        common += ["--redis-url", redis.url]
+
+        def start(role: str, args: list[str], cpus: set[int] | None = None) -> WorkerProcess:
+            proc = WorkerProcess(role, args, cpus=cpus)
+            stack.callback(proc.stop)
+            return proc
+
+        prefill = start("prefill", common, {cores[0]})
+        decode = start("decode", [*common, "--peers", prefill.address], {cores[1 % len(cores)]})
+        # the streams' router prefills every prompt on the decode worker, so the streams are
+        # all decoding by the timed window; the busy prompts take the remote path through a
+        # router of their own: prefill, KV hand-off, lease release, decode, as in a cluster
+        router = start("router", ["--redis-url", redis.url, "--http-port", "-1",
+                                  "--local-prefill-max-tokens", "1000000"])
+        remote = start("router", ["--redis-url", redis.url, "--http-port", "-1",
+                                  "--local-prefill-max-tokens", "0"])
+        pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
+        dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
+        for n in handoffs:
+            samples = []
+            for i in range(repeats + 1):  # the first pays connection set-up
+                ids, rid = prompts(n), f"profile-{n}-{i}"
+                pre = pstub.Prefill(worker_pb2.PrefillRequest(
+                    request_id=rid, prompt_token_ids=ids, params=params), timeout=120)
+                t0 = time.perf_counter()
+                nbytes = None
+                for chunk in dstub.Decode(worker_pb2.DecodeRequest(
+                        request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
+                        params=params, handle=pre.handle, sampler_state=pre.sampler_state),
+                        timeout=60):
+                    if nbytes is None:
+                        samples.append(time.perf_counter() - t0)
+                        nbytes = chunk.transfer.bytes
+            rows.append({"tokens": n, "bytes": nbytes, "s": statistics.median(samples[1:])})
+            say(f"hand-off {n:5d} tokens ({nbytes / 2**20:6.1f} MiB): "
+                f"{rows[-1]['s'] * 1000:8.2f} ms")
+        rstub = api_pb2_grpc.BatonStub(router.channel)
+        fits = [n for n in LONG_PROMPTS if n < max_model_len]
+        sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
+        busy_stub = api_pb2_grpc.BatonStub(remote.channel)
+        with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
+            served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
+                      for c, b in grid]
+        for r in served:
+            say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
+                f"{r['s'] * 1000:8.2f} ms a token")
+        for n in sizes:
+            ss = [r["s"] for r in busy if r["tokens"] == n]
+            say(f"served prefill {n:5d} tokens meanwhile: {len(ss)} prompts, median "
+                f"{statistics.median(ss) * 1000 if ss else float('nan'):8.2f} ms")
+    return rows, served, busy
+
+
+@contextlib.contextmanager
+def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int = BUSY_CLIENTS):
+    """Keeps the prefill worker busy for the duration of a ``with``: ``clients`` threads send
+    requests of ``sizes``-token prompts in turn, 2 tokens each, through ``rstub`` (a router that
+    sends every prompt to the prefill worker). Yields the list it fills with each prompt's
+    prefill call (the router's ``prefill_s`` less the prefill worker's queue) and the wall time
+    its prefill ended (``end``), each client's first round left out (warm-up)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from baton.engine.params import SamplingParams
+    from baton.services.common.worker import params_to_proto
+    from baton.v1 import api_pb2
+
+    params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
+    rows: list[dict] = []
+    stop = threading.Event()
+
+    lock = threading.Lock()
+
+    def run(client: int) -> None:
+        for i in itertools.count(client):
+            if stop.is_set() or not sizes:
+                return
+            n = sizes[i % len(sizes)]
+            with lock:
+                ids = prompts(n)
+            final = None
+            sent = time.monotonic()
+            for m in rstub.Generate(api_pb2.GenerateRequest(
+                    token_ids=api_pb2.TokenIds(ids=ids), params=params), timeout=300):
+                if m.HasField("final"):
+                    final = m.final
+            if final is None or final.path != "remote":
+                raise ProfileError(f"a {n}-token prompt took the "
+                                   f"{final.path if final else 'no'} path, not remote")
+            if i >= client + len(sizes):
+                t = final.timing
+                with lock:
+                    rows.append({"tokens": n, "s": t.prefill_s - t.queue_s,
+                                 "end": sent + t.route_s + t.prefill_s})
+
+    with ThreadPoolExecutor(clients) as ex:
+        done = [ex.submit(run, c) for c in range(clients)]
+        try:
+            yield rows
+        finally:
+            stop.set()
+        for d in done:  # reached only when the body succeeded: its error comes first
+            error = d.exception()
+            if error is not None:
+                raise ProfileError(f"the busy prefill worker failed: {error}") from error
+
+
+def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
+    """Median over ``streams`` concurrent Generate streams (through the router ``rstub``) of
+    ``ctx``-token prompts of the time per token between tokens :data:`SERVED_TOKENS` (every
+    stream is decoding by then)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from baton.engine.params import SamplingParams
+    from baton.services.common.worker import params_to_proto
+    from baton.v1 import api_pb2
+
+    lo, hi = SERVED_TOKENS
+    params = params_to_proto(SamplingParams(max_tokens=hi + 4, ignore_eos=True))
+    requests = [api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompts(ctx)),
+                                        params=params) for _ in range(streams)]
+
+    def one(request) -> float:
+        stamps: list[float] = []
+        for m in rstub.Generate(request, timeout=300):
+            if m.HasField("delta"):
+                stamps += [time.perf_counter()] * len(m.delta.token_ids)
+        return (stamps[hi] - stamps[lo]) / (hi - lo)
+
+    with ThreadPoolExecutor(streams) as ex:  # all at once; a stream's error is raised here
+        return statistics.median(ex.map(one, requests))
+
+
+def neighbor_load(model: str, dtype: str, cores: str) -> None:
+    """What a busy worker does to its neighbours' caches and memory bandwidth: one engine
+    (one thread, pinned to ``cores``) serving 512-token prompts with 64 tokens each, eight in
+    flight, until it is killed. Run by :func:`run_profile` in a process of its own."""
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.engine.params import SamplingParams
+
+    os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    engine = LLMEngine.from_path(model or None, EngineConfig(dtype=dtype, num_threads=1))
+    prompts = _Prompts(min(engine.model_config.vocab_size, 30000))
+    params = SamplingParams(max_tokens=64, ignore_eos=True, detokenize=False)
+    n = min(512, engine.max_model_len - 64)
+    live: list = []
+    for step in itertools.count():
+        live = [r for r in live if not r.is_finished]
+        while len(live) < 8:
+            live.append(engine.add_request(prompt_token_ids=prompts(n), params=params))
+        engine.step()
+        if step == 0:
+            print("ready", flush=True)
+
+
+@contextlib.contextmanager
+def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[str], None]):
+    """:func:`neighbor_load` on ``cores`` (none: nothing) for the duration of a ``with``."""
+    import subprocess
+
+    if not cores:
+        yield
+        return
+    cores_arg = ",".join(map(str, cores))
+    say(f"starting a busy engine on core(s) {cores_arg} as the neighbour ...")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from baton.bench.profile import neighbor_load; "
+         "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg], stdout=subprocess.PIPE)
+    try:
+        if proc.stdout.readline().strip() != b"ready":
+            raise ProfileError("the neighbour load did not start (see its error above)")
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
+                handoff: bool = True, say: Callable[[str], None] = print,
+                neighbors: bool = True) -> Profile:
+    """Measure this machine: the engine in this process pinned to ``cores[0]`` with one torch
+    thread (as `baton bench compare` and `baton up --threads 1` run workers), then the hand-off.
+    With ``neighbors``, an engine as busy as a serving worker runs on the other cores meanwhile:
+    near its goodput every worker of a cluster is busy, and on a 2-core VM a busy neighbour made
+    a 1024-token prefill 8-13% slower than on an idle machine."""
+    import torch
+    from baton.bench.common import machine
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
+    others = sorted(set(cores[1:]) - {cores[0]}) if neighbors else []
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {cores[0]})
+    try:
+        say(f"loading the model ({dtype}) ...")
+        engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
+        with _neighbors(model, dtype, others, say):
+            costs = measure_engine(engine, repeats, say)
+    finally:  # the caller's cores and threads back (its later workers pin themselves)
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    p = Profile(model=model or "default (SmolLM2-135M-Instruct)", dtype=dtype, threads=1,
+                block_size=engine.cfg.block_size,
+                max_num_batched_tokens=engine.cfg.max_num_batched_tokens,
+                max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
+                kv_bytes_per_token=engine.block_nbytes // engine.cfg.block_size,
+                neighbors=others, machine=machine(), **costs)
+    engine_len, vocab = engine.max_model_len, engine.model_config.vocab_size
+    del engine
+    if handoff:
+        p.handoff, p.served, p.served_prefill = measure_workers(
+            model, dtype, cores, repeats, say, engine_len, vocab)
+        engine_cost = CostModel(p)
+        for r in p.served:
+            mid = r["context"] + sum(SERVED_TOKENS) // 2
+            r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
+        for r in p.served_prefill:
+            r["model_s"] = engine_cost.engine_prompt(r["tokens"])
+        if p.served:
+            p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
+        through = prefill_throughput_factor(p.served_prefill, engine_cost.engine_prompt)
+        p.prefill_factor = through if through is not None else p.serving_factor
+        if p.served_prefill:
+            say("served prefill, one prompt at a time (for comparison): "
+                f"{statistics.median(r['s'] / r['model_s'] for r in p.served_prefill):.3f} "
+                "of the bare engine's time")
+        say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
+            "(a serving worker's time over the bare engine's)")
+    return p
+
+
+def cmd_profile(a) -> int:
+    cores = ([int(c) for c in a.cores.split(",")] if a.cores
+             else sorted(os.sched_getaffinity(0)))
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[baton profile {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr,
+              flush=True)
+
+    p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say,
+                    not a.idle_neighbors)
+    path = p.save(a.out or default_path())
+    cm = CostModel(p)
+    for k, v in cm.summary().items():
+        print(f"  {k}: {v:.4g}")
+    print(f"wrote {path}")
+    return 0
+
+
+def add_profile_args(ap) -> None:
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--cores", default=None,
+                    help="comma-separated cores: the engine runs on the first, the hand-off's "
+                         "prefill and decode workers on the first two (default: this process's)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
+    ap.add_argument("--idle-neighbors", action="store_true",
+                    help="measure with the other cores idle (default: a busy engine runs on them, "
+                         "as the cluster's other workers would near its goodput)")
+    ap.add_argument("--no-handoff", action="store_true",
+                    help="skip the worker measurements (hand-off and serving factor: no worker "
+                         "processes, no NIXL; the factor stays 1)")
+    ap.add_argument("--out", default=None,
+                    help="profile file (default $BATON_CACHE_DIR/profile.json, else "
+                         "~/.cache/baton/profile.json)")

@@ -1,0 +1,206 @@
+"""The cluster's state, for ``baton status``, ``baton top`` and the autoscaler: the routers and
+workers in the Redis registry, each one's ``/metrics`` scraped and summarized (load, KV usage,
+prefix-cache hits, latency quantiles from the histograms), and where a local ``baton up`` leaves
+its Redis address. Rendering is the CLI's (``baton.cli.status``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from baton.control.registry import WorkerRegistry
+
+
+def state_file() -> Path:
+    """Where ``baton up`` leaves the running cluster's addresses."""
+    from baton import cache_dir
+
+    return cache_dir() / "up.json"
+
+
+def find_redis_url() -> str | None:
+    """$BATON_REDIS_URL, else the Redis of a local ``baton up`` that is still running."""
+    if os.environ.get("BATON_REDIS_URL"):
+        return os.environ["BATON_REDIS_URL"]
+    try:
+        state = json.loads(state_file().read_text())
+        os.kill(state["pid"], 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return state["redis_url"]
+
+
+# ---- scraping ------------------------------------------------------------------------------------
+
+Samples = dict[tuple[str, tuple], float]  # (sample name, sorted label pairs) -> value
+
+
+def parse_metrics(text: str) -> Samples:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def scrape(address: str, tls=None, timeout: float = 2.0) -> Samples | None:
+    """``http://address/metrics`` (https with ``tls``, an ``ssl.SSLContext``) parsed, or None
+    when it does not answer."""
+    if not address:
+        return None
+    url = f"{'https' if tls else 'http'}://{address}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout, context=tls) as r:
+            return parse_metrics(r.read().decode())
+    except (OSError, ValueError):
+        return None
+
+
+def total(s: Samples | None, name: str, **labels) -> float | None:
+    """Sum of ``name``'s samples whose labels include ``labels``."""
+    if s is None:
+        return None
+    want = set(labels.items())
+    vals = [v for (n, lab), v in s.items() if n == name and want <= set(lab)]
+    return sum(vals) if vals else None
+
+
+def buckets(s: Samples | None, name: str) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets, ``[(upper bound, count), ...]`` ascending."""
+    if s is None:
+        return []
+    out = [(float(dict(lab)["le"]), v) for (n, lab), v in s.items() if n == name + "_bucket"]
+    return sorted(out)
+
+
+def quantile(q: float, bks: list[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a histogram, interpolated within its bucket (as Prometheus'
+    ``histogram_quantile``); None without observations."""
+    if not bks or bks[-1][1] <= 0:
+        return None
+    rank = q * bks[-1][1]
+    lo_bound, lo_count = 0.0, 0.0
+    for bound, count in bks:
+        if count >= rank and count > lo_count:
+            if math.isinf(bound):
+                return lo_bound  # beyond the largest finite bucket: its bound
+            return lo_bound + (bound - lo_bound) * (rank - lo_count) / (count - lo_count)
+        lo_bound, lo_count = bound, count
+    return lo_bound
+
+
+def minus(a: Samples | None, b: Samples | None) -> Samples | None:
+    """Counters and histograms of ``a`` since ``b`` (gauges are read from ``a`` alone)."""
+    if a is None or b is None:
+        return a
+    return {k: v - b.get(k, 0.0) for k, v in a.items()}
+
+
+# ---- the snapshot --------------------------------------------------------------------------------
+
+@dataclass
+class Node:
+    kind: str  # router | prefill | decode | both
+    id: str
+    address: str
+    metrics_address: str
+    started_at: float
+    model: str = ""
+    tls: bool = False
+    samples: Samples | None = None
+
+
+@dataclass
+class Snapshot:
+    at: float
+    redis_url: str
+    nodes: list[Node] = field(default_factory=list)
+
+
+def collect(registry: WorkerRegistry, redis_url: str, ssl_context=None) -> Snapshot:
+    """Every registered process and its metrics; routers serving https are scraped with
+    ``ssl_context`` (default: the system's trust)."""
+    nodes = [Node("router", r.router_id, r.address, r.http_address, r.started_at, r.model,
+                  r.tls) for r in registry.routers()]
+    nodes += [Node(w.role, w.worker_id, w.address, w.metrics_address, w.started_at, w.model)
+              for w in registry.workers()]
+
+    def get(n: Node) -> Samples | None:
+        if n.tls:
+            import ssl
+
+            return scrape(n.metrics_address, ssl_context or ssl.create_default_context())
+        return scrape(n.metrics_address)
+
+    with ThreadPoolExecutor(max(1, min(16, len(nodes)))) as ex:
+        for node, samples in zip(nodes, ex.map(get, nodes)):
+            node.samples = samples
+    return Snapshot(time.time(), redis_url, nodes)
+
+
+def summarize(cur: Snapshot, base: Snapshot | None = None) -> dict:
+    """Per process and cluster-wide figures; counters and percentiles over ``cur`` minus
+    ``base`` (the window), or since each process started without a base."""
+    dt = cur.at - base.at if base else None
+    prev = {n.id: n.samples for n in base.nodes} if base else {}
+    out = {"at": cur.at, "redis_url": cur.redis_url, "window_s": dt, "routers": [],
+           "workers": []}
+    for n in cur.nodes:
+        g = n.samples  # gauges: now
+        c = minus(g, prev.get(n.id)) if base else g  # counters and histograms: the window
+        row = {"id": n.id, "role": n.kind, "address": n.address, "model": n.model,
+               "uptime_s": cur.at - n.started_at, "metrics": g is not None}
+        if n.kind == "router":
+            ok = total(c, "baton_router_requests_total", status="OK")
+            allr = total(c, "baton_router_requests_total")
+            row.update(
+                requests=allr, errors=None if allr is None else allr - (ok or 0.0),
+                remote=total(c, "baton_router_requests_total", path="remote"),
+                local=total(c, "baton_router_requests_total", path="local"),
+                rps=_rate(allr, dt),
+                ttft=_pcts(c, "baton_time_to_first_token_seconds"),
+                tpot=_pcts(c, "baton_time_per_output_token_seconds"),
+                itl=_pcts(c, "baton_inter_token_latency_seconds"),
+                index_up=total(g, "baton_prefix_index_up"))
+            out["routers"].append(row)
+        else:
+            prompt = total(c, "baton_worker_prompt_tokens_total")
+            hit = total(c, "baton_worker_prefix_hit_tokens_total")
+            gen = total(c, "baton_worker_generated_tokens_total")
+            row.update(
+                running=total(g, "baton_worker_running_requests"),
+                queued=total(g, "baton_worker_queue_depth"),
+                kv_used=total(g, "baton_worker_kv_blocks_used"),
+                kv_total=total(g, "baton_worker_kv_blocks_total"),
+                prompt_tokens=prompt, hit_tokens=hit,
+                hit_rate=hit / prompt if prompt else None,
+                generated_tokens=gen, tokens_per_s=_rate(gen, dt),
+                ttft=_pcts(c, "baton_worker_time_to_first_token_seconds"),
+                transfer_bytes=total(c, "baton_kv_transfer_bytes_total"),
+                transfer_failures=total(c, "baton_kv_transfer_failures_total"))
+            out["workers"].append(row)
+    ws = [w for w in out["workers"] if w["prompt_tokens"]]
+    prompt = sum(w["prompt_tokens"] for w in ws)
+    out["hit_rate"] = sum(w["hit_tokens"] or 0 for w in ws) / prompt if prompt else None
+    return out
+
+
+def _rate(count: float | None, dt: float | None) -> float | None:
+    return None if count is None or not dt else count / dt
+
+
+def _pcts(s: Samples | None, name: str) -> dict | None:
+    bks = buckets(s, name)
+    if not bks or bks[-1][1] <= 0:
+        return None
+    return {"count": bks[-1][1], **{f"p{int(q * 100)}": quantile(q, bks)
+                                    for q in (0.5, 0.9, 0.99)}}

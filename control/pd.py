@@ -1,0 +1,38 @@
+"""The prefill/decode decision: whether the chosen decode worker prefills a prompt itself
+(``local``) or a prefill worker does (``remote``). One function, used by the router
+(``baton.services.router.routing``) and by the simulator behind ``baton tune``
+(``baton.control.sim``), so what ``tune`` predicts is what the router does.
+
+In order: no prefill worker to use -> local; few new tokens (at most ``local_max_new_tokens``,
+prefix-cache hits excluded) -> local; every prefill worker saturated and the prompt short enough
+for a decode worker to prefill without stalling its streams (at most ``saturated_local_max``)
+-> local; otherwise remote.
+"""
+
+from __future__ import annotations
+
+# reasons, per path
+FEW_NEW_TOKENS = "few-new-tokens"  # local: the decode worker lacks at most the threshold
+NO_PREFILL_WORKER = "no-prefill-worker"  # local: none registered (or all failed / colocated)
+PREFILL_SATURATED = "prefill-saturated"  # local: every prefill worker is at its limit and
+# the prompt is short enough for a decode worker to prefill without stalling its streams
+MANY_NEW_TOKENS = "many-new-tokens"  # remote
+
+
+def saturated_limit(saturated_local_max_tokens: int) -> float:
+    """``--saturated-local-max-tokens`` as a bound: below 0 means any length."""
+    return saturated_local_max_tokens if saturated_local_max_tokens >= 0 else float("inf")
+
+
+def pd_path(new_tokens: int, prefill_available: bool, prefill_saturated: bool,
+            local_max_new_tokens: int, saturated_local_max: float) -> tuple[str, str]:
+    """(path, reason): ``path`` is "local" or "remote", ``reason`` one of the constants above.
+    ``new_tokens``: prompt tokens the decode worker does not hold; ``prefill_saturated``: every
+    usable prefill worker is at its saturation limit."""
+    if not prefill_available:
+        return "local", NO_PREFILL_WORKER
+    if new_tokens <= local_max_new_tokens:
+        return "local", FEW_NEW_TOKENS
+    if prefill_saturated and new_tokens <= saturated_local_max:
+        return "local", PREFILL_SATURATED
+    return "remote", MANY_NEW_TOKENS

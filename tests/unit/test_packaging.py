@@ -1,0 +1,30 @@
+"""The wheel holds every first-party module under its ``baton.*`` name, and nothing else at the
+top of site-packages: built here from the working tree, compared with the source folders that
+``[tool.setuptools] package-dir`` maps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.support.source import ROOT, modules
+
+pytestmark = pytest.mark.slow  # builds a wheel (~20 s)
+
+
+def test_the_wheel_holds_every_module_and_the_kernel_sources(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("baton-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    in_wheel = {n[:-3].replace("/", ".").removesuffix(".__init__")
+                for n in names if n.endswith(".py")}
+    assert in_wheel == set(modules())
+    assert {n.split("/")[0] for n in names} == {"baton", wheel.name.split("-")[0] + "-"
+                                                + wheel.name.split("-")[1] + ".dist-info"}
+    sources = {p.name for p in (ROOT / "kernels" / "csrc").glob("*.c")}
+    assert sources and {n.rsplit("/", 1)[1] for n in names
+                        if n.startswith("baton/kernels/csrc/")} >= sources
