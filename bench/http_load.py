@@ -43,27 +43,20 @@ async def _openai_load(base_url: str, model: str, n: int, concurrency: int,
     http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(300.0))
     client = openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0,
                                 http_client=http)
-    errors: dict[str, int] = {}
 
-    async def one() -> float | None:
-        t0 = time.perf_counter()
+    async def one() -> str | None:
         try:
             r = await client.completions.create(model=model, prompt=PROMPT,
                                                 max_tokens=max_tokens, temperature=0)
             assert r.choices[0].finish_reason in ("length", "stop")
         except openai.APIConnectionError as e:
-            errors[f"connection: {type(e.__cause__ or e).__name__}"] = \
-                errors.get(f"connection: {type(e.__cause__ or e).__name__}", 0) + 1
-            return None
+            return f"connection: {type(e.__cause__ or e).__name__}"
         except openai.APIStatusError as e:
-            errors[f"HTTP {e.status_code}"] = errors.get(f"HTTP {e.status_code}", 0) + 1
-            return None
-        return time.perf_counter() - t0
+            return f"HTTP {e.status_code}"
+        return None
 
-    try:
-        return await _drive(one, n, concurrency, errors)
-    finally:
-        await client.close()
+    async with client:
+        return await _drive(one, n, concurrency)
 
 
 async def _grpc_load(address: str, n: int, concurrency: int, max_tokens: int) -> dict:
@@ -74,37 +67,36 @@ async def _grpc_load(address: str, n: int, concurrency: int, max_tokens: int) ->
     stub = api_pb2_grpc.BatonStub(channel)
     req = api_pb2.GenerateRequest(text=PROMPT, params=worker_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0), last_delta_in_final=True)
-    errors: dict[str, int] = {}
 
-    async def one() -> float | None:
-        t0 = time.perf_counter()
+    async def one() -> str | None:
         try:
             last = None
             async for last in stub.Generate(req, timeout=300):  # noqa: B007
                 pass
             assert last is not None and last.HasField("final")
         except grpc.aio.AioRpcError as e:
-            key = f"gRPC {e.code().name}"
-            errors[key] = errors.get(key, 0) + 1
-            return None
-        return time.perf_counter() - t0
+            return f"gRPC {e.code().name}"
+        return None
 
-    try:
-        return await _drive(one, n, concurrency, errors)
-    finally:
-        await channel.close()
+    async with channel:
+        return await _drive(one, n, concurrency)
 
 
-async def _drive(one, n: int, concurrency: int, errors: dict) -> dict:
-    """``n`` calls of ``one``, ``concurrency`` at a time; latencies, errors, requests/s."""
+async def _drive(one, n: int, concurrency: int) -> dict:
+    """``n`` calls of ``one`` (which returns an error's name, or None), ``concurrency`` at a
+    time; latencies of the calls that succeeded, errors by name, requests/s."""
     todo = iter(range(n))
     latencies: list[float] = []
+    errors: dict[str, int] = {}
 
     async def lane() -> None:
         for _ in todo:
-            t = await one()
-            if t is not None:
-                latencies.append(t)
+            t0 = time.perf_counter()
+            error = await one()
+            if error is None:
+                latencies.append(time.perf_counter() - t0)
+            else:
+                errors[error] = errors.get(error, 0) + 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(lane() for _ in range(concurrency)))

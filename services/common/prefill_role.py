@@ -45,9 +45,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def Prefill(self, request, context):
         t0 = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
-        span = tracing.server_span(context, "baton.v1.PrefillWorker/Prefill", {
-            "baton.request_id": rid, "baton.worker.id": self.worker_id,
-            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)}, at=t0)
+        span = tracing.worker_span(context, "PrefillWorker/Prefill", rid, self.worker_id,
+                                   request, at=t0)
         return tracing.traced_call(span, context, self._prefill, request, context, rid, t0,
                                    span)
 

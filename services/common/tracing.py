@@ -233,6 +233,16 @@ def server_span(context, name: str, attrs: dict | None = None,
     return request_span(context.invocation_metadata() or (), name, attrs, at)
 
 
+def worker_span(context, method: str, rid: str, worker_id: str, request,
+                at: float | None = None) -> NoSpan:
+    """The span of a worker's ``method`` call for request ``rid`` (with its prompt's length)."""
+    if _current is None:
+        return NO_SPAN
+    return server_span(context, f"baton.v1.{method}", {
+        "baton.request_id": rid, "baton.worker.id": worker_id,
+        "gen_ai.usage.input_tokens": len(request.prompt_token_ids)}, at=at)
+
+
 def request_span(carrier, name: str, attrs: dict | None = None,
                  at: float | None = None) -> NoSpan:
     """The span of one incoming request (that arrived ``at``), under the caller's span when

@@ -57,9 +57,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Decode(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
-        span = tracing.server_span(context, "baton.v1.DecodeWorker/Decode", {
-            "baton.request_id": rid, "baton.worker.id": self.worker_id,
-            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)})
+        span = tracing.worker_span(context, "DecodeWorker/Decode", rid, self.worker_id, request)
         yield from tracing.traced_stream(span, context,
                                          self._decode(request, context, rid, span))
 
@@ -118,9 +116,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         """The local path: prefill here too, then decode (colocated mode, short prompts)."""
         t0 = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
-        span = tracing.server_span(context, "baton.v1.DecodeWorker/Generate", {
-            "baton.request_id": rid, "baton.worker.id": self.worker_id,
-            "gen_ai.usage.input_tokens": len(request.prompt_token_ids)}, at=t0)
+        span = tracing.worker_span(context, "DecodeWorker/Generate", rid, self.worker_id,
+                                   request, at=t0)
         yield from tracing.traced_stream(span, context,
                                          self._generate(request, context, rid, t0, span))
 

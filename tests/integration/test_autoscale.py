@@ -99,7 +99,7 @@ def test_baton_autoscale_patches_kubernetes_deployments(tmp_path):
 
     from baton.control.redis_server import EmbeddedRedis
 
-    from tests.integration.test_transfer import free_port
+    from tests.support.processes import free_port
     from tests.unit.test_autoscale import FakeKube
 
     pytest.importorskip("kubernetes")

@@ -42,7 +42,7 @@ def tls_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tls_files, tmp_path_factory):
-    from tests.integration.test_transfer import free_port
+    from tests.support.processes import free_port
 
     port = free_port()
     cert, key = tls_files

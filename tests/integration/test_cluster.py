@@ -18,6 +18,8 @@ from baton.engine.params import SamplingParams
 from baton.services.common.launch import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
+from tests.support.processes import baton_request, free_port, start_baton_up
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = [
@@ -374,26 +376,13 @@ def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
 def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
     import json
     import subprocess
-    import sys
-
-    from tests.integration.test_transfer import free_port
 
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--num-blocks", "96",
-                           "--grpc-port", str(port), "--http-port", "0",
-                           "--log-dir", str(tmp_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    up, lines = start_baton_up("--num-blocks", "96", "--grpc-port", str(port), "--http-port", "0",
+                               "--log-dir", str(tmp_path))
     try:
-        for line in up.stdout:
-            lines.append(line)
-            if "ready:" in line:
-                break
         assert f"127.0.0.1:{port}" in lines[-1], "".join(lines)
-        r = subprocess.run([sys.executable, "-m", "baton.cli.main", "request", "--json",
-                            "--max-tokens", "10", "--router", f"127.0.0.1:{port}",
-                            "The capital of France is"], capture_output=True, text=True,
-                           timeout=120)
+        r = baton_request(f"127.0.0.1:{port}", "The capital of France is", timeout=120)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
         assert out["token_ids"] == expected(engine, "text", "The capital of France is",
@@ -449,28 +438,16 @@ def test_baton_up_on_ray_serves_the_same_output(engine, tmp_path):
     pytest.importorskip("ray")
     import json
     import subprocess
-    import sys
-
-    from tests.integration.test_transfer import free_port
 
     port = free_port()
-    up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--ray", "local",
-                           "--num-blocks", "96", "--grpc-port", str(port), "--http-port", "-1",
-                           "--log-dir", str(tmp_path)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
+    up, lines = start_baton_up("--ray", "local", "--num-blocks", "96", "--grpc-port", str(port),
+                               "--http-port", "-1", "--log-dir", str(tmp_path))
     try:
-        for line in up.stdout:
-            lines.append(line)
-            if "ready:" in line or "error" in line:
-                break
         assert "ready:" in lines[-1], "".join(lines)
         assert sum("Ray actor for a" in x for x in lines) == 2, "".join(lines)
         long_prompt = PROMPTS[-1][1]
         for text, path in (("The capital of France is", "local"), (long_prompt, "remote")):
-            r = subprocess.run([sys.executable, "-m", "baton.cli.main", "request", "--json",
-                                "--max-tokens", "10", "--router", f"127.0.0.1:{port}", text],
-                               capture_output=True, text=True, timeout=180)
+            r = baton_request(f"127.0.0.1:{port}", text)
             assert r.returncode == 0, r.stderr
             out = json.loads(r.stdout)
             assert out["token_ids"] == expected(engine, "text", text, 10).token_ids

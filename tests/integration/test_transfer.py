@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ from baton.engine.params import SamplingParams
 from baton.services.common.launch import WorkerProcess, WorkerStartError
 from baton.services.common.worker import params_to_proto
 from baton.v1 import worker_pb2, worker_pb2_grpc
+
+from tests.support.processes import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +38,6 @@ PROMPTS = [
     ("text", "Ünïcödé: ça marche très bien, naïve café —"),
     ("chat", "Summarise: " + "The decode worker pulls KV blocks over NIXL. " * 40),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pair:

@@ -1,0 +1,34 @@
+"""Starting Baton's own commands in tests: a free port, and ``baton up`` until it is ready."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_baton_up(*args: str) -> tuple[subprocess.Popen, list[str]]:
+    """``baton up ARGS`` and its output up to its "ready:" line (or an error line, or its end);
+    the caller stops it (SIGINT) and asserts on the lines."""
+    up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    for line in up.stdout:
+        lines.append(line)
+        if "ready:" in line or "error" in line:
+            break
+    return up, lines
+
+
+def baton_request(router: str, text: str, max_tokens: int = 10,
+                  timeout: float = 180) -> subprocess.CompletedProcess:
+    """``baton request --json`` against ``router``."""
+    return subprocess.run([sys.executable, "-m", "baton.cli.main", "request", "--json",
+                           "--max-tokens", str(max_tokens), "--router", router, text],
+                          capture_output=True, text=True, timeout=timeout)
