@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from baton.client.errors import CancelledError, UnavailableError, from_rpc_error
+from baton.client.errors import CancelledError, ServerError, UnavailableError, from_rpc_error
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -112,6 +112,7 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
     elif token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     else:
+        assert messages is not None
         for m in messages:
             req.chat.messages.add(role=m["role"], content=m["content"])
     return req
@@ -142,7 +143,7 @@ def _channel_args(tls: bool, root_certificates: bytes | None, token: str | None)
     return creds, metadata
 
 
-_inject = None
+_inject: Callable | bool | None = None  # opentelemetry's inject, once looked up; False: none
 
 
 def _trace_metadata() -> tuple:
@@ -151,22 +152,34 @@ def _trace_metadata() -> tuple:
     global _inject
     if _inject is None:
         try:
-            from opentelemetry.propagate import inject
+            from opentelemetry.propagate import inject as found
         except ImportError:
-            inject = False
-        _inject = inject
-    if not _inject:
+            _inject = False
+        else:
+            _inject = found
+    if not callable(_inject):
         return ()
     carrier: dict[str, str] = {}
     _inject(carrier)
     return tuple(carrier.items())
 
 
+def _finished(stream) -> Result:
+    """An exhausted stream's result; a stream that ended without its final message is the
+    server's fault, never an empty success."""
+    if stream.result is None:
+        raise ServerError(grpc.StatusCode.INTERNAL, "the stream ended without a final message")
+    return stream.result
+
+
 class _Collector:
     """Accumulates deltas into the final Result."""
 
     def __init__(self) -> None:
-        self.text, self.ids, self.lps, self.result = "", [], [], None
+        self.text = ""
+        self.ids: list[int] = []
+        self.lps: list[TokenLogprob] = []
+        self.result: Result | None = None
         self.started = False
 
     def add(self, msg) -> Delta | None:
@@ -294,7 +307,7 @@ class Client:
         s = self.stream(prompt, timeout=timeout, **kwargs)
         for _ in s:
             pass
-        return s.result
+        return _finished(s)
 
     def chat(self, messages: Sequence[dict], *, stream: bool = False, **kwargs):
         """Chat messages rendered with the model's template; a Stream or a Result."""
@@ -374,7 +387,7 @@ class AsyncClient:
         s = self.stream(prompt, timeout=timeout, **kwargs)
         async for _ in s:
             pass
-        return s.result
+        return _finished(s)
 
     async def chat(self, messages: Sequence[dict], *, stream: bool = False, **kwargs):
         if stream:

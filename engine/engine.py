@@ -96,6 +96,16 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load as the services report it (metrics, the prefix index, worker info)."""
+
+    waiting: int  # requests queued
+    running: int  # requests in the running batch
+    free_blocks: int  # KV blocks free (cached ones included)
+    total_blocks: int
+
+
 @dataclass
 class _TextState:
     detok: IncrementalDetokenizer
@@ -132,8 +142,6 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
-        self._pinned: dict[str, Request] = {}  # prefill-only requests holding blocks for hand-off
-        self._reserved: dict[str, Request] = {}  # decode side: blocks reserved, KV not yet in
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
 
@@ -144,6 +152,18 @@ class LLMEngine:
     @property
     def num_blocks(self) -> int:
         return self.kv.pool.num_blocks
+
+    def stats(self) -> EngineStats:
+        """The engine's load: plain counter reads, safe from any thread (a moment's view)."""
+        sched, pool = self.scheduler, self.kv.pool
+        return EngineStats(len(sched.waiting), len(sched.running), pool.num_free_blocks,
+                           pool.num_blocks)
+
+    @property
+    def kv_events(self):
+        """The prefix cache's block events (stored, evicted, cleared) for a publisher to drain,
+        or None when ``record_kv_events`` is off."""
+        return self.kv.pool.events
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -228,11 +248,10 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        if request_id in self._pinned:
+        if req.status == RequestStatus.FINISHED_PREFILLED:
             self.release_handoff(request_id)
             return True
-        if request_id in self._reserved:
-            del self._reserved[request_id]
+        if req.status == RequestStatus.RESERVED:
             self.kv.free(request_id)
             req.status = RequestStatus.FINISHED_ABORTED
         else:
@@ -245,11 +264,16 @@ class LLMEngine:
     # Hand-off between engines
     # =============================================================================================
 
+    def _handoff(self, request_id: str, status: RequestStatus) -> Request:
+        """The request in hand-off state ``status``; KeyError if there is none."""
+        req = self.requests.get(request_id)
+        if req is None or req.status != status:
+            raise KeyError(f"no {status.name.lower()} hand-off for request {request_id!r}")
+        return req
+
     def release_handoff(self, request_id: str) -> None:
         """Prefill side: the receiver has its copy (or gave up); unpin the blocks."""
-        req = self._pinned.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"no pinned hand-off for request {request_id!r}")
+        req = self._handoff(request_id, RequestStatus.FINISHED_PREFILLED)
         self.kv.free(request_id)
         self._forget(req)
 
@@ -281,7 +305,7 @@ class LLMEngine:
             self._forget(req)
             return None
         req.num_cached_tokens = hit.num_tokens
-        self._reserved[req.request_id] = req
+        req.status = RequestStatus.RESERVED
         return HandoffSlots(req.request_id, tuple(self.kv.block_ids(req.request_id)), hit_blocks)
 
     def commit_handoff(self, request_id: str) -> list[RequestOutput]:
@@ -290,7 +314,7 @@ class LLMEngine:
         Returns the output for the first token (already sampled by the prefill engine), which may
         itself finish the request (EOS, a stop condition, ``max_tokens=1``).
         """
-        req = self._reserved.pop(request_id)
+        req = self._handoff(request_id, RequestStatus.RESERVED)
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
         req.status = RequestStatus.RUNNING
@@ -339,8 +363,7 @@ class LLMEngine:
         if status is not None:
             pin = status == RequestStatus.FINISHED_PREFILLED
             self.scheduler.finish(req, status, free_blocks=not pin)
-            if pin:
-                self._pinned[req.request_id] = req
+            if pin:  # kept, FINISHED_PREFILLED, until release_handoff
                 handoff = KVHandoff(req.request_id, self.fingerprint,
                                     tuple(self.kv.block_ids(req.request_id)),
                                     req.num_prompt_tokens, tuple(req.prompt_token_ids), token,
@@ -448,7 +471,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         # requests are dataclasses (unhashable): compare their ids
-        held = {r.request_id for group in (self.scheduler.running, self._pinned.values(),
-                                           self._reserved.values()) for r in group}
+        held = {r.request_id for r in self.scheduler.running} | {
+            rid for rid, r in self.requests.items()
+            if r.status in (RequestStatus.RESERVED, RequestStatus.FINISHED_PREFILLED)}
         assert set(self.kv.req_blocks) <= held, (
             "blocks held by a request that is neither running, pinned nor reserved")

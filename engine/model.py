@@ -65,7 +65,8 @@ class AttentionMetadata:
 
 
 def rope_inv_freq(cfg: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotary inverse frequencies, with linear or llama3-style scaling (as Hugging Face computes)."""
+    """Rotary inverse frequencies, with linear or llama3-style scaling (as Hugging Face
+    computes)."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if freq_factors is not None:  # GGUF llama3 models ship the scaling as a tensor
@@ -299,7 +300,8 @@ class Layer:
 
 
 class LlamaModel:
-    """Inference-only decoder. ``weights`` uses Baton's fused names (see ``loader.fuse_weights``)."""
+    """Inference-only decoder. ``weights`` uses Baton's fused names (see
+    ``loader.fuse_weights``)."""
 
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,

@@ -11,15 +11,21 @@ from baton.engine.params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered: everything after PREEMPTED counts as finished."""
+    """Ordered: everything after PREEMPTED counts as finished.
+
+    The two hand-off states are statuses too: RESERVED (decode side: blocks allocated, the
+    prompt's KV still arriving from another engine; ``commit_handoff`` makes it RUNNING) and
+    FINISHED_PREFILLED (prefill side: finished, its blocks pinned until ``release_handoff``).
+    """
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-    FINISHED_PREFILLED = 6  # prefill-only request: first token sampled, blocks pinned for hand-off
+    RESERVED = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
+    FINISHED_PREFILLED = 7  # prefill-only request: first token sampled, blocks pinned for hand-off
 
     @property
     def finished(self) -> bool:

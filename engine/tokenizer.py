@@ -44,7 +44,8 @@ class BatonTokenizer:
         return self.tk.id_to_token(token_id) or ""
 
     # ---- chat ---------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict],
+                            add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise InvalidRequestError("messages", "...", "this model has no chat template")
         for i, m in enumerate(messages):
@@ -95,7 +96,8 @@ class BatonTokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if f.get("tokenizer.ggml.pre") in ("smollm", "qwen2", "llama-bpe", "llama3"):
             # these pre-tokenizers split digits apart before the byte-level regex (llama.cpp)
-            digits = pre_tokenizers.Digits(individual_digits=f.get("tokenizer.ggml.pre") == "smollm")
+            digits = pre_tokenizers.Digits(
+                individual_digits=f.get("tokenizer.ggml.pre") == "smollm")
             tk.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
         else:
             tk.pre_tokenizer = byte_level

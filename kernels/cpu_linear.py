@@ -108,7 +108,8 @@ def linear(x: torch.Tensor, w: torch.Tensor | QuantWeight,
         return y
     if bias is not None:
         bias = bias.float().contiguous()
-    rc = dll.small_m_linear(y.data_ptr(), x.data_ptr(), w.data_ptr(), int(w.dtype == torch.bfloat16),
+    rc = dll.small_m_linear(y.data_ptr(), x.data_ptr(), w.data_ptr(),
+                            int(w.dtype == torch.bfloat16),
                             None if bias is None else bias.data_ptr(), m, n, k,
                             torch.get_num_threads())
     assert rc == 0

@@ -31,7 +31,8 @@ def store_kv(
 def gather_kv(
     kv: torch.Tensor, layer: int, block_table: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of the blocks in ``block_table`` ([..., n]) as [..., n * block_size, H, D]."""
+    """Keys and values of the blocks in ``block_table`` ([..., n]) as
+    [..., n * block_size, H, D]."""
     nb, num_layers, _, bs, h, d = kv.shape
     # rows = one (block, layer, k|v) slab of bs * H * D contiguous elements; index_select copies
     # whole rows (memcpy speed), where fancy indexing on the 6-d view copies element by element

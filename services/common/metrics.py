@@ -28,17 +28,17 @@ class WorkerMetrics:
     def __init__(self, engine, role: str) -> None:
         self.registry = r = CollectorRegistry()
         self.engine, self.role = engine, role
-        sched, pool = engine.scheduler, engine.kv.pool
+        stats = engine.stats
         Gauge("baton_worker_queue_depth", "Requests waiting in the engine's queue.",
-              registry=r).set_function(lambda: len(sched.waiting))
+              registry=r).set_function(lambda: stats().waiting)
         Gauge("baton_worker_running_requests", "Requests in the running batch.",
-              registry=r).set_function(lambda: len(sched.running))
+              registry=r).set_function(lambda: stats().running)
         Gauge("baton_worker_kv_blocks_free", "Free KV blocks (cached ones included).",
-              registry=r).set_function(lambda: pool.num_free_blocks)
+              registry=r).set_function(lambda: stats().free_blocks)
         Gauge("baton_worker_kv_blocks_used", "KV blocks held by requests.",
-              registry=r).set_function(lambda: pool.num_blocks - pool.num_free_blocks)
+              registry=r).set_function(lambda: stats().total_blocks - stats().free_blocks)
         Gauge("baton_worker_kv_blocks_total", "KV blocks in the pool.",
-              registry=r).set_function(lambda: pool.num_blocks)
+              registry=r).set_function(lambda: stats().total_blocks)
         self.requests = Counter("baton_worker_requests", "Requests ended, by finish reason.",
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("baton_worker_prompt_tokens",

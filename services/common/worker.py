@@ -161,8 +161,9 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def advertised_host(args: argparse.Namespace) -> str:
-    """The host part of the address this worker registers (see ``--advertise-host``)."""
+def advertised_host(args) -> str:
+    """The host part of the address this process registers (see ``--advertise-host``); ``args``
+    has ``host`` and ``advertise_host`` (the command line, or a role's config)."""
     if getattr(args, "advertise_host", None):
         return args.advertise_host
     if args.host in ("0.0.0.0", "", "::"):
@@ -192,7 +193,8 @@ def worker_info(loop, role: str, worker_id: str, incarnation: str, agent, check:
                 engine.check_integrity()
             except AssertionError as e:
                 ok, err = False, str(e) or "check_integrity failed"
-        return (engine.kv.pool.num_free_blocks, len(engine.scheduler.running), ok, err)
+        stats = engine.stats()
+        return (stats.free_blocks, stats.running, ok, err)
 
     free, running, ok, err = loop.run(snapshot)
     info = worker_pb2.WorkerInfo(
@@ -240,18 +242,17 @@ def register(args: argparse.Namespace, role: str, worker_id: str, address: str,
 def publish_index(args: argparse.Namespace, engine, worker_id: str, incarnation: str):
     """Publish the engine's prefix-cache events and load to the Redis prefix index (if
     ``--redis-url``), with the registry's TTL; returns the running IndexPublisher."""
-    if not args.redis_url or engine.kv.pool.events is None:
+    if not args.redis_url or engine.kv_events is None:
         return None
     import redis
     from baton.control.prefix_index import IndexPublisher
 
     client = redis.Redis.from_url(args.redis_url, socket_timeout=2, socket_connect_timeout=2)
-    sched, pool = engine.scheduler, engine.kv.pool
-
     def load() -> tuple[int, int, int, int]:  # plain counter reads, safe off the engine thread
-        return len(sched.waiting), len(sched.running), pool.num_free_blocks, pool.num_blocks
+        s = engine.stats()
+        return s.waiting, s.running, s.free_blocks, s.total_blocks
 
-    return IndexPublisher(client, worker_id, incarnation, pool.events, load,
+    return IndexPublisher(client, worker_id, incarnation, engine.kv_events, load,
                           ttl_s=args.registry_ttl).start()
 
 

@@ -351,7 +351,9 @@ class _Answer:
             orch.model
         self.want_lp = req.params.HasField("logprobs")
         self.want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.text, self.lps, self.final = "", [], None
+        self.text = ""
+        self.lps: list = []
+        self.final = None
         self.obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     def take(self, msg) -> None:
@@ -363,6 +365,7 @@ class _Answer:
 
     def body(self) -> dict:
         f = self.final
+        assert f is not None  # the orchestrator ends every request with a final or an error
         lp = _logprobs(self.tokenizer, self.kind, self.lps) if self.want_lp else None
         reason = _finish(f.finish_reason)
         if self.kind == "chat":

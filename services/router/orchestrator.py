@@ -371,6 +371,7 @@ class Orchestrator:
         """Prefill on the prefill worker, then decode from its KV handle on the decode worker.
         A hand-off that does not end in Done gives the lease back at once."""
         prefill, p = decision.prefill, st.params(request.params)
+        assert prefill is not None  # the remote path always names its prefill worker
         pre = self._prefill(prefill, st, p, deadline, cancel)
         if not isinstance(pre, worker_pb2.PrefillResponse):
             return pre
@@ -530,7 +531,8 @@ class _PromptHashes:
         self._orch = orch
         p = request.params
         self._salt = p.cache_salt if p.HasField("cache_salt") else None
-        self._hashes, self._len = None, -1
+        self._hashes: bytes | None = None
+        self._len = -1
 
     def of(self, ids: list[int]) -> bytes | None:
         policy = self._orch.policy

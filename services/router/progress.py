@@ -32,13 +32,13 @@ class Progress:
         self.tokens: list[int] = list(b.tokens) if b else []  # every token sent to the client
         self.start = len(self.tokens)  # this attempt's first token's index in ``tokens``
         self.ids = prompt + self.tokens  # the prompt the workers get
-        self.text = b.text if b else ""  # every character sent to the client
-        self.unsent_text = b.unsent_text if b else ""  # goes out before this attempt's text
-        self.sent = b.sent if b else False
+        self.text: str = b.text if b else ""  # every character sent to the client
+        self.unsent_text: str = b.unsent_text if b else ""  # goes out before this attempt's text
+        self.sent: bool = b.sent if b else False
         self.first_at: float | None = b.first_at if b else None
         self.second_at: float | None = b.second_at if b else None  # after the first token
-        self.last_at = b.last_at if b else None
-        self.migrations = b.migrations if b else 0
+        self.last_at: float | None = b.last_at if b else None
+        self.migrations: int = b.migrations if b else 0
         self.migrated_from: list[str] = list(b.migrated_from) if b else []
         self.cached = 0
         self.prefill_s = self.transfer_s = 0.0

@@ -78,7 +78,9 @@ def _queue(x: ScoreInput) -> float:
 
 def _kv(x: ScoreInput) -> float:
     s = x.signals
-    return s.free_blocks / s.total_blocks if s.total_blocks else 1.0
+    if not s.total_blocks or s.free_blocks is None:
+        return 1.0
+    return s.free_blocks / s.total_blocks
 
 
 SCORERS = {"prefix": _prefix, "inflight": _inflight, "queue": _queue, "kv": _kv}

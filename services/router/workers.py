@@ -75,7 +75,7 @@ class Stream:
     def cancel(self) -> None:
         self._call.cancel()
 
-    def __iter__(self) -> Iterator[worker_pb2.TokenChunk]:
+    def __iter__(self) -> Iterator[worker_pb2.DecodeChunk]:
         try:
             yield from self._call
         except grpc.RpcError as e:

@@ -20,7 +20,8 @@ NEW_TOKENS = 64
 NEAR_TIE = 1e-4
 
 LONG_TEXT = " ".join(
-    f"Section {i}: the {w} station logged {i * 37 % 101} readings at {i % 24:02d}:{i * 7 % 60:02d}, "
+    f"Section {i}: the {w} station logged {i * 37 % 101} readings at "
+    f"{i % 24:02d}:{i * 7 % 60:02d}, "
     f"and the {w2} team noted that pressure rose by {i * 0.3:.1f} percent."
     for i, (w, w2) in enumerate(
         zip(["northern", "coastal", "mountain", "desert", "river", "island"] * 7,
