@@ -34,6 +34,11 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        # threads waiting for KV blocks to be freed (a decode worker's hand-off reservation)
+        self._freed = threading.Condition()
+        self.frees = 0  # times the pool's free block count rose, counted by the engine thread
+        self._free_seen = 0
+        self._wakes = 0
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -80,6 +85,22 @@ class EngineLoop:
         """Abort from any thread; the stream (if any) is closed with an aborted output."""
         self.call(self.engine.abort, request_id)
 
+    def wait_for_frees(self, seen: int, timeout: float) -> int:
+        """Block until KV blocks were freed after :attr:`frees` read ``seen`` (a request
+        finished or was aborted, a hand-off was released), :meth:`wake` was called, the engine
+        died, or ``timeout`` passed; returns :attr:`frees` then."""
+        with self._freed:
+            wakes = self._wakes
+            self._freed.wait_for(lambda: self.frees != seen or self._wakes != wakes
+                                 or self._error is not None, timeout)
+            return self.frees
+
+    def wake(self) -> None:
+        """Wake every :meth:`wait_for_frees` (one of them has a reason to look again)."""
+        with self._freed:
+            self._wakes += 1
+            self._freed.notify_all()
+
     # ---- the engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -91,12 +112,14 @@ class EngineLoop:
                     self._dispatch(self.engine.step())
                 if self.on_tick is not None:
                     self.on_tick()
+                self._note_frees()
         except BaseException as e:  # a bug in the engine: fail every waiter loudly
             log.exception("engine thread died")
             self._error = e
             for q in self._streams.values():
                 q.put(EngineDied(f"engine stopped: {e!r}"))
             self._fail_pending(e)
+            self.wake()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -114,6 +137,16 @@ class EngineLoop:
                 item = self._calls.get_nowait()
             except queue.Empty:
                 return
+
+    def _note_frees(self) -> None:
+        """Engine thread: after a step and the calls before it, wake the threads waiting for
+        KV blocks if the pool has more free ones than last time."""
+        free = self.engine.stats().free_blocks
+        if free > self._free_seen:
+            with self._freed:
+                self.frees += 1
+                self._freed.notify_all()
+        self._free_seen = free
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         if self.on_outputs is not None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import time
 import uuid
 
@@ -28,6 +27,9 @@ from baton.transfer.lease import LeaseTable
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("baton.services.prefill")
+
+
+_CALL_ENDED = object()  # put in a request's output queue when its Prefill call ends
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
@@ -65,15 +67,15 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                                       params=params, prefill_only=True)
         except Exception as e:
             abort_with(context, e)
+        # the call's end (the caller went away, its deadline) wakes the wait below at once
+        if not context.add_callback(lambda: stream.put(_CALL_ENDED)):
+            stream.put(_CALL_ENDED)
         out = None
         while out is None or not out.finished:
-            try:
-                out = stream.get(timeout=0.1)
-            except queue.Empty:
-                if not context.is_active():  # the caller went away: nothing to hand off
-                    self.loop.abort(rid)
-                    return worker_pb2.PrefillResponse()
-                continue
+            out = stream.get()
+            if out is _CALL_ENDED:  # nothing to hand off to
+                self.loop.abort(rid)
+                return worker_pb2.PrefillResponse()
             if isinstance(out, BaseException):
                 abort_with(context, out)
         resp = worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],

@@ -141,19 +141,23 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return tokenizer_info(self.engine)
 
     def _reserve(self, rid, request, params, deadline, context):
-        """Blocks for the prompt, waiting (until the deadline) while the pool is full."""
+        """Blocks for the prompt, waiting (until the deadline) while the pool is full: woken
+        when the engine frees blocks, or when the call ends."""
+        context.add_callback(self.loop.wake)
         while True:
+            seen = self.loop.frees
             slots = self.loop.run(self.engine.reserve_handoff, rid,
                                   list(request.prompt_token_ids), request.first_token_id, params,
                                   request.sampler_state or None)
             if slots is not None:
                 return slots
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               "no free KV blocks for the hand-off before the deadline")
             if not context.is_active():
                 return None
-            time.sleep(0.01)
+            self.loop.wait_for_frees(seen, left)
 
     def _commit(self, rid: str) -> queue.SimpleQueue:
         stream = self.loop.open_stream(rid)
