@@ -13,6 +13,7 @@ import uuid
 
 import grpc
 from baton.services.common import tracing
+from baton.services.common.config import HolderSettings
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.worker import (
     WorkerBoot,
@@ -125,22 +126,22 @@ def engine_spans(span, t0: float, out) -> None:
               "baton.timing.queue_s": out.queue_s or 0.0})
 
 
-def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot, lease_ttl: float,
-                     checksums: bool = False, max_leased_share: float = 0.0) -> KVHolder:
+def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot,
+                     settings: HolderSettings) -> KVHolder:
     """Serve PrefillWorker and KVSource for ``loop``'s engine on ``server``: leases on its pool,
     the lease channel, and the expired-lease sweep on the engine thread. Used by prefill workers
     and by decode workers started with ``--role both``."""
     engine = loop.engine
     holder = KVHolder(worker_id=boot.worker_id, incarnation=boot.incarnation,
                       address=boot.address, fingerprint=engine.fingerprint, agent=boot.agent,
-                      leases=LeaseTable(lease_ttl),
+                      leases=LeaseTable(settings.lease_ttl),
                       free=lambda rid: loop.call(engine.release_handoff, rid),
-                      checksums=checksums)
+                      checksums=settings.kv_checksums)
     holder.serve_lease_channel(boot.host)
     loop.on_tick = holder.sweep
-    total = engine.num_blocks
+    share = settings.max_leased_share
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillService(loop, holder, boot.worker_id,
-                       max(1, int(max_leased_share * total)) if max_leased_share else 0), server)
+                       max(1, int(share * engine.num_blocks)) if share else 0), server)
     worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
     return holder

