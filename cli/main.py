@@ -167,9 +167,7 @@ def _sampling_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt with the local engine")
     g.add_argument("prompt")
     _sampling_args(g)
@@ -179,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                         "replays CUDA graphs for decode steps")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object with text, token_ids, prompt_token_ids")
+    g.set_defaults(func=_generate)
+
+
+def _add_handoff(sub) -> None:
     h = sub.add_parser(
         "handoff", help="prefill on a prefill worker, decode on a decode worker (KV over NIXL)",
         description="Send PROMPT to a running prefill worker, hand its KV blocks to a running "
@@ -192,13 +194,27 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
     h.add_argument("--json", action="store_true",
                    help="print one JSON object with text, token ids and transfer stats")
+    h.set_defaults(func=_handoff)
+
+
+def _add_up(sub) -> None:
+    from baton.cli.up import add_up_args
+
     u = sub.add_parser("up", help="run the whole cluster on this machine (redis, workers, router)",
                        description="Start an embedded redis-server, prefill and decode workers "
                                    "(or colocated ones) and the router as local processes; "
                                    "Ctrl-C stops them all.")
-    from baton.cli.up import add_up_args
-
     add_up_args(u)
+    u.set_defaults(func=_up)
+
+
+def _up(a: argparse.Namespace) -> int:
+    from baton.cli.up import up
+
+    return up(a)
+
+
+def _add_request(sub) -> None:
     r = sub.add_parser("request", help="send one prompt to a running router and stream the answer")
     r.add_argument("prompt")
     r.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
@@ -214,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="PEM CA certificate: connect over TLS, trusting it")
     r.add_argument("--json", action="store_true",
                    help="print one JSON object: text, token_ids and the final message")
+    r.set_defaults(func=_request)
+
+
+def _add_status(sub) -> None:
     from baton.cli import status
 
     st = sub.add_parser("status", help="the cluster at a glance: routers and workers, load, KV "
@@ -223,12 +243,20 @@ def main(argv: list[str] | None = None) -> int:
                                     "prefix-cache hit rate, TTFT/TPOT percentiles (since each "
                                     "process started). `baton top` keeps it refreshed.")
     status.add_args(st, top=False)
+    st.set_defaults(func=status.status)
     tp = sub.add_parser("top", help="`baton status`, refreshed, over a sliding window",
                         description="Redraw `baton status` every --interval seconds, with "
                                     "latency percentiles, hit rates and throughput over the "
                                     "last --window seconds. Ctrl-C quits.")
     status.add_args(tp, top=True)
+    tp.set_defaults(func=status.top)
+
+
+def _add_measuring(sub) -> None:
+    """``bench``, ``profile`` and ``tune``."""
     from baton.bench.cli import add_bench_args
+    from baton.bench.profile import add_profile_args, cmd_profile
+    from baton.control.tune import add_tune_args, cmd_tune
 
     b = sub.add_parser("bench", help="load generator: latency percentiles, throughput, SLO "
                                      "attainment, goodput; disaggregated vs colocated",
@@ -236,9 +264,6 @@ def main(argv: list[str] | None = None) -> int:
                                    "synthetic, shared-prefix or trace workloads. `baton bench "
                                    "run TARGET`, `baton bench compare`; --help on each.")
     add_bench_args(b)
-    from baton.bench.profile import add_profile_args, cmd_profile
-    from baton.control.tune import add_tune_args, cmd_tune
-
     pr = sub.add_parser("profile", help="measure this engine on this machine: prefill, decode "
                                         "step and KV hand-off times (for `baton tune`)",
                         description="Time the engine (one core, one torch thread, as workers "
@@ -260,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                                     "one, and plot attainment against rate.")
     add_tune_args(tu)
     tu.set_defaults(func=cmd_tune)
+
+
+def _add_autoscale(sub) -> None:
     from baton.control.autoscale import add_autoscale_args, cmd_autoscale
 
     au = sub.add_parser("autoscale", help="run the SLO autoscaler against Kubernetes "
@@ -273,22 +301,27 @@ def main(argv: list[str] | None = None) -> int:
                                     "drain on SIGTERM, so scale-down fails no request.")
     add_autoscale_args(au)
     au.set_defaults(func=cmd_autoscale)
-    for name in ("router", "worker"):
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for add in (_add_generate, _add_handoff, _add_up, _add_request, _add_status,
+                _add_measuring, _add_autoscale):
+        add(sub)
+    for name in ("router", "worker"):  # handed to the process's own parser (see _piece)
         w = sub.add_parser(name, add_help=False,
                            help=f"run one {name} process (see `baton {name} --help`)")
         w.add_argument("args", nargs=argparse.REMAINDER)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] in (["router"], ["worker"]):
         return _piece(argv[0], argv[1:])
-    a = ap.parse_args(argv)
-    if a.cmd == "up":
-        from baton.cli.up import up
-
-        return up(a)
-    if a.cmd in ("bench", "profile", "tune", "autoscale"):
-        return a.func(a)
-    return {"handoff": _handoff, "request": _request, "status": status.status,
-            "top": status.top}.get(a.cmd, _generate)(a)
+    a = parser().parse_args(argv)
+    return a.func(a)
 
 
 def _piece(name: str, args: list[str]) -> int:

@@ -75,80 +75,138 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                    help="Ray GPUs each worker actor asks for (default 0)")
 
 
-def up(a: argparse.Namespace) -> int:
-    from baton.control.redis_server import EmbeddedRedis, RedisStartError
-    from baton.services.common.launch import WorkerProcess, WorkerStartError
-
+def _check(a: argparse.Namespace) -> str:
+    """What is wrong with the flags ("" when nothing is)."""
     if a.colocated < 0 or a.prefill < 0 or a.decode < 0:
-        print("error: worker counts must be >= 0", file=sys.stderr)
-        return 2
+        return "worker counts must be >= 0"
     if not a.colocated and a.decode < 1:
-        print("error: --decode must be >= 1 (or use --colocated N)", file=sys.stderr)
-        return 2
+        return "--decode must be >= 1 (or use --colocated N)"
     if a.autoscale:
         try:
             _policies(a)
         except ValueError as e:
-            print(f"error: autoscaling: {e}", file=sys.stderr)
-            return 2
+            return f"autoscaling: {e}"
+    return ""
+
+
+def up(a: argparse.Namespace) -> int:
+    from baton.control.redis_server import RedisStartError
+    from baton.services.common.launch import WorkerStartError
+
+    problem = _check(a)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    redis = state = scaler = None
-    procs: list[WorkerProcess] = []
-    t0 = time.monotonic()
-
-    def say(msg: str) -> None:
-        print(f"[baton up {time.monotonic() - t0:5.1f}s] {msg}", flush=True)
-
-    ray_local = a.ray == "local"
+    cluster = _LocalCluster(a)
     try:
-        redis_host = a.host
-        if a.ray:
-            import ray
+        cluster.start()
+        return cluster.watch(stop)
+    except (WorkerStartError, RedisStartError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # Ray's errors (a worker actor that failed to start) and the like
+        if not a.ray:
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()
 
-            say(f"starting Ray ({'a local instance' if ray_local else a.ray}) ...")
-            ray.init(address=None if ray_local else a.ray, include_dashboard=False,
-                     logging_level="WARNING", log_to_driver=False)
-            if not ray_local:  # workers on other nodes must reach Redis
-                redis_host = ray.util.get_node_ip_address()
-            say(f"Ray: {ray.cluster_resources().get('CPU', 0):.0f} CPUs, "
-                f"{ray.cluster_resources().get('GPU', 0):.0f} GPUs")
-        url = a.redis_url
-        if url is None:
-            redis = EmbeddedRedis(redis_host).start()
-            url = redis.url
-            say(f"redis-server on {url}")
-        common = ["--redis-url", url, "--dtype", a.dtype]
+
+class _LocalCluster:
+    """The processes of one ``baton up``, started in order and stopped in reverse."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a = a
+        self.t0 = time.monotonic()
+        self.redis = self.state = self.scaler = None
+        self.procs: list = []
+        self.ray_local = a.ray == "local"
+        self.kw = {"log_dir": a.log_dir or tempfile.mkdtemp(prefix="baton-up-")}
+
+    def say(self, msg: str) -> None:
+        print(f"[baton up {time.monotonic() - self.t0:5.1f}s] {msg}", flush=True)
+
+    def start(self) -> None:
+        a = self.a
+        url = self._start_redis(self._start_ray() if a.ray else a.host)
+        self.common = ["--redis-url", url, "--dtype", a.dtype]
         for flag, value in (("--model", a.model), ("--num-blocks", a.num_blocks),
                             ("--threads", a.threads)):
             if value is not None:
-                common += [flag, str(value)]
-        kw = {"log_dir": a.log_dir or tempfile.mkdtemp(prefix="baton-up-")}
+                self.common += [flag, str(value)]
+        self.role = ["--role", "both"] if a.colocated else []
+        prefill, decode = self._start_workers()
+        router = self._start_router(url)
+        self.state = _leave_address(url, router)
+        if a.autoscale:  # from here on the actuator owns the workers (some come and go; new
+            # decode workers meet prefill workers at their first hand-off, not by --peers)
+            self.scaler = _autoscaler(a, url, {"prefill": prefill, "decode": decode},
+                                      lambda pool: self.spawn(pool, self.common if pool ==
+                                                              "prefill" else
+                                                              self.common + self.role),
+                                      self.say)
+            self.procs = [router]
 
-        def spawn(role: str, args: list[str]):
-            if not a.ray:
-                return WorkerProcess(role, ["--host", a.host, *args], **kw)
-            from baton.services.common.ray_launch import RayWorker
+    def _start_ray(self) -> str:
+        """Ray up (a local instance or a cluster's); the host Redis must listen on."""
+        import ray
 
-            w = RayWorker(role, args, num_cpus=a.ray_cpus_per_worker or a.threads or 1,
-                          num_gpus=a.ray_gpus_per_worker, local=ray_local, **kw)
-            say(f"Ray actor for a {role} worker on node {w.node_ip} ({w.start_s:.0f}s)")
-            return w
+        a = self.a
+        self.say(f"starting Ray ({'a local instance' if self.ray_local else a.ray}) ...")
+        ray.init(address=None if self.ray_local else a.ray, include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=False)
+        res = ray.cluster_resources()
+        self.say(f"Ray: {res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
+        # workers on other nodes must reach Redis
+        return a.host if self.ray_local else ray.util.get_node_ip_address()
 
-        prefill = [] if a.colocated else [spawn("prefill", common) for _ in range(a.prefill)]
-        procs += prefill
+    def _start_redis(self, host: str) -> str:
+        from baton.control.redis_server import EmbeddedRedis
+
+        if self.a.redis_url is not None:
+            return self.a.redis_url
+        self.redis = EmbeddedRedis(host).start()
+        self.say(f"redis-server on {self.redis.url}")
+        return self.redis.url
+
+    def spawn(self, role: str, args: list[str]):
+        from baton.services.common.launch import WorkerProcess
+
+        a = self.a
+        if not a.ray:
+            return WorkerProcess(role, ["--host", a.host, *args], **self.kw)
+        from baton.services.common.ray_launch import RayWorker
+
+        w = RayWorker(role, args, num_cpus=a.ray_cpus_per_worker or a.threads or 1,
+                      num_gpus=a.ray_gpus_per_worker, local=self.ray_local, **self.kw)
+        self.say(f"Ray actor for a {role} worker on node {w.node_ip} ({w.start_s:.0f}s)")
+        return w
+
+    def _start_workers(self) -> tuple[list, list]:
+        a = self.a
+        prefill = [] if a.colocated else [self.spawn("prefill", self.common)
+                                          for _ in range(a.prefill)]
+        self.procs += prefill
         for w in prefill:
-            say(f"prefill worker {w.worker_id} on {w.address}")
+            self.say(f"prefill worker {w.worker_id} on {w.address}")
         peers = ",".join(w.address for w in prefill)
-        role = ["--role", "both"] if a.colocated else []
-        decode_args = common + role + (["--peers", peers] if peers else [])
+        decode_args = self.common + self.role + (["--peers", peers] if peers else [])
         decode = []
         for _ in range(a.colocated or a.decode):
-            decode.append(spawn("decode", decode_args))
-            say(f"{'colocated' if a.colocated else 'decode'} worker {decode[-1].worker_id} on "
-                f"{decode[-1].address}")
-        procs += decode
+            decode.append(self.spawn("decode", decode_args))
+            self.say(f"{'colocated' if a.colocated else 'decode'} worker "
+                     f"{decode[-1].worker_id} on {decode[-1].address}")
+        self.procs += decode
+        return prefill, decode
+
+    def _start_router(self, url: str):
+        from baton.services.common.launch import WorkerProcess
+
+        a = self.a
         local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens
         security = []
         for flag, value in (("--auth-token", a.auth_token), ("--tls-cert", a.tls_cert),
@@ -159,57 +217,49 @@ def up(a: argparse.Namespace) -> int:
                                           "--http-port", str(a.http_port),
                                           "--redis-url", url, "--local-prefill-max-tokens",
                                           str(local_max), "--routing", a.routing,
-                                          *security, *shlex.split(a.router_args)], **kw)
-        procs.append(router)
-        logs = procs[0].log_path.parent
-        say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in {logs}")
+                                          *security, *shlex.split(a.router_args)], **self.kw)
+        self.procs.append(router)
+        self.say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in "
+                 f"{self.procs[0].log_path.parent}")
         if router.http_address:
-            say(f"ready: OpenAI-compatible API on http{'s' if a.tls_cert else ''}://"
-                f"{router.http_address}/v1")
+            self.say(f"ready: OpenAI-compatible API on http{'s' if a.tls_cert else ''}://"
+                     f"{router.http_address}/v1")
         print(f"  try: baton request \"Hello\" --router {router.address}", flush=True)
         print("       baton status   (or baton top)", flush=True)
-        state = _leave_address(url, router)
-        if a.autoscale:  # from here on the actuator owns the workers (some come and go; new
-            # decode workers meet prefill workers at their first hand-off, not by --peers)
-            scaler = _autoscaler(a, url, {"prefill": prefill, "decode": decode},
-                                 lambda pool: spawn(pool, common if pool == "prefill"
-                                                    else common + role), say)
-            procs = [router]
-            threading.Thread(target=scaler.run, args=(stop,), daemon=True).start()
+        return router
+
+    def watch(self, stop: threading.Event) -> int:
+        """Until Ctrl-C (0), or until a process exits (1)."""
+        if self.scaler is not None:
+            threading.Thread(target=self.scaler.run, args=(stop,), daemon=True).start()
         while not stop.is_set():
-            live = procs + (scaler.actuator.all() if a.autoscale else [])
+            live = self.procs + (self.scaler.actuator.all() if self.scaler else [])
             dead = [p for p in live if p.proc.poll() is not None]
             if dead:
-                say(f"{dead[0].role} worker {dead[0].worker_id} exited "
-                    f"({dead[0].proc.returncode}); stopping. Its log: {dead[0].log_path}")
+                self.say(f"{dead[0].role} worker {dead[0].worker_id} exited "
+                         f"({dead[0].proc.returncode}); stopping. Its log: {dead[0].log_path}")
                 return 1
             stop.wait(0.5)
-        say("stopping")
+        self.say("stopping")
         return 0
-    except (WorkerStartError, RedisStartError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # Ray's errors (a worker actor that failed to start) and the like
-        if not a.ray:
-            raise
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if state is not None:
-            _forget_address(state)
-        if scaler is not None:
-            scaler.actuator.wait(60)  # starts in progress end first: none is left behind
-            procs = [*scaler.actuator.all(), *procs]
+
+    def stop(self) -> None:
+        if self.state is not None:
+            _forget_address(self.state)
+        procs = self.procs
+        if self.scaler is not None:
+            self.scaler.actuator.wait(60)  # starts in progress end first: none is left behind
+            procs = [*self.scaler.actuator.all(), *procs]
         for p in reversed(procs):  # router first, then decode, then prefill: each drains
             p.stop(timeout=40)
-        if redis is not None:
-            redis.stop()
-        if a.ray:
+        if self.redis is not None:
+            self.redis.stop()
+        if self.a.ray:
             import ray
 
             ray.shutdown()
-        if procs or redis:
-            say("stopped")
+        if procs or self.redis:
+            self.say("stopped")
 
 
 def _leave_address(redis_url: str, router):
