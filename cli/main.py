@@ -52,7 +52,6 @@ def _handoff(a: argparse.Namespace) -> int:
     from baton.engine.loader import load_model
     from baton.engine.params import SamplingParams
     from baton.services.common.worker import params_to_proto
-    from baton.v1 import worker_pb2, worker_pb2_grpc
 
     try:
         tokenizer = load_model(a.model).tokenizer
@@ -63,32 +62,45 @@ def _handoff(a: argparse.Namespace) -> int:
         return 2
     ids = (tokenizer.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat
            else tokenizer.encode(a.prompt))
-    p = params_to_proto(params)
-    rid = f"cli-{time.time_ns()}"
     try:
-        with grpc.insecure_channel(a.prefill) as pch, grpc.insecure_channel(a.decode) as dch:
-            pre = worker_pb2_grpc.PrefillWorkerStub(pch).Prefill(worker_pb2.PrefillRequest(
-                request_id=rid, prompt_token_ids=ids, params=p), timeout=a.timeout)
-            tokens, text, stats, reason = [pre.first_token_id], "", None, pre.finish_reason
-            if not reason:
-                tokens = []
-                for chunk in worker_pb2_grpc.DecodeWorkerStub(dch).Decode(
-                        worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
-                                                 first_token_id=pre.first_token_id, params=p,
-                                                 handle=pre.handle,
-                                                 sampler_state=pre.sampler_state),
-                        timeout=a.timeout):
-                    tokens += chunk.token_ids
-                    text += chunk.text
-                    reason = chunk.finish_reason or reason
-                    stats = chunk.transfer if chunk.HasField("transfer") else stats
-                    if not a.json:
-                        print(chunk.text, end="", flush=True)
-            else:
-                text = tokenizer.decode([pre.first_token_id])
+        pre, tokens, text, stats, reason = _prefill_then_decode(a, ids, params_to_proto(params))
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    if pre.finish_reason:  # the first token ended it: nothing was handed off
+        tokens, text = [pre.first_token_id], tokenizer.decode([pre.first_token_id])
+    _report_handoff(a, pre, ids, tokens, text, stats, reason)
+    return 0
+
+
+def _prefill_then_decode(a: argparse.Namespace, ids: list[int], p):
+    """The Prefill call, then (unless its first token ended the request) the Decode stream:
+    (prefill answer, tokens, text, transfer stats, finish reason)."""
+    import grpc
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    rid = f"cli-{time.time_ns()}"
+    with grpc.insecure_channel(a.prefill) as pch, grpc.insecure_channel(a.decode) as dch:
+        pre = worker_pb2_grpc.PrefillWorkerStub(pch).Prefill(worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=ids, params=p), timeout=a.timeout)
+        tokens, text, stats, reason = [], "", None, pre.finish_reason
+        if reason:
+            return pre, tokens, text, stats, reason
+        for chunk in worker_pb2_grpc.DecodeWorkerStub(dch).Decode(
+                worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
+                                         first_token_id=pre.first_token_id, params=p,
+                                         handle=pre.handle, sampler_state=pre.sampler_state),
+                timeout=a.timeout):
+            tokens += chunk.token_ids
+            text += chunk.text
+            reason = chunk.finish_reason or reason
+            stats = chunk.transfer if chunk.HasField("transfer") else stats
+            if not a.json:
+                print(chunk.text, end="", flush=True)
+    return pre, tokens, text, stats, reason
+
+
+def _report_handoff(a, pre, ids, tokens, text, stats, reason) -> None:
     transfer = None
     if stats is not None:
         transfer = {"bytes": stats.bytes, "blocks_read": stats.blocks_read,
@@ -98,13 +110,12 @@ def _handoff(a: argparse.Namespace) -> int:
         print(json.dumps({"text": text, "token_ids": tokens, "prompt_token_ids": ids,
                           "finish_reason": reason, "prefill_s": pre.prefill_s,
                           "transfer": transfer}))
-    else:
-        print()
-        if transfer:
-            print(f"[prefill {pre.prefill_s * 1e3:.0f} ms; KV {transfer['bytes'] / 2**20:.1f} MiB "
-                  f"in {transfer['read_ms']:.1f} ms over {transfer['transports'] or '?'}]",
-                  file=sys.stderr)
-    return 0
+        return
+    print()
+    if transfer:
+        print(f"[prefill {pre.prefill_s * 1e3:.0f} ms; KV {transfer['bytes'] / 2**20:.1f} MiB "
+              f"in {transfer['read_ms']:.1f} ms over {transfer['transports'] or '?'}]",
+              file=sys.stderr)
 
 
 def _request(a: argparse.Namespace) -> int:
@@ -142,19 +153,23 @@ def _request(a: argparse.Namespace) -> int:
     except grpc.RpcError as e:
         print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    _report_request(a, text, ids, final)
+    return 0
+
+
+def _report_request(a: argparse.Namespace, text: str, ids: list[int], final) -> None:
     if a.json:
         from google.protobuf.json_format import MessageToDict
 
         print(json.dumps({"text": text, "token_ids": ids,
                           "final": MessageToDict(final, preserving_proto_field_name=True)}))
-    else:
-        print()
-        t = final.timing
-        print(f"[{final.finish_reason}; {final.path} path ({final.route_reason}); "
-              f"{final.usage.prompt_tokens} prompt ({final.usage.cached_tokens} cached) + "
-              f"{final.usage.completion_tokens} tokens; first token {t.first_token_s * 1e3:.0f}"
-              f" ms, total {t.total_s * 1e3:.0f} ms]", file=sys.stderr)
-    return 0
+        return
+    print()
+    t = final.timing
+    print(f"[{final.finish_reason}; {final.path} path ({final.route_reason}); "
+          f"{final.usage.prompt_tokens} prompt ({final.usage.cached_tokens} cached) + "
+          f"{final.usage.completion_tokens} tokens; first token {t.first_token_s * 1e3:.0f}"
+          f" ms, total {t.total_s * 1e3:.0f} ms]", file=sys.stderr)
 
 
 def _sampling_args(g: argparse.ArgumentParser) -> None:

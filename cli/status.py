@@ -41,41 +41,8 @@ def render(summary: dict) -> str:
     t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(summary["at"]))
     models = sorted({r["model"] for r in summary["routers"] + summary["workers"] if r["model"]})
     lines = [f"Baton  {summary['redis_url']}  {', '.join(models) or '?'}  {t}  "
-             f"(latencies and hit rates: {span})",
-             "",
-             f"{'ROUTER':<34} {'UP':>7} {'REQS':>6} {'ERR':>4} {'REMOTE':>6} {'LOCAL':>6} "
-             f"{'REQ/S':>6} {'TTFT ms p50/90/99':>18} {'TPOT ms p50/90/99':>18} {'INDEX':>5}"]
-    for r in summary["routers"]:
-        if not r["metrics"]:
-            lines.append(f"{r['id'][:34]:<34} {_age(r['uptime_s']):>7}  (no metrics: started "
-                         "without --http-port, or unreachable)")
-            continue
-        idx = {None: "-", 1.0: "up", 0.0: "DOWN"}.get(r["index_up"], "?")
-        lines.append(f"{r['id'][:34]:<34} {_age(r['uptime_s']):>7} {_n(r['requests']):>6} "
-                     f"{_n(r['errors']):>4} {_n(r['remote']):>6} {_n(r['local']):>6} "
-                     f"{_n(r['rps'], '{:.1f}'):>6} {_ms(r['ttft']):>18} {_ms(r['tpot']):>18} "
-                     f"{idx:>5}")
-    if not summary["routers"]:
-        lines.append("(no router registered)")
-    lines += ["", f"{'WORKER':<34} {'ROLE':<7} {'UP':>7} {'RUN':>4} {'QUEUE':>5} "
-                  f"{'KV USED':>13} {'HIT':>5} {'TOK/S':>7} {'TTFT ms p50/90/99':>18} "
-                  f"{'KV READ':>9}"]
-    for r in summary["workers"]:
-        if not r["metrics"]:
-            lines.append(f"{r['id'][:34]:<34} {r['role']:<7} {_age(r['uptime_s']):>7}  "
-                         "(no metrics: --metrics-port -1, or unreachable)")
-            continue
-        kv = "-"
-        if r["kv_total"]:
-            kv = f"{r['kv_used']:.0f}/{r['kv_total']:.0f} {100 * r['kv_used'] / r['kv_total']:.0f}%"
-        hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f}%"
-        out_b = r["transfer_bytes"]
-        lines.append(f"{r['id'][:34]:<34} {r['role']:<7} {_age(r['uptime_s']):>7} "
-                     f"{_n(r['running']):>4} {_n(r['queued']):>5} {kv:>13} {hit:>5} "
-                     f"{_n(r['tokens_per_s'], '{:.1f}'):>7} {_ms(r['ttft']):>18} "
-                     f"{_bytes(out_b):>9}")
-    if not summary["workers"]:
-        lines.append("(no worker registered)")
+             f"(latencies and hit rates: {span})", ""]
+    lines += _router_lines(summary["routers"]) + [""] + _worker_lines(summary["workers"])
     hr = summary["hit_rate"]
     by_role: dict[str, int] = {}
     for r in summary["workers"]:
@@ -85,6 +52,42 @@ def render(summary: dict) -> str:
               + f"; routers: {len(summary['routers'])}; prefix-cache hit rate: "
               + ("-" if hr is None else f"{100 * hr:.1f}%")]
     return "\n".join(lines)
+
+
+def _router_lines(routers: list[dict]) -> list[str]:
+    lines = [f"{'ROUTER':<34} {'UP':>7} {'REQS':>6} {'ERR':>4} {'REMOTE':>6} {'LOCAL':>6} "
+             f"{'REQ/S':>6} {'TTFT ms p50/90/99':>18} {'TPOT ms p50/90/99':>18} {'INDEX':>5}"]
+    for r in routers:
+        if not r["metrics"]:
+            lines.append(f"{r['id'][:34]:<34} {_age(r['uptime_s']):>7}  (no metrics: started "
+                         "without --http-port, or unreachable)")
+            continue
+        idx = {None: "-", 1.0: "up", 0.0: "DOWN"}.get(r["index_up"], "?")
+        lines.append(f"{r['id'][:34]:<34} {_age(r['uptime_s']):>7} {_n(r['requests']):>6} "
+                     f"{_n(r['errors']):>4} {_n(r['remote']):>6} {_n(r['local']):>6} "
+                     f"{_n(r['rps'], '{:.1f}'):>6} {_ms(r['ttft']):>18} {_ms(r['tpot']):>18} "
+                     f"{idx:>5}")
+    return lines if routers else lines + ["(no router registered)"]
+
+
+def _worker_lines(workers: list[dict]) -> list[str]:
+    lines = [f"{'WORKER':<34} {'ROLE':<7} {'UP':>7} {'RUN':>4} {'QUEUE':>5} "
+             f"{'KV USED':>13} {'HIT':>5} {'TOK/S':>7} {'TTFT ms p50/90/99':>18} "
+             f"{'KV READ':>9}"]
+    for r in workers:
+        if not r["metrics"]:
+            lines.append(f"{r['id'][:34]:<34} {r['role']:<7} {_age(r['uptime_s']):>7}  "
+                         "(no metrics: --metrics-port -1, or unreachable)")
+            continue
+        kv = "-"
+        if r["kv_total"]:
+            kv = f"{r['kv_used']:.0f}/{r['kv_total']:.0f} {100 * r['kv_used'] / r['kv_total']:.0f}%"
+        hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f}%"
+        lines.append(f"{r['id'][:34]:<34} {r['role']:<7} {_age(r['uptime_s']):>7} "
+                     f"{_n(r['running']):>4} {_n(r['queued']):>5} {kv:>13} {hit:>5} "
+                     f"{_n(r['tokens_per_s'], '{:.1f}'):>7} {_ms(r['ttft']):>18} "
+                     f"{_bytes(r['transfer_bytes']):>9}")
+    return lines if workers else lines + ["(no worker registered)"]
 
 
 def _bytes(b: float | None) -> str:

@@ -44,6 +44,11 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                     help="more options for the router, e.g. \"--max-concurrent 64 "
                          "--max-concurrent-per-key 8 --max-tokens 1024\" (see python -m "
                          "baton.services.router --help)")
+    _add_security_args(ap)
+    _add_scaling_args(ap)
+
+
+def _add_security_args(ap: argparse.ArgumentParser) -> None:
     sec = ap.add_argument_group("security (the router's public APIs)")
     sec.add_argument("--auth-token", default=None,
                      help="require this bearer token on gRPC calls and /v1/* (default: "
@@ -53,6 +58,10 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                           "if set)")
     sec.add_argument("--tls-cert", default=None, help="PEM certificate: serve over TLS")
     sec.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+
+
+def _add_scaling_args(ap: argparse.ArgumentParser) -> None:
+    """Autoscaling and Ray."""
     from baton.control.autoscale import add_policy_args
 
     s = ap.add_argument_group(

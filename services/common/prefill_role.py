@@ -53,15 +53,21 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return tracing.traced_call(span, context, self._prefill, request, context, rid, t0,
                                    span)
 
+    def _admit(self, context) -> None:
+        """Backpressure: refuse (RESOURCE_EXHAUSTED, raises) while too many blocks wait under
+        leases for decode workers to read them."""
+        if not self.max_leased_blocks:
+            return
+        leased = self.holder.leases.num_blocks()
+        if leased >= self.max_leased_blocks:
+            self.refused += 1
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{leased} KV blocks wait for decode workers to read them "
+                          f"(max_leased_blocks={self.max_leased_blocks}, "
+                          "--max-leased-share): the decode pool is not keeping up")
+
     def _prefill(self, request, context, rid: str, t0: float, span):
-        if self.max_leased_blocks:
-            leased = self.holder.leases.num_blocks()
-            if leased >= self.max_leased_blocks:
-                self.refused += 1
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{leased} KV blocks wait for decode workers to read them "
-                              f"(max_leased_blocks={self.max_leased_blocks}, "
-                              "--max-leased-share): the decode pool is not keeping up")
+        self._admit(context)
         try:
             params = params_from_proto(request.params)
             stream = self.loop.submit(rid, prompt_token_ids=list(request.prompt_token_ids),

@@ -80,28 +80,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self.loop.run(self.engine.abort, rid)
             abort_with(context, InvalidRequestError("handle.block_ids", len(handle.block_ids),
                                          f"{len(slots.block_ids)} blocks are needed"))
-        ts = span.child("baton.kv.transfer", attrs={
-            "baton.kv.source_worker": handle.worker_id, "server.address": handle.address,
-            "baton.kv.lease_id": handle.lease_id})
-        try:
-            needed = replace(handle, block_ids=handle.block_ids[:len(slots.block_ids)])
-            res = self.reader.pull(needed, slots.block_ids, slots.num_local_blocks, deadline)
-        except TransferError as e:
-            ts.end(error=e)
-            if self.metrics is not None:
-                self.metrics.transfer_failures.labels(type(e).__name__).inc()
-            self.loop.run(self.engine.abort, rid)
-            log.warning("request %s: hand-off from %s failed: %s", rid, handle.worker_id, e)
-            abort_with(context, e)
-        ts.set({"baton.kv.bytes": res.bytes, "baton.kv.blocks_read": res.blocks_read,
-                "baton.kv.blocks_local": res.blocks_local,
-                "baton.kv.transport": res.transports or None,
-                "baton.kv.handshake_s": res.handshake_s, "baton.kv.read_s": res.read_s,
-                "baton.kv.release_s": res.release_s})
-        ts.end()
-        if self.metrics is not None:
-            self.metrics.transfer_bytes.inc(res.bytes)
-            self.metrics.transfer_seconds.observe(res.handshake_s + res.read_s + res.release_s)
+        res = self._pull(rid, handle, slots, deadline, context, span)
         stream = self.loop.run(self._commit, rid)
         context.add_callback(lambda: self.loop.abort(rid))
         stats = worker_pb2.TransferStats(
@@ -138,6 +117,33 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Tokenizer(self, request, context):
         return tokenizer_info(self.engine)
+
+    def _pull(self, rid: str, handle: KVHandle, slots, deadline: float, context, span):
+        """READ the holder's blocks into the reserved ones and release the lease; a failed
+        hand-off aborts the request (freeing its blocks) and ends the call typed."""
+        ts = span.child("baton.kv.transfer", attrs={
+            "baton.kv.source_worker": handle.worker_id, "server.address": handle.address,
+            "baton.kv.lease_id": handle.lease_id})
+        try:
+            needed = replace(handle, block_ids=handle.block_ids[:len(slots.block_ids)])
+            res = self.reader.pull(needed, slots.block_ids, slots.num_local_blocks, deadline)
+        except TransferError as e:
+            ts.end(error=e)
+            if self.metrics is not None:
+                self.metrics.transfer_failures.labels(type(e).__name__).inc()
+            self.loop.run(self.engine.abort, rid)
+            log.warning("request %s: hand-off from %s failed: %s", rid, handle.worker_id, e)
+            abort_with(context, e)
+        ts.set({"baton.kv.bytes": res.bytes, "baton.kv.blocks_read": res.blocks_read,
+                "baton.kv.blocks_local": res.blocks_local,
+                "baton.kv.transport": res.transports or None,
+                "baton.kv.handshake_s": res.handshake_s, "baton.kv.read_s": res.read_s,
+                "baton.kv.release_s": res.release_s})
+        ts.end()
+        if self.metrics is not None:
+            self.metrics.transfer_bytes.inc(res.bytes)
+            self.metrics.transfer_seconds.observe(res.handshake_s + res.read_s + res.release_s)
+        return res
 
     def _reserve(self, rid, request, params, deadline, context):
         """Blocks for the prompt, waiting (until the deadline) while the pool is full: woken
