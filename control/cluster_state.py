@@ -160,38 +160,46 @@ def summarize(cur: Snapshot, base: Snapshot | None = None) -> dict:
         row = {"id": n.id, "role": n.kind, "address": n.address, "model": n.model,
                "uptime_s": cur.at - n.started_at, "metrics": g is not None}
         if n.kind == "router":
-            ok = total(c, "baton_router_requests_total", status="OK")
-            allr = total(c, "baton_router_requests_total")
-            row.update(
-                requests=allr, errors=None if allr is None else allr - (ok or 0.0),
-                remote=total(c, "baton_router_requests_total", path="remote"),
-                local=total(c, "baton_router_requests_total", path="local"),
-                rps=_rate(allr, dt),
-                ttft=_pcts(c, "baton_time_to_first_token_seconds"),
-                tpot=_pcts(c, "baton_time_per_output_token_seconds"),
-                itl=_pcts(c, "baton_inter_token_latency_seconds"),
-                index_up=total(g, "baton_prefix_index_up"))
-            out["routers"].append(row)
+            out["routers"].append({**row, **_router_figures(g, c, dt)})
         else:
-            prompt = total(c, "baton_worker_prompt_tokens_total")
-            hit = total(c, "baton_worker_prefix_hit_tokens_total")
-            gen = total(c, "baton_worker_generated_tokens_total")
-            row.update(
-                running=total(g, "baton_worker_running_requests"),
-                queued=total(g, "baton_worker_queue_depth"),
-                kv_used=total(g, "baton_worker_kv_blocks_used"),
-                kv_total=total(g, "baton_worker_kv_blocks_total"),
-                prompt_tokens=prompt, hit_tokens=hit,
-                hit_rate=hit / prompt if prompt else None,
-                generated_tokens=gen, tokens_per_s=_rate(gen, dt),
-                ttft=_pcts(c, "baton_worker_time_to_first_token_seconds"),
-                transfer_bytes=total(c, "baton_kv_transfer_bytes_total"),
-                transfer_failures=total(c, "baton_kv_transfer_failures_total"))
-            out["workers"].append(row)
+            out["workers"].append({**row, **_worker_figures(g, c, dt)})
     ws = [w for w in out["workers"] if w["prompt_tokens"]]
     prompt = sum(w["prompt_tokens"] for w in ws)
     out["hit_rate"] = sum(w["hit_tokens"] or 0 for w in ws) / prompt if prompt else None
     return out
+
+
+def _router_figures(g: Samples | None, c: Samples | None, dt: float | None) -> dict:
+    """A router's figures: gauges ``g`` now, counters and histograms ``c`` over the window."""
+    ok = total(c, "baton_router_requests_total", status="OK")
+    allr = total(c, "baton_router_requests_total")
+    return dict(
+        requests=allr, errors=None if allr is None else allr - (ok or 0.0),
+        remote=total(c, "baton_router_requests_total", path="remote"),
+        local=total(c, "baton_router_requests_total", path="local"),
+        rps=_rate(allr, dt),
+        ttft=_pcts(c, "baton_time_to_first_token_seconds"),
+        tpot=_pcts(c, "baton_time_per_output_token_seconds"),
+        itl=_pcts(c, "baton_inter_token_latency_seconds"),
+        index_up=total(g, "baton_prefix_index_up"))
+
+
+def _worker_figures(g: Samples | None, c: Samples | None, dt: float | None) -> dict:
+    """A worker's figures: gauges ``g`` now, counters and histograms ``c`` over the window."""
+    prompt = total(c, "baton_worker_prompt_tokens_total")
+    hit = total(c, "baton_worker_prefix_hit_tokens_total")
+    gen = total(c, "baton_worker_generated_tokens_total")
+    return dict(
+        running=total(g, "baton_worker_running_requests"),
+        queued=total(g, "baton_worker_queue_depth"),
+        kv_used=total(g, "baton_worker_kv_blocks_used"),
+        kv_total=total(g, "baton_worker_kv_blocks_total"),
+        prompt_tokens=prompt, hit_tokens=hit,
+        hit_rate=hit / prompt if prompt else None,
+        generated_tokens=gen, tokens_per_s=_rate(gen, dt),
+        ttft=_pcts(c, "baton_worker_time_to_first_token_seconds"),
+        transfer_bytes=total(c, "baton_kv_transfer_bytes_total"),
+        transfer_failures=total(c, "baton_kv_transfer_failures_total"))
 
 
 def _rate(count: float | None, dt: float | None) -> float | None:

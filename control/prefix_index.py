@@ -106,24 +106,7 @@ class IndexPublisher:
     def flush(self) -> None:
         """Send the events seen since the last flush (and the load if it changed) in one
         pipeline. Raises RedisError if Redis cannot be reached (nothing is lost: ``held``)."""
-        stored: set[bytes] = set()
-        evicted: set[bytes] = set()
-        while True:
-            try:
-                kind, h = self.events.popleft()
-            except IndexError:
-                break
-            if kind == STORED:
-                self.held.add(h)
-                stored.add(h)
-                evicted.discard(h)
-            elif kind == EVICTED:
-                self.held.discard(h)
-                evicted.add(h)
-                stored.discard(h)
-            elif kind == CLEARED:
-                self.held.clear()
-                self._dirty = True
+        stored, evicted = self._drain_events()
         load = tuple(self.load())
         now = time.monotonic()
         keepalive = now - self._refreshed > self.ttl_s / 3
@@ -148,6 +131,28 @@ class IndexPublisher:
             log.info("prefix index: Redis is back; resent %d block hashes", len(self.held))
         self._dirty, self._last_load, self._refreshed = False, load, now
         self.num_flushes += 1
+
+    def _drain_events(self) -> tuple[set[bytes], set[bytes]]:
+        """The engine's events since the last flush, applied to ``held``: the hashes stored and
+        evicted since then (a hash stored then evicted counts as evicted, and the reverse)."""
+        stored: set[bytes] = set()
+        evicted: set[bytes] = set()
+        while True:
+            try:
+                kind, h = self.events.popleft()
+            except IndexError:
+                return stored, evicted
+            if kind == STORED:
+                self.held.add(h)
+                stored.add(h)
+                evicted.discard(h)
+            elif kind == EVICTED:
+                self.held.discard(h)
+                evicted.add(h)
+                stored.discard(h)
+            elif kind == CLEARED:
+                self.held.clear()
+                self._dirty = True
 
     def stop(self, withdraw: bool = True) -> None:
         """Stop publishing; ``withdraw`` deletes this worker's keys (a clean drain)."""

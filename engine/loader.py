@@ -204,9 +204,26 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _read_gguf_tensors(reader, name: str) -> tuple[dict, dict]:
+    """Every tensor dequantized to float32 (by the gguf package's arithmetic), and the
+    Q8_0/Q4_0/Q4_1 matrices also as stored: (raw by GGUF name, (type, block rows) by name)."""
+    from gguf import quants
+
+    raw: dict[str, torch.Tensor] = {}
+    blocks: dict[str, tuple[str, torch.Tensor]] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {name}", unit="tensor", file=sys.stderr,
+                  leave=False, disable=None):
+        arr = quants.dequantize(t.data, t.tensor_type)
+        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
+        raw[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
+        if t.tensor_type.name in KEPT_BLOCKS and len(t.shape) == 2:
+            rows = np.array(t.data, dtype=np.uint8, order="C").reshape(int(t.shape[1]), -1)
+            blocks[t.name] = (t.tensor_type.name, torch.from_numpy(rows))
+    return raw, blocks
+
+
 def _convert_gguf(p: Path) -> LoadedModel:
     import gguf
-    from gguf import quants
 
     try:
         reader = gguf.GGUFReader(p)
@@ -229,16 +246,7 @@ def _convert_gguf(p: Path) -> LoadedModel:
     t0 = time.perf_counter()
     weights_id = _sha256_file(p)
 
-    raw: dict[str, torch.Tensor] = {}
-    blocks: dict[str, tuple[str, torch.Tensor]] = {}  # Q8_0/Q4_0/Q4_1 matrices, as stored
-    for t in tqdm(reader.tensors, desc=f"converting {p.name}", unit="tensor", file=sys.stderr,
-                  leave=False, disable=None):
-        arr = quants.dequantize(t.data, t.tensor_type)
-        arr = np.asarray(arr, dtype=np.float32).reshape(tuple(int(d) for d in reversed(t.shape)))
-        raw[t.name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))
-        if t.tensor_type.name in KEPT_BLOCKS and len(t.shape) == 2:
-            rows = np.array(t.data, dtype=np.uint8, order="C").reshape(int(t.shape[1]), -1)
-            blocks[t.name] = (t.tensor_type.name, torch.from_numpy(rows))
+    raw, blocks = _read_gguf_tensors(reader, p.name)
     if arch in ("llama", "mistral"):  # convert_hf_to_gguf permutes Q/K rows for these
         for i in range(cfg.num_layers):
             for name, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):

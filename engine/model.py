@@ -330,12 +330,21 @@ class LlamaModel:
         small_linear = (dtype == torch.float32 and attention_backend != "torch"
                         and cpu_linear.load() is not None)
         small_dtype = (storage_dtype or dtype) if small_linear else None
+        self.gemm_dtype = gemm_dtype or dtype
+        self._init_linears(cfg, weights, quantized or {}, small_dtype)
+        self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
+        self.scale = cfg.head_dim**-0.5
+        self._choose_cpu_kernels(cfg, dtype, attention_backend)
+
+    def _init_linears(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                      quantized: dict, small_dtype: torch.dtype | None) -> None:
+        """The embedding, the layers and the head, each linear with its BLAS, small-batch and
+        GGUF-block forms (see :func:`make_linear`)."""
+        gemm = self.gemm_dtype
         self.embed = weights["embed"]  # [vocab, hidden]
         # for BLAS stored transposed, [hidden, vocab]: x @ W^T with a tall W runs at half the
         # bandwidth on CPU BLAS, x @ W_t at full
         head = weights.get("lm_head", self.embed)
-        gemm = self.gemm_dtype = gemm_dtype or dtype
-        quantized = quantized or {}
         head_blocks = quantized.get("lm_head" if "lm_head" in weights else "embed")
         self.lm_head = make_linear(head, None, small_dtype, gemm, transposed=True,
                                    blocks=head_blocks)
@@ -347,13 +356,16 @@ class LlamaModel:
                    if k.startswith(f"layers.{i}.")})
             for i in range(cfg.num_layers)
         ]
-        self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
-        self.scale = cfg.head_dim**-0.5
+
+    def _choose_cpu_kernels(self, cfg: ModelConfig, dtype: torch.dtype,
+                            attention_backend: str) -> None:
+        """Which native CPU paths this model takes, from its dtypes, weights and this CPU."""
+        gemm = self.gemm_dtype
         # prefill attention in the native flash kernel where this CPU runs it (AVX-512, and
         # AVX512-BF16 for bf16): 3x PyTorch's in bf16, 1.3-2x in float32 (kernels/csrc/
         # prefill_attention.c)
         self.prefill_native = (attention_backend in ("auto", "native")
-                               and cpu_attention.prefill_supported(self.gemm_dtype, cfg.head_dim))
+                               and cpu_attention.prefill_supported(gemm, cfg.head_dim))
         # bf16 GEMMs on prepacked weights with a float32 residual: everything between them in
         # native one-pass kernels, bf16 in and out (see kernels/cpu_fused.py)
         self.fused_bf16 = (

@@ -76,6 +76,32 @@ class ModelRunner:
     ) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step. Returns the sampled token of every request whose known tokens are now all
         computed (prefill finished, or a decode step)."""
+        ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens, prefills, logits_rows, \
+            samplers = self._layout(batch, kv)
+        if self.graphs is not None and not prefills and self.graphs.batch_size_for(len(ids)):
+            logits = self.graphs.run(ids, positions, slot_blocks, dec_tables, dec_lens)
+            if len(logits_rows) != len(ids):  # a 1-token prompt chunk that is not the last
+                logits = logits[torch.tensor(logits_rows, device=logits.device)]
+        else:
+            logits = self._forward(ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens,
+                                   prefills, logits_rows)
+        if not samplers:
+            return {}
+        if logits.device.type != "cpu" and not all(
+                r.params.greedy and r.params.logprobs is None for r in samplers):
+            logits = logits.cpu()  # seeded sampling draws from CPU generators
+        tokens, logprobs = sample(logits, [r.params for r in samplers],
+                                  [self.generators[r.request_id] for r in samplers])
+        return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}
+
+    def _layout(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple:
+        """The step's rows, one per new token, requests in batch order::
+
+            ids, positions, slot_blocks   per row: token, position, the block its KV goes to
+            dec_rows, dec_tables, dec_lens   decode rows (1 new token): row, blocks, length
+            prefills                      prompt chunks (2+ new tokens): PrefillSeq each
+            logits_rows, samplers         the rows whose next token is sampled, and whose
+        """
         bs = self.cfg.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -105,22 +131,8 @@ class ModelRunner:
                 logits_rows.append(row + n - 1)
                 samplers.append(req)
             row += n
-
-        if self.graphs is not None and not prefills and self.graphs.batch_size_for(len(ids)):
-            logits = self.graphs.run(ids, positions, slot_blocks, dec_tables, dec_lens)
-            if len(logits_rows) != len(ids):  # a 1-token prompt chunk that is not the last
-                logits = logits[torch.tensor(logits_rows, device=logits.device)]
-        else:
-            logits = self._forward(ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens,
-                                   prefills, logits_rows)
-        if not samplers:
-            return {}
-        if logits.device.type != "cpu" and not all(
-                r.params.greedy and r.params.logprobs is None for r in samplers):
-            logits = logits.cpu()  # seeded sampling draws from CPU generators
-        tokens, logprobs = sample(logits, [r.params for r in samplers],
-                                  [self.generators[r.request_id] for r in samplers])
-        return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}
+        return (ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens, prefills,
+                logits_rows, samplers)
 
     def _forward(self, ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens, prefills,
                  logits_rows) -> torch.Tensor:

@@ -211,6 +211,19 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int,
     return max(1, min(want, triton.cdiv(max(1, max_context), block_n), 64))
 
 
+def _check_decode_args(q, kv, layer, block_tables, context_lens, num_splits):
+    """(block size, KV heads, head dim) of ``kv``, after checking what decode_attention gets."""
+    bs, hkv, d = _check_kv(kv, layer)
+    b, hq, dq = q.shape
+    assert dq == d and hq % hkv == 0, f"q {tuple(q.shape)} does not fit {hkv} KV heads of dim {d}"
+    assert q.stride(2) == 1, "q's head dim must be contiguous"
+    assert q.dtype == kv.dtype, f"q is {q.dtype}, the KV cache {kv.dtype}"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.stride(1) == 1
+    assert context_lens.shape == (b,)
+    assert num_splits >= 1
+    return bs, hkv, d
+
+
 def decode_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
@@ -220,14 +233,8 @@ def decode_attention(
     entries past a sequence's blocks may be anything valid); context_lens: [B] (keys per sequence
     including the query's own; 0 for a padding row, whose output is zeros). Returns [B, Hq, D].
     ``num_splits`` (see :func:`decode_splits`) is fixed by the caller, never read off the data."""
-    bs, hkv, d = _check_kv(kv, layer)
-    b, hq, dq = q.shape
-    assert dq == d and hq % hkv == 0, f"q {tuple(q.shape)} does not fit {hkv} KV heads of dim {d}"
-    assert q.stride(2) == 1, "q's head dim must be contiguous"
-    assert q.dtype == kv.dtype, f"q is {q.dtype}, the KV cache {kv.dtype}"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.stride(1) == 1
-    assert context_lens.shape == (b,)
-    assert num_splits >= 1
+    bs, hkv, d = _check_decode_args(q, kv, layer, block_tables, context_lens, num_splits)
+    b, hq, _ = q.shape
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(2) == 1
     if b == 0:

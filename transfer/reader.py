@@ -110,41 +110,7 @@ class KVReader:
         with self._pulling_lock:
             self.pulling += 1
         try:
-            if handle.fingerprint != self.fingerprint:
-                raise FingerprintMismatchError(self.fingerprint, handle.fingerprint,
-                                               handle.worker_id)
-            t0 = time.monotonic()
-            peer = self._peer(handle, deadline)
-            res.handshake_s = time.monotonic() - t0
-            res.state = TransferState.TRANSFERRING
-            remote = list(handle.block_ids[num_local:])
-            local = list(local_block_ids[num_local:])
-            t0 = time.monotonic()
-            try:
-                self.agent.read(peer.agent_name, remote, local, deadline)
-            except PeerUnavailableError:
-                self._drop(peer)
-                raise
-            res.read_s = time.monotonic() - t0
-            res.blocks_read, res.bytes = len(remote), len(remote) * self.agent.block_nbytes
-            if handle.block_crc32:
-                got = block_crc32(self.agent.kv, local)
-                if got != tuple(handle.block_crc32[num_local:]):
-                    res.state = TransferState.RELEASING
-                    self._release(peer, handle, deadline)
-                    raise ChecksumMismatchError(
-                        f"blocks read from {handle.worker_id} differ from the holder's checksums")
-            if self.fault_delay_release_s:
-                time.sleep(self.fault_delay_release_s)
-            res.state = TransferState.RELEASING
-            t0 = time.monotonic()
-            intact, reason = self._release(peer, handle, deadline)
-            res.release_s = time.monotonic() - t0
-            if not intact:
-                raise LeaseLostError(handle.lease_id, handle.worker_id, reason)
-            peer.transports = peer.transports or self.agent.transports()
-            res.transports = peer.transports
-            res.state = TransferState.SUCCESS
+            self._read_and_release(handle, local_block_ids, num_local, deadline, res)
             return res
         except TransferError as e:
             # give the lease back early if the holder may still hold it
@@ -156,6 +122,44 @@ class KVReader:
         finally:
             with self._pulling_lock:
                 self.pulling -= 1
+
+    def _read_and_release(self, handle: KVHandle, local_block_ids: tuple[int, ...],
+                          num_local: int, deadline: float, res: PullResult) -> None:
+        """:meth:`pull`'s steps, recorded in ``res`` (its state says how far it got)."""
+        if handle.fingerprint != self.fingerprint:
+            raise FingerprintMismatchError(self.fingerprint, handle.fingerprint,
+                                           handle.worker_id)
+        t0 = time.monotonic()
+        peer = self._peer(handle, deadline)
+        res.handshake_s = time.monotonic() - t0
+        res.state = TransferState.TRANSFERRING
+        remote = list(handle.block_ids[num_local:])
+        local = list(local_block_ids[num_local:])
+        t0 = time.monotonic()
+        try:
+            self.agent.read(peer.agent_name, remote, local, deadline)
+        except PeerUnavailableError:
+            self._drop(peer)
+            raise
+        res.read_s = time.monotonic() - t0
+        res.blocks_read, res.bytes = len(remote), len(remote) * self.agent.block_nbytes
+        if handle.block_crc32 and block_crc32(self.agent.kv, local) != tuple(
+                handle.block_crc32[num_local:]):
+            res.state = TransferState.RELEASING
+            self._release(peer, handle, deadline)
+            raise ChecksumMismatchError(
+                f"blocks read from {handle.worker_id} differ from the holder's checksums")
+        if self.fault_delay_release_s:
+            time.sleep(self.fault_delay_release_s)
+        res.state = TransferState.RELEASING
+        t0 = time.monotonic()
+        intact, reason = self._release(peer, handle, deadline)
+        res.release_s = time.monotonic() - t0
+        if not intact:
+            raise LeaseLostError(handle.lease_id, handle.worker_id, reason)
+        peer.transports = peer.transports or self.agent.transports()
+        res.transports = peer.transports
+        res.state = TransferState.SUCCESS
 
     # ---- peers ---------------------------------------------------------------------------------
 
