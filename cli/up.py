@@ -11,11 +11,12 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import sys
 import tempfile
 import threading
 import time
+
+from baton import set_on_signals
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:
@@ -107,8 +108,7 @@ def up(a: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    set_on_signals(stop)
     cluster = _LocalCluster(a)
     try:
         cluster.start()

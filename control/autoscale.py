@@ -456,10 +456,11 @@ def cmd_autoscale(a) -> int:
     """``baton autoscale``: the policy as its own process, for clusters whose workers it does
     not own (Kubernetes Deployments)."""
     import os
-    import signal
     import sys
 
     from baton.control.cluster_state import find_redis_url
+
+    from baton import set_on_signals
 
     url = a.redis_url or find_redis_url()
     if not url:
@@ -482,8 +483,7 @@ def cmd_autoscale(a) -> int:
         act = _DryRun(act)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    set_on_signals(stop)
     scaler = Autoscaler(Policy(pols, slo_from_args(a)), act, MetricsSignals(url, a.scale_window),
                         a.scale_interval)
     log.info("autoscaling %s in namespace %s on %s", ", ".join(

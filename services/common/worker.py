@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,8 @@ from baton.transfer.errors import (
     TransferDeadlineError,
 )
 from baton.v1 import worker_pb2
+
+from baton import set_on_signals
 
 log = logging.getLogger("baton.services")
 
@@ -234,8 +235,7 @@ def serve_forever(server: grpc.Server, on_stop, registration=None,
     their readers' release calls), refuse new RPCs, let the ones in flight finish, run
     ``on_stop``, return. All of it within ``drain_timeout``."""
     done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+    set_on_signals(done)
     done.wait()
     log.info("draining: deregistering, finishing in-flight requests (up to %.0fs)",
              drain_timeout)
