@@ -36,7 +36,7 @@ class WorkerMetrics:
         Gauge("baton_worker_kv_blocks_free", "Free KV blocks (cached ones included).",
               registry=r).set_function(lambda: stats().free_blocks)
         Gauge("baton_worker_kv_blocks_used", "KV blocks held by requests.",
-              registry=r).set_function(lambda: stats().total_blocks - stats().free_blocks)
+              registry=r).set_function(lambda: (s := stats()).total_blocks - s.free_blocks)
         Gauge("baton_worker_kv_blocks_total", "KV blocks in the pool.",
               registry=r).set_function(lambda: stats().total_blocks)
         self.requests = Counter("baton_worker_requests", "Requests ended, by finish reason.",

@@ -7,8 +7,6 @@ a :class:`RequestError` ends the call with the status code of the same name and 
 
 from __future__ import annotations
 
-import hashlib
-
 import grpc
 from baton.services.router.errors import RequestError
 from baton.services.router.limits import ApiKeys
@@ -27,21 +25,12 @@ class RouterServicer(api_pb2_grpc.BatonServicer):
         cancel = Cancellation()
         context.add_callback(cancel.cancel)  # runs when the call ends, however it ends
         metadata = tuple(context.invocation_metadata() or ())
-        caller = Caller(client_key(metadata, context.peer()), metadata)
+        caller = Caller.of(metadata, context.peer())
         deadline = self.orchestrator.deadline(context.time_remaining())
         try:
             yield from self.orchestrator.generate(request, deadline, cancel, caller)
         except RequestError as e:
             context.abort(grpc.StatusCode[e.status.name], e.message)
-
-
-def client_key(metadata, peer: str) -> str:
-    """Whose request this is, for --max-concurrent-per-key: a digest of its bearer token, else
-    its peer's host (``ipv4:HOST:PORT``)."""
-    for key, value in metadata:
-        if key == "authorization" and value:
-            return "key:" + hashlib.sha256(value.encode()).hexdigest()[:16]
-    return "peer:" + peer.rsplit(":", 1)[0]
 
 
 class TokenAuth(grpc.ServerInterceptor):

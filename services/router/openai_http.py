@@ -25,7 +25,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from baton.services.router.errors import RequestError, Status
-from baton.services.router.grpc_api import client_key
 from baton.services.router.limits import ApiKeys
 from baton.services.router.orchestrator import Caller, Cancellation, Orchestrator
 from baton.v1 import api_pb2, worker_pb2
@@ -434,7 +433,7 @@ def _header(scope, name: bytes) -> str | None:
 def _caller(request: Request) -> Caller:
     metadata = tuple((k, request.headers[k]) for k in _PROPAGATED if request.headers.get(k))
     host, port = request.client if request.client else ("", 0)
-    return Caller(client_key(metadata, f"ipv4:{host}:{port}"), metadata)
+    return Caller.of(metadata, f"ipv4:{host}:{port}")
 
 
 async def _not_found(request: Request, exc) -> Response:

@@ -24,6 +24,7 @@ worker. Imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -116,6 +117,17 @@ class Caller:
 
     key: str = "anonymous"
     trace: tuple = ()
+
+    @classmethod
+    def of(cls, metadata: tuple, peer: str) -> Caller:
+        """From a call's metadata (or HTTP headers) as (name, value) pairs and its peer
+        (``ipv4:HOST:PORT``): the key is a digest of its bearer token, else its host."""
+        key = "peer:" + peer.rsplit(":", 1)[0]
+        for name, value in metadata:
+            if name == "authorization" and value:
+                key = "key:" + hashlib.sha256(value.encode()).hexdigest()[:16]
+                break
+        return cls(key, metadata)
 
 
 # ---- outcomes of an attempt ----------------------------------------------------------------------
