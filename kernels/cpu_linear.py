@@ -57,7 +57,7 @@ class QuantWeight:
     @staticmethod
     def usable(qtype: str, k: int) -> bool:
         return (qtype in QUANT_TYPES and k % 32 == 0 and k <= QUANT_MAX_K
-                and quant_load() is not None)
+                and quant_load() is not None and quant_in_registers())
 
 
 @cache
@@ -72,7 +72,19 @@ def quant_load() -> ctypes.CDLL | None:
                                  + [ctypes.c_int64] * 3 + [ctypes.c_int])
     dll.quant_dequantize.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int]
                                      + [ctypes.c_int64] * 2)
+    dll.quant_in_registers.restype = ctypes.c_int
     return dll
+
+
+@cache
+def quant_in_registers() -> bool:
+    """Whether the block-reading kernel dequantizes in registers (built with AVX-512). Only then
+    does reading the blocks beat reading the float32 weights: without AVX-512 each row is
+    dequantized to a buffer and summed serially (bit-exact float32 order), 10-17x slower than the
+    float32 small-M kernel on SmolLM2's shapes (one row, one thread, 2-vCPU AVX2 EPYC), so the
+    engine keeps the float32 copy there."""
+    dll = quant_load()
+    return dll is not None and bool(dll.quant_in_registers())
 
 
 def dequantize(w: QuantWeight) -> torch.Tensor:

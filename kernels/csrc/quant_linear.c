@@ -215,6 +215,16 @@ static const row_chunk_fn ROW_CHUNKS[17] = {
     row_chunk_13, row_chunk_14, row_chunk_15, row_chunk_16};
 #endif
 
+/* 1 when blocks are dequantized in registers (AVX-512), the only build faster than reading the
+ * float32 weights: the other one's serial float32 sums are an order of magnitude slower. */
+int quant_in_registers(void) {
+#ifdef HAVE_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 for an unknown block type or a K that is not a multiple of 32 (or too big). */
 int quant_linear(float *y, const float *x, const uint8_t *w, int qtype, const float *bias,
                  int64_t M, int64_t N, int64_t K, int nthreads) {

@@ -82,8 +82,10 @@ def info(w: WorkerProcess, timeout: float = 30.0) -> worker_pb2.InfoResponse:
 class ChaosCluster:
     def __init__(self, router_args: tuple[str, ...] = ()) -> None:
         self.redis = EmbeddedRedis().start()
+        # one torch thread each: four processes on a small CI machine with torch's default
+        # (every core per process) spin against each other and decode ~20x slower
         self.common = ["--num-blocks", "200", "--redis-url", self.redis.url,
-                       "--registry-ttl", "2"]
+                       "--registry-ttl", "2", "--threads", "1"]
         self.prefill = self.start("prefill")
         # the second decode worker is reached through a proxy that can delay, stall or cut
         # its traffic (routers and peers use the port it advertises: the proxy's)

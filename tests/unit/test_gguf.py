@@ -166,16 +166,19 @@ def assert_same_generations(a_engine, b_engine, tol: float, same_top: bool) -> N
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_a_float32_engine_reads_the_gguf_blocks_in_small_batches(tiny_llama, tmp_path, cache,
-                                                                  qtype):
+                                                                  qtype, monkeypatch):
     # every fused linear weight keeps its source blocks (q/k rows un-permuted like the float32
     # rows), which dequantize to exactly the float32 weights; a float32 engine's small batches
-    # read them, with the same tokens and logprobs as from the float32 copy
+    # read them, with the same tokens and logprobs as from the float32 copy (on a CPU without
+    # AVX-512 the engine reads the float32 copy, faster there: forced here, so the block path
+    # is checked on every CPU)
     from dataclasses import replace
 
     from baton.kernels import cpu_linear
 
     if cpu_linear.quant_load() is None:
         pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_linear, "quant_in_registers", lambda: True)
     hf_dir, hf = tiny_llama
     write_gguf(tmp_path / "m.gguf", hf_dir, hf, qtype)
     model = load_model(tmp_path / "m.gguf")
@@ -199,6 +202,26 @@ def test_a_float32_engine_reads_the_gguf_blocks_in_small_batches(tiny_llama, tmp
     assert_same_generations(engine, plain, tol=1e-4, same_top=True)
 
 
+def test_the_engine_reads_the_blocks_only_where_the_kernel_dequantizes_in_registers(
+        tiny_llama, tmp_path, cache, monkeypatch):
+    # without AVX-512 the block kernel sums serially, an order of magnitude slower than the
+    # float32 copy: the engine then multiplies by the float32 weights (the same values)
+    from baton.kernels import cpu_linear
+
+    if cpu_linear.quant_load() is None:
+        pytest.skip("no C compiler")
+    hf_dir, hf = tiny_llama
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf, Q.Q8_0)
+    model = load_model(tmp_path / "m.gguf")
+    cfg = EngineConfig(block_size=4, num_kv_blocks=64)
+    for fast in (False, True):
+        monkeypatch.setattr(cpu_linear, "quant_in_registers", lambda fast=fast: fast)
+        small = LLMEngine(model, cfg).model.layers[0].qkv.small
+        assert isinstance(small, cpu_linear.QuantWeight if fast else torch.Tensor), fast
+    built = cpu_linear.quant_load().quant_in_registers()
+    assert built == int("avx512f" in open("/proc/cpuinfo").read().split())
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
 def test_a_bf16_engine_reads_the_blocks_rounded_to_its_weights(tiny_llama, tmp_path, cache,
                                                                qtype, monkeypatch):
@@ -214,6 +237,7 @@ def test_a_bf16_engine_reads_the_blocks_rounded_to_its_weights(tiny_llama, tmp_p
     if cpu_linear.quant_load() is None or not _packing_works(torch.bfloat16):
         pytest.skip("no C compiler, or no oneDNN bf16 prepacking on this CPU (AVX2 only)")
     monkeypatch.setattr(config_mod, "cpu_has_native_half", lambda: True)
+    monkeypatch.setattr(cpu_linear, "quant_in_registers", lambda: True)
     hf_dir, hf = tiny_llama
     write_gguf(tmp_path / "m.gguf", hf_dir, hf, qtype)
     model = load_model(tmp_path / "m.gguf")
