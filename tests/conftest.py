@@ -1,4 +1,5 @@
-"""Shared builders: tiny random models (Hugging Face directory and GGUF) and engine helpers."""
+"""Shared builders: tiny random models (Hugging Face directory and GGUF), engine helpers, and the
+one fixture that starts clusters of real processes (tests/support/cluster.py)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,22 @@ def tiny_engine(tiny_llama):
         return LLMEngine(model, EngineConfig(**cfg))
 
     return build
+
+
+@pytest.fixture(scope="module")
+def start_cluster():
+    """``start_cluster(**shape)`` -> a :class:`tests.support.cluster.Cluster` of that shape; every
+    cluster the module started is stopped when the module ends (a failed start stops its own
+    processes at once)."""
+    from tests.support.cluster import Cluster
+
+    made: list[Cluster] = []
+
+    def start(**shape) -> Cluster:
+        c = Cluster(**shape)
+        made.append(c)
+        return c
+
+    yield start
+    for c in reversed(made):
+        c.stop()

@@ -1,6 +1,6 @@
-"""Fault injection for the chaos suite: a real cluster (redis-server, one prefill worker, two
-decode workers, a router; the real SmolLM2 model), a load of streaming clients with deadlines,
-and the checks every fault must pass::
+"""Fault injection for the chaos suite: a real cluster (tests/support/cluster.py: redis-server,
+one prefill worker, two decode workers, a router; the real SmolLM2 model), a load of streaming
+clients with deadlines, and the checks every fault must pass::
 
     every request ends by its deadline + MARGIN_S    success, or a typed gRPC status
     every success equals the engine's greedy output  (migrated ones included)
@@ -15,18 +15,17 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
-from baton.control.redis_server import EmbeddedRedis
-from baton.services.common.launch import WorkerProcess
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 from tests.chaos.proxy import FaultyProxy
+from tests.support.cluster import Cluster
+from tests.support.processes import free_port
 
 MARGIN_S = 3.0
 # what a request may end with besides OK: each names what went wrong; never UNKNOWN or INTERNAL
@@ -40,12 +39,6 @@ PROMPTS = [
     "Name the planets of the solar system.",
     "Why is the sky blue?",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def request(i: int, max_tokens: int, cache_salt: str | None = None) -> api_pb2.GenerateRequest:
@@ -63,102 +56,26 @@ def reference(engine, max_tokens: int) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(ids, SamplingParams(max_tokens=max_tokens))]
 
 
-def info(w: WorkerProcess, timeout: float = 30.0) -> worker_pb2.InfoResponse:
-    """A worker's Info with an integrity check, waiting for its channel (which may be
-    reconnecting after a network fault) rather than failing at once."""
-    stub = (worker_pb2_grpc.PrefillWorkerStub(w.channel) if w.role == "prefill"
-            else worker_pb2_grpc.DecodeWorkerStub(w.channel))
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            return stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=timeout,
-                             wait_for_ready=True)
-        except grpc.RpcError as e:  # a connection the fault broke, seen once
-            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > end:
-                raise
-            time.sleep(0.2)
-
-
-class ChaosCluster:
-    def __init__(self, router_args: tuple[str, ...] = ()) -> None:
-        self.redis = EmbeddedRedis().start()
-        # one torch thread each: four processes on a small CI machine with torch's default
-        # (every core per process) spin against each other and decode ~20x slower
-        self.common = ["--num-blocks", "200", "--redis-url", self.redis.url,
-                       "--registry-ttl", "2", "--threads", "1"]
-        self.prefill = self.start("prefill")
-        # the second decode worker is reached through a proxy that can delay, stall or cut
-        # its traffic (routers and peers use the port it advertises: the proxy's)
-        port = free_port()
-        self.proxy = FaultyProxy(port)
-        self.decode = [self.start("decode"),
-                       self.start("decode", "--port", str(port), "--advertise-port",
-                                  str(self.proxy.port))]
-        # a decode worker silent for 3 s mid-stream is hung: its requests move elsewhere
-        self.router_args = ["--redis-url", self.redis.url, "--http-port", "-1",
-                            "--local-prefill-max-tokens", "0", "--stall-timeout", "3",
-                            *router_args]
-        self.router = WorkerProcess("router", self.router_args)
-        self.loads: list[Load] = []  # every Load started, halted after each test
-        self.extra: list[WorkerProcess] = []  # workers a test added for itself alone
-
-    def start(self, role: str, *args: str) -> WorkerProcess:
-        """A new worker of ``role`` (it joins through the registry; nothing else restarts)."""
-        # short lease TTL: blocks leased to a reader that died come back within the test
-        extra = ["--transfer-timeout", "5"] if role == "decode" else ["--lease-ttl", "8"]
-        return WorkerProcess(role, [*self.common, *extra, *args])
-
-    def workers(self) -> list[WorkerProcess]:
-        return [w for w in (self.prefill, *self.decode) if w.proc.poll() is None]
-
-    def restart_router(self) -> None:
-        self.router.kill()
-        self.router = WorkerProcess("router", self.router_args)
-
-    def blocks_held(self) -> list[tuple[str, int, int, int]]:
-        """(worker, blocks in use, active leases, running requests) of each live worker that
-        holds anything."""
-        held = []
-        for w in self.workers():
-            i = info(w)
-            assert i.integrity_ok, (w.worker_id, i.integrity_error)
-            if i.num_free_blocks != i.num_blocks or i.active_leases or i.running_requests:
-                held.append((w.worker_id, i.num_blocks - i.num_free_blocks, i.active_leases,
-                             i.running_requests))
-        return held
-
-    def assert_quiet_and_nothing_held(self, timeout: float = 40.0) -> None:
-        """free == total, no leases, nothing running, on every live worker (leases of requests
-        whose reader died end at the lease TTL at the latest)."""
-        end = time.monotonic() + timeout
-        while (held := self.blocks_held()) and time.monotonic() < end:
-            time.sleep(0.25)
-        assert not held, held
-
-    def start_extra(self, role: str, *args: str) -> WorkerProcess:
-        """A worker for one test: :meth:`after_test` kills it if the test did not."""
-        w = self.start(role, *args)
-        self.extra.append(w)
-        return w
-
-    def after_test(self) -> None:
-        """Leave nothing of a test (passed or failed) to the next: its clients stop sending and
-        the workers it added for itself are killed, so one failure does not fail every test
-        after it."""
-        for load in self.loads:
-            load.halt()
-        self.loads.clear()
-        for w in self.extra:
-            if w.proc.poll() is None:
-                w.kill()
-        self.extra.clear()
-
-    def stop(self) -> None:
-        self.after_test()
-        for w in (self.router, *self.decode, self.prefill):
-            w.stop()
-        self.proxy.close()
-        self.redis.stop()
+def chaos_cluster(start_cluster) -> tuple[Cluster, FaultyProxy]:
+    """One prefill worker, two decode workers (the second reached through a proxy that can
+    delay, stall or cut its traffic: routers and peers use the port it advertises, the
+    proxy's) and a router that takes a decode worker silent for 3 s mid-stream as hung."""
+    port = free_port()
+    proxy = FaultyProxy(port)
+    try:
+        c = start_cluster(
+            prefill=1, decode=2,
+            # short TTLs: a dead worker leaves the registry, and blocks leased to a reader that
+            # died come back, within a test
+            worker_args=["--num-blocks", "200", "--registry-ttl", "2"],
+            role_args={"decode": ["--transfer-timeout", "5"], "prefill": ["--lease-ttl", "8"]},
+            decode_args=lambda c, i: (["--port", str(port), "--advertise-port",
+                                       str(proxy.port)] if i == 1 else []),
+            routers=[["--local-prefill-max-tokens", "0", "--stall-timeout", "3"]])
+    except BaseException:
+        proxy.close()
+        raise
+    return c, proxy
 
 
 @dataclass
@@ -178,7 +95,7 @@ class Load:
     turn) with ``deadline`` seconds each, until :meth:`stop`. ``cancel_after``: a client drops
     its call after a delay drawn from this list (0 = right after sending; None = never)."""
 
-    cluster: ChaosCluster
+    cluster: Cluster
     clients: int = 4
     deadline: float = 30.0
     max_tokens: int = 32
@@ -201,7 +118,7 @@ class Load:
                          for c in range(self.clients)]
 
     def start(self) -> Load:
-        self.cluster.loads.append(self)
+        self.cluster.on_after_test(self.halt)
         for t in self._threads:
             t.start()
         return self

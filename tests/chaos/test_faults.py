@@ -15,7 +15,8 @@ import pytest
 from baton.engine.engine import LLMEngine
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
-from tests.chaos.harness import ChaosCluster, Load, check, info, reference
+from tests.chaos.harness import Load, chaos_cluster, check, reference
+from tests.support.cluster import Cluster, info
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -25,10 +26,20 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = ChaosCluster()
-    yield c
-    c.stop()
+def faults(start_cluster):
+    c, proxy = chaos_cluster(start_cluster)
+    yield c, proxy
+    proxy.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(faults):
+    return faults[0]
+
+
+@pytest.fixture(scope="module")
+def proxy(faults):
+    return faults[1]
 
 
 @pytest.fixture(autouse=True)
@@ -58,11 +69,11 @@ def streaming_on(workers, load: Load, timeout: float = 30.0,
     raise AssertionError(f"none of {[w.worker_id for w in workers]} got streaming")
 
 
-def pids(cluster: ChaosCluster) -> dict[str, int]:
-    return {w.worker_id: w.pid for w in (cluster.router, cluster.prefill, *cluster.decode)}
+def pids(cluster: Cluster) -> dict[str, int]:
+    return {w.worker_id: w.pid for w in (cluster.router, *cluster.prefill, *cluster.decode)}
 
 
-def rejoined(cluster: ChaosCluster, worker_id: str, field: str, timeout=30.0) -> None:
+def rejoined(cluster: Cluster, worker_id: str, field: str, timeout=30.0) -> None:
     """Rounds of 4 concurrent requests with fresh prompts (no cached prefix draws them to the
     old workers) until ``worker_id`` serves one (as ``field`` of the final message)."""
     stub = api_pb2_grpc.BatonStub(cluster.router.channel)
@@ -88,39 +99,39 @@ def rejoined(cluster: ChaosCluster, worker_id: str, field: str, timeout=30.0) ->
         assert time.monotonic() < end, f"{worker_id} served nothing after its restart"
 
 
-def test_network_cut_between_router_and_a_decode_worker(cluster, want):
+def test_network_cut_between_router_and_a_decode_worker(cluster, proxy, want):
     proxied = cluster.decode[1]
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
     streaming_on([proxied], load)
-    cluster.proxy.cut()  # its streams break (RST); new connections are refused
+    proxy.cut()  # its streams break (RST); new connections are refused
     try:
         load.wait_more(4)
     finally:
-        cluster.proxy.heal()
+        proxy.heal()
     load.wait_more(4)
     outs = load.stop()
     # streams it had started move to the other worker; calls that could not reach it retry
     counts = check("network cut router-decode", outs, want, allowed=set())
     assert counts["OK"] == len(outs)
     assert any(o.final.migrations for o in outs), "no stream was cut"
-    cluster.assert_quiet_and_nothing_held()  # it saw its streams end and freed their blocks
+    cluster.assert_quiet()  # it saw its streams end and freed their blocks
     rejoined(cluster, proxied.worker_id, "decode_worker")
 
 
-def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, want):
+def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, proxy, want):
     proxied = cluster.decode[1]
     load = Load(cluster, clients=4, deadline=20.0, max_tokens=MAX_TOKENS).start()
-    cluster.proxy.delay(0.02)  # every chunk 20 ms late, both ways: slow, not failing
+    proxy.delay(0.02)  # every chunk 20 ms late, both ways: slow, not failing
     load.wait_for(4)
     streaming_on([proxied], load)
-    cluster.proxy.stall()  # a partition: nothing moves, connections stay open
+    proxy.stall()  # a partition: nothing moves, connections stay open
     try:
         n = len(load.outcomes)
         time.sleep(5)  # longer than the router's --stall-timeout
         load.wait_for(n + 2)
     finally:
-        cluster.proxy.heal()
+        proxy.heal()
     load.wait_more(4)
     outs = load.stop()
     # streams past their first token move on after --stall-timeout (the SIGSTOP test pins
@@ -128,7 +139,7 @@ def test_network_delay_and_stall_between_router_and_a_decode_worker(cluster, wan
     counts = check("network delay+stall router-decode", outs, want,
                    allowed={"DEADLINE_EXCEEDED"})
     assert counts["OK"] >= len(outs) - 2
-    cluster.assert_quiet_and_nothing_held()
+    cluster.assert_quiet()
 
 
 def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want):
@@ -149,10 +160,11 @@ def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want
             assert list(o.final.migrated_from) == [victim.worker_id]
             assert o.final.usage.completion_tokens == len(o.ids)
     assert counts["OK"] == len(outs)
-    cluster.decode[k] = cluster.start("decode")  # a replacement joins; nothing else restarts
+    cluster.decode[k] = cluster.start_worker("decode")  # a replacement joins; nothing else
+    # restarts
     assert {w: p for w, p in pids(cluster).items() if w in others} == others
     rejoined(cluster, cluster.decode[k].worker_id, "decode_worker")
-    cluster.assert_quiet_and_nothing_held()
+    cluster.assert_quiet()
 
 
 def test_decode_sigkill_mid_transfer(cluster, want):
@@ -165,7 +177,7 @@ def test_decode_sigkill_mid_transfer(cluster, want):
     while info(slow).handoffs_in_flight == 0:
         assert time.monotonic() < end, "no hand-off reached the slow worker"
         time.sleep(0.01)
-    assert cluster.prefill.info().active_leases > 0
+    assert cluster.prefill[0].info().active_leases > 0
     slow.kill()  # mid-transfer: it read blocks the prefill worker still holds under a lease
     load.wait_more(6)
     outs = load.stop()
@@ -173,25 +185,25 @@ def test_decode_sigkill_mid_transfer(cluster, want):
     counts = check("decode SIGKILL mid-transfer", outs, want, allowed=set())
     assert counts["OK"] == len(outs)
     assert any(o.final.retries for o in outs), "no request was retried"
-    cluster.assert_quiet_and_nothing_held()  # the orphaned lease expires, its blocks free
+    cluster.assert_quiet()  # the orphaned lease expires, its blocks free
 
 
 def test_prefill_sigkill_while_holding_leases(cluster, want):
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS).start()
     load.wait_for(3)
     end = time.monotonic() + 20  # kill it while it holds blocks leased to a reader
-    while cluster.prefill.info().active_leases == 0 and time.monotonic() < end:
+    while cluster.prefill[0].info().active_leases == 0 and time.monotonic() < end:
         time.sleep(0.01)
-    cluster.prefill.kill()
+    cluster.prefill[0].kill()
     load.wait_more(6)
     outs = load.stop()
     # requests it was prefilling, or whose blocks a decode worker was reading, are retried:
     # the decode workers prefill them themselves while no prefill worker is left
     check("prefill SIGKILL holding leases", outs, want, allowed={"UNAVAILABLE"})
     assert any(o.final.path == "local" for o in outs if o.code == "OK")
-    cluster.prefill = cluster.start("prefill")
-    rejoined(cluster, cluster.prefill.worker_id, "prefill_worker")
-    cluster.assert_quiet_and_nothing_held()
+    cluster.prefill[0] = cluster.start_worker("prefill")
+    rejoined(cluster, cluster.prefill[0].worker_id, "prefill_worker")
+    cluster.assert_quiet()
 
 
 def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
@@ -211,7 +223,7 @@ def test_decode_sigstop_mid_stream_moves_its_streams_elsewhere(cluster, want):
     counts = check("decode SIGSTOP", outs, want, allowed={"DEADLINE_EXCEEDED"})
     assert counts["OK"] >= 6
     assert any(o.final.migrations for o in outs if o.code == "OK"), "no stream moved on"
-    cluster.assert_quiet_and_nothing_held()  # it resumes, sees its calls cancelled, frees all
+    cluster.assert_quiet()  # it resumes, sees its calls cancelled, frees all
     rejoined(cluster, stopped.worker_id, "decode_worker")
 
 
@@ -219,22 +231,22 @@ def test_prefill_sigstop_while_holding_leases(cluster, want):
     load = Load(cluster, clients=4, deadline=30.0, max_tokens=MAX_TOKENS).start()
     load.wait_for(2)
     end = time.monotonic() + 20
-    while cluster.prefill.info().active_leases == 0 and time.monotonic() < end:
+    while cluster.prefill[0].info().active_leases == 0 and time.monotonic() < end:
         time.sleep(0.01)
-    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    cluster.prefill[0].proc.send_signal(signal.SIGSTOP)
     try:
         # hand-offs from it time out on the decode side (--transfer-timeout 5) and are retried;
         # once its registry entry lapses, decode workers prefill new requests themselves
         time.sleep(8)
     finally:
-        cluster.prefill.proc.send_signal(signal.SIGCONT)
+        cluster.prefill[0].proc.send_signal(signal.SIGCONT)
     load.wait_more(4)
     outs = load.stop()
     # a prompt it was prefilling when stopped finishes after it resumes, or at its deadline
     counts = check("prefill SIGSTOP holding leases", outs, want, allowed={"DEADLINE_EXCEEDED"})
     assert counts["OK"] >= 6
-    cluster.assert_quiet_and_nothing_held()  # leases whose reader gave up expire or are freed
-    rejoined(cluster, cluster.prefill.worker_id, "prefill_worker")
+    cluster.assert_quiet()  # leases whose reader gave up expire or are freed
+    rejoined(cluster, cluster.prefill[0].worker_id, "prefill_worker")
 
 
 def test_router_sigkill_and_restart(cluster, want):
@@ -248,7 +260,7 @@ def test_router_sigkill_and_restart(cluster, want):
     counts = check("router SIGKILL", outs, want, allowed={"UNAVAILABLE", "CANCELLED"})
     assert counts["OK"] >= 6
     assert {w.worker_id: w.pid for w in cluster.workers()} == workers
-    cluster.assert_quiet_and_nothing_held()  # the dead router's calls were cancelled
+    cluster.assert_quiet()  # the dead router's calls were cancelled
 
 
 def test_redis_sigkill_and_restart(cluster, want):
@@ -265,7 +277,7 @@ def test_redis_sigkill_and_restart(cluster, want):
     outs = load.stop()
     counts = check("redis SIGKILL", outs, want, allowed={"UNAVAILABLE"})
     assert counts["OK"] >= 8
-    cluster.assert_quiet_and_nothing_held()
+    cluster.assert_quiet()
 
 
 def test_redis_sigstop_and_resume(cluster, want):
@@ -280,7 +292,7 @@ def test_redis_sigstop_and_resume(cluster, want):
     outs = load.stop()
     counts = check("redis SIGSTOP", outs, want, allowed=set())
     assert counts["OK"] == len(outs)
-    cluster.assert_quiet_and_nothing_held()
+    cluster.assert_quiet()
 
 
 def test_clients_dropping_at_every_phase_leak_nothing(cluster, want):
@@ -291,4 +303,4 @@ def test_clients_dropping_at_every_phase_leak_nothing(cluster, want):
     outs = load.stop()
     counts = check("client drops", outs, want, allowed={"CANCELLED"})
     assert counts["CANCELLED"] >= 6 and counts["OK"] >= 1
-    cluster.assert_quiet_and_nothing_held(timeout=15)
+    cluster.assert_quiet(timeout=15)

@@ -12,12 +12,11 @@ import time
 
 import grpc
 import pytest
-from baton.control.redis_server import EmbeddedRedis
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
-from baton.services.common.launch import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
+from tests.support.cluster import Cluster
 from tests.support.processes import baton_request, free_port, start_baton_up
 
 pytestmark = pytest.mark.slow
@@ -37,46 +36,14 @@ PROMPTS = [
 ]
 
 
-class Cluster:
-    def __init__(self) -> None:
-        self.redis = EmbeddedRedis().start()
-        common = ["--num-blocks", "160", "--redis-url", self.redis.url, "--registry-ttl", "3"]
-        self.prefill = WorkerProcess("prefill", common)
-        self.decode = [WorkerProcess("decode", [*common, "--peers", self.prefill.address])
-                       for _ in range(3)]
-        self.router = WorkerProcess("router", ["--redis-url", self.redis.url,
-                                               "--http-port", "0",
-                                               "--local-prefill-max-tokens", "0"])
-        self.colocated = WorkerProcess("router", ["--redis-url", self.redis.url,
-                                                  "--http-port", "-1",
-                                                  "--local-prefill-max-tokens", "100000"])
-
-    def workers(self):
-        return [w for w in (self.prefill, *self.decode) if w.proc.poll() is None]
-
-    def assert_no_blocks_held(self, timeout=15.0):
-        end = time.monotonic() + timeout
-        while True:
-            infos = [w.info(check_integrity=True) for w in self.workers()]
-            if all(i.num_free_blocks == i.num_blocks for i in infos) or time.monotonic() > end:
-                break
-            time.sleep(0.2)
-        for i in infos:
-            assert i.integrity_ok, i.integrity_error
-            assert i.num_free_blocks == i.num_blocks, (i.worker_id, i.num_free_blocks)
-            assert i.active_leases == 0 and i.running_requests == 0, i
-
-    def stop(self):
-        for w in (self.colocated, self.router, *self.decode, self.prefill):
-            w.stop()
-        self.redis.stop()
-
-
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    yield c
-    c.stop()
+def cluster(start_cluster):
+    # routers[0] always uses the prefill worker; routers[1] (colocated) never does
+    return start_cluster(
+        prefill=1, decode=3, worker_args=["--num-blocks", "160", "--registry-ttl", "3"],
+        decode_args=lambda c, i: ["--peers", c.prefill[0].address],
+        routers=[["--http-port", "0", "--local-prefill-max-tokens", "0"],
+                 ["--local-prefill-max-tokens", "100000"]])
 
 
 @pytest.fixture(scope="module")
@@ -117,19 +84,19 @@ def expected(engine, kind, text, max_tokens=16):
 def test_disaggregated_and_colocated_equal_the_engine(cluster, engine):
     for kind, text in PROMPTS:
         want = expected(engine, kind, text)
-        for router, path in ((cluster.router, "remote"), (cluster.colocated, "local")):
+        for router, path in ((cluster.router, "remote"), (cluster.routers[1], "local")):
             ids, out, final = generate(router, request(kind, text))
             assert ids == want.token_ids and out == want.text, (kind, text, path)
             assert final.path == path and final.finish_reason == want.finish_reason
             assert final.usage.completion_tokens == len(ids)
             assert list(final.prompt_token_ids) == want.prompt_token_ids
             if path == "remote":
-                assert final.transports and final.prefill_worker == cluster.prefill.worker_id
+                assert final.transports and final.prefill_worker == cluster.prefill[0].worker_id
     models = api_pb2_grpc.BatonStub(cluster.router.channel).ListModels(
         api_pb2.ListModelsRequest())
     assert [m.id for m in models.models] == ["SmolLM2-135M-Instruct"]
     assert models.models[0].max_model_len == 8192
-    cluster.assert_no_blocks_held()
+    cluster.assert_quiet()
 
 
 def test_logprobs_on_both_paths(cluster, engine):
@@ -137,7 +104,7 @@ def test_logprobs_on_both_paths(cluster, engine):
     ids = engine.tokenizer.encode_chat([{"role": "user", "content": text}])
     want = engine.generate([ids], SamplingParams(max_tokens=8, logprobs=3))[0]
     assert len(want.logprobs) == 8
-    for router, path in ((cluster.router, "remote"), (cluster.colocated, "local")):
+    for router, path in ((cluster.router, "remote"), (cluster.routers[1], "local")):
         got_ids, got_lps = [], []
         for msg in api_pb2_grpc.BatonStub(router.channel).Generate(
                 request(kind, text, 8, logprobs=3), timeout=60):
@@ -164,7 +131,7 @@ def test_the_last_delta_can_come_inside_the_final_message(cluster, engine):
     for kind, text in PROMPTS[:3]:
         for max_tokens in (1, 5):
             want = expected(engine, kind, text, max_tokens)
-            for router, path in ((cluster.router, "remote"), (cluster.colocated, "local")):
+            for router, path in ((cluster.router, "remote"), (cluster.routers[1], "local")):
                 stub = api_pb2_grpc.BatonStub(router.channel)
                 req = request(kind, text, max_tokens, logprobs=2)
                 plain = list(stub.Generate(req, timeout=120))
@@ -179,7 +146,7 @@ def test_the_last_delta_can_come_inside_the_final_message(cluster, engine):
                 ids, out, final = generate(router, req)
                 assert ids == want.token_ids and out == want.text, (path, max_tokens)
                 assert final.path == path and final.usage.completion_tokens == max_tokens
-    cluster.assert_no_blocks_held()
+    cluster.assert_quiet()
 
 
 def test_32_concurrent_streams(cluster, engine):
@@ -205,7 +172,7 @@ def test_32_concurrent_streams(cluster, engine):
     assert len(got) == 32
     for ids, key in got.values():
         assert ids == want[key], key
-    cluster.assert_no_blocks_held()
+    cluster.assert_quiet()
 
 
 def test_cancel_and_deadline_leave_no_blocks(cluster):
@@ -220,7 +187,7 @@ def test_cancel_and_deadline_leave_no_blocks(cluster):
         generate(cluster.router, request("text", "Count to a thousand.", 400, ignore_eos=True),
                  timeout=1.5)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    cluster.assert_no_blocks_held()
+    cluster.assert_quiet()
 
 
 @pytest.mark.parametrize("req, field", [
@@ -298,7 +265,7 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
         metrics = m.read().decode()
     assert 'baton_requests_total{api="chat",path="remote",status="OK"}' in metrics
     assert 'status="INVALID_ARGUMENT"' in metrics and "baton_generated_tokens_total" in metrics
-    cluster.assert_no_blocks_held()
+    cluster.assert_quiet()
 
 
 def test_health_and_reflection_on_every_server(cluster):
@@ -306,7 +273,7 @@ def test_health_and_reflection_on_every_server(cluster):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     for proc, service in ((cluster.router, "baton.v1.Baton"),
-                          (cluster.prefill, "baton.v1.KVSource"),
+                          (cluster.prefill[0], "baton.v1.KVSource"),
                           (cluster.decode[1], "baton.v1.DecodeWorker")):
         hc = health_pb2_grpc.HealthStub(proc.channel)
         for name in ("", service):
@@ -342,7 +309,7 @@ def test_sigterm_under_load_fails_nothing(cluster, engine):
     assert not errors, [e.details() for e in errors]
     assert len(results) == 9 and all(a == b for a, b in results)
     assert draining.proc.wait(40) == 0
-    cluster.assert_no_blocks_held()
+    cluster.assert_quiet()
 
 
 def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
@@ -370,7 +337,7 @@ def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
     assert not errors and len(finals) == 3
     assert any(f.retries >= 1 for f in finals)
     assert all(f.decode_worker != victim.worker_id for f in finals)
-    cluster.assert_no_blocks_held()  # the router gave the failed attempt's lease back
+    cluster.assert_quiet()  # the router gave the failed attempt's lease back
 
 
 def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
@@ -402,33 +369,25 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
 def test_colocated_workers_prefill_for_each_other(engine):
     """Two `--role both` workers: remote prefill crosses between them (never to itself); when
     one is left, its requests take the local path."""
-    with EmbeddedRedis() as redis:
-        common = ["--num-blocks", "96", "--redis-url", redis.url, "--role", "both"]
-        a = WorkerProcess("decode", common)
-        b = WorkerProcess("decode", [*common, "--peers", a.address])
-        router = WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1",
-                                          "--routing", "round-robin",
-                                          "--local-prefill-max-tokens", "0"])
-        try:
-            kind, text = PROMPTS[1]
-            want = expected(engine, kind, text).token_ids
-            finals = []
-            for _ in range(4):
-                ids, _, final = generate(router, request(kind, text))
-                assert ids == want
-                finals.append(final)
-            assert {f.path for f in finals} == {"remote"}
-            assert all(f.prefill_worker != f.decode_worker for f in finals)
-            assert {f.prefill_worker for f in finals} == {a.worker_id, b.worker_id}
-            b.stop()  # drains and deregisters
-            time.sleep(1.2)  # the router's registry view refreshes every second
+    with Cluster(prefill=0, decode=2, worker_args=["--num-blocks", "96", "--role", "both"],
+                 routers=[["--routing", "round-robin", "--local-prefill-max-tokens", "0"]]) as c:
+        (a, b), router = c.decode, c.router
+        kind, text = PROMPTS[1]
+        want = expected(engine, kind, text).token_ids
+        finals = []
+        for _ in range(4):
             ids, _, final = generate(router, request(kind, text))
-            assert ids == want and final.path == "local" and final.decode_worker == a.worker_id
-            info = a.info(check_integrity=True)
-            assert info.role == "both" and info.num_free_blocks == info.num_blocks
-        finally:
-            for w in (router, b, a):
-                w.stop()
+            assert ids == want
+            finals.append(final)
+        assert {f.path for f in finals} == {"remote"}
+        assert all(f.prefill_worker != f.decode_worker for f in finals)
+        assert {f.prefill_worker for f in finals} == {a.worker_id, b.worker_id}
+        b.stop()  # drains and deregisters
+        time.sleep(1.2)  # the router's registry view refreshes every second
+        ids, _, final = generate(router, request(kind, text))
+        assert ids == want and final.path == "local" and final.decode_worker == a.worker_id
+        info = a.info(check_integrity=True)
+        assert info.role == "both" and info.num_free_blocks == info.num_blocks
 
 
 def test_baton_up_on_ray_serves_the_same_output(engine, tmp_path):
@@ -513,7 +472,7 @@ def test_an_http_client_that_goes_away_cancels_its_request(cluster, stream):
         _wait_until(lambda: any(w.info().running_requests for w in decode))
     sock.close()
     _wait_until(lambda: _router_metric(cluster, cancelled) > before)
-    cluster.assert_no_blocks_held(timeout=20)
+    cluster.assert_quiet()
 
 
 def _wait_until(condition, timeout: float = 60.0) -> None:

@@ -13,13 +13,11 @@ import sys
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis as redis_py
 from baton.control.prefix_index import INDEX_PREFIX, inflight_key
 from baton.control.redis_server import EmbeddedRedis
-from baton.services.common.launch import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 pytestmark = pytest.mark.slow
@@ -28,45 +26,16 @@ BS = 4  # tokens per KV block
 TTL = 2.0  # registry / index TTL, seconds
 
 
-def start_all(*specs):
-    """Start workers in parallel: ``(role, args)`` pairs -> WorkerProcess list."""
-    with ThreadPoolExecutor(len(specs)) as ex:
-        return list(ex.map(lambda s: WorkerProcess(*s), specs))
-
-
-class Cluster:
-    def __init__(self, model_dir) -> None:
-        self.redis = EmbeddedRedis().start()
-        self.common = ["--model", str(model_dir), "--block-size", str(BS), "--num-blocks", "512",
-                       "--redis-url", self.redis.url, "--registry-ttl", str(TTL),
-                       "--threads", "1"]
-        self.p1, self.p2, self.decode = start_all(("prefill", self.common),
-                                                  ("prefill", self.common),
-                                                  ("decode", self.common))
-        # r1 lets decode workers prefill few new tokens; r2 always uses a prefill worker
-        self.r1, self.r2 = start_all(*self.router_specs())
-
-    def router_specs(self):
-        return [("router", ["--redis-url", self.redis.url, "--http-port", "0",
-                            "--local-prefill-max-tokens", "8"]),
-                ("router", ["--redis-url", self.redis.url, "--http-port", "-1",
-                            "--local-prefill-max-tokens", "0"])]
-
-    @property
-    def prefills(self):
-        return [self.p1, self.p2]
-
-    def stop(self):
-        for w in (self.r1, self.r2, self.decode, self.p1, self.p2):
-            w.stop()
-        self.redis.stop()
-
-
 @pytest.fixture(scope="module")
-def cluster(tiny_llama):
-    c = Cluster(tiny_llama[0])
-    yield c
-    c.stop()
+def cluster(start_cluster, tiny_llama):
+    # routers[0] lets decode workers prefill few new tokens; routers[1] always uses a prefill
+    # worker
+    return start_cluster(
+        prefill=2, decode=1,
+        worker_args=["--model", str(tiny_llama[0]), "--block-size", str(BS), "--num-blocks",
+                     "512", "--registry-ttl", str(TTL)],
+        routers=[["--http-port", "0", "--local-prefill-max-tokens", "8"],
+                 ["--local-prefill-max-tokens", "0"]])
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -98,26 +67,27 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(cluster):
     systems = [tokens(s, 96) for s in (1, 2, 3, 4)]
     first = {}
     for i, sys_ids in enumerate(systems):
-        _, f = generate(cluster.r2, sys_ids + tokens(100 + i, 12))
+        _, f = generate(cluster.routers[1], sys_ids + tokens(100 + i, 12))
         assert f.path == "remote" and f.route_reason == "many-new-tokens" and f.index_used
         first[i] = f.prefill_worker
     settle()
-    assert set(first.values()) == {cluster.p1.worker_id, cluster.p2.worker_id}  # spread
+    assert set(first.values()) == {w.worker_id for w in cluster.prefill}  # spread
     for round_ in range(2):
         for i, sys_ids in enumerate(systems):
-            for k, router in enumerate((cluster.r2, cluster.r1)):  # the index is shared
+            # the index is shared
+            for k, router in enumerate((cluster.routers[1], cluster.routers[0])):
                 _, f = generate(router, sys_ids + tokens(1000 * round_ + 10 * i + k, 30))
                 assert f.path == "remote" and f.prefill_worker == first[i], (i, f)
                 assert f.index_cached_tokens == 96  # the whole system prompt, 24 blocks
                 assert f.usage.cached_tokens == 96  # and the worker did reuse them
     # the same prompt under another cache salt shares nothing
-    _, f = generate(cluster.r2, systems[0] + tokens(7, 30), salt="tenant-b")
+    _, f = generate(cluster.routers[1], systems[0] + tokens(7, 30), salt="tenant-b")
     assert f.index_cached_tokens == 0 and f.usage.cached_tokens == 0
 
 
 def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
     turn1 = tokens(20, 61)
-    out1, f1 = generate(cluster.r2, turn1, max_tokens=12)
+    out1, f1 = generate(cluster.routers[1], turn1, max_tokens=12)
     assert f1.path == "remote" and f1.kv_blocks_local == 0
     t = f1.timing  # the breakdown: route, queue (inside prefill), transfer, first decode step
     assert 0 < t.route_s < t.first_token_s and 0 <= t.queue_s <= t.prefill_s
@@ -126,7 +96,7 @@ def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
     # turn 2 = turn 1 + its answer + a short question: the decode worker holds all but the
     # last few tokens (blocks produced by decoding included) and prefills them itself
     turn2 = turn1 + out1 + tokens(21, 5)
-    _, f2 = generate(cluster.r1, turn2)
+    _, f2 = generate(cluster.routers[0], turn2)
     held = (len(turn1) + len(out1) - 1) // BS * BS  # the last answer token has no KV yet
     assert f2.path == "local" and f2.route_reason == "few-new-tokens"
     assert f2.timing.prefill_s == 0 and f2.timing.first_decode_step_s > 0
@@ -136,7 +106,7 @@ def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
     # move: the prefill worker computes the turn, the hand-off reads just the new blocks
     turn3 = turn2 + tokens(22, 40)
     settle()
-    _, f3 = generate(cluster.r2, turn3)
+    _, f3 = generate(cluster.routers[1], turn3)
     assert f3.path == "remote"
     total_blocks = -(-len(turn3) // BS)
     assert f3.kv_blocks_local >= held // BS
@@ -149,9 +119,8 @@ def test_a_burst_across_two_routers_spreads_over_the_workers(cluster):
     # this is the in-flight counts' test. With the default scorers the workers' published
     # queue lengths (refreshed every ~20 ms, so stale during a burst of fast prefills) outweigh
     # a one-request difference in flight and splits of 8/4 and 9/3 were seen.
-    r3, r4 = start_all(*[("router", ["--redis-url", cluster.redis.url, "--http-port", "-1",
-                                     "--local-prefill-max-tokens", "0",
-                                     "--scorers", "prefix=3,inflight=1"])] * 2)
+    r3, r4 = (cluster.start_router("--local-prefill-max-tokens", "0",
+                                   "--scorers", "prefix=3,inflight=1") for _ in range(2))
     try:
         prompt = tokens(30, 400)  # identical prompts, released at once at both routers
         results = []
@@ -170,7 +139,7 @@ def test_a_burst_across_two_routers_spreads_over_the_workers(cluster):
     finally:
         r3.stop()
         r4.stop()
-    per_worker = {w.worker_id: 0 for w in cluster.prefills}
+    per_worker = {w.worker_id: 0 for w in cluster.prefill}
     for f in results:
         per_worker[f.prefill_worker] += 1
     counts = list(per_worker.values())
@@ -189,20 +158,20 @@ def test_a_prefill_worker_counts_a_request_in_flight_only_while_it_prefills(clus
     r = redis_py.Redis.from_url(cluster.redis.url)
 
     def counts():
-        return {w: r.zcard(inflight_key(w.worker_id)) for w in (*cluster.prefills,
-                                                                cluster.decode)}
+        return {w: r.zcard(inflight_key(w.worker_id)) for w in (*cluster.prefill,
+                                                                cluster.decode[0])}
 
     params = worker_pb2.SamplingParams(max_tokens=460, ignore_eos=True)
     req = api_pb2.GenerateRequest(params=params)
     req.token_ids.ids.extend(tokens(60, 40))
-    stream = api_pb2_grpc.BatonStub(cluster.r2.channel).Generate(req, timeout=60)
+    stream = api_pb2_grpc.BatonStub(cluster.routers[1].channel).Generate(req, timeout=60)
     first = next(stream)
     assert first.HasField("delta")
     end = time.monotonic() + 5
-    while (seen := counts())[cluster.decode] == 0 and time.monotonic() < end:
+    while (seen := counts())[cluster.decode[0]] == 0 and time.monotonic() < end:
         time.sleep(0.01)
-    assert seen[cluster.decode] == 1, seen  # decoding, and its claims are written
-    assert seen[cluster.p1] == seen[cluster.p2] == 0, seen
+    assert seen[cluster.decode[0]] == 1, seen  # decoding, and its claims are written
+    assert seen[cluster.prefill[0]] == seen[cluster.prefill[1]] == 0, seen
     final = [m.final for m in stream if m.HasField("final")]
     assert final and final[0].path == "remote" and final[0].finish_reason == "length"
     end = time.monotonic() + 5
@@ -212,8 +181,8 @@ def test_a_prefill_worker_counts_a_request_in_flight_only_while_it_prefills(clus
 
 
 def test_metrics_count_decisions_and_reasons(cluster):
-    generate(cluster.r1, tokens(40, 50))
-    body = urllib.request.urlopen(f"http://{cluster.r1.http_address}/metrics",
+    generate(cluster.routers[0], tokens(40, 50))
+    body = urllib.request.urlopen(f"http://{cluster.routers[0].http_address}/metrics",
                                   timeout=10).read().decode()
     assert 'baton_route_decisions_total{path="remote",reason="many-new-tokens"}' in body
     assert "baton_prefix_index_up 1" in body
@@ -222,23 +191,22 @@ def test_metrics_count_decisions_and_reasons(cluster):
 
 def test_router_restart_keeps_the_index(cluster):
     prompt = tokens(50, 80)
-    _, f = generate(cluster.r1, prompt + tokens(51, 20))
+    _, f = generate(cluster.routers[0], prompt + tokens(51, 20))
     settle()
-    cluster.r1.stop()
-    cluster.r1 = WorkerProcess(*cluster.router_specs()[0])
-    _, g = generate(cluster.r1, prompt + tokens(52, 20))
+    cluster.restart_router(0, graceful=True)
+    _, g = generate(cluster.routers[0], prompt + tokens(52, 20))
     assert g.index_cached_tokens == 80 and g.prefill_worker == f.prefill_worker
 
 
 def test_redis_outage_degrades_to_load_only_and_recovers(cluster):
     prompt = tokens(60, 64)
-    generate(cluster.r2, prompt + tokens(61, 20))
+    generate(cluster.routers[1], prompt + tokens(61, 20))
     settle()
     port = cluster.redis.port
     cluster.redis.stop()
     try:
         for i in range(4):  # no request fails while the index is down
-            _, f = generate(cluster.r2, prompt + tokens(62 + i, 20))
+            _, f = generate(cluster.routers[1], prompt + tokens(62 + i, 20))
             assert not f.index_used and f.index_cached_tokens == 0
     finally:
         cluster.redis = EmbeddedRedis(port=port).start()  # back, and empty
@@ -246,7 +214,7 @@ def test_redis_outage_degrades_to_load_only_and_recovers(cluster):
     end, k = time.monotonic() + 10, 70
     while True:
         k += 1
-        _, f = generate(cluster.r2, prompt + tokens(k, 20))
+        _, f = generate(cluster.routers[1], prompt + tokens(k, 20))
         if f.index_used and f.index_cached_tokens == 64:
             break
         assert time.monotonic() < end, f
@@ -256,8 +224,8 @@ def test_redis_outage_degrades_to_load_only_and_recovers(cluster):
 
 def test_a_killed_workers_entries_expire_within_the_ttl(cluster):
     r = redis_py.Redis.from_url(cluster.redis.url)
-    victim = cluster.p2
-    generate(cluster.r2, tokens(80, 100))
+    victim = cluster.prefill[1]
+    generate(cluster.routers[1], tokens(80, 100))
     settle()
     keys = lambda: r.keys(f"{INDEX_PREFIX}{victim.worker_id}:*")  # noqa: E731
     victim.kill()
@@ -268,8 +236,8 @@ def test_a_killed_workers_entries_expire_within_the_ttl(cluster):
     print(f"index entries of a SIGKILLed worker gone after {time.monotonic() - t:.2f}s "
           f"(TTL {TTL}s)")
     # and routing carries on with the remaining prefill worker
-    _, f = generate(cluster.r2, tokens(81, 60))
-    assert f.prefill_worker == cluster.p1.worker_id
+    _, f = generate(cluster.routers[1], tokens(81, 60))
+    assert f.prefill_worker == cluster.prefill[0].worker_id
 
 
 def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
@@ -285,11 +253,11 @@ def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
 
 def test_every_process_serves_its_metrics(cluster):
     for i in range(3):
-        generate(cluster.r1, tokens(90 + i, 70), max_tokens=6)
-    assert generate(cluster.r1, tokens(95, 6))[1].path == "local"  # prefilled on decode
+        generate(cluster.routers[0], tokens(90 + i, 70), max_tokens=6)
+    assert generate(cluster.routers[0], tokens(95, 6))[1].path == "local"  # prefilled on decode
     settle()
-    d = scrape(cluster.decode.metrics_address)
-    p = [scrape(w.metrics_address) for w in cluster.prefills if w.proc.poll() is None]
+    d = scrape(cluster.decode[0].metrics_address)
+    p = [scrape(w.metrics_address) for w in cluster.prefill if w.proc.poll() is None]
     for m in [d, *p]:
         total = m["baton_worker_kv_blocks_total"]
         assert total == 512
@@ -304,7 +272,7 @@ def test_every_process_serves_its_metrics(cluster):
     assert d["baton_kv_transfer_seconds_count"] >= 1
     assert d["baton_worker_inter_token_seconds_count"] >= 5
     assert d['baton_worker_requests_total{finish_reason="length"}'] >= 3
-    r = scrape(cluster.r1.http_address)
+    r = scrape(cluster.routers[0].http_address)
     assert r["baton_time_to_first_token_seconds_count"] >= 3
     assert r['baton_time_to_first_token_seconds_bucket{le="+Inf"}'] == r[
         "baton_time_to_first_token_seconds_count"]
@@ -325,8 +293,8 @@ def _baton(*args: str) -> str:
 
 def test_baton_status_and_top_show_the_cluster(cluster):
     for i in range(3):
-        generate(cluster.r1, tokens(300 + i, 40), max_tokens=6)
-    live = [w for w in (*cluster.prefills, cluster.decode) if w.proc.poll() is None]
+        generate(cluster.routers[0], tokens(300 + i, 40), max_tokens=6)
+    live = [w for w in (*cluster.prefill, cluster.decode[0]) if w.proc.poll() is None]
     end = time.monotonic() + 15  # entries come back within a heartbeat after Redis restarts
     while True:
         s = json.loads(_baton("status", "--redis-url", cluster.redis.url, "--json"))
@@ -336,7 +304,7 @@ def test_baton_status_and_top_show_the_cluster(cluster):
         assert time.monotonic() < end, s
         time.sleep(0.5)
     routers = {r["address"]: r for r in s["routers"]}
-    r1, r2 = routers[cluster.r1.address], routers[cluster.r2.address]
+    r1, r2 = routers[cluster.routers[0].address], routers[cluster.routers[1].address]
     assert r1["metrics"] and not r2["metrics"]  # r2 runs without the HTTP front
     assert r1["requests"] >= 3 and r1["errors"] == 0 and r1["index_up"] == 1
     assert 0 < r1["ttft"]["p50"] <= r1["ttft"]["p99"] < 60
@@ -349,17 +317,17 @@ def test_baton_status_and_top_show_the_cluster(cluster):
     assert d["transfer_bytes"] > 0 and d["generated_tokens"] >= 15
     assert 0 < s["hit_rate"] <= 1  # the earlier tests shared prefixes
     table = _baton("status", "--redis-url", cluster.redis.url)
-    assert cluster.decode.worker_id in table and "prefix-cache hit rate" in table
+    assert cluster.decode[0].worker_id in table and "prefix-cache hit rate" in table
     # top: windowed figures; the second frame covers the requests sent between the two
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "top", "--redis-url",
                              cluster.redis.url, "--interval", "2", "--iterations", "2"],
                             stdout=subprocess.PIPE, text=True)
     time.sleep(1.0)
-    generate(cluster.r1, tokens(310, 40), max_tokens=6)
+    generate(cluster.routers[0], tokens(310, 40), max_tokens=6)
     out, _ = proc.communicate(timeout=60)
     first, second = out.split("Baton  ")[1:]
     assert "since start" in first and "last 2s" in second
-    host, port = cluster.r1.address.rsplit(":", 1)
+    host, port = cluster.routers[0].address.rsplit(":", 1)
     row = next(line for line in second.splitlines()
                if line.startswith(f"router-{host}-{port}-"))
     assert row.split()[2] == "1"  # REQS in the window: the one request
@@ -385,13 +353,13 @@ def documented_metrics() -> list[str]:
 
 
 def test_every_documented_metric_is_served(cluster):
-    generate(cluster.r1, tokens(400, 50))
+    generate(cluster.routers[0], tokens(400, 50))
     names = documented_metrics()
     assert len(names) >= 33
     assert {"baton_e2e_request_seconds", "baton_worker_kv_blocks_used"} <= set(names)
     bodies = [urllib.request.urlopen(f"http://{a}/metrics", timeout=10).read().decode()
-              for a in (cluster.r1.http_address, cluster.decode.metrics_address,
-                        cluster.p1.metrics_address)]
+              for a in (cluster.routers[0].http_address, cluster.decode[0].metrics_address,
+                        cluster.prefill[0].metrics_address)]
     families = {line.split()[2] for b in bodies for line in b.splitlines()
                 if line.startswith("# TYPE ")}
     missing = [n for n in names if n not in families and n.removesuffix("_total") not in families]
@@ -401,7 +369,7 @@ def test_every_documented_metric_is_served(cluster):
 def test_baton_bench_drives_both_apis(cluster, tmp_path):
     common = ["--requests", "6", "--vocab", "5:400", "--input-len", "8:40", "--output-len", "3",
               "--ttft-slo", "30", "--tpot-slo", "5", "--no-plots", "--quiet"]
-    for target in (cluster.r1.address, f"http://{cluster.r1.http_address}/v1"):
+    for target in (cluster.routers[0].address, f"http://{cluster.routers[0].http_address}/v1"):
         out = tmp_path / target.replace("/", "_").replace(":", "_")
         _baton("bench", "run", target, "--rate", "20", "--out", str(out), *common)
         (path,) = out.glob("bench-run-*.json")
@@ -413,7 +381,7 @@ def test_baton_bench_drives_both_apis(cluster, tmp_path):
         assert res["machine"]["cpus"] >= 1
     # a goodput search: all rates pass the loose SLOs, so it doubles up to the cap
     out = tmp_path / "goodput"
-    _baton("bench", "run", cluster.r1.address, "--goodput", "--start-rate", "8", "--max-rate",
-           "16", "--out", str(out), *common)
+    _baton("bench", "run", cluster.routers[0].address, "--goodput", "--start-rate", "8",
+           "--max-rate", "16", "--out", str(out), *common)
     res = json.loads(next(out.glob("bench-run-*.json")).read_text())["results"][0]
     assert res["goodput_rps"] == 16 and [p[0] for p in res["points"]] == [8, 16]

@@ -16,8 +16,6 @@ from concurrent import futures
 import grpc
 import pytest
 from baton.client import Client, InvalidRequestError
-from baton.control.redis_server import EmbeddedRedis
-from baton.services.common.launch import WorkerProcess
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -72,7 +70,7 @@ def _value(v):
 
 
 @pytest.fixture(scope="module")
-def traced(tiny_llama):
+def traced(tiny_llama, start_cluster):
     receiver = Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
@@ -80,19 +78,13 @@ def traced(tiny_llama):
     server.start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "50"}
-    redis = EmbeddedRedis().start()
-    common = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "256",
-              "--redis-url", redis.url, "--threads", "1", "--registry-ttl", "2"]
-    router_args = ["--redis-url", redis.url, "--http-port", "0",
-                   "--local-prefill-max-tokens", "16"]
-    with futures.ThreadPoolExecutor(3) as ex:
-        prefill, decode, router = ex.map(lambda s: WorkerProcess(*s, env=env), [
-            ("prefill", common), ("decode", common), ("router", router_args)])
+    c = start_cluster(prefill=1, decode=1, env=env,
+                      worker_args=["--model", str(tiny_llama[0]), "--block-size", "4",
+                                   "--num-blocks", "256", "--registry-ttl", "2"],
+                      routers=[["--http-port", "0", "--local-prefill-max-tokens", "16"]])
     time.sleep(1.2)  # the router re-reads the registry every second: let it see both workers
-    yield receiver, router, prefill, decode
-    for w in (router, decode, prefill):
-        w.stop()
-    redis.stop()
+    yield receiver, c.router, c.prefill[0], c.decode[0]
+    c.stop()
     server.stop(0)
 
 

@@ -219,7 +219,8 @@ def test_the_engine_reads_the_blocks_only_where_the_kernel_dequantizes_in_regist
         small = LLMEngine(model, cfg).model.layers[0].qkv.small
         assert isinstance(small, cpu_linear.QuantWeight if fast else torch.Tensor), fast
     built = cpu_linear.quant_load().quant_in_registers()
-    assert built == int("avx512f" in open("/proc/cpuinfo").read().split())
+    with open("/proc/cpuinfo") as f:
+        assert built == int("avx512f" in f.read().split())
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
