@@ -33,7 +33,10 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per worker (default: this machine's cores shared out "
+                         "among the workers, at least 1 each; several workers with every core "
+                         "each spin against each other. Under --ray: torch's own default)")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=64,
                     help="the decode worker prefills itself when it lacks at most this many of "
                          "a prompt's tokens (prefix-cache hits excluded) (default 64)")
@@ -125,6 +128,11 @@ def up(a: argparse.Namespace) -> int:
         cluster.stop()
 
 
+def threads_each(workers: int) -> int:
+    """Torch threads per worker when ``workers`` share this machine's cores."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+
+
 class _LocalCluster:
     """The processes of one ``baton up``, started in order and stopped in reverse."""
 
@@ -143,8 +151,12 @@ class _LocalCluster:
         a = self.a
         url = self._start_redis(self._start_ray() if a.ray else a.host)
         self.common = ["--redis-url", url, "--dtype", a.dtype]
+        threads = a.threads
+        if threads is None and not a.ray:
+            threads = threads_each(a.colocated or a.prefill + a.decode)
+            self.say(f"{threads} torch thread(s) per worker (--threads)")
         for flag, value in (("--model", a.model), ("--num-blocks", a.num_blocks),
-                            ("--threads", a.threads)):
+                            ("--threads", threads)):
             if value is not None:
                 self.common += [flag, str(value)]
         self.role = ["--role", "both"] if a.colocated else []

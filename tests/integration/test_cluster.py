@@ -349,6 +349,10 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
                                "--log-dir", str(tmp_path))
     try:
         assert f"127.0.0.1:{port}" in lines[-1], "".join(lines)
+        # one prefill and one decode worker share the cores out
+        from baton.cli.up import threads_each
+
+        assert f"{threads_each(2)} torch thread(s) per worker" in "".join(lines)
         r = baton_request(f"127.0.0.1:{port}", "The capital of France is", timeout=120)
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
