@@ -40,7 +40,7 @@ def main() -> None:
     from baton.bench.profile import run_profile
     from baton.control.profile import CostModel, Profile
     from baton.control.sim import Layout
-    from baton.control.tune import Evaluator, add_tune_args, load_trace
+    from baton.control.tune import Evaluator, TuneConfig, add_tune_args, load_trace
 
     t0 = time.monotonic()
 
@@ -65,8 +65,8 @@ def main() -> None:
     ca.no_rerun = True  # the goodput searches only, not the extra run at colocated's goodput
     ap_tune = argparse.ArgumentParser()
     add_tune_args(ap_tune)
-    ta = ap_tune.parse_args(["--format", "azure", *slice_args])
-    ev = Evaluator(profile, load_trace(ta), ta)
+    tc = TuneConfig.from_args(ap_tune.parse_args(["--format", "azure", *slice_args]))
+    ev = Evaluator(profile, load_trace(tc.slice), tc.search, tc.knobs)
     layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     predicted = {}
     for name, layout in layouts.items():

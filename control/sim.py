@@ -196,7 +196,7 @@ class SimEngine:
         self._start(t)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Knobs:
     """The router's settings that change the path (as `baton router` names them)."""
 

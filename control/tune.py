@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from baton.control.profile import CostModel, Profile, ProfileError, default_path
@@ -24,7 +25,57 @@ def layouts(n: int) -> list[Layout]:
     return [Layout(p, n - p) for p in range(1, n)] + [Layout(0, n, colocated=True)]
 
 
-def load_trace(a: argparse.Namespace) -> list:
+@dataclass(frozen=True)
+class TraceSlice:
+    """Which requests of a trace, as `baton bench` reads them."""
+
+    trace: str
+    format: str  # auto | azure | mooncake
+    requests: int
+    trace_start: int
+    scale: float
+    max_input: int
+    max_output: int
+
+
+@dataclass(frozen=True)
+class Search:
+    """The SLOs and the goodput search, as `baton bench --goodput` runs it."""
+
+    ttft_slo: float
+    tpot_slo: float
+    attainment: float
+    start_rate: float
+    max_rate: float
+    min_rate: float | None
+    refine: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """`baton tune`'s settings, built once from its command line (:func:`add_tune_args`)."""
+
+    slice: TraceSlice
+    search: Search
+    knobs: Knobs
+    workers: int
+    profile: str | None
+    out: str | None
+    plot: bool
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> TuneConfig:
+        return cls(TraceSlice(a.trace, a.format, a.requests, a.trace_start, a.scale,
+                              a.max_input, a.max_output),
+                   Search(a.ttft_slo, a.tpot_slo, a.attainment, a.start_rate, a.max_rate,
+                          a.min_rate, a.refine, a.seed),
+                   Knobs(a.local_prefill_max_tokens, a.prefill_saturation,
+                         saturated_local_max_tokens=a.saturated_local_max_tokens),
+                   a.workers, a.profile, a.out, not a.no_plot)
+
+
+def load_trace(a: TraceSlice) -> list:
     """The trace's requests as loadgen ``Req`` (lengths and arrival offsets)."""
     from baton.control import workload as lg
 
@@ -54,24 +105,24 @@ def shape(reqs) -> list[tuple[int, int, float]]:
 class Evaluator:
     """Attainment of one layout at a Poisson rate (or the trace's own times), and its goodput."""
 
-    def __init__(self, profile: Profile, reqs, a: argparse.Namespace) -> None:
-        self.p, self.cost, self.reqs, self.a = profile, CostModel(profile), reqs, a
-        self.knobs = Knobs(a.local_prefill_max_tokens, a.prefill_saturation,
-                           saturated_local_max_tokens=a.saturated_local_max_tokens)
+    def __init__(self, profile: Profile, reqs, search: Search, knobs: Knobs) -> None:
+        self.p, self.cost, self.reqs = profile, CostModel(profile), reqs
+        self.search = search
+        self.knobs = knobs
 
     def at(self, layout: Layout, rate: float | None) -> float:
         from baton.control import workload as lg
 
-        reqs = self.reqs if rate is None else lg.poisson(self.reqs, rate, self.a.seed)
+        reqs = self.reqs if rate is None else lg.poisson(self.reqs, rate, self.search.seed)
         done = simulate(layout, self.p, shape(reqs), self.knobs, self.cost)
-        return attainment(done, self.a.ttft_slo, self.a.tpot_slo)
+        return attainment(done, self.search.ttft_slo, self.search.tpot_slo)
 
     def goodput(self, layout: Layout) -> tuple[float, list[tuple[float, float]]]:
         from baton.control import workload as lg
 
-        return lg.find_goodput(lambda r: self.at(layout, r), self.a.start_rate,
-                               self.a.attainment, max_rate=self.a.max_rate,
-                               refine=self.a.refine, min_rate=self.a.min_rate)
+        return lg.find_goodput(lambda r: self.at(layout, r), self.search.start_rate,
+                               self.search.attainment, max_rate=self.search.max_rate,
+                               refine=self.search.refine, min_rate=self.search.min_rate)
 
 
 def recommend(rows: list[dict]) -> str:
@@ -107,7 +158,7 @@ def plot(rows: list[dict], ev: Evaluator, path: Path) -> Path | None:
     except ImportError:
         print("(no plot: pip install matplotlib)", file=sys.stderr)
         return None
-    top = max([r["goodput_rps"] for r in rows] + [ev.a.start_rate])
+    top = max([r["goodput_rps"] for r in rows] + [ev.search.start_rate])
     lo, hi = top / 16, top * 4
     rates = [lo * (hi / lo) ** (i / 23) for i in range(24)]
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -115,11 +166,12 @@ def plot(rows: list[dict], ev: Evaluator, path: Path) -> Path | None:
         layout = Layout(r["prefill"], r["decode"], r["colocated"])
         ax.plot(rates, [100 * ev.at(layout, x) for x in rates], marker=".",
                 label=f"{r['layout']} (goodput {r['goodput_rps']:.3g}/s)")
-    ax.axhline(100 * ev.a.attainment, color="grey", ls="--", lw=0.8)
+    ax.axhline(100 * ev.search.attainment, color="grey", ls="--", lw=0.8)
     ax.set_xscale("log")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("requests meeting both SLOs (%)")
-    ax.set_title(f"baton tune: TTFT <= {ev.a.ttft_slo:g}s, TPOT <= {ev.a.tpot_slo * 1000:g}ms",
+    s = ev.search
+    ax.set_title(f"baton tune: TTFT <= {s.ttft_slo:g}s, TPOT <= {s.tpot_slo * 1000:g}ms",
                  fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
@@ -130,26 +182,36 @@ def plot(rows: list[dict], ev: Evaluator, path: Path) -> Path | None:
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
-    if a.workers < 2:
-        print("error: --workers must be >= 2 (a split needs a prefill and a decode worker)",
-              file=sys.stderr)
-        return 2
-    if a.ttft_slo <= 0 or a.tpot_slo <= 0:
-        print("error: --ttft-slo and --tpot-slo must be > 0 seconds", file=sys.stderr)
-        return 2
+    return tune(TuneConfig.from_args(a))
+
+
+def _check(cfg: TuneConfig) -> Profile:
+    """The profile to simulate on; SystemExit(2) naming what is wrong."""
+    if cfg.workers < 2:
+        raise SystemExit("error: --workers must be >= 2 (a split needs a prefill and a decode "
+                         "worker)")
+    if cfg.search.ttft_slo <= 0 or cfg.search.tpot_slo <= 0:
+        raise SystemExit("error: --ttft-slo and --tpot-slo must be > 0 seconds")
     try:
-        profile = Profile.load(a.profile or default_path())
+        return Profile.load(cfg.profile or default_path())
     except ProfileError as e:
-        hint = "" if a.profile else " (run `baton profile` first, or pass --profile)"
-        print(f"error: {e}{hint}", file=sys.stderr)
+        hint = "" if cfg.profile else " (run `baton profile` first, or pass --profile)"
+        raise SystemExit(f"error: {e}{hint}") from None
+
+
+def tune(cfg: TuneConfig) -> int:
+    try:
+        profile = _check(cfg)
+    except SystemExit as e:
+        print(e, file=sys.stderr)
         return 2
-    reqs = load_trace(a)
-    ev = Evaluator(profile, reqs, a)
+    reqs = load_trace(cfg.slice)
+    ev = Evaluator(profile, reqs, cfg.search, cfg.knobs)
     span = reqs[-1].at - reqs[0].at
     trace_rate = (len(reqs) - 1) / span if span > 0 else None
     rows = []
     t0 = time.monotonic()
-    for layout in layouts(a.workers):
+    for layout in layouts(cfg.workers):
         goodput, points = ev.goodput(layout)
         rows.append({"layout": layout.name, "prefill": layout.prefill, "decode": layout.decode,
                      "colocated": layout.colocated, "goodput_rps": goodput, "points": points,
@@ -160,19 +222,27 @@ def cmd_tune(a: argparse.Namespace) -> int:
     rec = recommend(rows)
     print(table(rows, trace_rate))
     print(f"recommendation: {rec}")
-    stem = Path(a.out or "baton-tune")
+    _write(cfg, profile, ev, rows, trace_rate, rec)
+    return 0
+
+
+def _write(cfg: TuneConfig, profile: Profile, ev: Evaluator, rows: list[dict],
+           trace_rate: float | None, rec: str) -> None:
+    """The JSON (and the plot) under ``--out``."""
+    stem = Path(cfg.out or "baton-tune")
     stem.parent.mkdir(parents=True, exist_ok=True)
-    result = {"trace": str(a.trace), "requests": len(reqs), "trace_rate_rps": trace_rate,
-              "slo": {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo, "attainment": a.attainment},
-              "profile": {"path": str(a.profile or default_path()), "dtype": profile.dtype,
+    s = cfg.search
+    result = {"trace": cfg.slice.trace, "requests": len(ev.reqs), "trace_rate_rps": trace_rate,
+              "slo": {"ttft_s": s.ttft_slo, "tpot_s": s.tpot_slo, "attainment": s.attainment},
+              "profile": {"path": str(cfg.profile or default_path()), "dtype": profile.dtype,
                           "machine": profile.machine, **CostModel(profile).summary()},
-              "args": {k: v for k, v in vars(a).items() if k != "func"},
+              "args": {**asdict(cfg.slice), **asdict(s), **asdict(cfg.knobs),
+                       "workers": cfg.workers, "profile": cfg.profile, "out": cfg.out},
               "configurations": rows, "recommendation": rec}
     Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {stem}.json")
-    if not a.no_plot and (png := plot(rows, ev, Path(f"{stem}.png"))):
+    if cfg.plot and (png := plot(rows, ev, Path(f"{stem}.png"))):
         print(f"wrote {png}")
-    return 0
 
 
 def add_tune_args(ap: argparse.ArgumentParser) -> None:
