@@ -15,8 +15,13 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from baton import set_on_signals
+
+if TYPE_CHECKING:
+    from baton.control.autoscale import ScalingConfig
 
 
 def add_up_args(ap: argparse.ArgumentParser) -> None:
@@ -88,21 +93,73 @@ def _add_scaling_args(ap: argparse.ArgumentParser) -> None:
                    help="Ray GPUs each worker actor asks for (default 0)")
 
 
-def _check(a: argparse.Namespace) -> str:
+@dataclass(frozen=True)
+class UpConfig:
+    """`baton up`'s settings (:func:`add_up_args`' flags, by their names), built once from the
+    command line; ``scaling`` is set with --autoscale."""
+
+    prefill: int
+    decode: int
+    colocated: int
+    redis_url: str | None
+    host: str
+    grpc_port: int
+    http_port: int
+    model: str | None
+    dtype: str
+    num_blocks: int | None
+    threads: int | None
+    local_prefill_max_tokens: int
+    routing: str
+    log_dir: str | None
+    router_args: str
+    auth_token: str | None
+    api_keys_file: str | None
+    tls_cert: str | None
+    tls_key: str | None
+    ray: str | None
+    ray_cpus_per_worker: float | None
+    ray_gpus_per_worker: float
+    scaling: ScalingConfig | None
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> UpConfig:
+        from baton.control.autoscale import ScalingConfig
+
+        names = [f.name for f in fields(cls) if f.name != "scaling"]
+        return cls(**{n: getattr(a, n) for n in names},
+                   scaling=ScalingConfig.from_args(a) if a.autoscale else None)
+
+    @property
+    def pools(self) -> list[str]:
+        return ["decode"] if self.colocated else ["prefill", "decode"]
+
+    def policies(self) -> dict:
+        """The autoscaler's PoolPolicy per pool (ValueError names bad values)."""
+        assert self.scaling is not None
+        return self.scaling.policies(self.pools, {"prefill": self.prefill,
+                                                  "decode": self.colocated or self.decode})
+
+
+def _check(a: UpConfig) -> str:
     """What is wrong with the flags ("" when nothing is)."""
     if a.colocated < 0 or a.prefill < 0 or a.decode < 0:
         return "worker counts must be >= 0"
     if not a.colocated and a.decode < 1:
         return "--decode must be >= 1 (or use --colocated N)"
-    if a.autoscale:
+    if a.scaling is not None:
         try:
-            _policies(a)
+            a.policies()
         except ValueError as e:
             return f"autoscaling: {e}"
     return ""
 
 
-def up(a: argparse.Namespace) -> int:
+def up(args: argparse.Namespace) -> int:
+    return run(UpConfig.from_args(args))
+
+
+def run(a: UpConfig) -> int:
     from baton.control.redis_server import RedisStartError
     from baton.services.common.launch import WorkerStartError
 
@@ -136,7 +193,7 @@ def threads_each(workers: int) -> int:
 class _LocalCluster:
     """The processes of one ``baton up``, started in order and stopped in reverse."""
 
-    def __init__(self, a: argparse.Namespace) -> None:
+    def __init__(self, a: UpConfig) -> None:
         self.a = a
         self.t0 = time.monotonic()
         self.redis = self.state = self.scaler = None
@@ -163,8 +220,9 @@ class _LocalCluster:
         prefill, decode = self._start_workers()
         router = self._start_router(url)
         self.state = _leave_address(url, router)
-        if a.autoscale:  # from here on the actuator owns the workers (some come and go; new
-            # decode workers meet prefill workers at their first hand-off, not by --peers)
+        # with autoscaling the actuator owns the workers from here on (some come and go; new
+        # decode workers meet prefill workers at their first hand-off, not by --peers)
+        if a.scaling is not None:
             self.scaler = _autoscaler(a, url, {"prefill": prefill, "decode": decode},
                                       lambda pool: self.spawn(pool, self.common if pool ==
                                                               "prefill" else
@@ -306,24 +364,17 @@ def _forget_address(path) -> None:
         pass
 
 
-def _policies(a: argparse.Namespace) -> dict:
-    from baton.control.autoscale import policies_from_args
-
-    start = {"prefill": a.prefill, "decode": a.colocated or a.decode}
-    return policies_from_args(a, ["decode"] if a.colocated else ["prefill", "decode"], start)
-
-
-def _autoscaler(a: argparse.Namespace, redis_url: str, workers: dict, spawn, say):
+def _autoscaler(a: UpConfig, redis_url: str, workers: dict, spawn, say):
     """The policy on the routers' metrics, acting on this process's workers."""
     from baton.control.autoscale import (
         Autoscaler,
         MetricsSignals,
         Policy,
         ProcessActuator,
-        slo_from_args,
     )
 
-    pols = _policies(a)
+    pols, sc = a.policies(), a.scaling
+    assert sc is not None
     actuator = ProcessActuator(spawn, workers, drain_timeout=40.0)
 
     def announce(d) -> None:
@@ -331,7 +382,6 @@ def _autoscaler(a: argparse.Namespace, redis_url: str, workers: dict, spawn, say
 
     say("autoscaling " + ", ".join(f"{p} {pol.min_replicas}..{pol.max_replicas}"
                                    for p, pol in pols.items())
-        + f" on TTFT <= {a.ttft_slo:g}s, TPOT <= {a.tpot_slo * 1000:g}ms")
-    return Autoscaler(Policy(pols, slo_from_args(a)), actuator,
-                      MetricsSignals(redis_url, a.scale_window), a.scale_interval,
-                      on_change=announce)
+        + f" on TTFT <= {sc.slo.ttft_s:g}s, TPOT <= {sc.slo.tpot_s * 1000:g}ms")
+    return Autoscaler(Policy(pols, sc.slo), actuator, MetricsSignals(redis_url, sc.window_s),
+                      sc.interval_s, on_change=announce)

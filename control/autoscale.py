@@ -410,25 +410,45 @@ def add_policy_args(g, min_default: str = "1") -> None:
                         "shrinks (default 30)")
 
 
-def policies_from_args(a, pools: list[str], start: dict[str, int] | None = None) -> dict:
-    """PoolPolicy per pool from :func:`add_policy_args`' flags; raises ValueError naming the
-    bad values."""
-    out = {}
-    for pool in pools:
-        lo = getattr(a, f"min_{pool}")
-        lo = max(1, (start or {}).get(pool, 1)) if lo is None else lo
-        out[pool] = PoolPolicy(min_replicas=lo, max_replicas=getattr(a, f"max_{pool}"),
-                               up_cooldown_s=a.scale_up_cooldown,
-                               down_cooldown_s=a.scale_down_cooldown,
-                               down_after_s=a.scale_down_after)
-    if a.ttft_slo <= 0 or a.tpot_slo <= 0 or not 0 < a.kv_target <= 1:
-        raise ValueError(f"want --ttft-slo ({a.ttft_slo}) > 0, --tpot-slo ({a.tpot_slo}) > 0, "
-                         f"0 < --kv-target ({a.kv_target}) <= 1")
-    return out
+@dataclass(frozen=True)
+class ScalingConfig:
+    """The policy's settings (:func:`add_policy_args`' flags), built once from the command line.
+    ``min_replicas``/``max_replicas``: per pool; a pool missing from ``min_replicas`` starts
+    from its starting count (at least 1)."""
 
+    slo: SLO
+    min_replicas: dict[str, int]
+    max_replicas: dict[str, int]
+    up_cooldown_s: float
+    down_cooldown_s: float
+    down_after_s: float
+    interval_s: float
+    window_s: float
 
-def slo_from_args(a) -> SLO:
-    return SLO(a.ttft_slo, a.tpot_slo, a.kv_target)
+    @classmethod
+    def from_args(cls, a) -> ScalingConfig:
+        return cls(SLO(a.ttft_slo, a.tpot_slo, a.kv_target),
+                   {p: getattr(a, f"min_{p}") for p in POOLS
+                    if getattr(a, f"min_{p}") is not None},
+                   {p: getattr(a, f"max_{p}") for p in POOLS},
+                   a.scale_up_cooldown, a.scale_down_cooldown, a.scale_down_after,
+                   a.scale_interval, a.scale_window)
+
+    def policies(self, pools: list[str], start: dict[str, int] | None = None) -> dict:
+        """PoolPolicy per pool; raises ValueError naming the bad values."""
+        out = {}
+        for pool in pools:
+            lo = self.min_replicas.get(pool)
+            lo = max(1, (start or {}).get(pool, 1)) if lo is None else lo
+            out[pool] = PoolPolicy(min_replicas=lo, max_replicas=self.max_replicas[pool],
+                                   up_cooldown_s=self.up_cooldown_s,
+                                   down_cooldown_s=self.down_cooldown_s,
+                                   down_after_s=self.down_after_s)
+        s = self.slo
+        if s.ttft_s <= 0 or s.tpot_s <= 0 or not 0 < s.kv_usage <= 1:
+            raise ValueError(f"want --ttft-slo ({s.ttft_s}) > 0, --tpot-slo ({s.tpot_s}) > 0, "
+                             f"0 < --kv-target ({s.kv_usage}) <= 1")
+        return out
 
 
 def add_autoscale_args(ap) -> None:
@@ -452,7 +472,32 @@ def add_autoscale_args(ap) -> None:
     add_policy_args(ap)
 
 
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """`baton autoscale`'s settings (:func:`add_autoscale_args`), built once from its command
+    line."""
+
+    redis_url: str | None
+    kubernetes: bool
+    namespace: str | None
+    deployments: dict[str, str]
+    colocated: bool
+    dry_run: bool
+    health_port: int
+    scaling: ScalingConfig
+
+    @classmethod
+    def from_args(cls, a) -> AutoscaleConfig:
+        return cls(a.redis_url, a.kubernetes, a.namespace,
+                   {"prefill": a.prefill_deployment, "decode": a.decode_deployment},
+                   a.colocated, a.dry_run, a.health_port, ScalingConfig.from_args(a))
+
+
 def cmd_autoscale(a) -> int:
+    return autoscale(AutoscaleConfig.from_args(a))
+
+
+def autoscale(cfg: AutoscaleConfig) -> int:
     """``baton autoscale``: the policy as its own process, for clusters whose workers it does
     not own (Kubernetes Deployments)."""
     import os
@@ -462,34 +507,33 @@ def cmd_autoscale(a) -> int:
 
     from baton import set_on_signals
 
-    url = a.redis_url or find_redis_url()
+    url = cfg.redis_url or find_redis_url()
     if not url:
         print("error: no Redis: pass --redis-url (or set BATON_REDIS_URL)", file=sys.stderr)
         return 2
-    if not a.kubernetes:
+    if not cfg.kubernetes:
         print("error: choose an actuator: --kubernetes (local clusters: `baton up "
               "--autoscale`, which owns its workers)", file=sys.stderr)
         return 2
-    pools = ["decode"] if a.colocated else ["prefill", "decode"]
+    sc = cfg.scaling
     try:
-        pols = policies_from_args(a, pools)
-        ns = a.namespace or os.environ.get("POD_NAMESPACE", "default")
-        act = KubernetesActuator(ns, {"prefill": a.prefill_deployment,
-                                      "decode": a.decode_deployment})
+        pols = sc.policies(["decode"] if cfg.colocated else ["prefill", "decode"])
+        ns = cfg.namespace or os.environ.get("POD_NAMESPACE", "default")
+        act = KubernetesActuator(ns, cfg.deployments)
     except (ValueError, ActuatorError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.dry_run:
+    if cfg.dry_run:
         act = _DryRun(act)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     set_on_signals(stop)
-    scaler = Autoscaler(Policy(pols, slo_from_args(a)), act, MetricsSignals(url, a.scale_window),
-                        a.scale_interval)
+    scaler = Autoscaler(Policy(pols, sc.slo), act, MetricsSignals(url, sc.window_s),
+                        sc.interval_s)
     log.info("autoscaling %s in namespace %s on %s", ", ".join(
         f"{p} {pol.min_replicas}..{pol.max_replicas}" for p, pol in pols.items()), ns, url)
-    if a.health_port >= 0:
-        serve_health(scaler, a.health_port)
+    if cfg.health_port >= 0:
+        serve_health(scaler, cfg.health_port)
     scaler.run(stop)
     return 0
 
