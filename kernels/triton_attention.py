@@ -126,9 +126,8 @@ def _decode_kernel(
     gmask = offs_g < GROUP
     dmask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)
-    q = (q.to(tl.float32) * scale).to(q.dtype)
+    q = _load_rows(q_ptr + b * stride_qb + heads[:, None] * stride_qh, offs_d,
+                   gmask[:, None] & dmask[None, :], scale)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -140,27 +139,40 @@ def _decode_kernel(
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh,
                              stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE,
                              BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k, v, valid, PRECISION)
+    # partials: pacc [B, Hq, S, D_PAD] and pml [B, Hq, S, 2] (max, sum), float32
+    base = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
+    _store_out(acc, l_i, m_i, out_ptr + b * stride_ob + heads[:, None] * stride_oh,
+                  pacc_ptr + base[:, None] * D_PAD, pml_ptr + base * 2, offs_d,
+                  gmask[:, None] & dmask[None, :], gmask, DIRECT)
 
-    omask = gmask[:, None] & dmask[None, :]
+
+@triton.jit
+def _decode_tile(acc, l_i, m_i, q, k, v, valid, PRECISION: tl.constexpr):
+    """One tile of keys through the online softmax: the new (acc, l_i, m_i)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK_N]
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _store_out(acc, l_i, m_i, out_rows, pacc_rows, pml_at, offs_d, omask, gmask,
+                  DIRECT: tl.constexpr):
+    """With DIRECT the normalized output at ``out_rows`` (pointers to each row's start);
+    otherwise (split decode) the partial accumulator at ``pacc_rows`` and its running (max, sum)
+    at ``pml_at``."""
     if DIRECT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=omask)
+        tl.store(out_rows + offs_d[None, :], out.to(out_rows.dtype.element_ty), mask=omask)
     else:
-        # partials: pacc [B, Hq, S, D_PAD] and pml [B, Hq, S, 2] (max, sum), float32
-        num_heads = tl.num_programs(1) * GROUP
-        base = (b * num_heads + heads) * num_splits + split
-        tl.store(pacc_ptr + base[:, None] * D_PAD + offs_d[None, :], acc, mask=omask)
-        tl.store(pml_ptr + base * 2, m_i, mask=gmask)
-        tl.store(pml_ptr + base * 2 + 1, l_i, mask=gmask)
+        tl.store(pacc_rows + offs_d[None, :], acc, mask=omask)
+        tl.store(pml_at, m_i, mask=gmask)
+        tl.store(pml_at + 1, l_i, mask=gmask)
 
 
 @triton.jit
@@ -308,42 +320,45 @@ def _prefill_kernel(
     without masks; the causal edge a second, masked one. The last tiles (the most keys) start
     first."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    s = tl.program_id(1)
-    h = tl.program_id(2)
+    s, h = tl.program_id(1), tl.program_id(2)
     q_len = tl.load(qlen_ptr + s)
     if tile * BLOCK_M < q_len:
         q0 = tl.load(qstart_ptr + s)
         past = tl.load(past_ptr + s)
-        kvh = h // GROUP
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D_PAD)
         mmask = offs_m < q_len
         dmask = offs_d < HEAD_DIM
-        qp = q_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh
-        q = tl.load(qp + offs_d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
-        q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(q.dtype)
+        rmask = mmask[:, None] & dmask[None, :]
+        q = _load_rows(q_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh,
+                       offs_d, rmask, scale * 1.4426950408889634)
         pos = past + offs_m  # each query's position
         last = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # keys [0, last) matter to the tile
         full = (past + tile * BLOCK_M) // BLOCK_N * BLOCK_N  # keys [0, full) visible to all rows
-
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         bt_row = bt_ptr + s * stride_btb
         for n0 in range(0, full, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, kvh,
+                acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, h // GROUP,
                 stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False,
                 PRECISION)
         for n0 in range(full, last, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(
-                acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, kvh,
+                acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, h // GROUP,
                 stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
                 PRECISION)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        op = out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh
-        tl.store(op + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & dmask[None, :])
+        _store_out(acc, l_i, m_i,
+                      out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh,
+                      out_ptr, out_ptr, offs_d, rmask, mmask, True)
+
+
+@triton.jit
+def _load_rows(rows, offs_d, mask, scale):
+    """Query rows at ``rows`` (pointers to each row's start), scaled, in their own dtype."""
+    q = tl.load(rows + offs_d[None, :], mask=mask, other=0.0)
+    return (q.to(tl.float32) * scale).to(q.dtype)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for 16-bit dtypes, from
