@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from baton.bench import loadgen as lg
@@ -88,7 +89,115 @@ def add_load_args(ap: argparse.ArgumentParser) -> None:
     o.add_argument("--quiet", action="store_true", help="no progress line")
 
 
-def workload(a: argparse.Namespace, salt: str) -> list[lg.Req]:
+def _pick(cls, a: argparse.Namespace, **given):
+    """``cls`` (a frozen dataclass) from the namespace's attributes of its fields' names."""
+    return cls(**{f.name: given[f.name] if f.name in given else getattr(a, f.name)
+                  for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Workload:
+    """:func:`add_workload_args`' flags."""
+
+    workload: str
+    trace: str | None
+    trace_start: int
+    requests: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    prefix_len: int
+    groups: int
+    scale: float
+    max_input: int
+    max_output: int
+    vocab: tuple[int, int]
+    seed: int
+
+
+@dataclass(frozen=True)
+class Load:
+    """:func:`add_load_args`' load and SLO flags: one run at a rate / speed-up / concurrency, or
+    a goodput search."""
+
+    rate: float | None
+    speedup: float | None
+    concurrency: int | None
+    goodput: bool
+    start_rate: float
+    max_rate: float
+    min_rate: float | None
+    refine: int
+    ttft_slo: float
+    tpot_slo: float
+    attainment: float
+
+
+@dataclass(frozen=True)
+class Output:
+    out: str | None
+    plots: bool
+    quiet: bool
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """`baton bench run`'s settings, built once from its command line."""
+
+    target: str
+    token: str | None
+    tls_ca: str | None
+    model: str | None
+    workload: Workload
+    load: Load
+    output: Output
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> RunConfig:
+        return cls(a.target, a.token, a.tls_ca, a.model, *_common(a))
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """`baton bench compare`'s settings, built once from its command line. ``rerun``: after a
+    goodput search, run every target once more at the colocated setup's goodput rate."""
+
+    model: str | None
+    dtype: str
+    prefill: int
+    decode: int
+    colocated: int
+    cores: str | None
+    num_blocks: int | None
+    local_prefill_max_tokens: int | None
+    router_args: str
+    peer: tuple[str, ...]
+    only: str | None
+    workload: Workload
+    load: Load
+    output: Output
+    rerun: bool = True
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> CompareConfig:
+        wl, load, out = _common(a)
+        return _pick(cls, a, peer=tuple(a.peer), workload=wl, load=load, output=out,
+                     rerun=True)
+
+
+def _common(a: argparse.Namespace) -> tuple[Workload, Load, Output]:
+    return (_pick(Workload, a), _pick(Load, a),
+            Output(a.out, not a.no_plots, a.quiet))
+
+
+def flat(cfg) -> dict:
+    """A config's settings as one flat dict (the JSON's ``args``)."""
+    out = {}
+    for k, v in asdict(cfg).items():
+        out.update(v if isinstance(v, dict) else {k: v})
+    return out
+
+
+def workload(a: Workload, salt: str) -> list[lg.Req]:
     toks = lg.Tokens(a.vocab[0], a.vocab[1], salt)
     if a.workload == "synthetic":
         return lg.synthetic(a.requests, a.input_len, a.output_len, toks, a.seed)
@@ -119,20 +228,20 @@ class Progress:
                   end="" if done < total else "\n", file=sys.stderr, flush=True)
 
 
-def measure(target, a: argparse.Namespace, name: str, progress: Progress) -> dict:
+def measure(target, wl: Workload, a: Load, name: str, progress: Progress) -> dict:
     """One target: a single run (rate / speedup / concurrency / the trace's times) or a goodput
     search; returns the JSON-able result."""
     runs: list[dict] = []
 
     def once(rate: float | None, label: str) -> dict:
         salt = f"{name}/{len(runs)}/{time.time_ns()}"  # no run finds another's prompts cached
-        reqs = workload(a, salt)
+        reqs = workload(wl, salt)
         if rate is not None:
-            reqs = lg.poisson(reqs, rate, a.seed)
+            reqs = lg.poisson(reqs, rate, wl.seed)
         elif a.speedup:
             reqs = lg.speed_up(reqs, a.speedup)
-        elif a.workload not in ("azure", "mooncake") and not a.concurrency:
-            reqs = lg.poisson(reqs, 1.0, a.seed)  # no timing given: 1 request/s
+        elif wl.workload not in ("azure", "mooncake") and not a.concurrency:
+            reqs = lg.poisson(reqs, 1.0, wl.seed)  # no timing given: 1 request/s
         progress.start(f"{name} {label}")
         records, wall = lg.run(target, reqs, a.concurrency or 0, progress)
         s = lg.summarize(records, wall, a.ttft_slo, a.tpot_slo)
@@ -179,25 +288,24 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def out_dir(a: argparse.Namespace) -> Path:
+def out_dir(a: Output) -> Path:
     if a.out:
         return Path(a.out)
     here = Path(__file__).resolve().parent / "results"  # a checkout's bench/results
     return here if here.is_dir() and os.access(here, os.W_OK) else Path("baton-bench")
 
 
-def save(a: argparse.Namespace, kind: str, result: dict) -> list[Path]:
+def save(cfg: RunConfig | CompareConfig, kind: str, result: dict) -> list[Path]:
     from baton.bench.common import machine
 
-    d = out_dir(a)
+    d = out_dir(cfg.output)
     d.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    result = {"kind": kind, "machine": machine(), "args": {k: v for k, v in vars(a).items()
-                                                           if k != "func"}, **result}
+    result = {"kind": kind, "machine": machine(), "args": flat(cfg), **result}
     path = d / f"bench-{kind}-{stamp}.json"
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     paths = [path]
-    if not a.no_plots:
+    if cfg.output.plots:
         paths += plots(result["results"], d / f"bench-{kind}-{stamp}")
     return paths
 
@@ -251,10 +359,11 @@ def _save(plt, fig, path: str) -> Path:
     return Path(path)
 
 
-def cmd_run(a: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
+    a = RunConfig.from_args(args)
     target = lg.target_for(a.target, token=a.token, tls_ca=a.tls_ca, model=a.model)
     try:
-        res = measure(target, a, a.target, Progress(a.quiet))
+        res = measure(target, a.workload, a.load, a.target, Progress(a.output.quiet))
     finally:
         target.close()
     print(table([res]))
@@ -263,10 +372,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_compare(a: argparse.Namespace) -> int:
+def cmd_compare(args: argparse.Namespace) -> int:
     from baton.bench.compare import compare
 
-    return compare(a)
+    return compare(CompareConfig.from_args(args))
 
 
 def add_bench_args(ap: argparse.ArgumentParser) -> None:

@@ -12,16 +12,16 @@ the p99 TPOT of each is compared.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
+from dataclasses import replace
 
 from baton.bench import loadgen as lg
-from baton.bench.cli import Progress, measure, save, table
+from baton.bench.cli import CompareConfig, Progress, measure, save, table
 
 
-def _cores(a: argparse.Namespace, n: int) -> list[int]:
+def _cores(a: CompareConfig, n: int) -> list[int]:
     cores = ([int(c) for c in a.cores.split(",")] if a.cores
              else sorted(os.sched_getaffinity(0)))
     if len(cores) < n:  # more workers than cores: they share, round-robin
@@ -32,7 +32,7 @@ def _cores(a: argparse.Namespace, n: int) -> list[int]:
 class Setup:
     """A running Baton cluster: redis, workers pinned one per core, a router."""
 
-    def __init__(self, a: argparse.Namespace, kind: str, redis_url: str) -> None:
+    def __init__(self, a: CompareConfig, kind: str, redis_url: str) -> None:
         from baton.services.common.launch import WorkerProcess
 
         self.kind, self.procs = kind, []
@@ -75,7 +75,7 @@ class Setup:
             p.stop(timeout=30)
 
 
-def compare(a: argparse.Namespace) -> int:
+def compare(a: CompareConfig) -> int:
     results = run_compare(a)
     if results is None:
         return 2
@@ -88,14 +88,15 @@ def compare(a: argparse.Namespace) -> int:
     return 0
 
 
-def run_compare(a: argparse.Namespace) -> list[dict] | None:
+def run_compare(a: CompareConfig) -> list[dict] | None:
     """Measure every setup and peer; None when the arguments are wrong (said on stderr)."""
     from baton.control.redis_server import EmbeddedRedis
 
     kinds = (a.only or "disaggregated,colocated").split(",")
-    if not (a.goodput or a.rate or a.speedup or a.concurrency):
-        a.goodput = True
-    progress = Progress(a.quiet)
+    load = a.load
+    if not (load.goodput or load.rate or load.speedup or load.concurrency):
+        load = replace(load, goodput=True)
+    progress = Progress(a.output.quiet)
     results: list[dict] = []
     targets: dict[str, tuple] = {}  # name -> (start, stop) of its target
     for kind in kinds:
@@ -124,13 +125,14 @@ def run_compare(a: argparse.Namespace) -> list[dict] | None:
         print(f"== {name}", file=sys.stderr)
         target, close = open_target(name)
         try:
-            lg.run(target, lg.synthetic(2, (32, 32), (4, 4), lg.Tokens(*a.vocab, "warm")), 1)
-            results.append(measure(target, a, name, progress))
+            lg.run(target, lg.synthetic(2, (32, 32), (4, 4),
+                                        lg.Tokens(*a.workload.vocab, "warm")), 1)
+            results.append(measure(target, a.workload, load, name, progress))
         finally:
             (close or target.close)()
     # the colocated setup's goodput rate: every target once more at that rate (p99 TPOT there)
     ref = next((r for r in results if r["target"] == "baton-colocated"), None)
-    if a.goodput and ref and ref["goodput_rps"] > 0 and not getattr(a, "no_rerun", False):
+    if load.goodput and ref and ref["goodput_rps"] > 0 and a.rerun:
         rate = ref["goodput_rps"]
         for res in results:
             name = res["target"]
@@ -142,8 +144,9 @@ def run_compare(a: argparse.Namespace) -> list[dict] | None:
                       f"{type(e).__name__}", file=sys.stderr)
                 continue
             try:
-                extra = argparse.Namespace(**{**vars(a), "goodput": False, "rate": rate})
-                res["at_colocated_goodput"] = measure(target, extra, name, progress)["runs"][0]
+                at = replace(load, goodput=False, rate=rate)
+                res["at_colocated_goodput"] = measure(target, a.workload, at, name,
+                                                      progress)["runs"][0]
                 res["runs"].append(res["at_colocated_goodput"])
             finally:
                 (close or target.close)()

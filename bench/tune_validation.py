@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 from baton.bench.common import RESULTS, machine, write_result
 
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
     a = ap.parse_args()
 
-    from baton.bench.cli import add_bench_args
+    from baton.bench.cli import CompareConfig, add_bench_args
     from baton.bench.compare import run_compare
     from baton.bench.profile import run_profile
     from baton.control.profile import CostModel, Profile
@@ -60,9 +61,10 @@ def main() -> None:
     # the same slice and search through both commands' own parsers (same defaults elsewhere)
     ap_bench = argparse.ArgumentParser()
     add_bench_args(ap_bench)
-    ca = ap_bench.parse_args(["compare", "--dtype", a.dtype, "--quiet", "--no-plots",
-                              "--workload", "azure", "--goodput", *slice_args])
-    ca.no_rerun = True  # the goodput searches only, not the extra run at colocated's goodput
+    # the goodput searches only, not the extra run at colocated's goodput
+    ca = replace(CompareConfig.from_args(ap_bench.parse_args(
+        ["compare", "--dtype", a.dtype, "--quiet", "--no-plots", "--workload", "azure",
+         "--goodput", *slice_args])), rerun=False)
     ap_tune = argparse.ArgumentParser()
     add_tune_args(ap_tune)
     tc = TuneConfig.from_args(ap_tune.parse_args(["--format", "azure", *slice_args]))
