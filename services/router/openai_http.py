@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from baton.services.router.errors import RequestError, Status
@@ -144,11 +145,51 @@ def _logprobs_param(p, body: dict, kind: str) -> None:
         _set(p, "logprobs", "logprobs", _typed(body, "logprobs", int, "an integer"))
 
 
+def _zero(v) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+
+
+# OpenAI (and vLLM) request fields Baton does not implement, each with what counts as not using
+# it (its documented default, or empty). Sent with any other value, the request is refused with
+# 400 naming the field, never served as if the field were absent. Fields that only describe the
+# caller (user, metadata) are accepted as they are.
+_NOT_IMPLEMENTED: dict[str, tuple[tuple[str, ...], Callable[[object], bool], str]] = {
+    "presence_penalty": (("chat", "text"), _zero, "0"),
+    "frequency_penalty": (("chat", "text"), _zero, "0"),
+    "repetition_penalty": (("chat", "text"), lambda v: v is None or v == 1, "1"),
+    "logit_bias": (("chat", "text"), lambda v: v is None or v == {}, "{}"),
+    "min_tokens": (("chat", "text"), _zero, "0"),
+    "tools": (("chat",), lambda v: v is None or v == [], "[]"),
+    "functions": (("chat",), lambda v: v is None or v == [], "[]"),
+    "tool_choice": (("chat",), lambda v: v is None or v == "none", '"none"'),
+    "function_call": (("chat",), lambda v: v is None or v == "none", '"none"'),
+    "response_format": (("chat",), lambda v: v is None or v == {"type": "text"},
+                        '{"type": "text"}'),
+    "modalities": (("chat",), lambda v: v is None or v == ["text"], '["text"]'),
+    "audio": (("chat",), lambda v: v is None, "null"),
+    "prediction": (("chat",), lambda v: v is None, "null"),
+    "reasoning_effort": (("chat",), lambda v: v is None, "null"),
+    "web_search_options": (("chat",), lambda v: v is None, "null"),
+    "echo": (("text",), lambda v: v is None or v is False, "false"),
+    "suffix": (("text",), lambda v: v is None or v == "", '""'),
+    "best_of": (("text",), lambda v: v is None or v == 1, "1"),
+}
+
+
+def _refuse_unimplemented(kind: str, body: dict) -> None:
+    for key, (kinds, unused, default) in _NOT_IMPLEMENTED.items():
+        if kind in kinds and key in body and not unused(body[key]):
+            raise _bad(key, f"{key} is not implemented by Baton (leave it out, or send "
+                            f"{default}); got {json.dumps(body[key])[:100]}")
+
+
 def generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
     """The gRPC API's request for an OpenAI ``kind`` ("chat" or "text") body; raises
-    RequestError (INVALID_ARGUMENT) naming the offending field."""
+    RequestError (INVALID_ARGUMENT) naming the offending field, a field Baton does not implement
+    included."""
     if not isinstance(body, dict):
         raise _bad("body", "the body must be a JSON object")
+    _refuse_unimplemented(kind, body)
     req = api_pb2.GenerateRequest(model=_typed(body, "model", str, "a string") or "",
                                   params=_params(body, kind))
     if kind == "chat":

@@ -258,6 +258,19 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="gpt-17", messages=[{"role": "user",
                                                                    "content": "hi"}])
+    # what Baton does not implement is refused, naming the field, never silently ignored
+    hi = [{"role": "user", "content": "hi"}]
+    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]),
+                         ("response_format", {"type": "json_object"}),
+                         ("presence_penalty", 0.5), ("frequency_penalty", 0.5),
+                         ("logit_bias", {"1": 5})):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=hi, max_tokens=2,
+                                           **{field: value})
+        assert e.value.status_code == 400 and e.value.param == field
+    r = client.chat.completions.create(model=model, messages=hi, max_tokens=2,
+                                       presence_penalty=0, frequency_penalty=0)
+    assert r.choices[0].finish_reason  # the defaults are no use of them: served
     base = f"http://{cluster.router.http_address}"
     with urllib.request.urlopen(base + "/health", timeout=10) as h:
         assert json.loads(h.read())["status"] == "ok"
@@ -266,6 +279,38 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
     assert 'baton_requests_total{api="chat",path="remote",status="OK"}' in metrics
     assert 'status="INVALID_ARGUMENT"' in metrics and "baton_generated_tokens_total" in metrics
     cluster.assert_quiet()
+
+
+def test_curl_streams_and_is_told_which_field_is_not_implemented(cluster, engine):
+    """curl, a client with no OpenAI library behind it: a streamed chat completion arrives as
+    server-sent events ending in [DONE] with the engine's text; a body using a field Baton does
+    not implement gets 400 naming it."""
+    import shutil
+    import subprocess
+
+    if shutil.which("curl") is None:
+        pytest.skip("no curl on this machine")
+    url = f"http://{cluster.router.http_address}/v1/chat/completions"
+    kind, text = PROMPTS[0]
+
+    def curl(body: dict) -> tuple[int, str]:
+        out = subprocess.run(["curl", "-sS", "-N", "-w", "\n%{http_code}", "-H",
+                              "Content-Type: application/json", "-d", json.dumps(body), url],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        payload, _, code = out.stdout.rpartition("\n")
+        return int(code), payload
+
+    msgs = [{"role": "user", "content": text}]
+    code, sse = curl({"messages": msgs, "max_tokens": 10, "temperature": 0, "stream": True})
+    assert code == 200 and sse.rstrip().endswith("data: [DONE]"), sse[-300:]
+    chunks = [json.loads(line[len("data: "):]) for line in sse.splitlines()
+              if line.startswith("data: {")]
+    got = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert got == expected(engine, kind, text, 10).text
+    code, err = curl({"messages": msgs, "max_tokens": 4,
+                      "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert code == 400 and json.loads(err)["error"]["param"] == "tools", err
 
 
 def test_health_and_reflection_on_every_server(cluster):

@@ -143,3 +143,44 @@ def test_the_openai_body_errors_name_the_field():
         with pytest.raises(RequestError) as e:
             generate_request(kind, body)
         assert e.value.status is Status.INVALID_ARGUMENT and e.value.field == field, body
+
+
+# each OpenAI field Baton does not implement: (the API it belongs to, a value that uses it,
+# the value that means "not used")
+UNIMPLEMENTED = [
+    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], []),
+    ("chat", "tool_choice", "auto", "none"),
+    ("chat", "functions", [{"name": "f"}], []),
+    ("chat", "function_call", "auto", "none"),
+    ("chat", "response_format", {"type": "json_object"}, {"type": "text"}),
+    ("chat", "modalities", ["text", "audio"], ["text"]),
+    ("chat", "audio", {"voice": "alloy"}, None),
+    ("chat", "prediction", {"type": "content", "content": "x"}, None),
+    ("chat", "reasoning_effort", "high", None),
+    ("chat", "web_search_options", {}, None),
+    ("chat", "presence_penalty", 0.5, 0),
+    ("text", "presence_penalty", -1, 0.0),
+    ("chat", "frequency_penalty", 1.2, 0),
+    ("text", "frequency_penalty", 0.1, 0),
+    ("chat", "logit_bias", {"50256": -100}, {}),
+    ("text", "logit_bias", {"1": 5}, None),
+    ("text", "repetition_penalty", 1.1, 1),
+    ("chat", "min_tokens", 4, 0),
+    ("text", "echo", True, False),
+    ("text", "suffix", "end", ""),
+    ("text", "best_of", 3, 1),
+]
+
+
+@pytest.mark.parametrize("kind,field,used,unused", UNIMPLEMENTED)
+def test_an_unimplemented_openai_field_is_refused_naming_it(kind, field, used, unused):
+    from baton.services.router.openai_http import generate_request
+
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if kind == "chat"
+            else {"prompt": "hi"})
+    with pytest.raises(RequestError) as e:
+        generate_request(kind, {**base, field: used})
+    assert e.value.status is Status.INVALID_ARGUMENT and e.value.field == field
+    assert "not implemented" in e.value.message
+    generate_request(kind, {**base, field: unused})  # its default is no use of it: served
+    generate_request(kind, {**base, "user": "u-1", "metadata": {"k": "v"}})  # who is asking
