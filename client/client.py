@@ -81,6 +81,8 @@ class Result:
     decode_worker: str
     retries: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    request_id: str = ""  # yours, echoed
+    router_request_id: str = ""  # the router's own (its logs and traces know it)
 
 
 def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
@@ -132,7 +134,8 @@ def _result(final, text: str, ids: list[int], lps: list[TokenLogprob]) -> Result
         timing=Timing(t.route_s, t.queue_s, t.prefill_s, t.transfer_s, t.first_token_s,
                       t.first_decode_step_s, t.decode_s, t.total_s),
         prompt_token_ids=list(final.prompt_token_ids), prefill_worker=final.prefill_worker,
-        decode_worker=final.decode_worker, retries=final.retries, logprobs=lps)
+        decode_worker=final.decode_worker, retries=final.retries, logprobs=lps,
+        request_id=final.request_id, router_request_id=final.router_request_id)
 
 
 def _channel_args(tls: bool, root_certificates: bytes | None, token: str | None):

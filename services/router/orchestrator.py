@@ -224,7 +224,9 @@ class Orchestrator:
         """Deltas, then the final message; raises RequestError. A consumer that stops reading
         cancels the request's worker calls."""
         t0 = time.monotonic()
-        rid = request.request_id or uuid.uuid4().hex
+        # the router's own id: the client's request_id is only a label (echoed in the final
+        # message), so two clients choosing the same one never share worker or index keys
+        rid = uuid.uuid4().hex
         span = tracing.NO_SPAN
         if tracing.enabled():
             span = tracing.request_span(caller.trace, *request_attrs(request, self.model, rid),
@@ -286,7 +288,8 @@ class Orchestrator:
         while True:
             n = retries + (st.migrations if st else 0)
             st = Progress(rid if n == 0 else f"{rid}.{n}", ids, t0, retries, self.metrics,
-                          span, before=st, last_delta_in_final=request.last_delta_in_final)
+                          span, before=st, last_delta_in_final=request.last_delta_in_final,
+                          request_ids=(request.request_id, rid))
             decision = self._route(st, hashes, failed)
             outcome = yield from self._attempt(request, st, decision, deadline, cancel)
             if isinstance(outcome, Done):

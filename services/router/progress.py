@@ -24,8 +24,12 @@ class Progress:
 
     def __init__(self, rid: str, prompt: list[int], t0: float, attempt: int,
                  metrics=None, span=tracing.NO_SPAN, before: Progress | None = None,
-                 last_delta_in_final: bool = False) -> None:
+                 last_delta_in_final: bool = False, request_ids: tuple[str, str] = ("", "")
+                 ) -> None:
+        """``rid``: this attempt's id on the workers; ``request_ids``: the client's label and
+        the router's id for the whole request, echoed in the final message."""
         self.rid, self.prompt, self.t0, self.attempt = rid, prompt, t0, attempt
+        self.request_ids = request_ids
         self.last_delta_in_final = last_delta_in_final
         self.metrics, self.span = metrics, span
         b = before
@@ -120,6 +124,7 @@ class Progress:
             index_cached_tokens=d.cached_tokens if d else 0,
             index_used=d.used_index if d else False, kv_blocks_read=self.blocks_read,
             kv_blocks_local=self.blocks_local, last_delta=last_delta,
+            request_id=self.request_ids[0], router_request_id=self.request_ids[1],
             usage=api_pb2.Usage(prompt_tokens=len(self.prompt),
                                 cached_tokens=min(self.cached, len(self.prompt)),
                                 completion_tokens=len(self.tokens)),
@@ -145,7 +150,7 @@ def request_attrs(request, model: str, rid: str) -> tuple[str, dict]:
         "gen_ai.request.seed": p.seed if p.HasField("seed") else None,
         "gen_ai.request.stop_sequences": list(p.stop) or None,
         "gen_ai.response.id": rid, "gen_ai.response.model": model,
-        "baton.request_id": rid}
+        "baton.request_id": rid, "baton.client_request_id": request.request_id or None}
 
 
 def final_attrs(f) -> dict:

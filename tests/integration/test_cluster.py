@@ -281,6 +281,34 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
     cluster.assert_quiet()
 
 
+def test_two_clients_choosing_the_same_request_id_do_not_collide(cluster, engine):
+    """A client's request_id is a label, echoed: the router gives each request its own id on
+    the workers and in the index, so two requests in flight at once with the same label (on
+    both paths) each get their own tokens."""
+    cases = [PROMPTS[0], PROMPTS[9], PROMPTS[4], PROMPTS[9]]
+    out: dict[int, tuple] = {}
+    start = threading.Barrier(len(cases))
+
+    def one(i: int) -> None:
+        kind, text = cases[i]
+        req = request(kind, text)
+        req.request_id = "same-id"
+        start.wait()
+        out[i] = generate(cluster.router if i % 2 else cluster.routers[1], req)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (kind, text) in enumerate(cases):
+        ids, _, final = out[i]
+        assert ids == expected(engine, kind, text).token_ids, i
+        assert final.request_id == "same-id"
+    assert len({out[i][2].router_request_id for i in out}) == len(cases)
+    cluster.assert_quiet()
+
+
 def test_curl_streams_and_is_told_which_field_is_not_implemented(cluster, engine):
     """curl, a client with no OpenAI library behind it: a streamed chat completion arrives as
     server-sent events ending in [DONE] with the engine's text; a body using a field Baton does

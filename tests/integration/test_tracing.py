@@ -167,8 +167,9 @@ def test_local_path_and_untraced_callers_get_a_trace_of_their_own(traced):
     receiver, router, _prefill, decode = traced
     with Client(router.address) as c:
         r = c.generate(token_ids=tokens(2, 8), max_tokens=3, ignore_eos=True, request_id="loc-1")
-    assert r.path == "local"
+    assert r.path == "local" and r.request_id == "loc-1" and r.router_request_id != "loc-1"
     root = _span_of(receiver, "loc-1")
+    assert root["attrs"]["baton.request_id"] == r.router_request_id
     spans = receiver.trace(root["trace_id"], expect=6)
     by = _check_connected(spans, "")  # the router started the trace
     assert {s["service"] for s in spans} == {"baton-router", "baton-decode"}
@@ -180,13 +181,13 @@ def test_local_path_and_untraced_callers_get_a_trace_of_their_own(traced):
 
 
 def _span_of(receiver: Receiver, request_id: str, timeout: float = 30.0) -> dict:
-    """The router's request span of ``request_id``."""
+    """The router's request span of the client's ``request_id``."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         with receiver.lock:
             for s in receiver.spans:
                 if (s["service"] == "baton-router" and s["kind"] == 2
-                        and s["attrs"].get("baton.request_id") == request_id):
+                        and s["attrs"].get("baton.client_request_id") == request_id):
                     return s
         time.sleep(0.05)
     raise AssertionError(f"no router span for {request_id}")

@@ -86,7 +86,7 @@ class GenerateDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_worker_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids", "route_reason", "index_cached_tokens", "index_used", "kv_blocks_read", "kv_blocks_local", "migrations", "migrated_from", "last_delta")
+    __slots__ = ("finish_reason", "usage", "path", "timing", "prefill_worker", "decode_worker", "transports", "retries", "prompt_token_ids", "route_reason", "index_cached_tokens", "index_used", "kv_blocks_read", "kv_blocks_local", "migrations", "migrated_from", "last_delta", "request_id", "router_request_id")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,8 @@ class GenerateFinal(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_FROM_FIELD_NUMBER: _ClassVar[int]
     LAST_DELTA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     finish_reason: str
     usage: Usage
     path: str
@@ -121,7 +123,9 @@ class GenerateFinal(_message.Message):
     migrations: int
     migrated_from: _containers.RepeatedScalarFieldContainer[str]
     last_delta: GenerateDelta
-    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route_reason: _Optional[str] = ..., index_cached_tokens: _Optional[int] = ..., index_used: _Optional[bool] = ..., kv_blocks_read: _Optional[int] = ..., kv_blocks_local: _Optional[int] = ..., migrations: _Optional[int] = ..., migrated_from: _Optional[_Iterable[str]] = ..., last_delta: _Optional[_Union[GenerateDelta, _Mapping]] = ...) -> None: ...
+    request_id: str
+    router_request_id: str
+    def __init__(self, finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., path: _Optional[str] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., transports: _Optional[str] = ..., retries: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., route_reason: _Optional[str] = ..., index_cached_tokens: _Optional[int] = ..., index_used: _Optional[bool] = ..., kv_blocks_read: _Optional[int] = ..., kv_blocks_local: _Optional[int] = ..., migrations: _Optional[int] = ..., migrated_from: _Optional[_Iterable[str]] = ..., last_delta: _Optional[_Union[GenerateDelta, _Mapping]] = ..., request_id: _Optional[str] = ..., router_request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")
