@@ -319,3 +319,28 @@ def test_quant_linear_reads_gguf_blocks_exactly(qtype, m, n, k):
         got = cpu_linear.linear(x, qw, bias)
         assert got.shape == (m, n) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_a_kernel_cached_for_another_cpu_is_built_again_not_loaded(tmp_path, monkeypatch):
+    # a cache (or an image) made on a CPU with other instruction sets must not be loaded here:
+    # -march=native code from an AVX-512 machine dies with SIGILL on an AVX2 one
+    import shutil
+
+    from baton.kernels import native
+
+    if shutil.which("gcc") is None and shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
+    here = native.cpu_flags()
+    assert native.build("block_hash", [], torch_runtime=False) is not None
+    (mine,) = (tmp_path / "kernels").glob("block_hash-*.so")
+    assert mine.name.startswith(f"block_hash-{native.isa_tag(here)}-")
+    other = frozenset(here ^ {"avx512f", "avx512bw"})  # the same CPU, but for its AVX-512
+    monkeypatch.setattr(native, "cpu_flags", lambda: other)
+    assert native.build("block_hash", [], torch_runtime=False) is not None
+    libs = sorted(p.name for p in (tmp_path / "kernels").glob("block_hash-*.so"))
+    assert len(libs) == 2 and mine.name in libs  # built again, under the other CPU's name
+    (theirs,) = set(libs) - {mine.name}
+    assert theirs.startswith(f"block_hash-{native.isa_tag(other)}-")
+    assert native.isa_tag(frozenset({"avx512f", "avx2"})) == "avx512"
+    assert native.isa_tag(frozenset({"avx2", "fma"})) == "avx2"
