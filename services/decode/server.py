@@ -81,8 +81,16 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             abort_with(context, InvalidRequestError("handle.block_ids", len(handle.block_ids),
                                          f"{len(slots.block_ids)} blocks are needed"))
         res = self._pull(rid, handle, slots, deadline, context, span)
+        # a call that ended during the pull (its blocks were being written: they could not be
+        # freed then) ends here, before decoding; one that ends later aborts the request from
+        # its callback (add_callback is False once the call has ended)
+        if not context.is_active():
+            self.loop.run(self.engine.abort, rid)
+            return
         stream = self.loop.run(self._commit, rid)
-        context.add_callback(lambda: self.loop.abort(rid))
+        if not context.add_callback(lambda: self.loop.abort(rid)):
+            self.loop.abort(rid)
+            return
         stats = worker_pb2.TransferStats(
             bytes=res.bytes, blocks_read=res.blocks_read, blocks_local=res.blocks_local,
             handshake_s=res.handshake_s, read_s=res.read_s, release_s=res.release_s,
@@ -106,7 +114,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                                       params=params)
         except Exception as e:
             abort_with(context, e)
-        context.add_callback(lambda: self.loop.abort(rid))
+        if not context.add_callback(lambda: self.loop.abort(rid)):  # the call already ended
+            self.loop.abort(rid)
+            return
 
         def first(chunk, out):
             chunk.num_cached_tokens = out.num_cached_tokens

@@ -23,7 +23,8 @@ class RouterServicer(api_pb2_grpc.BatonServicer):
 
     def Generate(self, request, context):
         cancel = Cancellation()
-        context.add_callback(cancel.cancel)  # runs when the call ends, however it ends
+        if not context.add_callback(cancel.cancel):  # runs when the call ends, however it ends
+            cancel.cancel()  # it already has
         metadata = tuple(context.invocation_metadata() or ())
         caller = Caller.of(metadata, context.peer())
         deadline = self.orchestrator.deadline(context.time_remaining())
