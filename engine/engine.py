@@ -283,7 +283,8 @@ class LLMEngine:
     ) -> HandoffSlots | None:
         """Decode side: allocate blocks for a prompt whose KV comes from elsewhere.
 
-        Returns ``None`` if the blocks are not free now (try later). Raises like ``add_request``
+        Returns ``None`` if the blocks are not free now, or the running batch (with the hand-offs
+        already reserved) is at ``max_num_seqs`` (try later). Raises like ``add_request``
         for a request that is invalid or can never fit. ``sampler_state`` is the sender's
         :attr:`KVHandoff.sampler_state`.
         """
@@ -298,6 +299,10 @@ class LLMEngine:
                 raise InvalidRequestError("sampler_state", f"<{len(sampler_state)} bytes>",
                                           f"not a sampler state: {e}") from e
         req.append_token(first_token_id)
+        reserved = sum(r.status == RequestStatus.RESERVED for r in self.requests.values())
+        if len(self.scheduler.running) + reserved >= self.cfg.max_num_seqs:
+            self._forget(req)  # a hand-off joins the running batch: never past its limit
+            return None
         hit = self.kv.get_prefix_hit(req)
         hit_blocks = min(len(hit.blocks), len(ids) // self.cfg.block_size)
         hit = PrefixHit(hit.blocks[:hit_blocks], hit_blocks * self.cfg.block_size)

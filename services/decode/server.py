@@ -156,8 +156,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return res
 
     def _reserve(self, rid, request, params, deadline, context):
-        """Blocks for the prompt, waiting (until the deadline) while the pool is full: woken
-        when the engine frees blocks, or when the call ends."""
+        """Blocks for the prompt and a slot in the running batch, waiting (until the deadline)
+        while the pool or the batch (--max-num-seqs) is full: woken when the engine frees
+        blocks (a request ended), or when the call ends."""
         context.add_callback(self.loop.wake)
         while True:
             seen = self.loop.frees
@@ -169,7 +170,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             left = deadline - time.monotonic()
             if left <= 0:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              "no free KV blocks for the hand-off before the deadline")
+                              "no room for the hand-off before the deadline (free KV blocks "
+                              "and a slot in the running batch, --max-num-seqs)")
             if not context.is_active():
                 return None
             self.loop.wait_for_frees(seen, left)

@@ -304,6 +304,28 @@ def test_seeded_sampling_continues_across_a_handoff(tiny_engine):
     dec.check_integrity()
 
 
+def test_handoffs_wait_for_a_slot_in_the_running_batch(tiny_engine):
+    # a hand-off joins the running batch directly: it must respect max_num_seqs as admissions
+    # from the queue do, however many blocks are free
+    dec = tiny_engine(num_kv_blocks=64, max_num_seqs=2)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = list(range(5, 14))
+    a = dec.reserve_handoff("a", prompt, 7, params)
+    b = dec.reserve_handoff("b", prompt, 7, params)
+    assert a is not None and b is not None
+    dec.commit_handoff("a")  # one running, one reserved: the batch is full
+    assert dec.reserve_handoff("c", prompt, 7, params) is None and "c" not in dec.requests
+    assert dec.kv.pool.num_free_blocks > 16  # blocks were not what was missing
+    dec.commit_handoff("b")
+    assert len(dec.scheduler.running) == 2
+    drain(dec)  # both finish: room again
+    assert dec.reserve_handoff("c", prompt, 7, params) is not None
+    dec.commit_handoff("c")
+    drain(dec)
+    dec.check_integrity()
+    assert dec.kv.pool.num_free_blocks == 64 and not dec.requests
+
+
 def test_handoff_reserve_then_abort_frees(tiny_engine):
     dec = tiny_engine(num_kv_blocks=10)
     params = SamplingParams(max_tokens=4)
