@@ -148,11 +148,13 @@ class WorkerConfig:
     transfer_timeout: float = 10.0  # decode and both: one hand-off's deadline
     peers: tuple[str, ...] = ()  # decode and both: prefill workers to handshake with first
     fault_delay_release: float = 0.0  # tests only: hold the lease release this long
+    fault_crash_engine_after: int = 0  # tests only: the engine thread fails after N steps
 
     @classmethod
     def prefill(cls, a: argparse.Namespace) -> WorkerConfig:
         return cls("prefill", EngineSettings.from_args(a), ServerSettings.from_args(a),
-                   HolderSettings.from_args(a))
+                   HolderSettings.from_args(a),
+                   fault_crash_engine_after=a.fault_crash_engine_after)
 
     @classmethod
     def decode(cls, a: argparse.Namespace) -> WorkerConfig:
@@ -161,7 +163,7 @@ class WorkerConfig:
         return cls(a.role, EngineSettings.from_args(a), ServerSettings.from_args(a),
                    HolderSettings.from_args(a) if a.role == "both" else None,
                    a.transfer_timeout, tuple(p for p in a.peers.split(",") if p),
-                   a.fault_delay_release)
+                   a.fault_delay_release, a.fault_crash_engine_after)
 
 
 def worker_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, object]:
@@ -170,4 +172,5 @@ def worker_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser,
     ap = argparse.ArgumentParser(prog=prog, description=description)
     EngineSettings.add_flags(ap)
     ServerSettings.add_flags(ap)
+    ap.add_argument("--fault-crash-engine-after", type=int, default=0, help=argparse.SUPPRESS)
     return ap, ap.add_argument_group("KV hand-off")

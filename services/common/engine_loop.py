@@ -14,17 +14,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from baton.engine.engine import LLMEngine, RequestOutput
+from baton.services.common.worker import EngineDied
 
 log = logging.getLogger("baton.services")
 
 
-class EngineDied(RuntimeError):
-    """The engine thread stopped on an unexpected error; every open stream gets this."""
-
-
 class EngineLoop:
+    """``died`` is set when the engine thread stops on an error: the worker then deregisters,
+    reports NOT_SERVING and exits non-zero (:func:`baton.services.common.worker.serve_forever`).
+    ``fault_crash_after`` (tests only): the thread fails on purpose after that many steps."""
+
     def __init__(self, engine: LLMEngine, *, on_tick: Callable[[], None] | None = None,
-                 tick_s: float = 0.05) -> None:
+                 tick_s: float = 0.05, fault_crash_after: int = 0) -> None:
         # called between steps on the engine thread (a holder's lease sweep); may be set later
         self.on_tick, self._tick_s = on_tick, tick_s
         self.on_outputs: Callable[[list], None] | None = None  # metrics, on the engine thread
@@ -33,6 +34,8 @@ class EngineLoop:
         self._streams: dict[str, queue.SimpleQueue] = {}  # engine thread only
         self._stopped = threading.Event()
         self._error: BaseException | None = None
+        self.died = threading.Event()
+        self._fault_crash_after, self._steps = fault_crash_after, 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # threads waiting for KV blocks to be freed (a decode worker's hand-off reservation)
         self._freed = threading.Condition()
@@ -110,6 +113,10 @@ class EngineLoop:
                 self._drain(block=not busy)
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
+                    self._steps += 1
+                    if self._steps == self._fault_crash_after:
+                        raise RuntimeError("fault injection: --fault-crash-engine-after "
+                                           f"{self._fault_crash_after}")
                 if self.on_tick is not None:
                     self.on_tick()
                 self._note_frees()
@@ -120,6 +127,7 @@ class EngineLoop:
                 q.put(EngineDied(f"engine stopped: {e!r}"))
             self._fail_pending(e)
             self.wake()
+            self.died.set()
 
     def _drain(self, block: bool) -> None:
         try:

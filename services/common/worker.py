@@ -34,6 +34,11 @@ from baton import set_on_signals
 log = logging.getLogger("baton.services")
 
 
+class EngineDied(RuntimeError):
+    """The engine thread stopped on an unexpected error; every open stream gets this (the
+    engine loop raises it; defined here, torch-free, for the status it maps to)."""
+
+
 def build_engine(settings: EngineSettings, record_kv_events: bool):
     from baton.engine.engine import LLMEngine
 
@@ -55,9 +60,10 @@ class WorkerBoot:
     metrics: object  # baton.services.common.metrics.WorkerMetrics
 
     def serve(self, cfg: ServerSettings, services: list[str], on_stop,
-              busy: Callable[[], bool] | None = None) -> None:
-        """Start serving, register, announce, and block until drained (``busy``: see
-        :func:`serve_forever`)."""
+              busy: Callable[[], bool] | None = None,
+              died: threading.Event | None = None) -> None:
+        """Start serving, register, announce, and block until drained (``busy``, ``died``:
+        see :func:`serve_forever`)."""
         health = add_standard_services(self.server, services)
         self.server.start()
         metrics_address = ""
@@ -82,7 +88,7 @@ class WorkerBoot:
             on_stop()
             tracing.shutdown()
         serve_forever(self.server, stop, registration, cfg.drain_timeout, health=health,
-                      busy=busy)
+                      busy=busy, died=died)
 
 
 def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
@@ -229,25 +235,41 @@ def add_standard_services(server: grpc.Server, service_names: list[str]):
 
 def serve_forever(server: grpc.Server, on_stop, registration=None,
                   drain_timeout: float = 30.0, health=None,
-                  busy: Callable[[], bool] | None = None) -> None:
+                  busy: Callable[[], bool] | None = None,
+                  died: threading.Event | None = None) -> None:
     """Block until SIGTERM/SIGINT, then drain: deregister (routers stop sending work), wait
     while ``busy()`` (work that still needs RPCs in: a prefill worker's leased blocks wait for
     their readers' release calls), refuse new RPCs, let the ones in flight finish, run
-    ``on_stop``, return. All of it within ``drain_timeout``."""
+    ``on_stop``, return. All of it within ``drain_timeout``.
+
+    ``died`` set (the engine thread stopped on an error) does the same at once, without
+    waiting for ``busy``, and then exits 1: the worker cannot serve any more, and its
+    supervisor (``baton up``, Kubernetes, Ray) replaces it. Its calls in flight ended
+    UNAVAILABLE, which the router retries (or migrates) elsewhere."""
     done = threading.Event()
     set_on_signals(done)
+    if died is not None:
+        threading.Thread(target=lambda: (died.wait(), done.set()), name="engine-watch",
+                         daemon=True).start()
     done.wait()
-    log.info("draining: deregistering, finishing in-flight requests (up to %.0fs)",
-             drain_timeout)
+    crashed = died is not None and died.is_set()
+    if crashed:
+        log.error("the engine thread died: deregistering, NOT_SERVING, exiting 1 so that "
+                  "this worker is replaced")
+    else:
+        log.info("draining: deregistering, finishing in-flight requests (up to %.0fs)",
+                 drain_timeout)
     if registration is not None:
         registration.withdraw()
     if health is not None:
         health.enter_graceful_shutdown()  # NOT_SERVING for every service
     deadline = time.monotonic() + drain_timeout
-    while busy is not None and busy() and time.monotonic() < deadline:
+    while not crashed and busy is not None and busy() and time.monotonic() < deadline:
         time.sleep(0.05)
     server.stop(grace=max(0.0, deadline - time.monotonic())).wait()
     on_stop()
+    if crashed:
+        raise SystemExit(1)
     log.info("drained; exiting")
 
 
@@ -303,6 +325,7 @@ _STATUS = [  # most specific first
     (ChecksumMismatchError, grpc.StatusCode.DATA_LOSS),
     (TransferDeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PeerUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (EngineDied, grpc.StatusCode.UNAVAILABLE),  # this worker is going away: try another
 ]
 
 

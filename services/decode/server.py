@@ -257,7 +257,7 @@ def serve(cfg: WorkerConfig) -> None:
     reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
                       cfg.fault_delay_release)
     connect_peers(reader, cfg)
-    loop = EngineLoop(boot.engine)
+    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after)
     loop.on_outputs = boot.metrics.observe_outputs
     services = ["baton.v1.DecodeWorker"]
     holder = None
@@ -277,7 +277,8 @@ def serve(cfg: WorkerConfig) -> None:
         boot.agent.close()
 
     boot.serve(cfg.server, services, stop,
-               busy=None if holder is None else lambda: len(holder.leases) > 0)
+               busy=None if holder is None else lambda: len(holder.leases) > 0,
+               died=loop.died)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve(cfg: WorkerConfig) -> None:
     """Boot, serve until drained."""
     boot = boot_worker(cfg)
-    loop = EngineLoop(boot.engine)
+    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after)
     loop.on_outputs = boot.metrics.observe_outputs
     holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
     loop.start()
@@ -41,7 +41,7 @@ def serve(cfg: WorkerConfig) -> None:
 
     # a drain waits for the leased blocks' readers (their release calls need this server)
     boot.serve(cfg.server, ["baton.v1.PrefillWorker", "baton.v1.KVSource"], stop,
-               busy=lambda: len(holder.leases) > 0)
+               busy=lambda: len(holder.leases) > 0, died=loop.died)
 
 
 if __name__ == "__main__":

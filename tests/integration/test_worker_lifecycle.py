@@ -14,6 +14,7 @@ from baton.control.registry import WorkerRegistry
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
 from baton.services.common.launch import WorkerProcess
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 from tests.integration.test_transfer import Pair
 
@@ -79,3 +80,53 @@ def test_register_expire_and_drain(redis_url):
         assert registry.workers() == [] and time.monotonic() - t0 <= 2.5
     finally:
         p.stop()
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, role):
+    """A worker whose engine thread fails (injected after a few steps) reports NOT_SERVING,
+    leaves the registry and exits 1 so its supervisor replaces it; the requests it had taken
+    are retried (no token sent yet) or migrated by the router, and every one succeeds on the
+    other worker of its role."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.support.cluster import Cluster
+
+    args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "128",
+            "--registry-ttl", "2"]
+    crash = ["--fault-crash-engine-after", "2"]
+    with Cluster(prefill=2 if role == "prefill" else 1, decode=2 if role == "decode" else 1,
+                 worker_args=args, routers=[["--local-prefill-max-tokens", "0"]],
+                 prefill_args=lambda c, i: crash if role == "prefill" and i == 0 else [],
+                 decode_args=lambda c, i: crash if role == "decode" and i == 0 else []) as c:
+        victim = (c.decode if role == "decode" else c.prefill)[0]
+        health = health_pb2_grpc.HealthStub(victim.channel)
+        prompts = [list(range(10 + i, 70 + i)) for i in range(8)]
+        want = [o.token_ids for o in LLMEngine.from_path(str(tiny_llama[0])).generate(
+            prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+        stub = api_pb2_grpc.BatonStub(c.router.channel)
+        done: list = []
+
+        def one(i: int) -> None:
+            req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=12,
+                                                                           ignore_eos=True))
+            req.token_ids.ids.extend(prompts[i])
+            msgs = list(stub.Generate(req, timeout=120))
+            done.append((i, [t for m in msgs if m.HasField("delta")
+                             for t in m.delta.token_ids], msgs[-1].final))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        assert victim.proc.wait(timeout=120) == 1, victim.log_tail()
+        for t in threads:
+            t.join(120)
+        assert len(done) == 8
+        for i, ids, final in done:
+            assert ids == want[i], (i, final)
+        assert "engine thread died" in victim.log_tail(200)
+        assert victim.worker_id not in {w.worker_id for w in
+                                        WorkerRegistry.from_url(c.redis.url).workers()}
+        with pytest.raises(grpc.RpcError):  # gone: nothing answers for it any more
+            health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        c.assert_quiet()

@@ -47,15 +47,16 @@ def info(w: WorkerProcess, timeout: float = 30.0) -> worker_pb2.InfoResponse:
 
 class Cluster:
     """``worker_args``: for every worker; ``role_args``: per role ("prefill", "decode");
-    ``decode_args(cluster, i)``: for the i-th decode worker (after the prefill workers started,
-    so it may name their addresses); ``routers``: one argument list per router (each gets
-    ``--redis-url``; ``--http-port -1`` unless it names one); ``env``: added to every process's
-    environment."""
+    ``prefill_args(cluster, i)``, ``decode_args(cluster, i)``: for the i-th worker of that role
+    (decode workers start after the prefill workers, so theirs may name those addresses);
+    ``routers``: one argument list per router (each gets ``--redis-url``; ``--http-port -1``
+    unless it names one); ``env``: added to every process's environment."""
 
     def __init__(self, *, prefill: int = 1, decode: int = 1,
                  routers: Sequence[Sequence[str]] = ((),), worker_args: Sequence[str] = (),
                  role_args: dict[str, Sequence[str]] | None = None,
-                 decode_args: PerWorker | None = None, env: dict[str, str] | None = None) -> None:
+                 decode_args: PerWorker | None = None, prefill_args: PerWorker | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.prefill: list[WorkerProcess] = []
         self.decode: list[WorkerProcess] = []
         self.routers: list[WorkerProcess] = []
@@ -69,7 +70,9 @@ class Cluster:
         self.role_args = {k: list(v) for k, v in (role_args or {}).items()}
         self.router_args = [self._router_args(r) for r in routers]
         try:
-            self.prefill += self._start_all([("prefill", [])] * prefill)
+            self.prefill += self._start_all(
+                [("prefill", list(prefill_args(self, i)) if prefill_args else [])
+                 for i in range(prefill)])
             self.decode += self._start_all(
                 [("decode", list(decode_args(self, i)) if decode_args else [])
                  for i in range(decode)])
