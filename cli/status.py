@@ -15,7 +15,13 @@ import sys
 import time
 from collections import deque
 
-from baton.control.cluster_state import Snapshot, collect, find_redis_url, summarize
+from baton.control.cluster_state import (
+    Snapshot,
+    collect,
+    find_redis_url,
+    summarize,
+    up_restarts,
+)
 from baton.control.registry import WorkerRegistry
 
 # ---- rendering -----------------------------------------------------------------------------------
@@ -51,6 +57,11 @@ def render(summary: dict) -> str:
                                  or "none")
               + f"; routers: {len(summary['routers'])}; prefix-cache hit rate: "
               + ("-" if hr is None else f"{100 * hr:.1f}%")]
+    restarted = [r for r in summary.get("restarts") or () if r["restarts"]]
+    if summary.get("restarts") is not None:  # a local `baton up` supervises this cluster
+        lines.append("baton up restarts: " + (", ".join(
+            f"{r['what']} {r['worker_id'] or '(starting)'} x{r['restarts']}"
+            for r in restarted) or "none"))
     return "\n".join(lines)
 
 
@@ -149,6 +160,7 @@ def status(a: argparse.Namespace) -> int:
     except (RedisError, OSError) as e:
         print(f"error: Redis at {found[1]} did not answer: {e}", file=sys.stderr)
         return 1
+    summary["restarts"] = up_restarts(found[1])
     print(json.dumps(summary, indent=1) if a.json else render(summary))
     return 0
 

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -190,14 +191,32 @@ def threads_each(workers: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
+@dataclass
+class _Slot:
+    """One process ``baton up`` supervises: how to start it again, and how often it has been."""
+
+    what: str  # "decode worker", "router", ...
+    start: Callable[[], object]
+    restarts: int = 0
+    due: float | None = None  # when its next start is due (it exited)
+
+    def backoff(self) -> float:
+        """Seconds before restart number ``restarts``: 1, 2, 4, ... at most 30."""
+        return min(30.0, 2.0 ** (self.restarts - 1))
+
+
 class _LocalCluster:
-    """The processes of one ``baton up``, started in order and stopped in reverse."""
+    """The processes of one ``baton up``, started in order and stopped in reverse. A worker or
+    the router that exits is started again (after a backoff) while the rest keep serving;
+    only Ctrl-C stops the cluster."""
 
     def __init__(self, a: UpConfig) -> None:
         self.a = a
         self.t0 = time.monotonic()
         self.redis = self.state = self.scaler = None
-        self.procs: list = []
+        self.url = ""
+        self.procs: list = []  # the processes now, None while one waits for its restart
+        self.slots: list[_Slot] = []  # one per entry of procs
         self.ray_local = a.ray == "local"
         self.kw = {"log_dir": a.log_dir or tempfile.mkdtemp(prefix="baton-up-")}
 
@@ -206,7 +225,7 @@ class _LocalCluster:
 
     def start(self) -> None:
         a = self.a
-        url = self._start_redis(self._start_ray() if a.ray else a.host)
+        url = self.url = self._start_redis(self._start_ray() if a.ray else a.host)
         self.common = ["--redis-url", url, "--dtype", a.dtype]
         threads = a.threads
         if threads is None and not a.ray:
@@ -219,7 +238,7 @@ class _LocalCluster:
         self.role = ["--role", "both"] if a.colocated else []
         prefill, decode = self._start_workers()
         router = self._start_router(url)
-        self.state = _leave_address(url, router)
+        self._leave_state()
         # with autoscaling the actuator owns the workers from here on (some come and go; new
         # decode workers meet prefill workers at their first hand-off, not by --peers)
         if a.scaling is not None:
@@ -228,7 +247,19 @@ class _LocalCluster:
                                                               "prefill" else
                                                               self.common + self.role),
                                       self.say)
-            self.procs = [router]
+            self.procs, self.slots = [router], self.slots[-1:]
+
+    def _add(self, proc, what: str, start: Callable[[], object]) -> None:
+        self.procs.append(proc)
+        self.slots.append(_Slot(what, start))
+
+    def _leave_state(self) -> None:
+        """Where this cluster is, and its restarts, for `baton status`."""
+        router = self.procs[len(self.procs) - 1]
+        if router is not None:
+            restarts = [{"what": s.what, "worker_id": p.worker_id if p else None,
+                         "restarts": s.restarts} for p, s in zip(self.procs, self.slots)]
+            self.state = _leave_address(self.url, router, restarts)
 
     def _start_ray(self) -> str:
         """Ray up (a local instance or a cluster's); the host Redis must listen on."""
@@ -269,17 +300,19 @@ class _LocalCluster:
         a = self.a
         prefill = [] if a.colocated else [self.spawn("prefill", self.common)
                                           for _ in range(a.prefill)]
-        self.procs += prefill
         for w in prefill:
+            self._add(w, "prefill worker", lambda: self.spawn("prefill", self.common))
             self.say(f"prefill worker {w.worker_id} on {w.address}")
         peers = ",".join(w.address for w in prefill)
         decode_args = self.common + self.role + (["--peers", peers] if peers else [])
+        what = "colocated worker" if a.colocated else "decode worker"
         decode = []
         for _ in range(a.colocated or a.decode):
             decode.append(self.spawn("decode", decode_args))
-            self.say(f"{'colocated' if a.colocated else 'decode'} worker "
-                     f"{decode[-1].worker_id} on {decode[-1].address}")
-        self.procs += decode
+            # started again, it meets the prefill workers at its first hand-off (those in
+            # --peers may have been restarted elsewhere meanwhile)
+            self._add(decode[-1], what, lambda: self.spawn("decode", self.common + self.role))
+            self.say(f"{what} {decode[-1].worker_id} on {decode[-1].address}")
         return prefill, decode
 
     def _start_router(self, url: str):
@@ -292,12 +325,11 @@ class _LocalCluster:
                             ("--tls-key", a.tls_key), ("--api-keys-file", a.api_keys_file)):
             if value:
                 security += [flag, value]
-        router = WorkerProcess("router", ["--host", a.host, "--port", str(a.grpc_port),
-                                          "--http-port", str(a.http_port),
-                                          "--redis-url", url, "--local-prefill-max-tokens",
-                                          str(local_max), "--routing", a.routing,
-                                          *security, *shlex.split(a.router_args)], **self.kw)
-        self.procs.append(router)
+        args = ["--host", a.host, "--port", str(a.grpc_port), "--http-port", str(a.http_port),
+                "--redis-url", url, "--local-prefill-max-tokens", str(local_max), "--routing",
+                a.routing, *security, *shlex.split(a.router_args)]
+        router = WorkerProcess("router", args, **self.kw)
+        self._add(router, "router", lambda: WorkerProcess("router", args, **self.kw))
         self.say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in "
                  f"{self.procs[0].log_path.parent}")
         if router.http_address:
@@ -308,24 +340,54 @@ class _LocalCluster:
         return router
 
     def watch(self, stop: threading.Event) -> int:
-        """Until Ctrl-C (0), or until a process exits (1)."""
+        """Supervise until Ctrl-C (then 0)."""
         if self.scaler is not None:
             threading.Thread(target=self.scaler.run, args=(stop,), daemon=True).start()
         while not stop.is_set():
-            live = self.procs + (self.scaler.actuator.all() if self.scaler else [])
-            dead = [p for p in live if p.proc.poll() is not None]
-            if dead:
-                self.say(f"{dead[0].role} worker {dead[0].worker_id} exited "
-                         f"({dead[0].proc.returncode}); stopping. Its log: {dead[0].log_path}")
-                return 1
+            self._supervise(stop)
             stop.wait(0.5)
         self.say("stopping")
         return 0
 
+    def _supervise(self, stop: threading.Event) -> None:
+        """Note the processes that exited and start again those whose backoff is over."""
+        now = time.monotonic()
+        for i, (p, s) in enumerate(zip(self.procs, self.slots)):
+            if p is not None and p.proc.poll() is not None:
+                s.restarts += 1
+                s.due = now + s.backoff()
+                self.say(f"{s.what} {p.worker_id} exited ({p.proc.returncode}); starting it "
+                         f"again in {s.backoff():g}s (restart {s.restarts}); its log: "
+                         f"{p.log_path}")
+                p.stop(timeout=1.0)  # it has exited: this closes its channel and log
+                self.procs[i] = None
+                self._leave_state()
+            elif p is None and s.due is not None and now >= s.due and not stop.is_set():
+                self._restart(i, s)
+        if self.scaler is not None:  # the autoscaler replaces what its pools lost
+            for w in self.scaler.actuator.all():
+                if w.proc.poll() is not None:
+                    self.say(f"{w.role} worker {w.worker_id} exited ({w.proc.returncode}); "
+                             f"the autoscaler replaces it. Its log: {w.log_path}")
+                    self.scaler.actuator.forget(w)
+
+    def _restart(self, i: int, s: _Slot) -> None:
+        try:
+            p = self.procs[i] = s.start()
+        except Exception as e:  # WorkerStartError, or Ray's: try again after a longer wait
+            s.restarts += 1
+            s.due = time.monotonic() + s.backoff()
+            first = (str(e).splitlines() or [type(e).__name__])[0]
+            self.say(f"{s.what} did not start ({first}); trying again in {s.backoff():g}s")
+            return
+        s.due = None
+        self.say(f"{s.what} back: {p.worker_id} on {p.address} (restart {s.restarts})")
+        self._leave_state()
+
     def stop(self) -> None:
         if self.state is not None:
             _forget_address(self.state)
-        procs = self.procs
+        procs = [p for p in self.procs if p is not None]
         if self.scaler is not None:
             self.scaler.actuator.wait(60)  # starts in progress end first: none is left behind
             procs = [*self.scaler.actuator.all(), *procs]
@@ -341,7 +403,7 @@ class _LocalCluster:
             self.say("stopped")
 
 
-def _leave_address(redis_url: str, router):
+def _leave_address(redis_url: str, router, restarts: list | None = None):
     """Write where this cluster is for `baton status` / `baton top` (removed at exit)."""
     from baton.control.cluster_state import state_file
 
@@ -350,7 +412,8 @@ def _leave_address(redis_url: str, router):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"pid": os.getpid(), "redis_url": redis_url,
                                     "router": router.address,
-                                    "http": router.http_address}))
+                                    "http": router.http_address,
+                                    "restarts": restarts or []}))
     except OSError:
         return None
     return path

@@ -242,6 +242,15 @@ class ProcessActuator:
         with self._lock:
             return [w for p in POOLS for w in self.workers[p]]
 
+    def forget(self, w) -> None:
+        """``w`` exited on its own: its pool counts one fewer (the policy grows it back to its
+        minimum)."""
+        with self._lock:
+            for pool in POOLS:
+                if w in self.workers[pool]:
+                    self.workers[pool].remove(w)
+        w.stop(timeout=1.0)  # it has exited: this closes its channel and log
+
     def wait(self, timeout: float = 120.0) -> None:
         """Until every start and drain in progress has ended (tests, shutdown)."""
         end = time.monotonic() + timeout

@@ -25,6 +25,17 @@ def state_file() -> Path:
     return cache_dir() / "up.json"
 
 
+def up_restarts(redis_url: str) -> list[dict] | None:
+    """The restarts of a local ``baton up`` serving on ``redis_url`` (what it supervises, and
+    how often each was started again), or None when no such ``baton up`` runs."""
+    try:
+        state = json.loads(state_file().read_text())
+        os.kill(state["pid"], 0)
+    except (OSError, ValueError, KeyError):
+        return None
+    return state.get("restarts") if state.get("redis_url") == redis_url else None
+
+
 def find_redis_url() -> str | None:
     """$BATON_REDIS_URL, else the Redis of a local ``baton up`` that is still running."""
     if os.environ.get("BATON_REDIS_URL"):

@@ -6,7 +6,9 @@ that are killed or drained under load."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import sys
 import threading
 import time
 
@@ -441,6 +443,77 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
     assert "stopped" in rest
     ps = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", "a process outlived baton up"
+
+
+def test_baton_up_starts_a_killed_worker_again_and_keeps_serving(engine, tmp_path):
+    """SIGKILL a decode worker of `baton up` under load: every request still succeeds (those
+    it was streaming move to the other decode worker), `baton up` starts it again after its
+    backoff and says so, `baton status` counts the restart, and Ctrl-C still stops it all."""
+    import subprocess
+
+    port = free_port()
+    up, lines = start_baton_up("--decode", "2", "--num-blocks", "96", "--grpc-port", str(port),
+                               "--http-port", "-1", "--log-dir", str(tmp_path))
+    more: list[str] = []
+    back = threading.Event()
+
+    def read() -> None:
+        for line in up.stdout:
+            more.append(line)
+            if " back: " in line:
+                back.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert f"127.0.0.1:{port}" in lines[-1], "".join(lines)
+        decodes = subprocess.run(["pgrep", "-P", str(up.pid), "-f", "baton.services.decode"],
+                                 capture_output=True, text=True).stdout.split()
+        assert len(decodes) == 2, decodes
+        kind, text = PROMPTS[3]
+        want = expected(engine, kind, text, 24).token_ids
+        results: list = []
+        stop = threading.Event()
+
+        def client() -> None:
+            while not stop.is_set():
+                try:
+                    results.append(generate_at(f"127.0.0.1:{port}", request(kind, text, 24)))
+                except grpc.RpcError as e:
+                    results.append(e.code().name)
+
+        clients = [threading.Thread(target=client) for _ in range(3)]
+        for t in clients:
+            t.start()
+        while len(results) < 2:
+            time.sleep(0.05)
+        os.kill(int(decodes[0]), signal.SIGKILL)
+        assert back.wait(120), "".join(more)
+        n = len(results)
+        while len(results) < n + 3:  # served after the restart too
+            time.sleep(0.05)
+        stop.set()
+        for t in clients:
+            t.join(120)
+        assert all(r == want for r in results), [r for r in results if r != want][:3]
+        text_out = "".join(more)
+        assert "exited (-9); starting it again in 1s (restart 1)" in text_out, text_out
+        st = subprocess.run([sys.executable, "-m", "baton.cli.main", "status", "--json"],
+                            capture_output=True, text=True, timeout=60)
+        restarts = json.loads(st.stdout)["restarts"]
+        assert [r["restarts"] for r in restarts if r["what"] == "decode worker"] in ([1, 0],
+                                                                                      [0, 1])
+        assert up.poll() is None  # still serving
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=90)[0]
+    assert up.returncode == 0, rest
+
+
+def generate_at(address: str, req) -> list[int]:
+    """The token ids of one Generate through a plain stub on its own channel."""
+    with grpc.insecure_channel(address) as ch:
+        return [t for m in api_pb2_grpc.BatonStub(ch).Generate(req, timeout=120)
+                if m.HasField("delta") for t in m.delta.token_ids]
 
 
 def test_colocated_workers_prefill_for_each_other(engine):
