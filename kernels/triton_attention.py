@@ -152,9 +152,20 @@ def _decode_tile(acc, l_i, m_i, q, k, v, valid, PRECISION: tl.constexpr):
     """One tile of keys through the online softmax: the new (acc, l_i, m_i)."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_PAD, BLOCK_N]
     s = tl.where(valid[None, :], s, float("-inf"))
+    return _online_softmax(acc, l_i, m_i, s, v, PRECISION, False)
+
+
+@triton.jit
+def _online_softmax(acc, l_i, m_i, s, v, PRECISION: tl.constexpr, BASE2: tl.constexpr):
+    """One tile's scores ``s`` (keys not seen: -inf) and values ``v`` into the running softmax:
+    the new (acc, l_i, m_i). BASE2: the scores carry log2(e), so exp2 stands for exp."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
+    if BASE2:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
@@ -299,12 +310,7 @@ def _prefill_tile(
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         sc = tl.where((offs_n[None, :] <= pos[:, None]) & valid[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(sc, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(sc - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, l_i, m_new
+    return _online_softmax(acc, l_i, m_i, sc, v, PRECISION, True)
 
 
 @triton.jit
