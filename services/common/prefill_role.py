@@ -95,6 +95,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             engine_spans(span, t0, out)
         if out.handoff is None:  # the first token ended it (EOS, stop, max_tokens=1)
             resp.finish_reason = out.finish_reason or ""
+            resp.first_text = out.new_text or ""
             return resp
         h = out.handoff
         resp.sampler_state = h.sampler_state or b""

@@ -393,8 +393,9 @@ class Orchestrator:
         first_lp = [pre.first_logprob] if pre.HasField("first_logprob") else []
         if pre.finish_reason:  # the first token ended the request: nothing to hand off
             st.tokens.append(pre.first_token_id)
-            text = self.tokenizer.decode([pre.first_token_id])
-            yield from st.ending(st.delta([pre.first_token_id], text, first_lp),
+            # the worker's text for it: cut before a stop string it completes, as on the
+            # local path (decoding the token here sent the stop string too)
+            yield from st.ending(st.delta([pre.first_token_id], pre.first_text, first_lp),
                                  pre.finish_reason, "remote")
             return Done()
         st.first_logprob = first_lp

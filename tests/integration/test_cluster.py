@@ -311,6 +311,23 @@ def test_two_clients_choosing_the_same_request_id_do_not_collide(cluster, engine
     cluster.assert_quiet()
 
 
+def test_a_stop_string_the_first_token_completes_is_cut_on_both_paths(cluster, engine):
+    """On the remote path the prefill worker samples the first token; when that token completes
+    a stop string the request ends there, and the client gets the text before the stop string,
+    as on the local path and from the engine (it used to get the whole token)."""
+    kind, text = PROMPTS[4]
+    first = expected(engine, kind, text, 1).text.strip()
+    assert len(first) >= 2, first
+    stop = first[:2]
+    ids = engine.tokenizer.encode(text)
+    want = engine.generate([ids], SamplingParams(max_tokens=8, stop=[stop]))[0]
+    assert want.finish_reason == "stop" and stop not in want.text
+    for router, path in ((cluster.router, "remote"), (cluster.routers[1], "local")):
+        got_ids, got, final = generate(router, request(kind, text, 8, stop=[stop]))
+        assert (got, final.finish_reason, final.path) == (want.text, "stop", path)
+        assert got_ids == want.token_ids
+
+
 def test_curl_streams_and_is_told_which_field_is_not_implemented(cluster, engine):
     """curl, a client with no OpenAI library behind it: a streamed chat completion arrives as
     server-sent events ending in [DONE] with the engine's text; a body using a field Baton does

@@ -81,7 +81,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "handle", "num_cached_tokens", "prefill_s", "sampler_state", "first_logprob", "queue_s")
+    __slots__ = ("first_token_id", "finish_reason", "handle", "num_cached_tokens", "prefill_s", "sampler_state", "first_logprob", "queue_s", "first_text")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class PrefillResponse(_message.Message):
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
     handle: KVHandle
@@ -98,7 +99,8 @@ class PrefillResponse(_message.Message):
     sampler_state: bytes
     first_logprob: TokenLogprob
     queue_s: float
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sampler_state: _Optional[bytes] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    first_text: str
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sampler_state: _Optional[bytes] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., first_text: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "params", "handle", "sampler_state")
