@@ -30,8 +30,10 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     ap.add_argument("--colocated", type=int, default=0,
                     help="instead of separate pools: N workers that prefill and decode")
-    ap.add_argument("--redis-url", default=None,
-                    help="use this Redis instead of starting the embedded redis-server")
+    ap.add_argument("--redis-url", default=os.environ.get("BATON_REDIS_URL"),
+                    help="use this Redis instead of starting the embedded redis-server "
+                         "(default $BATON_REDIS_URL, which keeps a password off every command "
+                         "line: the workers and the router get the URL in their environment)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC API")
     ap.add_argument("--http-port", type=int, default=8000,
@@ -226,7 +228,10 @@ class _LocalCluster:
     def start(self) -> None:
         a = self.a
         url = self.url = self._start_redis(self._start_ray() if a.ray else a.host)
-        self.common = ["--redis-url", url, "--dtype", a.dtype]
+        # local processes get the URL (a password in it included) in their environment, never
+        # in argv, where `ps` shows it to every user; Ray actors take it as an argument
+        self.env = {"BATON_REDIS_URL": url}
+        self.common = (["--redis-url", url] if a.ray else []) + ["--dtype", a.dtype]
         threads = a.threads
         if threads is None and not a.ray:
             threads = threads_each(a.colocated or a.prefill + a.decode)
@@ -288,7 +293,7 @@ class _LocalCluster:
 
         a = self.a
         if not a.ray:
-            return WorkerProcess(role, ["--host", a.host, *args], **self.kw)
+            return WorkerProcess(role, ["--host", a.host, *args], env=self.env, **self.kw)
         from baton.services.common.ray_launch import RayWorker
 
         w = RayWorker(role, args, num_cpus=a.ray_cpus_per_worker or a.threads or 1,
@@ -320,16 +325,18 @@ class _LocalCluster:
 
         a = self.a
         local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens
-        security = []
-        for flag, value in (("--auth-token", a.auth_token), ("--tls-cert", a.tls_cert),
-                            ("--tls-key", a.tls_key), ("--api-keys-file", a.api_keys_file)):
+        security = []  # file paths; the token itself goes in the environment
+        for flag, value in (("--tls-cert", a.tls_cert), ("--tls-key", a.tls_key),
+                            ("--api-keys-file", a.api_keys_file)):
             if value:
                 security += [flag, value]
         args = ["--host", a.host, "--port", str(a.grpc_port), "--http-port", str(a.http_port),
-                "--redis-url", url, "--local-prefill-max-tokens", str(local_max), "--routing",
-                a.routing, *security, *shlex.split(a.router_args)]
-        router = WorkerProcess("router", args, **self.kw)
-        self._add(router, "router", lambda: WorkerProcess("router", args, **self.kw))
+                "--local-prefill-max-tokens", str(local_max), "--routing", a.routing,
+                *security, *shlex.split(a.router_args)]
+        env = {"BATON_REDIS_URL": url, **({"BATON_AUTH_TOKEN": a.auth_token}
+                                          if a.auth_token else {})}
+        router = WorkerProcess("router", args, env=env, **self.kw)
+        self._add(router, "router", lambda: WorkerProcess("router", args, env=env, **self.kw))
         self.say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in "
                  f"{self.procs[0].log_path.parent}")
         if router.http_address:
@@ -410,6 +417,8 @@ def _leave_address(redis_url: str, router, restarts: list | None = None):
     path = state_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)  # the Redis URL may hold a password: this user's only
+        path.chmod(0o600)
         path.write_text(json.dumps({"pid": os.getpid(), "redis_url": redis_url,
                                     "router": router.address,
                                     "http": router.http_address,

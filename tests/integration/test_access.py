@@ -186,3 +186,46 @@ def test_redis_auth_is_required_and_used(tiny_llama):
         for w in reversed(workers):
             w.stop()
         r.stop()
+
+
+def test_baton_up_keeps_the_redis_password_and_the_api_key_off_every_command_line(
+        tiny_llama, tmp_path):
+    """`baton up` with a Redis password and an API key from its environment: the workers and
+    the router get them in theirs, so `ps` shows neither on any command line (redis-server's
+    included), and the cluster serves with them."""
+    from baton.control.redis_server import EmbeddedRedis
+
+    r = EmbeddedRedis(password="s3cret-up-pw").start()
+    env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path), "BATON_REDIS_URL": r.url,
+           "BATON_AUTH_TOKEN": "s3cret-api-key"}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli.main", "up", "--model", str(tiny_llama[0]),
+         "--num-blocks", "64", "--grpc-port", "0", "--http-port", "-1", "--log-dir",
+         str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if "ready:" in line or "error" in line:
+                break
+        text = "".join(lines)
+        addr = re.search(r"gRPC API \(baton.v1.Baton\) on (\S+:\d+);", text)
+        assert addr, text
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert "s3cret-up-pw" not in ps and "s3cret-api-key" not in ps
+        with grpc.insecure_channel(addr.group(1)) as ch:
+            stub = api_pb2_grpc.BatonStub(ch)
+            req = api_pb2.GenerateRequest(text="hi",
+                                          params=worker_pb2.SamplingParams(max_tokens=3))
+            with pytest.raises(grpc.RpcError) as e:  # the key is required
+                list(stub.Generate(req, timeout=60))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            msgs = list(stub.Generate(req, timeout=60,
+                                      metadata=[("authorization", "Bearer s3cret-api-key")]))
+            assert msgs[-1].final.finish_reason
+    finally:
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=90)[0]
+        r.stop()
+    assert up.returncode == 0, rest
+    assert "s3cret-up-pw" not in text + rest and "s3cret-api-key" not in text + rest
