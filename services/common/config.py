@@ -149,12 +149,14 @@ class WorkerConfig:
     peers: tuple[str, ...] = ()  # decode and both: prefill workers to handshake with first
     fault_delay_release: float = 0.0  # tests only: hold the lease release this long
     fault_crash_engine_after: int = 0  # tests only: the engine thread fails after N steps
+    fault_step_delay: float = 0.0  # tests only: every engine step takes at least this long
 
     @classmethod
     def prefill(cls, a: argparse.Namespace) -> WorkerConfig:
         return cls("prefill", EngineSettings.from_args(a), ServerSettings.from_args(a),
                    HolderSettings.from_args(a),
-                   fault_crash_engine_after=a.fault_crash_engine_after)
+                   fault_crash_engine_after=a.fault_crash_engine_after,
+                   fault_step_delay=a.fault_step_delay)
 
     @classmethod
     def decode(cls, a: argparse.Namespace) -> WorkerConfig:
@@ -163,7 +165,7 @@ class WorkerConfig:
         return cls(a.role, EngineSettings.from_args(a), ServerSettings.from_args(a),
                    HolderSettings.from_args(a) if a.role == "both" else None,
                    a.transfer_timeout, tuple(p for p in a.peers.split(",") if p),
-                   a.fault_delay_release, a.fault_crash_engine_after)
+                   a.fault_delay_release, a.fault_crash_engine_after, a.fault_step_delay)
 
 
 def worker_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, object]:
@@ -173,4 +175,7 @@ def worker_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser,
     EngineSettings.add_flags(ap)
     ServerSettings.add_flags(ap)
     ap.add_argument("--fault-crash-engine-after", type=int, default=0, help=argparse.SUPPRESS)
+    # from the environment too, so a test can slow the workers `baton up` starts
+    ap.add_argument("--fault-step-delay", type=float, help=argparse.SUPPRESS,
+                    default=float(os.environ.get("BATON_FAULT_STEP_DELAY_S", "0")))
     return ap, ap.add_argument_group("KV hand-off")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -22,10 +23,13 @@ log = logging.getLogger("baton.services")
 class EngineLoop:
     """``died`` is set when the engine thread stops on an error: the worker then deregisters,
     reports NOT_SERVING and exits non-zero (:func:`baton.services.common.worker.serve_forever`).
-    ``fault_crash_after`` (tests only): the thread fails on purpose after that many steps."""
+    ``fault_crash_after`` (tests only): the thread fails on purpose after that many steps;
+    ``fault_step_delay_s`` (tests only): every step takes at least that long (a slow machine,
+    on any machine)."""
 
     def __init__(self, engine: LLMEngine, *, on_tick: Callable[[], None] | None = None,
-                 tick_s: float = 0.05, fault_crash_after: int = 0) -> None:
+                 tick_s: float = 0.05, fault_crash_after: int = 0,
+                 fault_step_delay_s: float = 0.0) -> None:
         # called between steps on the engine thread (a holder's lease sweep); may be set later
         self.on_tick, self._tick_s = on_tick, tick_s
         self.on_outputs: Callable[[list], None] | None = None  # metrics, on the engine thread
@@ -36,6 +40,7 @@ class EngineLoop:
         self._error: BaseException | None = None
         self.died = threading.Event()
         self._fault_crash_after, self._steps = fault_crash_after, 0
+        self._fault_step_delay_s = fault_step_delay_s
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # threads waiting for KV blocks to be freed (a decode worker's hand-off reservation)
         self._freed = threading.Condition()
@@ -114,6 +119,8 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
                     self._steps += 1
+                    if self._fault_step_delay_s:
+                        time.sleep(self._fault_step_delay_s)
                     if self._steps == self._fault_crash_after:
                         raise RuntimeError("fault injection: --fault-crash-engine-after "
                                            f"{self._fault_crash_after}")

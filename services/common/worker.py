@@ -337,12 +337,29 @@ def status_for(e: BaseException) -> grpc.StatusCode:
 
 
 FIELD_METADATA = "baton-field"
+# a decode worker's failed hand-off: the address of the prefill worker (the holder) it failed
+# on, so the router retries without that worker rather than without this one
+PEER_METADATA = "baton-failed-peer"
 
 
-def abort_with(context: grpc.ServicerContext, e: BaseException):
+def engine_guard(context: grpc.ServicerContext, stream):
+    """Relay a server stream; an :class:`EngineDied` raised anywhere in it (a call to the dead
+    engine) ends the call UNAVAILABLE, which the router retries, instead of escaping as
+    UNKNOWN."""
+    try:
+        yield from stream
+    except EngineDied as e:
+        abort_with(context, e)
+
+
+def abort_with(context: grpc.ServicerContext, e: BaseException, peer: str | None = None):
     """End the RPC with the typed status for ``e`` and its message (raises). An invalid field is
-    named in the ``baton-field`` trailing metadata too, so the router reports it as it is."""
+    named in the ``baton-field`` trailing metadata too, so the router reports it as it is;
+    ``peer``: the worker the failure came from (``baton-failed-peer``), when not this one."""
     field = getattr(e, "field", None)
-    if isinstance(field, str):
-        context.set_trailing_metadata(((FIELD_METADATA, field),))
+    meta = [(FIELD_METADATA, field)] if isinstance(field, str) else []
+    if peer:
+        meta.append((PEER_METADATA, peer))
+    if meta:
+        context.set_trailing_metadata(tuple(meta))
     context.abort(status_for(e), f"{type(e).__name__}: {e}")

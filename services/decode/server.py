@@ -30,6 +30,7 @@ from baton.services.common.prefill_role import add_prefill_role, engine_spans
 from baton.services.common.worker import (
     abort_with,
     boot_worker,
+    engine_guard,
     logprob_to_proto,
     params_from_proto,
     tokenizer_info,
@@ -57,8 +58,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def Decode(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
         span = tracing.worker_span(context, "DecodeWorker/Decode", rid, self.worker_id, request)
-        yield from tracing.traced_stream(span, context,
-                                         self._decode(request, context, rid, span))
+        yield from tracing.traced_stream(span, context, engine_guard(
+            context, self._decode(request, context, rid, span)))
 
     def _decode(self, request, context, rid: str, span):
         handle = KVHandle.from_proto(request.handle)
@@ -104,8 +105,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id or uuid.uuid4().hex
         span = tracing.worker_span(context, "DecodeWorker/Generate", rid, self.worker_id,
                                    request, at=t0)
-        yield from tracing.traced_stream(span, context,
-                                         self._generate(request, context, rid, t0, span))
+        yield from tracing.traced_stream(span, context, engine_guard(
+            context, self._generate(request, context, rid, t0, span)))
 
     def _generate(self, request, context, rid: str, t0: float, span):
         try:
@@ -143,7 +144,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 self.metrics.transfer_failures.labels(type(e).__name__).inc()
             self.loop.run(self.engine.abort, rid)
             log.warning("request %s: hand-off from %s failed: %s", rid, handle.worker_id, e)
-            abort_with(context, e)
+            abort_with(context, e, peer=handle.address)  # the holder failed, not this worker
         ts.set({"baton.kv.bytes": res.bytes, "baton.kv.blocks_read": res.blocks_read,
                 "baton.kv.blocks_local": res.blocks_local,
                 "baton.kv.transport": res.transports or None,
@@ -257,7 +258,8 @@ def serve(cfg: WorkerConfig) -> None:
     reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
                       cfg.fault_delay_release)
     connect_peers(reader, cfg)
-    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after)
+    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after,
+                      fault_step_delay_s=cfg.fault_step_delay)
     loop.on_outputs = boot.metrics.observe_outputs
     services = ["baton.v1.DecodeWorker"]
     holder = None

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
 def serve(cfg: WorkerConfig) -> None:
     """Boot, serve until drained."""
     boot = boot_worker(cfg)
-    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after)
+    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after,
+                      fault_step_delay_s=cfg.fault_step_delay)
     loop.on_outputs = boot.metrics.observe_outputs
     holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
     loop.start()

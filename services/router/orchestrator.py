@@ -501,7 +501,9 @@ class Orchestrator:
         if not sent and (e.status in _RETRY_BEFORE_FIRST_TOKEN or (
                 # the worker's own timeout (a KV hand-off from a stalled peer), not the client's
                 e.status is Status.DEADLINE_EXCEEDED and deadline.at - time.monotonic() > 1.0)):
-            return Retry(e.address, str(e))
+            # without the worker that failed: a decode worker names the prefill worker its
+            # hand-off failed on, which is then the one left out
+            return Retry(e.culprit, str(e))
         if sent and e.status in (Status.UNAVAILABLE, Status.CANCELLED):
             return Migrate(e.address, f"{e.address} failed: {e.status.name} {e.detail}")
         return Failed(RequestError(e.status, e.detail, e.field))

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import grpc
 import grpc.experimental
 from baton.control.registry import WorkerRecord, WorkerRegistry
-from baton.services.common.worker import FIELD_METADATA
+from baton.services.common.worker import FIELD_METADATA, PEER_METADATA
 from baton.services.router.errors import Status
 from baton.transfer.handle import release_request
 from baton.v1 import worker_pb2, worker_pb2_grpc
@@ -31,19 +31,23 @@ log = logging.getLogger("baton.services.router")
 
 class WorkerError(Exception):
     """A call to the worker at ``address`` failed with ``status``; ``detail`` is its message,
-    ``field`` the input it rejected (INVALID_ARGUMENT), if it named one."""
+    ``field`` the input it rejected (INVALID_ARGUMENT), if it named one; ``culprit`` the worker
+    the failure came from: ``address``, or the prefill worker a decode worker's hand-off
+    failed on."""
 
     def __init__(self, address: str, status: Status, detail: str,
-                 field: str | None = None) -> None:
+                 field: str | None = None, culprit: str | None = None) -> None:
         super().__init__(f"{address}: {status.name} {detail}")
         self.address, self.status, self.detail, self.field = address, status, detail, field
+        self.culprit = culprit or address
 
     @classmethod
     def of(cls, address: str, e: grpc.RpcError) -> WorkerError:
         code = e.code()
-        field = dict(e.trailing_metadata() or ()).get(FIELD_METADATA)
+        meta = dict(e.trailing_metadata() or ())
         return cls(address, Status.named(code.name if code else "UNKNOWN"),
-                   e.details() or (code.name if code else ""), field)
+                   e.details() or (code.name if code else ""), meta.get(FIELD_METADATA),
+                   meta.get(PEER_METADATA))
 
 
 class Prefill:

@@ -94,7 +94,7 @@ def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, 
 
     args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "128",
             "--registry-ttl", "2"]
-    crash = ["--fault-crash-engine-after", "2"]
+    crash = ["--fault-crash-engine-after", "1"]  # its first step: it surely takes one
     with Cluster(prefill=2 if role == "prefill" else 1, decode=2 if role == "decode" else 1,
                  worker_args=args, routers=[["--local-prefill-max-tokens", "0"]],
                  prefill_args=lambda c, i: crash if role == "prefill" and i == 0 else [],
@@ -111,7 +111,11 @@ def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, 
             req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=12,
                                                                            ignore_eos=True))
             req.token_ids.ids.extend(prompts[i])
-            msgs = list(stub.Generate(req, timeout=120))
+            try:
+                msgs = list(stub.Generate(req, timeout=120))
+            except grpc.RpcError as e:
+                done.append((i, e.code().name, e.details()))
+                return
             done.append((i, [t for m in msgs if m.HasField("delta")
                              for t in m.delta.token_ids], msgs[-1].final))
 

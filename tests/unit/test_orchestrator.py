@@ -38,6 +38,18 @@ def test_an_unavailable_worker_before_the_first_token_is_retried(status):
     assert status.name in out.detail and "what the worker said" in out.detail
 
 
+def test_a_failed_hand_off_is_retried_without_the_prefill_worker_it_failed_on():
+    # the decode worker is fine: the prefill worker holding the KV is not (gone, stalled, its
+    # engine dead); leaving the decode worker out would leave a one-decode-worker cluster with
+    # none to try
+    e = WorkerError("10.0.0.1:5000", Status.UNAVAILABLE, "PeerUnavailableError: ...",
+                    culprit="10.0.0.2:6000")
+    out = Orchestrator._failure(e, Deadline.after(60), Cancellation(), False)
+    assert isinstance(out, Retry) and out.address == "10.0.0.2:6000"
+    out = Orchestrator._failure(e, Deadline.after(60), Cancellation(), True)  # mid-stream
+    assert isinstance(out, Migrate) and out.address == "10.0.0.1:5000"
+
+
 @pytest.mark.parametrize("status", [Status.UNAVAILABLE, Status.CANCELLED])
 def test_a_worker_lost_after_tokens_were_sent_is_migrated(status):
     out = failure(status, sent=True)
