@@ -230,8 +230,12 @@ def test_a_killed_workers_entries_expire_within_the_ttl(cluster):
     keys = lambda: r.keys(f"{INDEX_PREFIX}{victim.worker_id}:*")  # noqa: E731
     victim.kill()
     t = time.monotonic()
-    while keys():
-        assert time.monotonic() - t < TTL + 1.0, "index entries outlived the TTL"
+    # every entry carries the TTL (Redis drops it by then, however slow this client is; -2: it
+    # already has)
+    left = [r.pttl(k) for k in keys()]
+    assert all(ms == -2 or 0 < ms <= TTL * 1000 for ms in left), left
+    while keys():  # and they go: a hang bound only (a slow machine is no failure)
+        assert time.monotonic() - t < TTL + 30.0, "index entries outlived the TTL by far"
         time.sleep(0.1)
     print(f"index entries of a SIGKILLed worker gone after {time.monotonic() - t:.2f}s "
           f"(TTL {TTL}s)")
