@@ -18,6 +18,7 @@ import pytest
 import redis as redis_py
 from baton.control.prefix_index import INDEX_PREFIX, inflight_key
 from baton.control.redis_server import EmbeddedRedis
+from baton.control.registry import WorkerRegistry
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 pytestmark = pytest.mark.slow
@@ -210,8 +211,15 @@ def test_redis_outage_degrades_to_load_only_and_recovers(cluster):
             assert not f.index_used and f.index_cached_tokens == 0
     finally:
         cluster.redis = EmbeddedRedis(port=port).start()  # back, and empty
-    # workers re-register on their next heartbeat and resend their whole index
-    end, k = time.monotonic() + 10, 70
+    # workers re-register on their next heartbeat and resend their whole index; until the
+    # router's view (re-read every second) has them again, a request may find no worker
+    registry = WorkerRegistry.from_url(cluster.redis.url)
+    end = time.monotonic() + 60  # a hang bound
+    while len(registry.workers()) < 3:
+        assert time.monotonic() < end, "the workers did not register again"
+        time.sleep(0.05)
+    time.sleep(1.1)  # one refresh of the router's registry view: it sees them too
+    end, k = time.monotonic() + 30, 70
     while True:
         k += 1
         _, f = generate(cluster.routers[1], prompt + tokens(k, 20))
