@@ -25,27 +25,28 @@ def state_file() -> Path:
     return cache_dir() / "up.json"
 
 
-def up_restarts(redis_url: str) -> list[dict] | None:
-    """The restarts of a local ``baton up`` serving on ``redis_url`` (what it supervises, and
-    how often each was started again), or None when no such ``baton up`` runs."""
+def _running_up() -> dict:
+    """The state a local ``baton up`` left, if that ``baton up`` still runs (else {})."""
     try:
         state = json.loads(state_file().read_text())
         os.kill(state["pid"], 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return state.get("restarts") if state.get("redis_url") == redis_url else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return state
+
+
+def up_restarts(redis_url: str) -> list[dict] | None:
+    """The restarts of a local ``baton up`` serving on ``redis_url`` (what it supervises, and
+    how often each was started again), or None when no such ``baton up`` runs."""
+    state = _running_up()
+    return state.get("restarts") if state and state.get("redis_url") == redis_url else None
 
 
 def find_redis_url() -> str | None:
     """$BATON_REDIS_URL, else the Redis of a local ``baton up`` that is still running."""
     if os.environ.get("BATON_REDIS_URL"):
         return os.environ["BATON_REDIS_URL"]
-    try:
-        state = json.loads(state_file().read_text())
-        os.kill(state["pid"], 0)
-    except (OSError, ValueError, KeyError):
-        return None
-    return state["redis_url"]
+    return _running_up().get("redis_url")
 
 
 # ---- scraping ------------------------------------------------------------------------------------
