@@ -21,12 +21,28 @@ def cache_dir() -> Path:
 
 def set_on_signals(event: threading.Event,
                    signals: tuple = (signal.SIGTERM, signal.SIGINT)) -> None:
-    """Set ``event`` when one of ``signals`` arrives (a drain, Ctrl-C). The handler sets it from
-    a new thread: a handler runs on the main thread between two bytecodes, possibly while that
-    thread holds the event's lock inside ``event.wait()``, and setting it there deadlocks. A
-    router that got SIGINT and SIGTERM together under ``baton up`` hung that way."""
-    def handler(*_) -> None:
-        threading.Thread(target=event.set, name="signal", daemon=True).start()
+    """Set ``event`` when one of ``signals`` arrives (a drain, Ctrl-C).
 
+    The handler only writes a byte to a pipe; a watcher thread reads it and sets the event.
+    A handler runs on the main thread between two bytecodes, possibly while that thread holds
+    the event's lock inside ``event.wait()``, and setting the event there deadlocks (a router
+    that got SIGINT and SIGTERM together under ``baton up`` hung that way). And a handler that
+    does real work (starting a thread) is itself interrupted by the next signal of a burst,
+    and re-entered, until the stack overflows (RecursionError); one ``os.write`` is over
+    before the next signal can nest."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def watch() -> None:
+        while os.read(read_fd, 4096):
+            event.set()
+
+    def handler(*_) -> None:
+        try:
+            os.write(write_fd, b"\0")
+        except OSError:  # the pipe is full: a wake-up is already waiting to be read
+            pass
+
+    threading.Thread(target=watch, name="signal", daemon=True).start()
     for sig in signals:
         signal.signal(sig, handler)
