@@ -537,8 +537,10 @@ class Orchestrator:
 
 
 # before anything reached the client: the worker is gone, or the hand-off's lease was lost
-# (expired while a worker stalled; its blocks were discarded, never decoded): start over
-_RETRY_BEFORE_FIRST_TOKEN = (Status.UNAVAILABLE, Status.ABORTED)
+# (expired while a worker stalled; its blocks were discarded, never decoded): start over. A
+# call the router did not cancel that ends CANCELLED was ended by the worker's side (a worker
+# going away after its engine died: CI saw one, with no message): gone too
+_RETRY_BEFORE_FIRST_TOKEN = (Status.UNAVAILABLE, Status.ABORTED, Status.CANCELLED)
 
 
 class _PromptHashes:

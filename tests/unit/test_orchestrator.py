@@ -31,7 +31,7 @@ def failure(status: Status, *, sent: bool = False, left: float = 60.0, cancelled
     return Orchestrator._failure(e, Deadline.after(left), cancel, sent)
 
 
-@pytest.mark.parametrize("status", [Status.UNAVAILABLE, Status.ABORTED])
+@pytest.mark.parametrize("status", [Status.UNAVAILABLE, Status.ABORTED, Status.CANCELLED])
 def test_an_unavailable_worker_before_the_first_token_is_retried(status):
     out = failure(status)
     assert isinstance(out, Retry) and out.address == "10.0.0.1:5000"
@@ -76,6 +76,7 @@ def test_a_cancelled_call_of_a_cancelled_request_is_the_client_going_away():
     assert isinstance(out, Failed) and out.error.status is Status.CANCELLED
     # not cancelled by the client (a stall watch, a worker's own cancel): not the client's
     assert isinstance(failure(Status.CANCELLED, sent=True), Migrate)
+    assert isinstance(failure(Status.CANCELLED), Retry)
 
 
 def test_a_request_without_a_client_deadline_gets_the_routers_default():
