@@ -82,6 +82,7 @@ def main() -> None:
 
     from baton.bench.loadgen import ClosedLoop, GrpcTarget, Req
     from baton.control.registry import WorkerRegistry
+    from baton.transfer import cluster_secret
     from baton.v1 import worker_pb2, worker_pb2_grpc
 
     t0 = time.monotonic()
@@ -154,9 +155,8 @@ def main() -> None:
     while True:
         pools = {}
         for w in registry.workers():
-            import grpc
 
-            with grpc.insecure_channel(w.address) as ch:
+            with cluster_secret.channel(w.address) as ch:
                 stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
                         else worker_pb2_grpc.DecodeWorkerStub(ch))
                 i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)

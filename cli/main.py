@@ -76,11 +76,12 @@ def _handoff(a: argparse.Namespace) -> int:
 def _prefill_then_decode(a: argparse.Namespace, ids: list[int], p):
     """The Prefill call, then (unless its first token ended the request) the Decode stream:
     (prefill answer, tokens, text, transfer stats, finish reason)."""
-    import grpc
     from baton.v1 import worker_pb2, worker_pb2_grpc
 
     rid = f"cli-{time.time_ns()}"
-    with grpc.insecure_channel(a.prefill) as pch, grpc.insecure_channel(a.decode) as dch:
+    from baton.transfer import cluster_secret
+
+    with cluster_secret.channel(a.prefill) as pch, cluster_secret.channel(a.decode) as dch:
         pre = worker_pb2_grpc.PrefillWorkerStub(pch).Prefill(worker_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=ids, params=p), timeout=a.timeout)
         tokens, text, stats, reason = [], "", None, pre.finish_reason

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import sys
 import tempfile
@@ -18,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
+
+from baton.transfer import cluster_secret
 
 from baton import set_on_signals
 
@@ -217,6 +220,10 @@ class _LocalCluster:
         self.t0 = time.monotonic()
         self.redis = self.state = self.scaler = None
         self.url = ""
+        try:  # one per cluster unless the environment names one (to call the workers yourself)
+            self.secret = cluster_secret.current() or secrets.token_urlsafe(32)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
         self.procs: list = []  # the processes now, None while one waits for its restart
         self.slots: list[_Slot] = []  # one per entry of procs
         self.ray_local = a.ray == "local"
@@ -228,10 +235,10 @@ class _LocalCluster:
     def start(self) -> None:
         a = self.a
         url = self.url = self._start_redis(self._start_ray() if a.ray else a.host)
-        # local processes get the URL (a password in it included) in their environment, never
-        # in argv, where `ps` shows it to every user; Ray actors take it as an argument
-        self.env = {"BATON_REDIS_URL": url}
-        self.common = (["--redis-url", url] if a.ray else []) + ["--dtype", a.dtype]
+        # every process gets the URL (a password in it included) and the cluster secret in its
+        # environment, never in argv, where `ps` shows them to every user of the host
+        self.env = {"BATON_REDIS_URL": url, cluster_secret.ENV: self.secret}
+        self.common = ["--dtype", a.dtype]
         threads = a.threads
         if threads is None and not a.ray:
             threads = threads_each(a.colocated or a.prefill + a.decode)
@@ -296,7 +303,7 @@ class _LocalCluster:
             return WorkerProcess(role, ["--host", a.host, *args], env=self.env, **self.kw)
         from baton.services.common.ray_launch import RayWorker
 
-        w = RayWorker(role, args, num_cpus=a.ray_cpus_per_worker or a.threads or 1,
+        w = RayWorker(role, args, env=self.env, num_cpus=a.ray_cpus_per_worker or a.threads or 1,
                       num_gpus=a.ray_gpus_per_worker, local=self.ray_local, **self.kw)
         self.say(f"Ray actor for a {role} worker on node {w.node_ip} ({w.start_s:.0f}s)")
         return w
@@ -333,8 +340,7 @@ class _LocalCluster:
         args = ["--host", a.host, "--port", str(a.grpc_port), "--http-port", str(a.http_port),
                 "--local-prefill-max-tokens", str(local_max), "--routing", a.routing,
                 *security, *shlex.split(a.router_args)]
-        env = {"BATON_REDIS_URL": url, **({"BATON_AUTH_TOKEN": a.auth_token}
-                                          if a.auth_token else {})}
+        env = {**self.env, **({"BATON_AUTH_TOKEN": a.auth_token} if a.auth_token else {})}
         router = WorkerProcess("router", args, env=env, **self.kw)
         self._add(router, "router", lambda: WorkerProcess("router", args, env=env, **self.kw))
         self.say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in "

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from baton.transfer import cluster_secret
 from baton.transfer.agent import KVAgent
 from baton.transfer.errors import (
     ChecksumMismatchError,
@@ -201,7 +202,7 @@ class KVReader:
             return peer
 
     def _handshake(self, address: str, deadline: float) -> _Peer:
-        channel = grpc.insecure_channel(address)
+        channel = cluster_secret.channel(address)
         peer = _Peer(address, channel, worker_pb2_grpc.KVSourceStub(channel))
         try:
             resp = peer.stub.Handshake(
@@ -276,7 +277,7 @@ class KVReader:
         if peer is not None and peer.incarnation == handle.incarnation:
             stub = peer.stub
         else:
-            channel = grpc.insecure_channel(handle.address)
+            channel = cluster_secret.channel(handle.address)
             stub = worker_pb2_grpc.KVSourceStub(channel)
         try:
             stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(

@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 
-import grpc
+from baton.transfer import cluster_secret
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -50,8 +50,10 @@ class WorkerProcess:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        env = {**os.environ, **(env or {})}
+        self._secret = cluster_secret.from_env(env)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
-                                     env={**os.environ, **(env or {})},
+                                     env=env,
                                      preexec_fn=setup if die_with_parent or cpus else None)
         self.address = self.worker_id = self.incarnation = self.http_address = ""
         self.metrics_address = ""
@@ -78,7 +80,7 @@ class WorkerProcess:
             self._close()
             raise WorkerStartError(f"{role} worker did not start (exit {self.proc.returncode}); "
                                    f"log:\n{tail}")
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = cluster_secret.channel(self.address, secret=self._secret or "")
 
     @property
     def pid(self) -> int:

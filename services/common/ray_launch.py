@@ -15,13 +15,14 @@ from pathlib import Path
 
 
 class _WorkerActor:
-    def start(self, role: str, args: list[str], log_dir: str | None, local: bool):
+    def start(self, role: str, args: list[str], env: dict, log_dir: str | None, local: bool):
         import ray
         from baton.services.common.launch import WorkerProcess
 
         ip = "127.0.0.1" if local else ray.util.get_node_ip_address()
         bind = ["--host", ip] if local else ["--host", "0.0.0.0", "--advertise-host", ip]
-        self.proc = WorkerProcess(role, [*args, *bind], log_dir=log_dir, die_with_parent=True)
+        self.proc = WorkerProcess(role, [*args, *bind], env=env, log_dir=log_dir,
+                                  die_with_parent=True)
         return (self.proc.address, self.proc.worker_id, self.proc.incarnation,
                 str(self.proc.log_path), ip)
 
@@ -53,7 +54,7 @@ class RayWorker:
     """A worker process under a Ray actor; same attributes as ``WorkerProcess`` that ``baton up``
     uses (role, address, worker_id, incarnation, log_path, proc.poll(), stop())."""
 
-    def __init__(self, role: str, args: list[str], *, num_cpus: float, num_gpus: float,
+    def __init__(self, role: str, args: list[str], *, env: dict, num_cpus: float, num_gpus: float,
                  log_dir: str | None, local: bool, ready_timeout: float = 600.0) -> None:
 
         import ray
@@ -64,7 +65,7 @@ class RayWorker:
                                        max_concurrency=4).remote()
         t = time.monotonic()
         (self.address, self.worker_id, self.incarnation, log, self.node_ip) = ray.get(
-            self.actor.start.remote(role, args, log_dir, local), timeout=ready_timeout)
+            self.actor.start.remote(role, args, env, log_dir, local), timeout=ready_timeout)
         self.log_path = Path(log)
         self.start_s = time.monotonic() - t
         self.proc = _ActorProc(self.actor)

@@ -20,6 +20,7 @@ from baton.engine.errors import InvalidRequestError
 from baton.engine.params import SamplingParams
 from baton.services.common import tracing
 from baton.services.common.config import EngineSettings, ServerSettings, WorkerConfig
+from baton.transfer import cluster_secret
 from baton.transfer.errors import (
     ChecksumMismatchError,
     FingerprintMismatchError,
@@ -101,7 +102,11 @@ def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     configure_ucx(loopback_only=is_loopback(net.host))
     engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url))
     incarnation = new_incarnation()
-    server = make_server()
+    try:
+        gate = cluster_secret.interceptors()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    server = make_server(interceptors=gate)
     port = server.add_insecure_port(f"{net.host}:{net.port}")
     port = net.advertise_port or port  # a proxy or port mapping in front of this one
     host = advertised_host(net)

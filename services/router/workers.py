@@ -22,6 +22,7 @@ import grpc.experimental
 from baton.control.registry import WorkerRecord, WorkerRegistry
 from baton.services.common.worker import FIELD_METADATA, PEER_METADATA
 from baton.services.router.errors import Status
+from baton.transfer import cluster_secret
 from baton.transfer.handle import release_request
 from baton.v1 import worker_pb2, worker_pb2_grpc
 from redis.exceptions import RedisError
@@ -138,7 +139,7 @@ class WorkerPool:
             if ch is None:
                 # streams are read on the thread that relays them (no channel thread started
                 # per call): ~0.3 ms less per request on a small machine
-                ch = self._channels[address] = grpc.insecure_channel(address, options=[
+                ch = self._channels[address] = cluster_secret.channel(address, options=[
                     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1)])
             return ch
 

@@ -192,7 +192,8 @@ def test_baton_up_keeps_the_redis_password_and_the_api_key_off_every_command_lin
         tiny_llama, tmp_path):
     """`baton up` with a Redis password and an API key from its environment: the workers and
     the router get them in theirs, so `ps` shows neither on any command line (redis-server's
-    included), and the cluster serves with them."""
+    included), and the cluster serves with them. The cluster secret it makes is in no command
+    line either, and its workers refuse a handshake without it."""
     from baton.control.redis_server import EmbeddedRedis
 
     r = EmbeddedRedis(password="s3cret-up-pw").start()
@@ -223,9 +224,90 @@ def test_baton_up_keeps_the_redis_password_and_the_api_key_off_every_command_lin
             msgs = list(stub.Generate(req, timeout=60,
                                       metadata=[("authorization", "Bearer s3cret-api-key")]))
             assert msgs[-1].final.finish_reason
+        # the cluster secret `baton up` made: in its processes' environment, in no argv, and
+        # required by every worker
+        from baton.control.registry import WorkerRegistry
+        from baton.transfer.cluster_secret import ENV, METADATA_KEY
+
+        workers = WorkerRegistry.from_url(r.url).workers()
+        assert {w.role for w in workers} == {"prefill", "decode"}
+        pids = [p for p in descendants(up.pid)
+                if b"baton.services.prefill" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        environ = dict(kv.split(b"=", 1) for kv in
+                       Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0") if b"=" in kv)
+        secret = environ[ENV.encode()].decode()
+        assert len(secret) >= 32 and secret not in ps
+        prefill = next(w for w in workers if w.role == "prefill")
+        with pytest.raises(grpc.RpcError) as e:
+            handshake(prefill.address, (), prefill.fingerprint)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert handshake(prefill.address, ((METADATA_KEY, secret),),
+                         prefill.fingerprint).agent_metadata
     finally:
         up.send_signal(signal.SIGINT)
         rest = up.communicate(timeout=90)[0]
         r.stop()
     assert up.returncode == 0, rest
     assert "s3cret-up-pw" not in text + rest and "s3cret-api-key" not in text + rest
+    assert secret not in text + rest
+
+
+def handshake(address: str, metadata=(), fingerprint: str = "?"):
+    from baton.v1 import worker_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.KVSourceStub(ch).Handshake(
+            worker_pb2.HandshakeRequest(fingerprint=fingerprint, reader_id="intruder"),
+            metadata=metadata, timeout=30)
+
+
+def test_workers_with_a_cluster_secret_refuse_every_call_without_it(tiny_llama):
+    """A process that reaches a worker's port but lacks the cluster secret gets no NIXL metadata
+    (the handshake is what lets a peer READ the worker's KV pool), no prefill, no decode; health
+    checks stay open for probes. The cluster itself (router -> prefill -> KV pull -> decode)
+    serves with the secret on every call."""
+    from baton.transfer.cluster_secret import ENV, METADATA_KEY
+    from baton.v1 import worker_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tests.support.cluster import Cluster
+
+    secret = "s3cret-cluster-" + os.urandom(8).hex()
+    args = ["--model", str(tiny_llama[0]), "--num-blocks", "64", "--block-size", "4"]
+    with Cluster(prefill=1, decode=1, worker_args=args, env={ENV: secret},
+                 routers=[["--local-prefill-max-tokens", "0"]]) as c:
+        prefill, decode = c.prefill[0], c.decode[0]
+        fingerprint = prefill.info().fingerprint  # the harness's channel carries the secret
+        for metadata in ((), ((METADATA_KEY, "wrong"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                handshake(prefill.address, metadata, fingerprint)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert METADATA_KEY in e.value.details()
+        with grpc.insecure_channel(decode.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                list(worker_pb2_grpc.DecodeWorkerStub(ch).Generate(
+                    worker_pb2.LocalRequest(request_id="x", prompt_token_ids=[1, 2, 3]),
+                    timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=30)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(prefill.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(
+                    worker_pb2.PrefillRequest(request_id="x", prompt_token_ids=[1, 2, 3]),
+                    timeout=30)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = handshake(prefill.address, ((METADATA_KEY, secret),), fingerprint)
+        assert ok.agent_metadata and ok.num_blocks == 64
+
+        msgs = list(api_pb2_grpc.BatonStub(c.router.channel).Generate(
+            api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=list(range(5, 40))),
+                                    params=worker_pb2.SamplingParams(max_tokens=4,
+                                                                     ignore_eos=True)),
+            timeout=120))
+        final = msgs[-1].final
+        assert final.finish_reason == "length" and final.usage.completion_tokens == 4
+        assert final.path == "remote" and final.kv_blocks_read > 0  # pulled with the secret
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert secret not in ps
+        c.assert_quiet()
