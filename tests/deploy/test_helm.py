@@ -115,9 +115,16 @@ def test_defaults_wire_workers_to_the_in_chart_redis(helm):
         c = dep["spec"]["template"]["spec"]["containers"][0]
         args = c["args"]
         assert args[:3] == ["worker", "--role", role]
-        assert args[args.index("--redis-url") + 1] == "$(BATON_REDIS_URL)"
+        assert "--redis-url" not in args  # the URL carries a password: env only, never argv
         env = worker_env(dep)
-        assert env["BATON_REDIS_URL"]["value"] == "redis://rel-baton-redis:6379/0"
+        assert env["BATON_REDIS_URL"]["value"] == "redis://:$(REDIS_PASSWORD)@rel-baton-redis:6379/0"
+        # $(VAR) expands only from variables defined before it
+        names = list(env)
+        assert names.index("REDIS_PASSWORD") < names.index("BATON_REDIS_URL")
+        assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "rel-baton-redis-auth", "key": "password"}
+        assert env["BATON_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"] == {
+            "name": "rel-baton-cluster-secret", "key": "secret"}
         # workers register their pod IP, bind every interface
         assert env["BATON_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert args[args.index("--host") + 1] == "0.0.0.0"
@@ -222,7 +229,7 @@ def test_slo_autoscaler_scales_the_pools_with_least_privilege(helm):
         "rel-baton-prefill", "rel-baton-decode")
     assert (arg("--min-decode"), arg("--max-decode"), arg("--tpot-slo")) == ("2", "8", "0.05")
     env = {e["name"]: e for e in c["env"]}
-    assert env["BATON_REDIS_URL"]["value"].startswith("redis://rel-baton-redis:")
+    assert env["BATON_REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@rel-baton-redis:")
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     # RBAC: only get/patch/update the two Deployments' scale, in the release's namespace
     (role,) = by_kind(docs, "Role").values()
@@ -253,7 +260,7 @@ def test_workers_take_connections_from_the_release_only_and_router_limits(helm):
                   "router.maxConcurrentPerKey=8",
                   "networkPolicy.extraFrom[0].namespaceSelector.matchLabels.team=monitoring")
     pols = by_kind(docs, "NetworkPolicy")
-    assert set(pols) == {"rel-baton-prefill", "rel-baton-decode"}
+    assert set(pols) == {"rel-baton-prefill", "rel-baton-decode", "rel-baton-redis"}
     deps = by_kind(docs, "Deployment")
     for role in ("prefill", "decode"):
         spec = pols[f"rel-baton-{role}"]["spec"]
@@ -286,3 +293,83 @@ def test_workers_take_connections_from_the_release_only_and_router_limits(helm):
     assert not by_kind(off, "NetworkPolicy")
     plain = by_kind(off, "Deployment")["rel-baton-router"]["spec"]["template"]["spec"]
     assert "--api-keys-file" not in plain["containers"][0]["args"] and "volumes" not in plain
+
+
+def test_secrets_reach_every_pod_in_its_environment_and_never_in_argv(helm):
+    """The in-chart Redis needs a password and the workers the cluster secret, both generated
+    into Secrets; every pod gets them from there as env vars; no container's command or args
+    carry one; the router sends the cluster secret (it calls the workers); the autoscaler does
+    not (it reads /metrics)."""
+    import base64
+
+    docs = render(helm, None)
+    secrets = by_kind(docs, "Secret")
+    password = base64.b64decode(secrets["rel-baton-redis-auth"]["data"]["password"]).decode()
+    cluster = base64.b64decode(secrets["rel-baton-cluster-secret"]["data"]["secret"]).decode()
+    assert len(password) >= 32 and password.isalnum() and len(cluster) >= 48
+    again = by_kind(render(helm, None), "Secret")  # no live Secret to keep: a fresh value
+    assert again["rel-baton-cluster-secret"]["data"] != secrets["rel-baton-cluster-secret"]["data"]
+    for name, dep in by_kind(docs, "Deployment").items():
+        for c in dep["spec"]["template"]["spec"]["containers"]:
+            line = " ".join(c.get("command", []) + c.get("args", []))
+            assert password not in line and cluster not in line and "redis://" not in line, name
+    deps = by_kind(docs, "Deployment")
+    for role in ("router", "prefill", "decode"):
+        assert "BATON_CLUSTER_SECRET" in worker_env(deps[f"rel-baton-{role}"]), role
+    redis = deps["rel-baton-redis"]["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in redis["env"]}
+    assert env["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"]["name"] == "rel-baton-redis-auth"
+    # the in-chart Redis takes connections from the release's pods only, on its port
+    (ingress,) = by_kind(docs, "NetworkPolicy")["rel-baton-redis"]["spec"]["ingress"]
+    assert ingress["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    assert ingress["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "rel"
+    # your own Secrets instead: the chart makes none
+    own = render(helm, None, "redis.auth.existingSecret=my-redis",
+                 "clusterSecret.existingSecret=my-cluster")
+    assert not by_kind(own, "Secret")
+    env = worker_env(by_kind(own, "Deployment")["rel-baton-decode"])
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "my-redis"
+    assert env["BATON_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-cluster"
+
+
+def test_the_redis_containers_command_requires_the_password_and_hides_it(helm, tmp_path):
+    """The Redis container's shell command, run here with the local redis-server: clients
+    without the password are refused, with it they are served, and `ps` never shows it."""
+    import socket
+    import time
+
+    import redis
+    from baton.control.redis_server import redis_server_binary
+
+    docs = render(helm, None)
+    c = by_kind(docs, "Deployment")["rel-baton-redis"]["spec"]["template"]["spec"][
+        "containers"][0]
+    assert c["command"] == ["sh", "-c"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (c["args"][0].replace("/run/redis", str(tmp_path)).replace("--port 6379",
+              f"--port {port} --bind 127.0.0.1"))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "redis-server").symlink_to(redis_server_binary())
+    password = "Pw" + os.urandom(12).hex()
+    proc = subprocess.Popen(["sh", "-c", script], env={
+        "PATH": f"{bindir}:{os.environ['PATH']}", "REDIS_PASSWORD": password})
+    try:
+        client = redis.Redis(port=port, password=password)
+        for _ in range(600):  # up to a minute for a slow machine; fails only on a hang
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server exited"
+                time.sleep(0.1)
+        assert client.set("k", "v")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).get("k")
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        assert password not in ps
+    finally:
+        proc.terminate()
+        proc.wait(30)

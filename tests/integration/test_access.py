@@ -269,6 +269,7 @@ def test_workers_with_a_cluster_secret_refuse_every_call_without_it(tiny_llama):
     from baton.transfer.cluster_secret import ENV, METADATA_KEY
     from baton.v1 import worker_pb2_grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from tests.support.cluster import Cluster
 
     secret = "s3cret-cluster-" + os.urandom(8).hex()

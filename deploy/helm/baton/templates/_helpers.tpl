@@ -22,12 +22,41 @@ app.kubernetes.io/component: {{ .component }}
 {{ .Values.image.repository }}:{{ .Values.image.tag }}
 {{- end -}}
 
-{{/* env BATON_REDIS_URL, from the in-chart Redis, an external URL, or a Secret */}}
+{{/* the Secrets the chart makes (or the user names) */}}
+{{- define "baton.redisAuthSecret" -}}
+{{ .Values.redis.auth.existingSecret | default (printf "%s-redis-auth" (include "baton.fullname" .)) }}
+{{- end -}}
+{{- define "baton.clusterSecretName" -}}
+{{ .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "baton.fullname" .)) }}
+{{- end -}}
+
+{{/* env REDIS_PASSWORD (in-chart Redis) for Redis itself and for BATON_REDIS_URL */}}
+{{- define "baton.redisPasswordEnv" -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef: {name: {{ include "baton.redisAuthSecret" . | quote }}, key: password}
+{{- end -}}
+
+{{/* env BATON_CLUSTER_SECRET: every worker requires it on its gRPC calls, routers send it */}}
+{{- define "baton.clusterSecretEnv" -}}
+{{- if .Values.clusterSecret.enabled }}
+- name: BATON_CLUSTER_SECRET
+  valueFrom:
+    secretKeyRef: {name: {{ include "baton.clusterSecretName" . | quote }}, key: secret}
+{{- end }}
+{{- end -}}
+
+{{/* env BATON_REDIS_URL, from the in-chart Redis (its password from the chart's Secret, put
+     in by Kubernetes' $(VAR) expansion: in the environment, never in argv), an external URL,
+     or a Secret */}}
 {{- define "baton.redisEnv" -}}
 {{- $r := .Values.redis -}}
+{{- if $r.enabled }}
+{{ include "baton.redisPasswordEnv" . }}
+{{- end }}
 - name: BATON_REDIS_URL
 {{- if $r.enabled }}
-  value: {{ printf "redis://%s-redis:%d/0" (include "baton.fullname" .) (int $r.port) | quote }}
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s-redis:%d/0" (include "baton.fullname" .) (int $r.port) | quote }}
 {{- else if $r.external.urlSecret.name }}
   valueFrom:
     secretKeyRef: {name: {{ $r.external.urlSecret.name | quote }}, key: {{ $r.external.urlSecret.key | quote }}}
