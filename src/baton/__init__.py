@@ -38,7 +38,7 @@ def set_on_signals(event: threading.Event,
             event.set()
 
     def handler(*_) -> None:
-        try:
+        try:  # noqa: SIM105 (contextlib.suppress: two more frames for the next signal to nest in)
             os.write(write_fd, b"\0")
         except OSError:  # the pipe is full: a wake-up is already waiting to be read
             pass
