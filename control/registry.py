@@ -41,6 +41,7 @@ class WorkerRecord:
     started_at: float = field(default_factory=time.time)
     block_size: int = 16  # tokens per KV block: routers hash prompts with it
     metrics_address: str = ""  # host:port of its Prometheus /metrics ("" when it serves none)
+    max_num_seqs: int = 0  # its running batch's size (--max-num-seqs); 0: not told (older)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -90,10 +90,21 @@ class WorkerMetrics:
 
 class RouterMetrics:
     """The router's request latencies, as clients see them (both APIs), and its routing
-    decisions; ``index`` (a PrefixIndex, or None) adds the index's availability."""
+    decisions; ``index`` (a PrefixIndex, or None) adds the index's availability, ``admission``
+    and ``decode_queue`` their queues' lengths."""
 
-    def __init__(self, index=None) -> None:
+    def __init__(self, index=None, admission=None, decode_queue=None) -> None:
         self.registry = r = CollectorRegistry()
+        if admission is not None:
+            Gauge("baton_router_queued", "Requests waiting for a slot (--max-concurrent).",
+                  registry=r).set_function(lambda: admission.stats()["waiting"])
+        if decode_queue is not None:
+            Gauge("baton_router_decode_queued", "Requests waiting for a decode worker with "
+                  "room in its running batch (every one runs its --max-num-seqs).",
+                  registry=r).set_function(decode_queue.waiting)
+            Gauge("baton_router_decode_queue_refused_total", "Requests refused because "
+                  "--max-queued already waited for a decode slot.",
+                  registry=r).set_function(lambda: decode_queue.refused)
         self.decisions = Counter("baton_route_decisions", "Routing decisions by path and reason.",
                                  ["path", "reason"], registry=r)
         self.index_cached = Counter("baton_route_index_cached_tokens",

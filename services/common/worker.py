@@ -79,7 +79,7 @@ class WorkerBoot:
         registration = register(cfg, self.role, self.worker_id, self.address,
                                 self.engine.fingerprint, self.incarnation,
                                 self.engine.model_info.name, self.engine.cfg.block_size,
-                                metrics_address)
+                                metrics_address, self.engine.cfg.max_num_seqs)
         publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
         announce(self.address, self.worker_id, self.incarnation)
 
@@ -192,7 +192,7 @@ def make_server(max_workers: int = 32, interceptors=(),
 
 def register(cfg: ServerSettings, role: str, worker_id: str, address: str,
              fingerprint: str, incarnation: str, model: str, block_size: int = 16,
-             metrics_address: str = ""):
+             metrics_address: str = "", max_num_seqs: int = 0):
     """Put this worker in the Redis registry (if ``--redis-url``); returns the Registration."""
     if not cfg.redis_url:
         return None
@@ -200,7 +200,8 @@ def register(cfg: ServerSettings, role: str, worker_id: str, address: str,
 
     registry = WorkerRegistry.from_url(cfg.redis_url, cfg.registry_ttl)
     record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model,
-                          block_size=block_size, metrics_address=metrics_address)
+                          block_size=block_size, metrics_address=metrics_address,
+                          max_num_seqs=max_num_seqs)
     reg = Registration(registry, record).start()
     log.info("registered as %s (%s) in Redis", worker_id, role)
     return reg

@@ -14,6 +14,12 @@ A request takes a slot for its whole life (routing, prefill, transfer, decode, s
               waits (first come, first served) for a slot ──► runs; or its deadline passes
               (DEADLINE_EXCEEDED) or its client goes away (CANCELLED) while waiting
 
+Then the decode pool: a decode worker runs at most its ``--max-num-seqs`` requests, so when every
+decode worker has that many in flight (counted by every router, through the Redis index) a
+request waits at the router, first come first served, for one to end (:class:`DecodeQueue`),
+instead of being sent to a worker that cannot take it; past ``--max-queued`` waiting it is
+refused at once (RESOURCE_EXHAUSTED, HTTP 429), as the admission queue refuses.
+
 Nothing queues without bound: past these limits a request is refused at once, with the limit
 named, instead of piling up in the router's or a worker's queue. Imports no torch.
 """
@@ -42,10 +48,14 @@ class LimitExceededError(BatonError):
 class WaitEndedError(BatonError):
     """The request's deadline passed, or its client went away, while it waited for a slot."""
 
-    def __init__(self, reason: str, waited_s: float) -> None:
+    def __init__(self, reason: str, waited_s: float,
+                 what: str = "a slot (--max-concurrent)") -> None:
         self.reason, self.waited_s = reason, waited_s
-        super().__init__(f"{reason} after waiting {waited_s:.2f}s for a slot "
-                         "(--max-concurrent)")
+        super().__init__(f"{reason} after waiting {waited_s:.2f}s for {what}")
+
+
+class PoolFullError(BatonError):
+    """Every candidate decode worker has its running batch full (routing raises it)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,71 @@ class Admission:
             self._per_key[key] = n
         else:
             del self._per_key[key]
+
+
+class DecodeQueue:
+    """Requests waiting for a decode worker with a free slot, first come first served; at most
+    ``max_queued`` of them. :meth:`wake` when a request ends on this router (a slot freed);
+    others routers' ends are seen by looking again every ``recheck_s``."""
+
+    def __init__(self, max_queued: int, recheck_s: float = 0.05) -> None:
+        self.max_queued, self.recheck_s = max_queued, recheck_s
+        self._cond = threading.Condition()
+        self._line: deque[object] = deque()
+        self.refused = 0
+
+    def waiting(self) -> int:
+        return len(self._line)
+
+    def wake(self) -> None:
+        if self._line:  # no lock taken while nobody waits (every request ends through here)
+            with self._cond:
+                self._cond.notify_all()
+
+    def first(self, pick: Callable[[], object], time_remaining: Callable[[], float],
+              is_active: Callable[[], bool]):
+        """``pick()``'s answer, waiting in line while it raises PoolFullError; raises
+        LimitExceededError when ``max_queued`` already wait, WaitEndedError when the deadline
+        passes or the client goes away first."""
+        if not self._line:
+            try:
+                return pick()
+            except PoolFullError as e:
+                full = e
+        else:
+            full = PoolFullError("requests already wait for a decode worker")
+        t0 = time.monotonic()
+        ticket = object()
+        with self._cond:
+            if len(self._line) >= self.max_queued:
+                self.refused += 1
+                raise LimitExceededError("max_queued", self.max_queued,
+                                         f"{full}; {len(self._line)} requests already wait "
+                                         "for a decode slot")
+            self._line.append(ticket)
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._line[0] is ticket,
+                                        max(0.0, min(self.recheck_s, time_remaining())))
+                    head = self._line[0] is ticket
+                if time_remaining() <= 0:
+                    raise WaitEndedError("the deadline passed", time.monotonic() - t0,
+                                         "a decode slot (every decode worker's --max-num-seqs)")
+                if not is_active():
+                    raise WaitEndedError("the client went away", time.monotonic() - t0,
+                                         "a decode slot (every decode worker's --max-num-seqs)")
+                if not head:
+                    continue
+                try:
+                    return pick()
+                except PoolFullError:
+                    with self._cond:  # until a request ends here, or to see other routers'
+                        self._cond.wait(max(0.0, min(self.recheck_s, time_remaining())))
+        finally:
+            with self._cond:
+                self._line.remove(ticket)
+                self._cond.notify_all()
 
 
 class ApiKeys:

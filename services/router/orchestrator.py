@@ -41,6 +41,7 @@ from baton.services.common.worker import params_from_proto
 from baton.services.router.errors import RequestError, Status
 from baton.services.router.limits import (
     Admission,
+    DecodeQueue,
     LimitExceededError,
     Limits,
     StallWatch,
@@ -196,8 +197,9 @@ class Orchestrator:
         self.pool, self.tokenizer, self.settings = pool, tokenizer, settings
         self.policy = policy or RoutingPolicy(pool, None)
         self.admission = Admission(settings.limits)
+        self.decode_queue = DecodeQueue(settings.limits.max_queued)
         self.stall = StallWatch(settings.stall_timeout_s)
-        self.metrics = RouterMetrics(self.policy.index)
+        self.metrics = RouterMetrics(self.policy.index, self.admission, self.decode_queue)
 
     @property
     def model(self) -> str:
@@ -290,7 +292,7 @@ class Orchestrator:
             st = Progress(rid if n == 0 else f"{rid}.{n}", ids, t0, retries, self.metrics,
                           span, before=st, last_delta_in_final=request.last_delta_in_final,
                           request_ids=(request.request_id, rid))
-            decision = self._route(st, hashes, failed)
+            decision = self._route(st, hashes, failed, deadline, cancel)
             outcome = yield from self._attempt(request, st, decision, deadline, cancel)
             if isinstance(outcome, Done):
                 return
@@ -309,17 +311,30 @@ class Orchestrator:
                 retries += 1
                 self._retry(st, outcome, retries, failed)
 
-    def _route(self, st: Progress, hashes: _PromptHashes, failed: set[str]) -> Decision:
+    def _route(self, st: Progress, hashes: _PromptHashes, failed: set[str], deadline: Deadline,
+               cancel: Cancellation) -> Decision:
+        """The workers for this attempt; waits in the decode queue while every decode worker's
+        batch is full (see baton.services.router.limits)."""
         t = time.monotonic()
-        try:
+
+        def decide() -> Decision:
             try:
-                decision = self.policy.decide(st.ids, hashes.of(st.ids), failed)
+                return self.policy.decide(st.ids, hashes.of(st.ids), failed)
             except NoWorkerError:  # the registry read may predate a worker's start
                 if not self.pool.forget(if_older_than=0.1):
                     raise
-                decision = self.policy.decide(st.ids, hashes.of(st.ids), failed)
+                return self.policy.decide(st.ids, hashes.of(st.ids), failed)
+
+        try:
+            decision = self.decode_queue.first(decide, lambda: deadline.at - time.monotonic(),
+                                               lambda: not cancel.cancelled)
         except NoWorkerError as e:
             raise RequestError(Status.UNAVAILABLE, str(e)) from None
+        except LimitExceededError as e:
+            raise RequestError(Status.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}") from None
+        except WaitEndedError as e:
+            status = Status.CANCELLED if cancel.cancelled else Status.DEADLINE_EXCEEDED
+            raise RequestError(status, f"{type(e).__name__}: {e}") from None
         st.route(decision, t, time.monotonic())
         self.metrics.routed(decision)
         return decision
@@ -380,6 +395,7 @@ class Orchestrator:
             if index is not None:
                 index.release(st.rid)
                 index.release(_prefill_key(st.rid))
+            self.decode_queue.wake()  # its decode slot is free
 
     def _remote(self, request, st: Progress, decision: Decision, deadline: Deadline,
                 cancel: Cancellation):

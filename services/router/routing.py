@@ -46,6 +46,7 @@ from baton.control.pd import (  # noqa: F401 (the reasons are part of the routin
 from baton.control.prefix_index import PrefixIndex, Signals
 from baton.control.registry import WorkerRecord
 from baton.engine.block_hash import hash_chain, namespace_for
+from baton.services.router.limits import PoolFullError
 
 MODES = ("cache-aware", "least-loaded", "round-robin")
 DEFAULT_WEIGHTS = "prefix=3,inflight=1,queue=1,kv=0.5"
@@ -158,14 +159,14 @@ class RoutingPolicy:
                                 f"{len(exclude)} failed for this request)")
         prefills = [w for w in self.pool.workers("prefill") if w.address not in exclude]
         if self.mode == "round-robin":
-            d = self._turn("decode", decodes)
+            d = self._turn("decode", self._open(decodes, None))
             p_cands = [w for w in prefills if w.address != d.address]
             p = self._turn("prefill", p_cands) if p_cands else None
             return self._finish(ids, d, p, 0, 0, False, False, t0)
 
         if len(decodes) == 1 and all(w.address == decodes[0].address for w in prefills):
             # one worker, no other to prefill: nothing the index says could change the choice
-            return self._finish(ids, decodes[0], None, 0, 0, False, False, t0)
+            return self._finish(ids, self._open(decodes, None)[0], None, 0, 0, False, False, t0)
         union = {w.worker_id: w for w in decodes + prefills}
         records = list(union.values())
         with self._pick_lock:
@@ -182,11 +183,25 @@ class RoutingPolicy:
                 for wid in wids:
                     if wid in by_id:
                         by_id[wid].inflight += 1
-            decision = self._pick(ids, hashes, decodes, prefills, by_id, used_index, t0)
+            decision = self._pick(ids, hashes, self._open(decodes, by_id), prefills, by_id,
+                                  used_index, t0)
             self._decided.append((decision.decode.worker_id,
                                   decision.prefill.worker_id if decision.prefill else None))
             self._seq += 1
         return decision
+
+    def _open(self, decodes: list[WorkerRecord], by_id: dict | None) -> list[WorkerRecord]:
+        """The decode workers with room in their running batch: fewer requests in flight on
+        them than their ``--max-num-seqs`` (counted by every router, from the index; this
+        router's own count without it). Raises PoolFullError when none has."""
+        def load(w: WorkerRecord) -> int:
+            return by_id[w.worker_id].inflight if by_id else self.pool.inflight(w.address)
+
+        out = [w for w in decodes if not w.max_num_seqs or load(w) < w.max_num_seqs]
+        if not out:
+            raise PoolFullError(f"every decode worker runs its --max-num-seqs requests "
+                                f"({len(decodes)} workers)")
+        return out
 
     def _pick(self, ids, hashes, decodes, prefills, by_id, used_index, t0) -> Decision:
         weights = self.weights if used_index else {k: v for k, v in self.weights.items()

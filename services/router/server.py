@@ -123,6 +123,8 @@ def _limit_flags(g) -> None:
     g.add_argument("--max-queued", type=int, default=1024,
                    help="requests that may wait for one of those slots, first come first "
                         "served, within their deadlines; more are refused at once "
+                        "(RESOURCE_EXHAUSTED, HTTP 429). As many again may wait for a decode "
+                        "worker when every one runs its --max-num-seqs requests "
                         "(default 1024)")
     g.add_argument("--max-concurrent-per-key", type=int, default=0,
                    help="requests one API key (else one client host) may have running or "

@@ -106,3 +106,85 @@ def test_prefill_refuses_while_its_leased_blocks_wait_and_the_router_goes_local(
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(tiny_llama):
+    """Every decode worker runs its --max-num-seqs requests: the next request waits at the
+    router (sent to no worker), one more past --max-queued is refused RESOURCE_EXHAUSTED naming
+    the limit, and the waiting one runs, with the greedy result, as soon as a running one ends
+    (here: its client cancels). The worker never holds more than its batch."""
+    import urllib.request
+
+    from baton.engine.engine import LLMEngine
+    from baton.engine.params import SamplingParams
+
+    from tests.support.cluster import Cluster
+
+    args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "128"]
+    with Cluster(prefill=1, decode=1, worker_args=args,
+                 decode_args=lambda c, i: ["--max-num-seqs", "2", "--fault-step-delay", "0.05"],
+                 routers=[["--http-port", "0", "--max-queued", "1",
+                           "--local-prefill-max-tokens", "0"]]) as c:
+        stub = api_pb2_grpc.BatonStub(c.router.channel)
+        decode = c.decode[0]
+
+        def queued() -> float:
+            text = urllib.request.urlopen(f"http://{c.router.http_address}/metrics",
+                                          timeout=30).read().decode()
+            line = next(ln for ln in text.splitlines()
+                        if ln.startswith("baton_router_decode_queued "))
+            return float(line.split()[1])
+
+        def until(cond, what):  # the bound is a hang detector, not a timing assertion
+            end = time.monotonic() + 120
+            while not cond():
+                assert time.monotonic() < end, f"never happened: {what}"
+                time.sleep(0.02)
+
+        got: dict[str, list] = {}
+
+        def stream(name, call):
+            got[name] = []
+            try:
+                for m in call:
+                    if m.HasField("delta"):
+                        got[name] += m.delta.token_ids
+                    if m.HasField("final"):
+                        got[name].append(m.final.finish_reason)
+            except grpc.RpcError as e:
+                got[name].append(e.code().name)
+
+        def start(name, request):
+            call = stub.Generate(request, timeout=300)
+            th = threading.Thread(target=stream, args=(name, call))
+            th.start()
+            return call, th
+
+        # fill the batch: 2 requests of 400 tokens at 50 ms or more a step
+        (a, ta), (b, tb) = start("a", req(30, 400, start=1)), start("b", req(30, 400, start=2))
+        until(lambda: len(got.get("a", ())) and len(got.get("b", ())), "both stream")
+
+        short = req(30, 4, start=9)
+        want = LLMEngine.from_path(str(tiny_llama[0])).generate(
+            [list(short.token_ids.ids)], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        _, tc = start("c", short)
+        until(lambda: queued() == 1, "the third request waits at the router")
+        info = decode.info()
+        assert info.running_requests == 2 and info.handoffs_in_flight == 0  # not sent
+        assert got["c"] == []
+
+        with pytest.raises(grpc.RpcError) as e:  # --max-queued 1 already waits
+            list(stub.Generate(req(30, 4, start=11), timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_queued=1" in e.value.details() and "decode" in e.value.details()
+        assert decode.info().running_requests == 2
+
+        a.cancel()  # a slot frees: the waiting request takes it
+        tc.join(120)
+        assert got["c"] == [*want.token_ids, "length"]
+        assert queued() == 0
+        b.cancel()
+        for th in (ta, tb):
+            th.join(60)
+        assert got["a"][-1] == got["b"][-1] == "CANCELLED"
+        c.assert_quiet()

@@ -9,8 +9,10 @@ import time
 import pytest
 from baton.services.router.limits import (
     Admission,
+    DecodeQueue,
     LimitExceededError,
     Limits,
+    PoolFullError,
     WaitEndedError,
 )
 
@@ -40,10 +42,11 @@ def admit(adm: Admission, key: str, remaining=no_deadline, is_active=active) -> 
         pass
 
 
-def wait_for(cond, timeout=5.0):
-    end = time.monotonic() + timeout
+def wait_for(cond, what: str = "the condition"):
+    """Until ``cond()``; the bound is a hang detector, not a timing assertion."""
+    end = time.monotonic() + 60
     while not cond():
-        assert time.monotonic() < end, "condition not reached"
+        assert time.monotonic() < end, f"never happened: {what}"
         time.sleep(0.005)
 
 
@@ -139,3 +142,73 @@ def test_api_keys_accept_only_the_listed_bearer_tokens(tmp_path):
                 "bearer alpha-key", "Basic alpha-key"):
         assert not keys.allows(bad), bad
     assert not ApiKeys.load(None, None)
+
+
+class Pool:
+    """A decode pool of ``slots`` running-batch slots, as routing sees it: ``pick`` takes one
+    or raises PoolFullError; ``end`` frees one and wakes the queue, as a request's end does."""
+
+    def __init__(self, queue: DecodeQueue, slots: int) -> None:
+        self.queue, self.free, self.lock = queue, slots, threading.Lock()
+        self.picks = 0
+
+    def pick(self):
+        with self.lock:
+            self.picks += 1
+            if not self.free:
+                raise PoolFullError("every decode worker runs its --max-num-seqs requests")
+            self.free -= 1
+            return "decode-0"
+
+    def end(self):
+        with self.lock:
+            self.free += 1
+        self.queue.wake()
+
+
+def test_the_decode_queue_holds_requests_first_come_first_served_and_refuses_past_its_bound():
+    q = DecodeQueue(max_queued=2, recheck_s=30)  # only a wake (a request's end) lets one in
+    pool = Pool(q, slots=1)
+    assert q.first(pool.pick, lambda: 60.0, active) == "decode-0"  # a free slot: at once
+    got: list[str] = []
+
+    def waiter(name):
+        q.first(pool.pick, lambda: 60.0, active)
+        got.append(name)
+
+    threads = []
+    for name in ("a", "b"):  # in this order
+        threads.append(threading.Thread(target=waiter, args=(name,)))
+        threads[-1].start()
+        n = len(threads)
+        wait_for(lambda n=n: q.waiting() == n, f"{name} waits")
+    with pytest.raises(LimitExceededError) as e:  # a third would wait: refused at once
+        q.first(pool.pick, lambda: 60.0, active)
+    assert e.value.limit == "max_queued" and "decode" in str(e.value) and q.refused == 1
+    assert got == []
+    pool.end()  # one request ends: the head of the line takes its slot
+    wait_for(lambda: got == ["a"], "a gets the freed slot")
+    assert q.waiting() == 1
+    pool.end()
+    wait_for(lambda: got == ["a", "b"], "b gets the next one")
+    for t in threads:
+        t.join(60)
+    assert q.waiting() == 0 and pool.free == 0
+
+
+def test_a_decode_queue_waiter_gives_up_at_its_deadline_or_when_its_client_leaves():
+    q = DecodeQueue(max_queued=4, recheck_s=0.01)
+    pool = Pool(q, slots=0)
+    left = iter([60.0, 60.0, 0.0])  # the deadline passes while it waits
+    with pytest.raises(WaitEndedError, match="deadline passed.*decode slot"):
+        q.first(pool.pick, lambda: next(left, 0.0), active)
+    gone = threading.Event()
+    t = threading.Thread(target=lambda: (wait_for(lambda: q.waiting() == 1, "waits"),
+                                         gone.set()))
+    t.start()
+    with pytest.raises(WaitEndedError, match="client went away"):
+        q.first(pool.pick, lambda: 60.0, lambda: not gone.is_set())
+    t.join(60)
+    assert q.waiting() == 0  # neither left its place behind
+    pool.end()
+    assert q.first(pool.pick, lambda: 60.0, active) == "decode-0"
