@@ -1,20 +1,39 @@
-"""Soak: many requests through `baton up`; resident memory and open file descriptors of every
-process (redis-server, workers, router) sampled as it goes, growth reported after warm-up, and
-the KV pools checked at the end (free == total, no lease, integrity). Results in
+"""Soak: many requests through `baton up` on the real model, with clients that cancel, send bad
+input or set deadlines they cannot meet, and a worker SIGKILLed every few thousand requests.
+Resident memory and open descriptors of every process (redis-server, workers, router) are
+sampled as it goes; growth is reported after warm-up; the KV pools are checked at the end (free
+== total, no lease, integrity); and every request is accounted for: it succeeds with the greedy
+reference's output, or ends with a typed error (a gRPC status, an HTTP status), or it is lost
+(hung, an untyped error, a broken connection, a wrong answer). Results in
 bench/results/soak-*.json.
 
-    python bench/soak.py [--requests 20000] [--clients 8] [--up-args "..."]
+    python bench/soak.py [--requests 20000] [--clients 8] [--kill-every 4000] [--up-args "..."]
 
-Requests: random token prompts (--prompt-len), greedy, --max-tokens tokens each, back to back
-from --clients closed-loop clients. Warm-up: the first --warmup share of the requests; growth is
-the last sample minus the first one after warm-up, and per 1,000 requests after warm-up.
+Requests (a fixed mix, seeded): prompts drawn from --prompts distinct random token prompts whose
+greedy outputs are computed first in this process with the same engine and model; both public
+APIs: Baton's gRPC API (a plain generated stub) and the OpenAI API through the official
+``openai`` client. Kinds:
+
+    grpc         unary-stream Generate, tokens compared with the reference
+    http         /v1/completions (openai client), text compared with the reference
+    http-stream  the same, streamed
+    cancel       gRPC, cancelled by the client after its first token
+    http-close   streamed HTTP, closed by the client after its first chunk
+    bad          invalid input on either API: expects INVALID_ARGUMENT / HTTP 400
+    deadline     gRPC with a deadline no request can meet: expects DEADLINE_EXCEEDED
+
+Warm-up: the first --warmup share of the requests; growth is the last sample minus the first one
+after warm-up, for each process alive from then to the end (a killed worker's replacement starts
+after it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
+import secrets
 import shlex
 import signal
 import subprocess
@@ -24,6 +43,9 @@ import time
 from pathlib import Path
 
 from baton.bench.common import machine, write_result
+
+KINDS = (("grpc", 55), ("http", 12), ("http-stream", 8), ("cancel", 8), ("http-close", 5),
+         ("bad", 6), ("deadline", 6))
 
 
 def descendants(pid: int) -> list[int]:
@@ -64,67 +86,233 @@ def name_of(pid: int) -> str:
     return f"{Path(args[0].decode()).name}-{pid}"
 
 
+class Ledger:
+    """Every request's ending, by kind: ``ok`` (the reference's output), ``typed`` (a status
+    code), ``expected`` (the error the kind asks for), ``lost`` (anything else)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.rows: dict[str, dict[str, int]] = {}
+        self.lost: list[str] = []
+        self.done = 0
+
+    def add(self, kind: str, outcome: str, detail: str = "") -> None:
+        with self.lock:
+            row = self.rows.setdefault(kind, {})
+            key = outcome if outcome in ("ok", "expected", "lost") else f"typed:{outcome}"
+            row[key] = row.get(key, 0) + 1
+            if outcome == "lost" and len(self.lost) < 50:
+                self.lost.append(f"{kind}: {detail[:300]}")
+            self.done += 1
+
+    def count(self, outcome: str) -> int:
+        with self.lock:
+            return sum(n for row in self.rows.values() for k, n in row.items()
+                       if k == outcome or k.startswith(outcome + ":"))
+
+
+class Clients:
+    """The request kinds against one cluster; each call records its ending in the ledger."""
+
+    def __init__(self, grpc_address: str, http_base: str, model: str, prompts, refs,
+                 ref_texts, max_tokens: int, ledger: Ledger) -> None:
+        import grpc
+        import openai
+        from baton.v1 import api_pb2_grpc
+
+        self._grpc = grpc
+        self.stub = api_pb2_grpc.BatonStub(grpc.insecure_channel(grpc_address))
+        self.http = openai.OpenAI(base_url=http_base, api_key="unused", max_retries=0,
+                                  timeout=300)
+        self._openai = openai
+        self.model, self.prompts, self.refs, self.ref_texts = model, prompts, refs, ref_texts
+        self.max_tokens, self.ledger = max_tokens, ledger
+
+    def run(self, kind: str, rng: random.Random) -> None:
+        p = rng.randrange(len(self.prompts))
+        try:
+            getattr(self, "_k_" + kind.replace("-", "_"))(kind, p, rng)
+        except self._grpc.RpcError as e:
+            self._grpc_error(kind, e)
+        except self._openai.APIStatusError as e:
+            self.ledger.add(kind, "expected" if kind == "bad" and e.status_code == 400
+                            else f"HTTP {e.status_code}", str(e))
+        except Exception as e:  # a broken connection, a timeout, a bug: lost
+            self.ledger.add(kind, "lost", f"{type(e).__name__}: {e}")
+
+    def _grpc_error(self, kind: str, e) -> None:
+        code = e.code()
+        want = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED",
+                "bad": "INVALID_ARGUMENT"}.get(kind)
+        if code is None or code.name in ("UNKNOWN", "INTERNAL"):
+            self.ledger.add(kind, "lost", f"{code}: {e.details()}")
+        else:
+            self.ledger.add(kind, "expected" if code.name == want else code.name)
+
+    def _request(self, p: int, max_tokens: int | None = None):
+        from baton.v1 import api_pb2, worker_pb2
+
+        r = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
+            max_tokens=max_tokens or self.max_tokens, ignore_eos=True))
+        r.token_ids.ids.extend(self.prompts[p])
+        return r
+
+    def _check(self, kind: str, got, want) -> None:
+        if got == want:
+            self.ledger.add(kind, "ok")
+        else:
+            self.ledger.add(kind, "lost", f"wrong answer: {got!r} != {want!r}")
+
+    def _tokens(self, p: int, timeout: float = 300) -> list[int]:
+        ids = []
+        for m in self.stub.Generate(self._request(p), timeout=timeout):
+            if m.HasField("delta"):
+                ids += m.delta.token_ids
+        return ids
+
+    # ---- the kinds -------------------------------------------------------------------------------
+
+    def _k_grpc(self, kind, p, rng):
+        self._check(kind, self._tokens(p), self.refs[p])
+
+    def _k_deadline(self, kind, p, rng):
+        self._check(kind, self._tokens(p, timeout=0.002), self.refs[p])
+
+    def _k_cancel(self, kind, p, rng):
+        call = self.stub.Generate(self._request(p, max_tokens=64), timeout=300)
+        for m in call:
+            if m.HasField("delta"):
+                call.cancel()
+        self.ledger.add(kind, "lost", "finished though cancelled")
+
+    def _completion(self, p, stream: bool, **extra):
+        return self.http.completions.create(
+            model=self.model, prompt=list(self.prompts[p]), max_tokens=self.max_tokens,
+            temperature=0, stream=stream, extra_body={"ignore_eos": True}, **extra)
+
+    def _k_http(self, kind, p, rng):
+        r = self._completion(p, False)
+        self._check(kind, r.choices[0].text, self.ref_texts[p])
+
+    def _k_http_stream(self, kind, p, rng):
+        text = "".join(c.choices[0].text for c in self._completion(p, True) if c.choices)
+        self._check(kind, text, self.ref_texts[p])
+
+    def _k_http_close(self, kind, p, rng):
+        with self._completion(p, True) as stream:
+            for _chunk in stream:
+                break  # the client goes away after the first chunk
+        self.ledger.add(kind, "expected")
+
+    def _k_bad(self, kind, p, rng):
+        from baton.v1 import api_pb2, worker_pb2
+
+        which = rng.randrange(4)
+        if which == 0:  # temperature below 0
+            r = self._request(p)
+            r.params.temperature = -1.0
+            list(self.stub.Generate(r, timeout=300))
+        elif which == 1:  # an empty prompt
+            list(self.stub.Generate(api_pb2.GenerateRequest(
+                text="", params=worker_pb2.SamplingParams(max_tokens=4)), timeout=300))
+        elif which == 2:  # a field Baton does not implement
+            self._completion(p, False, presence_penalty=0.5)
+        else:  # a model this cluster does not serve
+            self.http.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+        self.ledger.add(kind, "lost", f"bad input {which} accepted")
+
+
+def references(model: str | None, n: int, lo: int, hi: int, max_tokens: int, seed: int):
+    """``n`` random prompts and their greedy outputs (token ids, text), from this process's own
+    engine on the same model and dtype as the cluster's."""
+    from baton.engine.engine import LLMEngine
+    from baton.engine.params import SamplingParams
+
+    engine = LLMEngine.from_path(model)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))]
+               for _ in range(n)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return prompts, [list(o.token_ids) for o in outs], [o.text for o in outs]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--prompt-len", default="8:64", help="MIN:MAX prompt tokens (default 8:64)")
-    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=256, help="distinct prompts (default 256)")
+    ap.add_argument("--prompt-len", default="8:160", help="MIN:MAX prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--kill-every", type=int, default=4000,
+                    help="SIGKILL a worker (decode, then prefill, ...) every this many requests "
+                         "(0: never)")
     ap.add_argument("--warmup", type=float, default=0.1)
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
-    ap.add_argument("--up-args", default="", help="more `baton up` options")
-    ap.add_argument("--tiny", default=None, metavar="DIR",
-                    help="serve a tiny random Llama (3 layers, 400-token vocabulary; built in "
-                         "DIR if missing) instead of the default model: the same request path "
-                         "through every process, at many more requests per second")
+    ap.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
+    ap.add_argument("--up-args", default="--local-prefill-max-tokens 0",
+                    help="more `baton up` options (default: every prompt prefilled on the "
+                         "prefill worker, so every request moves KV blocks)")
+    ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     lo, hi = map(int, a.prompt_len.split(":"))
-
-    from baton.bench.loadgen import ClosedLoop, GrpcTarget, Req
-    from baton.control.registry import WorkerRegistry
-    from baton.transfer import cluster_secret
-    from baton.v1 import worker_pb2, worker_pb2_grpc
-
     t0 = time.monotonic()
 
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - t0:6.0f}s] {msg}", flush=True)
 
-    model, vocab = [], 49152
-    if a.tiny:
-        if not (Path(a.tiny) / "config.json").exists():
-            from baton.bench.tiny_model import make_hf_model
+    say(f"greedy references for {a.prompts} prompts ...")
+    prompts, refs, ref_texts = references(a.model, a.prompts, lo, hi, a.max_tokens, a.seed)
+    say("references done")
 
-            make_hf_model(Path(a.tiny), tie_word_embeddings=False)
-        model, vocab = ["--model", a.tiny], 400
+    from baton.control.registry import WorkerRegistry
+    from baton.transfer import cluster_secret
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    secret = secrets.token_urlsafe(32)  # so this script can ask the workers for their pools
+    env = {**os.environ, cluster_secret.ENV: secret}
+    model = ["--model", a.model] if a.model else []
     up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--grpc-port", "0",
-                           "--http-port", "-1", *model, *shlex.split(a.up_args)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           "--http-port", "0", *model, *shlex.split(a.up_args)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     for line in up.stdout:
         lines.append(line)
-        if "ready: gRPC API" in line:
+        if "ready: OpenAI-compatible API" in line:
             break
     text = "".join(lines)
-    m = re.search(r"on (\S+:\d+);", lines[-1])
-    if not m:
+    g = re.search(r"gRPC API \(baton.v1.Baton\) on (\S+:\d+);", text)
+    h = re.search(r"OpenAI-compatible API on (http\S+)", text)
+    if not g or not h:
+        up.kill()
         raise SystemExit(f"baton up did not start:\n{text}")
-    address = m.group(1)
     redis_url = re.search(r"redis-server on (\S+)", text).group(1)
     threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True).start()
-    say(f"baton up serving on {address}")
+    say(f"baton up serving on {g.group(1)} and {h.group(1)}")
 
-    def make(rng) -> Req:
-        return Req([rng.randrange(10, vocab - 10) for _ in range(rng.randint(lo, hi))],
-                   a.max_tokens)
+    ledger = Ledger()
+    clients = Clients(g.group(1), h.group(1), "", prompts, refs, ref_texts, a.max_tokens,
+                      ledger)
+    clients.model = clients.http.models.list().data[0].id
+    kinds = [k for k, w in KINDS for _ in range(w)]
+    next_i = iter(range(a.requests))
+    lock = threading.Lock()
 
-    loop = ClosedLoop(GrpcTarget(address, timeout=120), make)
+    def client(c: int) -> None:
+        rng = random.Random(a.seed * 1000 + c)
+        while True:
+            with lock:
+                i = next(next_i, None)
+            if i is None:
+                return
+            clients.run(rng.choice(kinds), rng)
+
     samples: list[dict] = []
     names: dict[int, str] = {}
+    kills: list[dict] = []
 
     def take() -> None:
-        done = loop.ok + len(loop.errors)
-        row = {"t": round(time.monotonic() - t0, 1), "requests": done, "procs": {}}
+        row = {"t": round(time.monotonic() - t0, 1), "requests": ledger.done, "procs": {}}
         for pid in descendants(up.pid):
             s = sample(pid)
             if s is not None:
@@ -132,31 +320,43 @@ def main() -> None:
                 row["procs"][names[pid]] = {"rss": s[0], "fds": s[1]}
         samples.append(row)
 
+    def kill_one() -> None:
+        role = ("decode", "prefill")[len(kills) % 2]
+        for pid in descendants(up.pid):
+            if name_of(pid).startswith(f"{role}-"):
+                os.kill(pid, signal.SIGKILL)
+                kills.append({"at_request": ledger.done, "role": role, "pid": pid})
+                say(f"SIGKILL {role} worker {pid} at request {ledger.done}")
+                return
+
     take()
-    loop.set(a.clients)
+    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(a.clients)]
+    for t in threads:
+        t.start()
     last_say = time.monotonic()
-    while loop.ok + len(loop.errors) < a.requests:
+    while any(t.is_alive() for t in threads):
         time.sleep(a.interval)
         take()
+        if a.kill_every and ledger.done >= (len(kills) + 1) * a.kill_every and \
+                ledger.done < a.requests - a.kill_every // 4:
+            kill_one()
         if time.monotonic() - last_say > 30:
-            done = samples[-1]["requests"]
+            done = ledger.done
             rate = done / max(1e-9, samples[-1]["t"] - samples[0]["t"])
-            say(f"{done}/{a.requests} requests ({len(loop.errors)} failed), {rate:.1f} req/s, "
+            say(f"{done}/{a.requests} requests ({ledger.count('lost')} lost), {rate:.1f} req/s, "
                 f"eta {(a.requests - done) / max(rate, 1e-9):.0f}s")
             last_say = time.monotonic()
-    loop.set(0)
     take()
-    say(f"{loop.ok + len(loop.errors)} requests, {len(loop.errors)} failed; checking the pools")
+    say(f"{ledger.done} requests, {ledger.count('lost')} lost; checking the pools")
 
     # ---- the KV pools once quiet -----------------------------------------------------------------
     registry = WorkerRegistry.from_url(redis_url)
-    pools = {}
-    end = time.monotonic() + 30
+    pools: dict = {}
+    end = time.monotonic() + 60
     while True:
         pools = {}
         for w in registry.workers():
-
-            with cluster_secret.channel(w.address) as ch:
+            with cluster_secret.channel(w.address, secret=secret) as ch:
                 stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
                         else worker_pb2_grpc.DecodeWorkerStub(ch))
                 i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
@@ -169,8 +369,10 @@ def main() -> None:
         time.sleep(0.5)
     up.send_signal(signal.SIGINT)
     up.wait(120)
+    report(a, samples, ledger, pools, kills, "".join(lines))
 
-    # ---- growth after warm-up ------------------------------------------------------------------
+
+def report(a, samples, ledger: Ledger, pools: dict, kills: list, up_log: str) -> None:
     warm = next((s for s in samples if s["requests"] >= a.warmup * a.requests), samples[0])
     final = samples[-1]
     after = max(1, final["requests"] - warm["requests"])
@@ -181,28 +383,34 @@ def main() -> None:
             continue
         growth[proc] = {"rss_mib_at_warmup": round(w0["rss"] / 2**20, 1),
                         "rss_mib_at_end": round(v["rss"] / 2**20, 1),
-                        "rss_growth_mib": round((v["rss"] - w0["rss"]) / 2**20, 2),
+                        "rss_growth_pct": round(100 * (v["rss"] - w0["rss"]) / w0["rss"], 2),
                         "rss_growth_kib_per_1k_requests":
                             round((v["rss"] - w0["rss"]) / 1024 / after * 1000, 1),
                         "fds_at_warmup": w0["fds"], "fds_at_end": v["fds"],
                         "fds_growth": v["fds"] - w0["fds"]}
     leaked = sum(p["blocks"] - p["free"] for p in pools.values())
-    errors: dict[str, int] = {}
-    for _, e in loop.errors:
-        errors[e] = errors.get(e, 0) + 1
-    result = {"machine": machine(), "args": vars(a), "address": address,
-              "requests": loop.ok + len(loop.errors), "succeeded": loop.ok, "errors": errors,
+    restarts = re.findall(r"starting it again|back:", up_log)
+    result = {"machine": machine(), "args": vars(a), "requests": ledger.done,
+              "outcomes": ledger.rows, "ok": ledger.count("ok"),
+              "expected_errors": ledger.count("expected"), "typed_errors": ledger.count("typed"),
+              "lost": ledger.count("lost"), "lost_examples": ledger.lost,
               "wall_s": round(final["t"] - samples[0]["t"], 1),
-              "warmup_requests": warm["requests"], "growth": growth, "pools": pools,
-              "leaked_blocks": leaked, "samples": samples}
+              "warmup_requests": warm["requests"], "growth": growth,
+              "max_rss_growth_pct": max((g["rss_growth_pct"] for g in growth.values()),
+                                        default=None),
+              "pools": pools, "leaked_blocks": leaked, "kills": kills,
+              "up_restart_lines": len(restarts), "samples": samples}
     path = write_result("soak", result)
-    print(f"\n{'process':<24}{'RSS MiB warm->end':>20}{'KiB/1k req':>12}{'fds warm->end':>16}")
-    for proc, g in sorted(growth.items()):
-        print(f"{proc:<24}{g['rss_mib_at_warmup']:>9} -> {g['rss_mib_at_end']:<8}"
-              f"{g['rss_growth_kib_per_1k_requests']:>12}"
-              f"{g['fds_at_warmup']:>8} -> {g['fds_at_end']:<6}")
-    print(f"requests {result['requests']} ({loop.ok} ok, errors {errors}) in "
-          f"{result['wall_s']}s; leaked blocks {leaked}; pools {pools}")
+    print(f"\n{'process':<24}{'RSS MiB warm->end':>20}{'growth %':>10}{'fds warm->end':>16}")
+    for proc, gr in sorted(growth.items()):
+        print(f"{proc:<24}{gr['rss_mib_at_warmup']:>9} -> {gr['rss_mib_at_end']:<8}"
+              f"{gr['rss_growth_pct']:>10}{gr['fds_at_warmup']:>8} -> {gr['fds_at_end']:<6}")
+    print(f"\n{'kind':<14}outcomes")
+    for kind, row in sorted(ledger.rows.items()):
+        print(f"{kind:<14}{row}")
+    print(f"requests {ledger.done}: ok {result['ok']}, expected errors "
+          f"{result['expected_errors']}, other typed errors {result['typed_errors']}, lost "
+          f"{result['lost']}; kills {len(kills)}; leaked blocks {leaked}; pools {pools}")
     print(f"wrote {path}")
 
 

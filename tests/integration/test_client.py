@@ -24,10 +24,13 @@ from baton.client import (
     InvalidRequestError,
     UnavailableError,
 )
+from baton.transfer import cluster_secret
+from baton.transfer.cluster_secret import ENV
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
+SECRET = "cluster-s3cret-for-the-client-tests"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +58,9 @@ def cluster(tiny_llama, tls_files, tmp_path_factory):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           # every engine step takes 5 ms at least: a 400-token request then
                           # outlasts a 0.5 s deadline on any machine
-                          env={**os.environ, "BATON_FAULT_STEP_DELAY_S": "0.005"})
+                          env={**os.environ, "BATON_FAULT_STEP_DELAY_S": "0.005",
+                               # known here, so the test may ask the workers for their pools
+                               ENV: SECRET})
     lines = []
     for line in up.stdout:
         lines.append(line)
@@ -75,14 +80,14 @@ def client(c, **kw):
     return Client(c["target"], tls=True, root_certificates=c["cert"], token=TOKEN, **kw)
 
 
-def wait_all_blocks_free(c, timeout=15.0):
-    end = time.monotonic() + timeout
+def wait_all_blocks_free(c, timeout=60.0):
+    end = time.monotonic() + timeout  # a hang bound
     while True:
         infos = []
         for role, addr in c["workers"]:
             stub = (worker_pb2_grpc.PrefillWorkerStub if role == "prefill"
                     else worker_pb2_grpc.DecodeWorkerStub)
-            with grpc.insecure_channel(addr) as ch:
+            with cluster_secret.channel(addr, secret=SECRET) as ch:
                 infos.append(stub(ch).Info(
                     worker_pb2.InfoRequest(check_integrity=True), timeout=10))
         assert len(infos) == 2
