@@ -13,20 +13,11 @@ from pathlib import Path
 from baton.transfer import cluster_secret
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
+from baton import PARENT_ENV, PIN_CPUS_ENV
+
 
 class WorkerStartError(RuntimeError):
     pass
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM (a drain) when the parent dies (Linux), so a worker
-    never outlives the Ray actor that supervises it."""
-    import contextlib
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 class WorkerProcess:
@@ -44,17 +35,15 @@ class WorkerProcess:
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
-        def setup() -> None:  # in the child, before exec
-            if die_with_parent:
-                _die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
         env = {**os.environ, **(env or {})}
+        # asked of the child through its environment, never in a preexec_fn (see
+        # baton.adopt_launch_settings: a fork with gRPC running can abort the child)
+        if die_with_parent:
+            env[PARENT_ENV] = str(os.getpid())
+        if cpus:
+            env[PIN_CPUS_ENV] = ",".join(map(str, sorted(cpus)))
         self._secret = cluster_secret.from_env(env)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log,
-                                     env=env,
-                                     preexec_fn=setup if die_with_parent or cpus else None)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env)
         self.address = self.worker_id = self.incarnation = self.http_address = ""
         self.metrics_address = ""
         ready = threading.Event()

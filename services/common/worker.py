@@ -81,7 +81,7 @@ class WorkerBoot:
                                 self.engine.model_info.name, self.engine.cfg.block_size,
                                 metrics_address, self.engine.cfg.max_num_seqs)
         publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
-        announce(self.address, self.worker_id, self.incarnation)
+        drain = announce(self.address, self.worker_id, self.incarnation)
 
         def stop() -> None:
             if publisher is not None:
@@ -89,7 +89,7 @@ class WorkerBoot:
             on_stop()
             tracing.shutdown()
         serve_forever(self.server, stop, registration, cfg.drain_timeout, health=health,
-                      busy=busy, died=died)
+                      busy=busy, died=died, drain=drain)
 
 
 def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
@@ -242,18 +242,20 @@ def add_standard_services(server: grpc.Server, service_names: list[str]):
 def serve_forever(server: grpc.Server, on_stop, registration=None,
                   drain_timeout: float = 30.0, health=None,
                   busy: Callable[[], bool] | None = None,
-                  died: threading.Event | None = None) -> None:
-    """Block until SIGTERM/SIGINT, then drain: deregister (routers stop sending work), wait
-    while ``busy()`` (work that still needs RPCs in: a prefill worker's leased blocks wait for
-    their readers' release calls), refuse new RPCs, let the ones in flight finish, run
-    ``on_stop``, return. All of it within ``drain_timeout``.
+                  died: threading.Event | None = None,
+                  drain: threading.Event | None = None) -> None:
+    """Block until SIGTERM/SIGINT (``drain``, from :func:`announce`), then drain: deregister
+    (routers stop sending work), wait while ``busy()`` (work that still needs RPCs in: a
+    prefill worker's leased blocks wait for their readers' release calls), refuse new RPCs,
+    let the ones in flight finish, run ``on_stop``, return. All of it within ``drain_timeout``.
 
     ``died`` set (the engine thread stopped on an error) does the same at once, without
     waiting for ``busy``, and then exits 1: the worker cannot serve any more, and its
     supervisor (``baton up``, Kubernetes, Ray) replaces it. Its calls in flight ended
     UNAVAILABLE, which the router retries (or migrates) elsewhere."""
-    done = threading.Event()
-    set_on_signals(done)
+    done = drain or threading.Event()
+    if drain is None:
+        set_on_signals(done)
     if died is not None:
         threading.Thread(target=lambda: (died.wait(), done.set()), name="engine-watch",
                          daemon=True).start()
@@ -279,9 +281,14 @@ def serve_forever(server: grpc.Server, on_stop, registration=None,
     log.info("drained; exiting")
 
 
-def announce(address: str, worker_id: str, incarnation: str) -> None:
-    """The line a parent process (``baton up``, tests) waits for."""
+def announce(address: str, worker_id: str, incarnation: str) -> threading.Event:
+    """The line a parent process (``baton up``, tests) waits for; returns the event SIGTERM and
+    SIGINT set from then on (a drain). The handlers go in first: a parent that stops the
+    process as soon as it reads the line must get a drain, not the default action (exit -15)."""
+    drain = threading.Event()
+    set_on_signals(drain)
     print(f"BATON_READY {address} {worker_id} {incarnation}", flush=True)
+    return drain
 
 
 def setup_logging(level: str) -> None:

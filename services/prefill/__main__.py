@@ -1,3 +1,7 @@
-from baton.services.prefill.server import main
+from baton import adopt_launch_settings
+
+adopt_launch_settings()  # before torch starts threads
+
+from baton.services.prefill.server import main  # noqa: E402 (after the settings above)
 
 main()

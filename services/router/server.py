@@ -292,8 +292,9 @@ def main(argv: list[str] | None = None) -> None:
         router_id, f"{host}:{port}",
         f"{host}:{http_address.rsplit(':', 1)[1]}" if http_address else "",
         orchestrator.model, tls=bool(cfg.tls))).start()
-    announce(address, f"router-{cfg.host}-{port}", new_incarnation())
-    serve_forever(server, tracing.shutdown, registration, cfg.drain_timeout, health=health)
+    drain = announce(address, f"router-{cfg.host}-{port}", new_incarnation())
+    serve_forever(server, tracing.shutdown, registration, cfg.drain_timeout, health=health,
+                  drain=drain)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("BATON_CACHE_DIR") or Path.home() / ".cache" / "baton")
 
 
+# what a launcher asks of the process it starts, in its environment (see adopt_launch_settings)
+PIN_CPUS_ENV, PARENT_ENV = "BATON_PIN_CPUS", "BATON_DIE_WITH_PARENT"
+
+
+def adopt_launch_settings() -> None:
+    """Apply what the launcher asked for in the environment, first thing in a Baton process
+    (before torch starts its threads): ``$BATON_PIN_CPUS`` (``0,1``): run on those cores;
+    ``$BATON_DIE_WITH_PARENT`` (the launcher's pid): get SIGTERM (a drain) when it dies.
+
+    The launcher cannot do these itself between fork and exec (``preexec_fn``): a real fork of
+    a process with gRPC running runs gRPC's fork handlers, which restart its poller thread in
+    the child, and closing the inherited descriptors before exec then aborts the child
+    ("Epoll1Poller ... epoll_wait error: Bad file descriptor", about 1 start in 25 here). Without
+    ``preexec_fn`` Python starts children with vfork, which runs no fork handlers."""
+    cpus = os.environ.pop(PIN_CPUS_ENV, "")
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+    parent = os.environ.pop(PARENT_ENV, "")
+    if parent:
+        import contextlib
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):  # Linux only
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+        if os.getppid() != int(parent):  # it died before the line above: nothing would tell
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def set_on_signals(event: threading.Event,
                    signals: tuple = (signal.SIGTERM, signal.SIGINT)) -> None:
     """Set ``event`` when one of ``signals`` arrives (a drain, Ctrl-C).
