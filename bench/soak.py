@@ -9,6 +9,10 @@ bench/results/soak-*.json.
 
     python bench/soak.py [--requests 20000] [--clients 8] [--kill-every 4000] [--up-args "..."]
 
+The default cluster is `baton up --decode 2 --local-prefill-max-tokens 0`: a killed decode worker
+leaves one serving while `baton up` restarts it, a killed prefill worker leaves the decode
+workers prefilling locally, and every other request moves its KV blocks over NIXL.
+
 Requests (a fixed mix, seeded): prompts drawn from --prompts distinct random token prompts whose
 greedy outputs are computed first in this process with the same engine and model; both public
 APIs: Baton's gRPC API (a plain generated stub) and the OpenAI API through the official
@@ -242,17 +246,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=256, help="distinct prompts (default 256)")
-    ap.add_argument("--prompt-len", default="8:160", help="MIN:MAX prompt tokens")
-    ap.add_argument("--max-tokens", type=int, default=6)
+    ap.add_argument("--prompt-len", default="8:128", help="MIN:MAX prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--kill-every", type=int, default=4000,
                     help="SIGKILL a worker (decode, then prefill, ...) every this many requests "
                          "(0: never)")
     ap.add_argument("--warmup", type=float, default=0.1)
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
-    ap.add_argument("--up-args", default="--local-prefill-max-tokens 0",
-                    help="more `baton up` options (default: every prompt prefilled on the "
-                         "prefill worker, so every request moves KV blocks)")
+    ap.add_argument("--up-args", default="--decode 2 --local-prefill-max-tokens 0",
+                    help="more `baton up` options (default: two decode workers, so one serves "
+                         "while the other is killed, and every prompt prefilled on the prefill "
+                         "worker, so every request moves KV blocks)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     lo, hi = map(int, a.prompt_len.split(":"))
@@ -265,6 +270,7 @@ def main() -> None:
     prompts, refs, ref_texts = references(a.model, a.prompts, lo, hi, a.max_tokens, a.seed)
     say("references done")
 
+    import grpc
     from baton.control.registry import WorkerRegistry
     from baton.transfer import cluster_secret
     from baton.v1 import worker_pb2, worker_pb2_grpc
@@ -355,16 +361,21 @@ def main() -> None:
     end = time.monotonic() + 60
     while True:
         pools = {}
+        gone = 0  # a killed worker's entry, until it lapses (--registry-ttl)
         for w in registry.workers():
             with cluster_secret.channel(w.address, secret=secret) as ch:
                 stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
                         else worker_pb2_grpc.DecodeWorkerStub(ch))
-                i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
+                try:
+                    i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
+                except grpc.RpcError:
+                    gone += 1
+                    continue
             pools[w.worker_id] = {"blocks": i.num_blocks, "free": i.num_free_blocks,
                                   "leases": i.active_leases, "running": i.running_requests,
                                   "integrity_ok": i.integrity_ok}
-        if all(p["free"] == p["blocks"] and not p["leases"] for p in pools.values()) or \
-                time.monotonic() > end:
+        if (not gone and all(p["free"] == p["blocks"] and not p["leases"]
+                             for p in pools.values())) or time.monotonic() > end:
             break
         time.sleep(0.5)
     up.send_signal(signal.SIGINT)
