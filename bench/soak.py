@@ -241,7 +241,7 @@ def references(model: str | None, n: int, lo: int, hi: int, max_tokens: int, see
     return prompts, [list(o.token_ids) for o in outs], [o.text for o in outs]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--clients", type=int, default=8)
@@ -259,128 +259,154 @@ def main() -> None:
                          "while the other is killed, and every prompt prefilled on the prefill "
                          "worker, so every request moves KV blocks)")
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    lo, hi = map(int, a.prompt_len.split(":"))
-    t0 = time.monotonic()
+    return ap.parse_args()
 
-    def say(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:6.0f}s] {msg}", flush=True)
 
-    say(f"greedy references for {a.prompts} prompts ...")
-    prompts, refs, ref_texts = references(a.model, a.prompts, lo, hi, a.max_tokens, a.seed)
-    say("references done")
+class Run:
+    """One soak: `baton up`, its processes' samples, the kills, the ledger."""
 
-    import grpc
-    from baton.control.registry import WorkerRegistry
-    from baton.transfer import cluster_secret
-    from baton.v1 import worker_pb2, worker_pb2_grpc
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.a, self.t0 = a, time.monotonic()
+        self.secret = secrets.token_urlsafe(32)  # so this script can read the workers' pools
+        self.ledger = Ledger()
+        self.samples: list[dict] = []
+        self.names: dict[int, str] = {}
+        self.kills: list[dict] = []
+        self.lines: list[str] = []
 
-    secret = secrets.token_urlsafe(32)  # so this script can ask the workers for their pools
-    env = {**os.environ, cluster_secret.ENV: secret}
-    model = ["--model", a.model] if a.model else []
-    up = subprocess.Popen([sys.executable, "-m", "baton.cli.main", "up", "--grpc-port", "0",
-                           "--http-port", "0", *model, *shlex.split(a.up_args)],
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    for line in up.stdout:
-        lines.append(line)
-        if "ready: OpenAI-compatible API" in line:
-            break
-    text = "".join(lines)
-    g = re.search(r"gRPC API \(baton.v1.Baton\) on (\S+:\d+);", text)
-    h = re.search(r"OpenAI-compatible API on (http\S+)", text)
-    if not g or not h:
-        up.kill()
-        raise SystemExit(f"baton up did not start:\n{text}")
-    redis_url = re.search(r"redis-server on (\S+)", text).group(1)
-    threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True).start()
-    say(f"baton up serving on {g.group(1)} and {h.group(1)}")
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.0f}s] {msg}", flush=True)
 
-    ledger = Ledger()
-    clients = Clients(g.group(1), h.group(1), "", prompts, refs, ref_texts, a.max_tokens,
-                      ledger)
-    clients.model = clients.http.models.list().data[0].id
-    kinds = [k for k, w in KINDS for _ in range(w)]
-    next_i = iter(range(a.requests))
-    lock = threading.Lock()
+    def start_up(self) -> tuple[str, str]:
+        """Start `baton up`; its gRPC address and OpenAI base URL."""
+        from baton.transfer import cluster_secret
 
-    def client(c: int) -> None:
-        rng = random.Random(a.seed * 1000 + c)
-        while True:
-            with lock:
-                i = next(next_i, None)
-            if i is None:
-                return
-            clients.run(rng.choice(kinds), rng)
+        a = self.a
+        model = ["--model", a.model] if a.model else []
+        self.up = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli.main", "up", "--grpc-port", "0", "--http-port",
+             "0", *model, *shlex.split(a.up_args)], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env={**os.environ,
+                                                      cluster_secret.ENV: self.secret})
+        for line in self.up.stdout:
+            self.lines.append(line)
+            if "ready: OpenAI-compatible API" in line:
+                break
+        text = "".join(self.lines)
+        g = re.search(r"gRPC API \(baton.v1.Baton\) on (\S+:\d+);", text)
+        h = re.search(r"OpenAI-compatible API on (http\S+)", text)
+        if not g or not h:
+            self.up.kill()
+            raise SystemExit(f"baton up did not start:\n{text}")
+        self.redis_url = re.search(r"redis-server on (\S+)", text).group(1)
+        threading.Thread(target=lambda: self.lines.extend(self.up.stdout), daemon=True).start()
+        self.say(f"baton up serving on {g.group(1)} and {h.group(1)}")
+        return g.group(1), h.group(1)
 
-    samples: list[dict] = []
-    names: dict[int, str] = {}
-    kills: list[dict] = []
-
-    def take() -> None:
-        row = {"t": round(time.monotonic() - t0, 1), "requests": ledger.done, "procs": {}}
-        for pid in descendants(up.pid):
+    def take(self) -> None:
+        row = {"t": round(time.monotonic() - self.t0, 1), "requests": self.ledger.done,
+               "procs": {}}
+        for pid in descendants(self.up.pid):
             s = sample(pid)
             if s is not None:
-                names.setdefault(pid, name_of(pid))
-                row["procs"][names[pid]] = {"rss": s[0], "fds": s[1]}
-        samples.append(row)
+                self.names.setdefault(pid, name_of(pid))
+                row["procs"][self.names[pid]] = {"rss": s[0], "fds": s[1]}
+        self.samples.append(row)
 
-    def kill_one() -> None:
-        role = ("decode", "prefill")[len(kills) % 2]
-        for pid in descendants(up.pid):
+    def kill_one(self) -> None:
+        role = ("decode", "prefill")[len(self.kills) % 2]
+        for pid in descendants(self.up.pid):
             if name_of(pid).startswith(f"{role}-"):
                 os.kill(pid, signal.SIGKILL)
-                kills.append({"at_request": ledger.done, "role": role, "pid": pid})
-                say(f"SIGKILL {role} worker {pid} at request {ledger.done}")
+                self.kills.append({"at_request": self.ledger.done, "role": role, "pid": pid})
+                self.say(f"SIGKILL {role} worker {pid} at request {self.ledger.done}")
                 return
 
-    take()
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(a.clients)]
-    for t in threads:
-        t.start()
-    last_say = time.monotonic()
-    while any(t.is_alive() for t in threads):
-        time.sleep(a.interval)
-        take()
-        if a.kill_every and ledger.done >= (len(kills) + 1) * a.kill_every and \
-                ledger.done < a.requests - a.kill_every // 4:
-            kill_one()
-        if time.monotonic() - last_say > 30:
-            done = ledger.done
-            rate = done / max(1e-9, samples[-1]["t"] - samples[0]["t"])
-            say(f"{done}/{a.requests} requests ({ledger.count('lost')} lost), {rate:.1f} req/s, "
-                f"eta {(a.requests - done) / max(rate, 1e-9):.0f}s")
-            last_say = time.monotonic()
-    take()
-    say(f"{ledger.done} requests, {ledger.count('lost')} lost; checking the pools")
+    def drive(self, clients: Clients) -> None:
+        """--requests requests from --clients threads, sampling and killing as they go."""
+        a, ledger = self.a, self.ledger
+        kinds = [k for k, w in KINDS for _ in range(w)]
+        next_i = iter(range(a.requests))
+        lock = threading.Lock()
 
-    # ---- the KV pools once quiet -----------------------------------------------------------------
-    registry = WorkerRegistry.from_url(redis_url)
-    pools: dict = {}
-    end = time.monotonic() + 60
-    while True:
-        pools = {}
-        gone = 0  # a killed worker's entry, until it lapses (--registry-ttl)
-        for w in registry.workers():
-            with cluster_secret.channel(w.address, secret=secret) as ch:
-                stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
-                        else worker_pb2_grpc.DecodeWorkerStub(ch))
-                try:
-                    i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
-                except grpc.RpcError:
-                    gone += 1
-                    continue
-            pools[w.worker_id] = {"blocks": i.num_blocks, "free": i.num_free_blocks,
-                                  "leases": i.active_leases, "running": i.running_requests,
-                                  "integrity_ok": i.integrity_ok}
-        if (not gone and all(p["free"] == p["blocks"] and not p["leases"]
-                             for p in pools.values())) or time.monotonic() > end:
-            break
-        time.sleep(0.5)
-    up.send_signal(signal.SIGINT)
-    up.wait(120)
-    report(a, samples, ledger, pools, kills, "".join(lines))
+        def client(c: int) -> None:
+            rng = random.Random(a.seed * 1000 + c)
+            while True:
+                with lock:
+                    if next(next_i, None) is None:
+                        return
+                clients.run(rng.choice(kinds), rng)
+
+        self.take()
+        threads = [threading.Thread(target=client, args=(c,), daemon=True)
+                   for c in range(a.clients)]
+        for t in threads:
+            t.start()
+        last_say = time.monotonic()
+        while any(t.is_alive() for t in threads):
+            time.sleep(a.interval)
+            self.take()
+            if a.kill_every and ledger.done >= (len(self.kills) + 1) * a.kill_every and \
+                    ledger.done < a.requests - a.kill_every // 4:
+                self.kill_one()
+            if time.monotonic() - last_say > 30:
+                done = ledger.done
+                rate = done / max(1e-9, self.samples[-1]["t"] - self.samples[0]["t"])
+                self.say(f"{done}/{a.requests} requests ({ledger.count('lost')} lost), "
+                         f"{rate:.1f} req/s, eta {(a.requests - done) / max(rate, 1e-9):.0f}s")
+                last_say = time.monotonic()
+        self.take()
+
+    def pools(self, wait_s: float = 60.0) -> dict:
+        """Every worker's pool once quiet (free == total, no lease), or as it is after
+        ``wait_s``; a killed worker's entry (until it lapses) is waited out."""
+        import grpc
+        from baton.control.registry import WorkerRegistry
+        from baton.transfer import cluster_secret
+        from baton.v1 import worker_pb2, worker_pb2_grpc
+
+        registry = WorkerRegistry.from_url(self.redis_url)
+        end = time.monotonic() + wait_s
+        while True:
+            pools, gone = {}, 0
+            for w in registry.workers():
+                with cluster_secret.channel(w.address, secret=self.secret) as ch:
+                    stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
+                            else worker_pb2_grpc.DecodeWorkerStub(ch))
+                    try:
+                        i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
+                    except grpc.RpcError:
+                        gone += 1
+                        continue
+                pools[w.worker_id] = {"blocks": i.num_blocks, "free": i.num_free_blocks,
+                                      "leases": i.active_leases, "running": i.running_requests,
+                                      "integrity_ok": i.integrity_ok}
+            quiet = all(p["free"] == p["blocks"] and not p["leases"] for p in pools.values())
+            if (quiet and not gone) or time.monotonic() > end:
+                return pools
+            time.sleep(0.5)
+
+
+def main() -> None:
+    a = parse_args()
+    lo, hi = map(int, a.prompt_len.split(":"))
+    run = Run(a)
+    run.say(f"greedy references for {a.prompts} prompts ...")
+    prompts, refs, ref_texts = references(a.model, a.prompts, lo, hi, a.max_tokens, a.seed)
+    run.say("references done")
+    grpc_address, http_base = run.start_up()
+    try:
+        clients = Clients(grpc_address, http_base, "", prompts, refs, ref_texts, a.max_tokens,
+                          run.ledger)
+        clients.model = clients.http.models.list().data[0].id
+        run.drive(clients)
+        run.say(f"{run.ledger.done} requests, {run.ledger.count('lost')} lost; "
+                "checking the pools")
+        pools = run.pools()
+    finally:  # never leave the cluster running
+        run.up.send_signal(signal.SIGINT)
+        run.up.wait(120)
+    report(a, run.samples, run.ledger, pools, run.kills, "".join(run.lines))
 
 
 def report(a, samples, ledger: Ledger, pools: dict, kills: list, up_log: str) -> None:

@@ -22,18 +22,9 @@ import grpc
 import pytest
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
+from tests.support.processes import descendants
+
 pytestmark = pytest.mark.slow
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").iterdir():
-            kids = (task / "children").read_text().split()
-            out += map(int, kids)
-            todo += map(int, kids)
-    return out
 
 
 def listening(pid: int) -> list[tuple[str, int]]:
