@@ -537,7 +537,8 @@ def test_colocated_workers_prefill_for_each_other(engine):
     """Two `--role both` workers: remote prefill crosses between them (never to itself); when
     one is left, its requests take the local path."""
     with Cluster(prefill=0, decode=2, worker_args=["--num-blocks", "96", "--role", "both"],
-                 routers=[["--routing", "round-robin", "--local-prefill-max-tokens", "0"]]) as c:
+                 routers=[["--routing", "round-robin", "--local-prefill-max-tokens", "0",
+                           "--http-port", "0"]]) as c:
         (a, b), router = c.decode, c.router
         kind, text = PROMPTS[1]
         want = expected(engine, kind, text).token_ids
@@ -550,7 +551,7 @@ def test_colocated_workers_prefill_for_each_other(engine):
         assert all(f.prefill_worker != f.decode_worker for f in finals)
         assert {f.prefill_worker for f in finals} == {a.worker_id, b.worker_id}
         b.stop()  # drains and deregisters
-        time.sleep(1.2)  # the router's registry view refreshes every second
+        c.wait_router_sees(router, both=1)
         ids, _, final = generate(router, request(kind, text))
         assert ids == want and final.path == "local" and final.decode_worker == a.worker_id
         info = a.info(check_integrity=True)

@@ -82,7 +82,7 @@ def traced(tiny_llama, start_cluster):
                       worker_args=["--model", str(tiny_llama[0]), "--block-size", "4",
                                    "--num-blocks", "256", "--registry-ttl", "2"],
                       routers=[["--http-port", "0", "--local-prefill-max-tokens", "16"]])
-    time.sleep(1.2)  # the router re-reads the registry every second: let it see both workers
+    c.wait_router_sees(c.router, prefill=1, decode=1)
     yield receiver, c.router, c.prefill[0], c.decode[0]
     c.stop()
     server.stop(0)

@@ -126,6 +126,30 @@ class Cluster:
         stopped with the cluster if the caller does not stop it first."""
         return self._start("router", self._router_args(args), raw=True)
 
+    @staticmethod
+    def wait_router_sees(router: WorkerProcess, timeout: float = 60.0, **roles: int) -> None:
+        """Until ``router``'s view of the registry (re-read at most every second) counts
+        ``roles`` workers (``decode=2``...), read from its ``/health`` (it needs its HTTP
+        front). Instead of sleeping through a refresh: the bound is a hang detector."""
+        import json
+        import urllib.error
+        import urllib.request
+
+        assert router.http_address, "the router needs --http-port to be asked"
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{router.http_address}/health",
+                                            timeout=30) as r:
+                    body = json.loads(r.read())
+            except urllib.error.HTTPError as e:  # 503: no decode worker (yet)
+                body = json.loads(e.read())
+            seen = body.get("workers", {})
+            if all(seen.get(role, 0) == n for role, n in roles.items()):
+                return
+            assert time.monotonic() < end, f"the router sees {seen}, not {roles}"
+            time.sleep(0.05)
+
     def restart_router(self, k: int = 0, graceful: bool = False) -> WorkerProcess:
         """Router ``k`` SIGKILLed (or drained with ``graceful``), then a new one with the same
         arguments on a new port."""
