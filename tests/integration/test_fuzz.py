@@ -1,8 +1,9 @@
 """Fuzzing the public surfaces of a real cluster (tiny model; redis-server, a prefill and a decode
-worker, a router, all on loopback): property-based GenerateRequests on gRPC, and JSON bodies on
-the OpenAI HTTP API built from the schema of its fields (right and wrong types, edge values,
-unknown fields). Whatever comes in: no INTERNAL/UNKNOWN status and no 5xx, every rejection names
-the offending field, the router keeps serving, and no KV block stays allocated afterwards."""
+worker, a router, all on loopback; started by the test harness, and by `baton up`):
+property-based GenerateRequests on gRPC, and JSON bodies on the OpenAI HTTP API built from the
+schema of its fields (right and wrong types, edge values, unknown fields). Whatever comes in:
+no INTERNAL/UNKNOWN status and no 5xx, every rejection names the offending field, the router
+keeps serving, and no KV block stays allocated afterwards."""
 
 from __future__ import annotations
 
@@ -35,11 +36,22 @@ SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
                                            HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module")
-def cluster(start_cluster, tiny_llama):
-    return start_cluster(prefill=1, decode=1,
-                         worker_args=["--model", str(tiny_llama[0]), "--num-blocks", "64"],
-                         routers=[["--http-port", "0", "--max-tokens", "64"]])
+@pytest.fixture(scope="module", params=["processes", "baton-up"])
+def cluster(request, start_cluster, tiny_llama, tmp_path_factory):
+    """The same cluster started two ways: process by process (the harness), and as users
+    start it, with `baton up`."""
+    if request.param == "processes":
+        yield start_cluster(prefill=1, decode=1,
+                            worker_args=["--model", str(tiny_llama[0]), "--num-blocks", "64"],
+                            routers=[["--http-port", "0", "--max-tokens", "64"]])
+        return
+    from tests.support.up import Up
+
+    up = Up(tmp_path_factory.mktemp("fuzz-up"), "--model", str(tiny_llama[0]),
+            "--num-blocks", "64", "--threads", "1", "--http-port", "0",
+            "--router-args", "--max-tokens 64")
+    yield up
+    assert up.stop() == 0, "".join(up.lines[-30:])
 
 
 def stub(cluster: Cluster) -> api_pb2_grpc.BatonStub:

@@ -1,0 +1,122 @@
+"""A running `baton up` as tests see a cluster: ``router`` (``channel``, ``address``,
+``http_address``), its processes by role, its output as it comes, the workers' KV pools (it gets
+a cluster secret the test knows), ``assert_quiet``, ``on_after_test``. For tests that must run
+the one-command cluster users run, not processes the harness starts itself."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from baton.transfer import cluster_secret
+
+from tests.support.processes import descendants, free_port
+
+
+class _Router:
+    def __init__(self, address: str, http_address: str) -> None:
+        self.address, self.http_address = address, http_address
+        self.channel = grpc.insecure_channel(address)
+
+
+class Up:
+    def __init__(self, log_dir: Path, *args: str, env: dict | None = None) -> None:
+        """``baton up ARGS`` on a fixed gRPC port (a restarted router comes back on it)."""
+        self.secret = "test-" + os.urandom(8).hex()
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli.main", "up", "--grpc-port", str(port),
+             "--log-dir", str(log_dir), *args], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, cluster_secret.ENV: self.secret, **(env or {})})
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self._after = None
+        threading.Thread(target=self._read, daemon=True).start()
+        self.wait_line(r"ready: gRPC API", "baton up serving")
+        text = "".join(self.lines)
+        self.redis_url = re.search(r"redis-server on (\S+)", text).group(1)
+        if "--http-port" in args and args[list(args).index("--http-port") + 1] != "-1":
+            self.wait_line(r"OpenAI-compatible API on", "the HTTP front")
+        http = re.search(r"OpenAI-compatible API on https?://(\S+)/v1", "".join(self.lines))
+        self.router = _Router(f"127.0.0.1:{port}", http.group(1) if http else "")
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+
+    def wait_line(self, pattern: str, what: str, after: int = 0) -> str:
+        """The first output line from ``after`` on that matches ``pattern``. The bound is a
+        hang detector (a start on the real model), not a timing assertion."""
+        end = time.monotonic() + 300
+        with self.changed:
+            while True:
+                for line in self.lines[after:]:
+                    if re.search(pattern, line):
+                        return line
+                assert self.proc.poll() is None, "".join(self.lines[-30:])
+                assert time.monotonic() < end, f"never happened: {what}\n" + \
+                    "".join(self.lines[-30:])
+                self.changed.wait(1)
+
+    def pid_of(self, role: str) -> int:
+        for pid in descendants(self.proc.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"baton.services.{role}".encode() in cmd:
+                return pid
+        raise AssertionError(f"no {role} process under baton up")
+
+    def pools(self) -> dict[str, tuple[int, int, int, int]]:
+        """(free, total, leases, running) of every worker that answers, integrity checked."""
+        from baton.control.registry import WorkerRegistry
+        from baton.v1 import worker_pb2, worker_pb2_grpc
+
+        out = {}
+        for w in WorkerRegistry.from_url(self.redis_url).workers():
+            with cluster_secret.channel(w.address, secret=self.secret) as ch:
+                stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
+                        else worker_pb2_grpc.DecodeWorkerStub(ch))
+                try:
+                    i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
+                except grpc.RpcError:
+                    continue  # a killed worker's entry, until it lapses
+            assert i.integrity_ok, (w.worker_id, i.integrity_error)
+            out[w.worker_id] = (i.num_free_blocks, i.num_blocks, i.active_leases,
+                                i.running_requests)
+        return out
+
+    def assert_quiet(self, workers: int | None = None, timeout: float = 120.0) -> None:
+        """Until every worker (``workers`` of them, if given) has all its blocks free, no lease
+        and nothing running; the bound is a hang detector (a dead reader's lease expires)."""
+        end = time.monotonic() + timeout
+        while True:
+            pools = self.pools()
+            if (workers is None or len(pools) == workers) and all(
+                    f == t and not leases and not running
+                    for f, t, leases, running in pools.values()):
+                return
+            assert time.monotonic() < end, pools
+            time.sleep(0.25)
+
+    def on_after_test(self, fn) -> None:
+        self._after = fn
+
+    def stop(self) -> int:
+        if self._after is not None:
+            self._after()
+        self.router.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        return self.proc.wait(120)
