@@ -20,6 +20,20 @@ class WorkerStartError(RuntimeError):
     pass
 
 
+def spawn(cmd: list[str], env: dict, *, stdout=None, stderr=None, cpus: set[int] | None = None,
+          die_with_parent: bool = False) -> subprocess.Popen:
+    """Start a Baton process. What it should do for its launcher (run on ``cpus``, get
+    SIGTERM when this process dies) goes in its environment, applied by the child first thing
+    (:func:`baton.adopt_launch_settings`), never in a ``preexec_fn``: that forces a real fork,
+    and a fork of a process with gRPC running can abort the child before exec."""
+    env = dict(env)
+    if die_with_parent:
+        env[PARENT_ENV] = str(os.getpid())
+    if cpus:
+        env[PIN_CPUS_ENV] = ",".join(map(str, sorted(cpus)))
+    return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+
+
 class WorkerProcess:
     """``python -m baton.services.<role> --port 0 ARGS``; ready once it prints ``BATON_READY``.
 
@@ -36,14 +50,9 @@ class WorkerProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
         env = {**os.environ, **(env or {})}
-        # asked of the child through its environment, never in a preexec_fn (see
-        # baton.adopt_launch_settings: a fork with gRPC running can abort the child)
-        if die_with_parent:
-            env[PARENT_ENV] = str(os.getpid())
-        if cpus:
-            env[PIN_CPUS_ENV] = ",".join(map(str, sorted(cpus)))
         self._secret = cluster_secret.from_env(env)
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, env=env)
+        self.proc = spawn(cmd, env, stdout=subprocess.PIPE, stderr=self._log, cpus=cpus,
+                          die_with_parent=die_with_parent)
         self.address = self.worker_id = self.incarnation = self.http_address = ""
         self.metrics_address = ""
         ready = threading.Event()
