@@ -112,7 +112,8 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
     """Every decode worker runs its --max-num-seqs requests: the next request waits at the
     router (sent to no worker), one more past --max-queued is refused RESOURCE_EXHAUSTED naming
     the limit, and the waiting one runs, with the greedy result, as soon as a running one ends
-    (here: its client cancels). The worker never holds more than its batch."""
+    (here: its client cancels); one whose client goes away while it waits leaves the queue.
+    The worker never holds more than its batch."""
     import urllib.request
 
     from baton.engine.engine import LLMEngine
@@ -163,6 +164,14 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
         # fill the batch: 2 requests of 400 tokens at 50 ms or more a step
         (a, ta), (b, tb) = start("a", req(30, 400, start=1)), start("b", req(30, 400, start=2))
         until(lambda: len(got.get("a", ())) and len(got.get("b", ())), "both stream")
+
+        # a waiting request whose client goes away leaves the queue at once
+        gone, tg = start("gone", req(30, 4, start=7))
+        until(lambda: queued() == 1, "a request waits at the router")
+        gone.cancel()
+        tg.join(60)
+        assert got["gone"] == ["CANCELLED"]
+        until(lambda: queued() == 0, "the cancelled request leaves the queue")
 
         short = req(30, 4, start=9)
         want = LLMEngine.from_path(str(tiny_llama[0])).generate(
