@@ -95,16 +95,7 @@ class RouterMetrics:
 
     def __init__(self, index=None, admission=None, decode_queue=None) -> None:
         self.registry = r = CollectorRegistry()
-        if admission is not None:
-            Gauge("baton_router_queued", "Requests waiting for a slot (--max-concurrent).",
-                  registry=r).set_function(lambda: admission.stats()["waiting"])
-        if decode_queue is not None:
-            Gauge("baton_router_decode_queued", "Requests waiting for a decode worker with "
-                  "room in its running batch (every one runs its --max-num-seqs).",
-                  registry=r).set_function(decode_queue.waiting)
-            Gauge("baton_router_decode_queue_refused_total", "Requests refused because "
-                  "--max-queued already waited for a decode slot.",
-                  registry=r).set_function(lambda: decode_queue.refused)
+        self._queues(admission, decode_queue)
         self.decisions = Counter("baton_route_decisions", "Routing decisions by path and reason.",
                                  ["path", "reason"], registry=r)
         self.index_cached = Counter("baton_route_index_cached_tokens",
@@ -139,6 +130,19 @@ class RouterMetrics:
         self.migrations = Counter("baton_router_migrations", "Requests moved to another decode "
                                   "worker after tokens were streamed (theirs failed).",
                                   registry=r)
+
+    def _queues(self, admission, decode_queue) -> None:
+        r = self.registry
+        if admission is not None:
+            Gauge("baton_router_queued", "Requests waiting for a slot (--max-concurrent).",
+                  registry=r).set_function(lambda: admission.stats()["waiting"])
+        if decode_queue is not None:
+            Gauge("baton_router_decode_queued", "Requests waiting for a decode worker with "
+                  "room in its running batch (every one runs its --max-num-seqs).",
+                  registry=r).set_function(decode_queue.waiting)
+            Gauge("baton_router_decode_queue_refused_total", "Requests refused because "
+                  "--max-queued already waited for a decode slot.",
+                  registry=r).set_function(lambda: decode_queue.refused)
 
     def routed(self, d) -> None:
         """One routing decision (baton.services.router.routing.Decision)."""
