@@ -102,3 +102,39 @@ def write_result(name: str, result: dict) -> Path:
     path = RESULTS / f"{name}-{stamp}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under ``pid`` (children, theirs, ...), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                out += kids
+                todo += kids
+        except OSError:  # gone meanwhile
+            continue
+    return out
+
+
+def worker_infos(redis_url: str, secret: str | None) -> tuple[dict, int]:
+    """``WorkerInfo`` (integrity checked) of every registered worker that answers, by worker
+    id, and how many did not (a killed worker's entry, until it lapses)."""
+    import grpc
+    from baton.control.registry import WorkerRegistry
+    from baton.transfer import cluster_secret
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    infos, gone = {}, 0
+    for w in WorkerRegistry.from_url(redis_url).workers():
+        with cluster_secret.channel(w.address, secret=secret) as ch:
+            stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
+                    else worker_pb2_grpc.DecodeWorkerStub(ch))
+            try:
+                infos[w.worker_id] = stub.Info(worker_pb2.InfoRequest(check_integrity=True),
+                                               timeout=30)
+            except grpc.RpcError:
+                gone += 1
+    return infos, gone

@@ -46,24 +46,10 @@ import threading
 import time
 from pathlib import Path
 
-from baton.bench.common import machine, write_result
+from baton.bench.common import descendants, machine, worker_infos, write_result
 
 KINDS = (("grpc", 55), ("http", 12), ("http-stream", 8), ("cancel", 8), ("http-close", 5),
          ("bad", 6), ("deadline", 6))
-
-
-def descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                kids = [int(k) for k in (task / "children").read_text().split()]
-                out += kids
-                todo += kids
-        except OSError:
-            continue
-    return out
 
 
 def sample(pid: int) -> tuple[int, int] | None:
@@ -360,27 +346,12 @@ class Run:
     def pools(self, wait_s: float = 60.0) -> dict:
         """Every worker's pool once quiet (free == total, no lease), or as it is after
         ``wait_s``; a killed worker's entry (until it lapses) is waited out."""
-        import grpc
-        from baton.control.registry import WorkerRegistry
-        from baton.transfer import cluster_secret
-        from baton.v1 import worker_pb2, worker_pb2_grpc
-
-        registry = WorkerRegistry.from_url(self.redis_url)
         end = time.monotonic() + wait_s
         while True:
-            pools, gone = {}, 0
-            for w in registry.workers():
-                with cluster_secret.channel(w.address, secret=self.secret) as ch:
-                    stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
-                            else worker_pb2_grpc.DecodeWorkerStub(ch))
-                    try:
-                        i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
-                    except grpc.RpcError:
-                        gone += 1
-                        continue
-                pools[w.worker_id] = {"blocks": i.num_blocks, "free": i.num_free_blocks,
-                                      "leases": i.active_leases, "running": i.running_requests,
-                                      "integrity_ok": i.integrity_ok}
+            infos, gone = worker_infos(self.redis_url, self.secret)
+            pools = {wid: {"blocks": i.num_blocks, "free": i.num_free_blocks,
+                           "leases": i.active_leases, "running": i.running_requests,
+                           "integrity_ok": i.integrity_ok} for wid, i in infos.items()}
             quiet = all(p["free"] == p["blocks"] and not p["leases"] for p in pools.values())
             if (quiet and not gone) or time.monotonic() > end:
                 return pools

@@ -5,28 +5,14 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from pathlib import Path
+
+from baton.bench.common import descendants  # noqa: F401 (the tests' import point)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process under ``pid`` (children, theirs, ...), from /proc."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                kids = [int(k) for k in (task / "children").read_text().split()]
-                out += kids
-                todo += kids
-        except OSError:  # gone meanwhile
-            continue
-    return out
 
 
 def start_baton_up(*args: str) -> tuple[subprocess.Popen, list[str]]:

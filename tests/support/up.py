@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
+from baton.bench.common import worker_infos
 from baton.transfer import cluster_secret
 
 from tests.support.processes import descendants, free_port
@@ -80,22 +81,11 @@ class Up:
 
     def pools(self) -> dict[str, tuple[int, int, int, int]]:
         """(free, total, leases, running) of every worker that answers, integrity checked."""
-        from baton.control.registry import WorkerRegistry
-        from baton.v1 import worker_pb2, worker_pb2_grpc
-
-        out = {}
-        for w in WorkerRegistry.from_url(self.redis_url).workers():
-            with cluster_secret.channel(w.address, secret=self.secret) as ch:
-                stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if w.role == "prefill"
-                        else worker_pb2_grpc.DecodeWorkerStub(ch))
-                try:
-                    i = stub.Info(worker_pb2.InfoRequest(check_integrity=True), timeout=30)
-                except grpc.RpcError:
-                    continue  # a killed worker's entry, until it lapses
-            assert i.integrity_ok, (w.worker_id, i.integrity_error)
-            out[w.worker_id] = (i.num_free_blocks, i.num_blocks, i.active_leases,
-                                i.running_requests)
-        return out
+        infos, _ = worker_infos(self.redis_url, self.secret)
+        for wid, i in infos.items():
+            assert i.integrity_ok, (wid, i.integrity_error)
+        return {wid: (i.num_free_blocks, i.num_blocks, i.active_leases, i.running_requests)
+                for wid, i in infos.items()}
 
     def assert_quiet(self, workers: int | None = None, timeout: float = 120.0) -> None:
         """Until every worker (``workers`` of them, if given) has all its blocks free, no lease
