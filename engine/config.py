@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     # the KV pool records prefix-cache events (BlockPool.events) for the Redis prefix index
     record_kv_events: bool = False
+    # on CUDA, without num_kv_blocks: the share of the device's memory this engine may use in
+    # all (weights, activations, CUDA graphs, KV pool); the KV pool gets what is left
+    # (``baton.engine.gpu_memory``). Ignored on CPU, where kv_cache_bytes sizes the pool.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -122,10 +127,18 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "native", "triton", "torch"):
             raise InvalidRequestError("attention_backend", self.attention_backend,
                                       "must be auto, native, triton or torch")
-        if self.device != "cpu" and not self.device.startswith("cuda"):
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise InvalidRequestError("device", self.device, "must be cpu, cuda or cuda:N")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError("gpu_memory_utilization", self.gpu_memory_utilization,
+                                      "must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
+
+    @property
+    def device_kind(self) -> str:
+        """``cpu`` or ``cuda``: part of the model fingerprint (see :func:`model_fingerprint`)."""
+        return device_kind(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -157,11 +170,25 @@ def cpu_has_native_half() -> bool:
     return any(f in flags for f in ("avx512_bf16", "amx_bf16"))
 
 
-def model_fingerprint(cfg: ModelConfig, weights_id: str, dtype: str, block_size: int) -> str:
-    """Identity of (architecture, weights, dtype, block size, KV layout): peers must match it."""
+def device_kind(device: str) -> str:
+    """``cuda:1`` -> ``cuda``; ``cpu`` -> ``cpu``."""
+    return device.split(":", 1)[0]
+
+
+def model_fingerprint(cfg: ModelConfig, weights_id: str, dtype: str, block_size: int,
+                      device: str = "cpu") -> str:
+    """Identity of (architecture, weights, dtype, block size, KV layout, device kind): peers
+    must match it to exchange raw KV blocks.
+
+    The device kind (``cpu``/``cuda``, not the index) is in it because the two engines compute
+    different KV from the same prompt: on CPU activations are float32 whatever the storage
+    dtype, on CUDA they are in the dtype, and the kernels round differently. A CPU pool and a GPU
+    pool therefore never exchange blocks: a reader refuses the holder's handshake
+    (FAILED_PRECONDITION) and the router serves such a pair by the local path. Which GPU a pool
+    is on does not matter (blocks move between GPUs as bytes)."""
     blob = json.dumps(
         {"model": cfg.to_json(), "weights": weights_id, "dtype": dtype, "block_size": block_size,
-         "kv_layout": KV_LAYOUT},
+         "kv_layout": KV_LAYOUT, "device": device_kind(device)},
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

@@ -25,6 +25,7 @@ import torch
 from baton.engine.block_hash import namespace_for
 from baton.engine.config import EngineConfig
 from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
+from baton.engine.gpu_memory import DeviceMemory, activation_reserve, check_cuda_device
 from baton.engine.kv_cache import KVCacheManager, PrefixHit
 from baton.engine.loader import LoadedModel, load_model
 from baton.engine.model import LlamaModel
@@ -122,10 +123,12 @@ class LLMEngine:
         self.model_config = mc = model.config
         self.tokenizer = model.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
-        self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size)
+        self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size, cfg.device)
         storage, compute = cfg.torch_dtype, cfg.compute_dtype
-        if cfg.device != "cpu" and not torch.cuda.is_available():
-            raise InvalidRequestError("device", cfg.device, "CUDA is not available here")
+        device_memory = None
+        if cfg.device != "cpu":
+            check_cuda_device(cfg.device)
+            device_memory = DeviceMemory(cfg.device)
         weights = {k: v.to(storage).to(compute).to(cfg.device) for k, v in model.weights.items()}
         # GGUF blocks hold the float32 weights exactly, and the bf16 ones once each weight is
         # rounded to bf16 as it is read (the model decides which products read them)
@@ -135,11 +138,21 @@ class LLMEngine:
                                 cfg.gemm_dtype, model.quantized if blocks else None)
         self.attention_backend = self.model.attention_backend
         self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
-        num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // self.block_nbytes)
+        # on CUDA without --num-blocks: the device's share after the weights (gpu_memory)
+        self.memory_plan = None
+        if device_memory is not None and cfg.num_kv_blocks is None:
+            reserve = activation_reserve(mc, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                         torch.empty((), dtype=compute).element_size())
+            self.memory_plan = device_memory.plan(cfg.gpu_memory_utilization,
+                                                  self.block_nbytes, reserve)
+        num_blocks = (cfg.num_kv_blocks or (self.memory_plan and self.memory_plan.num_blocks)
+                      or max(1, cfg.kv_cache_bytes // self.block_nbytes))
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  cfg.record_kv_events)
         self.scheduler = Scheduler(cfg, self.kv)
         self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
+        # what the device holds for this engine once the pool and the graphs exist
+        self.device_reserved = device_memory.used_now() if device_memory is not None else 0
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._aborted: list[RequestOutput] = []

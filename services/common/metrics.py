@@ -25,10 +25,18 @@ class WorkerMetrics:
     """One worker's metrics. ``observe_outputs`` is called on the engine thread with each step's
     outputs; the gauges read the engine when scraped."""
 
-    def __init__(self, engine, role: str) -> None:
+    def __init__(self, engine, role: str, agent=None) -> None:
         self.registry = r = CollectorRegistry()
         self.engine, self.role = engine, role
         stats = engine.stats
+        if agent is not None:
+            Gauge("baton_kv_pool_memory", "1, labelled with the engine's device and the KV "
+                  "pool's memory as NIXL moves it (DRAM, VRAM, or staged through pinned host "
+                  "memory).", ["device", "memory"], registry=r).labels(
+                      engine.cfg.device, agent.memory).set(1)
+            Gauge("baton_kv_staged_bytes", "Bytes copied between the KV pool and its pinned "
+                  "host mirror for staged hand-offs (stays 0 unless the pool is staged).",
+                  registry=r).set_function(lambda: agent.staged_bytes)
         Gauge("baton_worker_queue_depth", "Requests waiting in the engine's queue.",
               registry=r).set_function(lambda: stats().waiting)
         Gauge("baton_worker_running_requests", "Requests in the running batch.",

@@ -100,7 +100,11 @@ def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     setup_logging(net.log_level)
     # before the agent: UCX reads its environment once
     configure_ucx(loopback_only=is_loopback(net.host))
-    engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url))
+    try:
+        engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url))
+    except InvalidRequestError as e:  # --device, --gpu-memory-utilization: say which, no trace
+        raise SystemExit(f"error: {e}") from None
+    report_memory(engine)
     incarnation = new_incarnation()
     try:
         gate = cluster_secret.interceptors()
@@ -112,11 +116,25 @@ def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     host = advertised_host(net)
     worker_id = net.worker_id or f"{role}-{host}-{port}"
     tracing.setup(role, worker_id)
-    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache)
+    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache,
+                    staging=cfg.engine.kv_staging)
     from baton.services.common.metrics import WorkerMetrics
 
     return WorkerBoot(engine, role, net.host, f"{host}:{port}", worker_id, incarnation,
-                      server, agent, WorkerMetrics(engine, role))
+                      server, agent, WorkerMetrics(engine, role, agent))
+
+
+def report_memory(engine) -> None:
+    """Log where the engine runs and how its KV pool was sized (GPU: the device's share)."""
+    plan = engine.memory_plan
+    if plan is not None:
+        log.info("KV pool on %s", plan.describe())
+        log.info("%s holds %.2f GiB for this engine with the pool and its CUDA graphs",
+                 engine.cfg.device, engine.device_reserved / (1 << 30))
+    else:
+        log.info("KV pool on %s: %d blocks of %d KiB (%.2f GiB)", engine.cfg.device,
+                 engine.num_blocks, engine.block_nbytes // 1024,
+                 engine.num_blocks * engine.block_nbytes / (1 << 30))
 
 
 def is_loopback(host: str) -> bool:
@@ -169,7 +187,8 @@ def worker_info(loop, role: str, worker_id: str, incarnation: str, agent, check:
         transports=agent.transports(), ucx_tls=agent.ucx_tls, rss_bytes=rss, open_fds=fds,
         num_blocks=engine.num_blocks, num_free_blocks=free, running_requests=running,
         integrity_ok=ok, integrity_error=err, known_peers=num_peers,
-        handoffs_in_flight=pulling)
+        handoffs_in_flight=pulling, device=engine.cfg.device, kv_memory=agent.memory,
+        kv_staged_bytes=agent.staged_bytes)
     if holder is not None:
         info.active_leases = len(holder.leases)
         info.leases_granted = holder.leases.num_granted

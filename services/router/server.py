@@ -221,6 +221,7 @@ def build_orchestrator(cfg: RouterConfig, client, pool: WorkerPool,
     """The orchestrator, with the tokenizer and model identity of the first worker that
     answers (waits up to ``--startup-timeout`` for one)."""
     tok, worker = pool.tokenizer(cfg.startup_timeout)
+    pool.pin_fingerprint(worker.fingerprint)
     index = (PrefixIndex(client, router_id, cfg.inflight_ttl)
              if cfg.routing == "cache-aware" else None)
     policy = RoutingPolicy(pool, index, mode=cfg.routing, weights=cfg.weights,

@@ -99,6 +99,17 @@ class WorkerPool:
         self._inflight: dict[str, int] = {}
         self._registry_ok = True
         self._lock = threading.Lock()
+        # set once the router knows its model (pin_fingerprint): workers with another model
+        # fingerprint (weights, dtype, block size, device kind) are left out, each named once
+        self.fingerprint: str | None = None
+        self._foreign: set[str] = set()
+
+    def pin_fingerprint(self, fingerprint: str) -> None:
+        """Route only to workers with this model fingerprint. A CPU worker and a GPU worker of
+        the same model have different ones (their KV differs), as do two dtypes: one router
+        serves one kind, and the others are skipped with a warning naming them."""
+        with self._lock:
+            self.fingerprint, self._read_at = fingerprint, -math.inf
 
     def workers(self, role: str | None = None) -> list[WorkerRecord]:
         with self._lock:
@@ -110,7 +121,7 @@ class WorkerPool:
 
     def _reread(self) -> None:
         try:
-            self._workers = self.registry.workers()
+            self._workers = self._ours(self.registry.workers())
         except (RedisError, OSError) as e:  # keep routing to the workers last seen
             if self._registry_ok:
                 log.warning("worker registry unreadable (%s); using the %d workers "
@@ -121,6 +132,18 @@ class WorkerPool:
                 log.info("worker registry readable again")
             self._registry_ok = True
         self._read_at = time.monotonic()
+
+    def _ours(self, workers: list[WorkerRecord]) -> list[WorkerRecord]:
+        if self.fingerprint is None:
+            return workers
+        for w in workers:
+            if w.fingerprint != self.fingerprint and w.worker_id not in self._foreign:
+                self._foreign.add(w.worker_id)
+                log.warning("worker %s at %s has model fingerprint %s..., this router serves "
+                            "%s... (another model, dtype, block size or device kind); not "
+                            "routing to it", w.worker_id, w.address, w.fingerprint[:12],
+                            self.fingerprint[:12])
+        return [w for w in workers if w.fingerprint == self.fingerprint]
 
     def role_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}

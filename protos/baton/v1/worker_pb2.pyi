@@ -183,7 +183,7 @@ class HandshakeRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., reader_id: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports", "lease_port")
+    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports", "lease_port", "kv_mem_type", "kv_device_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,8 @@ class HandshakeResponse(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     fingerprint: str
@@ -202,7 +204,9 @@ class HandshakeResponse(_message.Message):
     num_blocks: int
     transports: str
     lease_port: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ..., lease_port: _Optional[int] = ...) -> None: ...
+    kv_mem_type: str
+    kv_device_id: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ..., lease_port: _Optional[int] = ..., kv_mem_type: _Optional[str] = ..., kv_device_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "incarnation")
@@ -227,7 +231,7 @@ class InfoRequest(_message.Message):
     def __init__(self, check_integrity: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "role", "fingerprint", "transports", "ucx_tls", "rss_bytes", "open_fds", "num_blocks", "num_free_blocks", "active_leases", "running_requests", "integrity_ok", "integrity_error", "leases_granted", "leases_expired", "known_peers", "handoffs_in_flight")
+    __slots__ = ("worker_id", "incarnation", "role", "fingerprint", "transports", "ucx_tls", "rss_bytes", "open_fds", "num_blocks", "num_free_blocks", "active_leases", "running_requests", "integrity_ok", "integrity_error", "leases_granted", "leases_expired", "known_peers", "handoffs_in_flight", "device", "kv_memory", "kv_staged_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +250,9 @@ class WorkerInfo(_message.Message):
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     KNOWN_PEERS_FIELD_NUMBER: _ClassVar[int]
     HANDOFFS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    KV_STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     role: str
@@ -264,4 +271,7 @@ class WorkerInfo(_message.Message):
     leases_expired: int
     known_peers: int
     handoffs_in_flight: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., fingerprint: _Optional[str] = ..., transports: _Optional[str] = ..., ucx_tls: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., open_fds: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., running_requests: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., leases_granted: _Optional[int] = ..., leases_expired: _Optional[int] = ..., known_peers: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ...) -> None: ...
+    device: str
+    kv_memory: str
+    kv_staged_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., fingerprint: _Optional[str] = ..., transports: _Optional[str] = ..., ucx_tls: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., open_fds: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., running_requests: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., leases_granted: _Optional[int] = ..., leases_expired: _Optional[int] = ..., known_peers: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., device: _Optional[str] = ..., kv_memory: _Optional[str] = ..., kv_staged_bytes: _Optional[int] = ...) -> None: ...
