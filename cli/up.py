@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from baton.transfer import cluster_secret
@@ -44,6 +45,15 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the workers run: cuda gives each worker its own GPU (the ones "
+                         "CUDA_VISIBLE_DEVICES names, else all), round-robin when there are "
+                         "fewer GPUs than workers; auto: cuda when a GPU is visible, else cpu "
+                         "(default auto)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="the share of each GPU's memory the workers on it may use together; "
+                         "k workers sharing a GPU get a k-th each, stated at start (default "
+                         "0.9)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per worker (default: this machine's cores shared out "
                          "among the workers, at least 1 each; several workers with every core "
@@ -95,8 +105,10 @@ def _add_scaling_args(ap: argparse.ArgumentParser) -> None:
                         "the router and Redis run here, workers register in that Redis")
     g.add_argument("--ray-cpus-per-worker", type=float, default=None,
                    help="Ray CPUs each worker actor asks for (default: --threads, else 1)")
-    g.add_argument("--ray-gpus-per-worker", type=float, default=0.0,
-                   help="Ray GPUs each worker actor asks for (default 0)")
+    g.add_argument("--ray-gpus-per-worker", type=float, default=None,
+                   help="Ray GPUs each worker actor asks for; Ray gives the actor those GPUs "
+                        "and the worker runs on them (default: 1 with --device cuda, or with "
+                        "auto when the Ray cluster has GPUs; else 0)")
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,8 @@ class UpConfig:
     model: str | None
     dtype: str
     num_blocks: int | None
+    device: str
+    gpu_memory_utilization: float
     threads: int | None
     local_prefill_max_tokens: int
     routing: str
@@ -125,7 +139,7 @@ class UpConfig:
     tls_key: str | None
     ray: str | None
     ray_cpus_per_worker: float | None
-    ray_gpus_per_worker: float
+    ray_gpus_per_worker: float | None
     scaling: ScalingConfig | None
 
     @classmethod
@@ -153,6 +167,8 @@ def _check(a: UpConfig) -> str:
         return "worker counts must be >= 0"
     if not a.colocated and a.decode < 1:
         return "--decode must be >= 1 (or use --colocated N)"
+    if not 0 < a.gpu_memory_utilization <= 1:
+        return f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]"
     if a.scaling is not None:
         try:
             a.policies()
@@ -189,6 +205,30 @@ def run(a: UpConfig) -> int:
         return 1
     finally:
         cluster.stop()
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this machine lets Baton use: CUDA_VISIBLE_DEVICES's entries when it is set,
+    else every GPU torch sees (none without a CUDA build of torch or a driver)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    if not (Path("/proc/driver/nvidia").exists() or Path("/dev/nvidiactl").exists()):
+        return []  # no driver: spare the torch import
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def place_on_gpus(workers: int, gpus: list[str], utilization: float) -> list[tuple[str, float]]:
+    """(GPU, memory share) for each of ``workers`` in start order: worker i on GPU i mod n, and
+    the workers sharing a GPU splitting ``utilization`` of it evenly.
+
+    >>> place_on_gpus(3, ["0", "1"], 0.9)
+    [('0', 0.45), ('1', 0.9), ('0', 0.45)]
+    """
+    on = [gpus[i % len(gpus)] for i in range(workers)]
+    return [(g, round(utilization / on.count(g), 4)) for g in on]
 
 
 def threads_each(workers: int) -> int:
@@ -239,6 +279,8 @@ class _LocalCluster:
         # environment, never in argv, where `ps` shows them to every user of the host
         self.env = {"BATON_REDIS_URL": url, cluster_secret.ENV: self.secret}
         self.common = ["--dtype", a.dtype]
+        self.placement = self._place()
+        self.next_slot = a.colocated or a.prefill + a.decode
         threads = a.threads
         if threads is None and not a.ray:
             threads = threads_each(a.colocated or a.prefill + a.decode)
@@ -260,6 +302,32 @@ class _LocalCluster:
                                                               self.common + self.role),
                                       self.say)
             self.procs, self.slots = [router], self.slots[-1:]
+
+    def _place(self) -> list[tuple[str, float]] | None:
+        """Which GPU each worker gets (start order: prefill, then decode), or None on CPU."""
+        a = self.a
+        if a.ray:
+            return None  # Ray places the actors (--ray-gpus-per-worker)
+        gpus = visible_gpus() if a.device != "cpu" else []
+        if a.device == "cuda" and not gpus:
+            raise SystemExit("error: --device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES, "
+                             "driver, or a CPU-only build of torch)")
+        if not gpus:
+            self.common_device = ["--device", "cpu"]
+            return None
+        workers = a.colocated or a.prefill + a.decode
+        placement = place_on_gpus(workers, gpus, a.gpu_memory_utilization)
+        self.say(f"{len(gpus)} GPU(s) for {workers} worker(s): " + ", ".join(
+            f"GPU {g} ({share:.0%} of its memory)" for g, share in placement))
+        return placement
+
+    def _gpu(self, i: int) -> tuple[list[str], dict]:
+        """Flags and environment of the i-th worker (start order; wraps for later ones)."""
+        if self.placement is None:
+            return getattr(self, "common_device", []), {}
+        gpu, share = self.placement[i % len(self.placement)]
+        return (["--device", "cuda", "--gpu-memory-utilization", str(share)],
+                {"CUDA_VISIBLE_DEVICES": gpu})
 
     def _add(self, proc, what: str, start: Callable[[], object]) -> None:
         self.procs.append(proc)
@@ -283,6 +351,12 @@ class _LocalCluster:
                  logging_level="WARNING", log_to_driver=False)
         res = ray.cluster_resources()
         self.say(f"Ray: {res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
+        self.ray_gpus = a.ray_gpus_per_worker
+        if self.ray_gpus is None:
+            self.ray_gpus = 1.0 if a.device == "cuda" or (
+                a.device == "auto" and res.get("GPU", 0) > 0) else 0.0
+        if self.ray_gpus:
+            self.say(f"each worker actor asks Ray for {self.ray_gpus:g} GPU(s) and runs on them")
         # workers on other nodes must reach Redis
         return a.host if self.ray_local else ray.util.get_node_ip_address()
 
@@ -295,35 +369,46 @@ class _LocalCluster:
         self.say(f"redis-server on {self.redis.url}")
         return self.redis.url
 
-    def spawn(self, role: str, args: list[str]):
+    def spawn(self, role: str, args: list[str], slot: int | None = None):
+        """Start a ``role`` worker; ``slot``: its place in start order, which picks its GPU
+        (None: the next one, for workers the autoscaler adds)."""
         from baton.services.common.launch import WorkerProcess
 
         a = self.a
+        if slot is None:
+            slot, self.next_slot = self.next_slot, self.next_slot + 1
         if not a.ray:
-            return WorkerProcess(role, ["--host", a.host, *args], env=self.env, **self.kw)
+            device, env = self._gpu(slot)
+            return WorkerProcess(role, ["--host", a.host, *device, *args],
+                                 env={**self.env, **env}, **self.kw)
         from baton.services.common.ray_launch import RayWorker
 
-        w = RayWorker(role, args, env=self.env, num_cpus=a.ray_cpus_per_worker or a.threads or 1,
-                      num_gpus=a.ray_gpus_per_worker, local=self.ray_local, **self.kw)
+        gpus = self.ray_gpus
+        device = ["--device", "cuda" if gpus else "cpu"]
+        w = RayWorker(role, device + args, env=self.env,
+                      num_cpus=a.ray_cpus_per_worker or a.threads or 1, num_gpus=gpus,
+                      local=self.ray_local, **self.kw)
         self.say(f"Ray actor for a {role} worker on node {w.node_ip} ({w.start_s:.0f}s)")
         return w
 
     def _start_workers(self) -> tuple[list, list]:
         a = self.a
-        prefill = [] if a.colocated else [self.spawn("prefill", self.common)
-                                          for _ in range(a.prefill)]
-        for w in prefill:
-            self._add(w, "prefill worker", lambda: self.spawn("prefill", self.common))
+        prefill = [] if a.colocated else [self.spawn("prefill", self.common, i)
+                                          for i in range(a.prefill)]
+        for i, w in enumerate(prefill):
+            self._add(w, "prefill worker", lambda i=i: self.spawn("prefill", self.common, i))
             self.say(f"prefill worker {w.worker_id} on {w.address}")
         peers = ",".join(w.address for w in prefill)
         decode_args = self.common + self.role + (["--peers", peers] if peers else [])
         what = "colocated worker" if a.colocated else "decode worker"
         decode = []
-        for _ in range(a.colocated or a.decode):
-            decode.append(self.spawn("decode", decode_args))
+        for j in range(a.colocated or a.decode):
+            slot = len(prefill) + j
+            decode.append(self.spawn("decode", decode_args, slot))
             # started again, it meets the prefill workers at its first hand-off (those in
             # --peers may have been restarted elsewhere meanwhile)
-            self._add(decode[-1], what, lambda: self.spawn("decode", self.common + self.role))
+            self._add(decode[-1], what,
+                      lambda slot=slot: self.spawn("decode", self.common + self.role, slot))
             self.say(f"{what} {decode[-1].worker_id} on {decode[-1].address}")
         return prefill, decode
 
