@@ -111,7 +111,8 @@ class GpuCluster:
     """Redis, a prefill and a decode worker on ``device``, and two routers: ``remote`` sends
     every prompt through a hand-off, ``local`` keeps every prompt on the decode worker."""
 
-    def __init__(self, device: str, model: str | None, util: float, log_dir: str) -> None:
+    def __init__(self, device: str, model: str | None, util: float, log_dir: str,
+                 extra: tuple[str, ...] = ()) -> None:
         from baton.control.redis_server import EmbeddedRedis
         from baton.services.common.launch import WorkerProcess
 
@@ -119,7 +120,7 @@ class GpuCluster:
         self.redis = EmbeddedRedis().start()
         try:
             common = ["--device", device, "--dtype", "float32", "--redis-url", self.redis.url,
-                      "--gpu-memory-utilization", str(util), "--max-num-seqs", "32"]
+                      "--gpu-memory-utilization", str(util), "--max-num-seqs", "32", *extra]
             common += ["--model", model] if model else []
             kw = {"log_dir": log_dir, "ready_timeout": 600}
             self.prefill = self._add(WorkerProcess("prefill", common, **kw))
@@ -185,6 +186,25 @@ def check_tokens(cluster: GpuCluster, model_path: str | None, max_tokens: int,
             "cpu_tokens": cpu, "gpu_tokens": gpu, "cluster_tokens": served,
             "kv_blocks_read": [f.kv_blocks_read for _, f in answers],
             "workers": {"prefill": info_json(cluster.prefill), "decode": info_json(cluster.decode)}}
+
+
+def check_staged(a, want: list[list[int]] | None) -> dict:
+    """Part 2b: the same prompts through a second cluster whose workers stage every hand-off
+    through pinned host memory (--kv-staging always): the fallback's tokens, transports and
+    hand-off time beside the direct path's."""
+    cluster = GpuCluster(a.device, a.model, a.gpu_memory_utilization,
+                         tempfile.mkdtemp(prefix="baton-gpu-cluster-staged-"),
+                         ("--kv-staging", "always"))
+    try:
+        answers = [cluster.generate(cluster.remote, None, p, a.max_tokens) for p in PROMPTS]
+        return {"equals_gpu_engine": [t for t, _ in answers] == want if want else None,
+                "transports": sorted({f.transports for _, f in answers}),
+                "paths": [f.path for _, f in answers],
+                "transfer_s": [f.timing.transfer_s for _, f in answers],
+                "workers": {"prefill": info_json(cluster.prefill),
+                            "decode": info_json(cluster.decode)}}
+    finally:
+        cluster.stop()
 
 
 def info_json(w) -> dict:
@@ -390,7 +410,7 @@ def parse(argv):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=3, help="requests per stream in part 5")
-    ap.add_argument("--skip", default="", help="comma list: tokens, handoff, prefill, serving")
+    ap.add_argument("--skip", default="", help="comma list: tokens, staged, handoff, prefill, serving")
     ap.add_argument("--holder", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--holder-blocks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--no-save", action="store_true")
@@ -434,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
                                                               a.rounds, a.model))
         finally:
             cluster.stop()
+    if "staged" not in skip:
+        log("part 2b: hand-offs staged through pinned host memory")
+        want = res.get("tokens", {}).get("gpu_tokens")
+        res["staged"] = _guard(lambda: check_staged(a, want))
     res["verdict"] = verdict(res)
     if not a.no_save:
         log(f"wrote {write_result('gpu-cluster', res)}")
@@ -502,9 +526,13 @@ def print_table(res: dict) -> None:
               f"(queue {row['queue_p50_ms']:.1f}, prefill {row['prefill_p50_ms']:.1f}, transfer "
               f"{row['transfer_p50_ms']:.2f}, first step {row['first_decode_step_p50_ms']:.1f}) "
               f"TPOT p50 {row['tpot_p50_ms'] or 0:.2f} ms")
+    st = res.get("staged", {})
+    if "transports" in st:
+        print(f"staged fallback: tokens equal {st['equals_gpu_engine']}, transports "
+              f"{st['transports']}, transfer p50 {med(st['transfer_s']) * 1e3:.2f} ms")
     for k, val in res.get("verdict", {}).items():
         print(f"{k}: {val:.4f}" if isinstance(val, float) else f"{k}: {val}")
-    for part in ("handoff", "prefill_8b", "tokens", "serving"):
+    for part in ("handoff", "prefill_8b", "tokens", "staged", "serving"):
         if "error" in res.get(part, {}):
             print(f"{part}: ERROR {res[part]['error']}")
 
