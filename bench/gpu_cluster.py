@@ -410,7 +410,8 @@ def parse(argv):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=3, help="requests per stream in part 5")
-    ap.add_argument("--skip", default="", help="comma list: tokens, staged, handoff, prefill, serving")
+    ap.add_argument("--skip", default="",
+                    help="comma list: tokens, staged, handoff, prefill, serving")
     ap.add_argument("--holder", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--holder-blocks", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--no-save", action="store_true")
