@@ -192,7 +192,8 @@ def check_staged(a, want: list[list[int]] | None) -> dict:
     """Part 2b: the same prompts through a second cluster whose workers stage every hand-off
     through pinned host memory (--kv-staging always): the fallback's tokens, transports and
     hand-off time beside the direct path's."""
-    cluster = GpuCluster(a.device, a.model, a.gpu_memory_utilization,
+    # a smaller share: each worker pins a host copy of its whole pool
+    cluster = GpuCluster(a.device, a.model, min(a.gpu_memory_utilization, 0.1),
                          tempfile.mkdtemp(prefix="baton-gpu-cluster-staged-"),
                          ("--kv-staging", "always"))
     try:
