@@ -49,7 +49,12 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibo
            "Disaggregated serving splits prefill from decode because",
            "List three prime numbers greater than one hundred:",
            "Translate to French: the cat sleeps on the warm window sill.",
-           "Explain what a KV cache is in one sentence.", "Once upon a time, in a small village,"]
+           "Explain what a KV cache is in one sentence.", "Once upon a time, in a small village,",
+           # several KV blocks each: hand-offs of many blocks, not one
+           "Summarise: " + "The decode worker pulls KV blocks over NIXL from the prefill "
+           "worker's GPU. " * 20,
+           " ".join(f"Item {i}: the {w} report." for i, w in
+                    enumerate(["first", "second", "third", "fourth"] * 25))]
 
 
 def log(msg: str) -> None:
