@@ -131,6 +131,7 @@ def test_defaults_wire_workers_to_the_in_chart_redis(helm):
         grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace > int(args[args.index("--drain-timeout") + 1])  # drain before SIGKILL
         assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
+        assert args[args.index("--device") + 1] == "cpu"  # never a GPU it was not given
     router = deps["rel-baton-router"]["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][0] == "router"
     assert router["args"][router["args"].index("--routing") + 1] == "cache-aware"
@@ -147,6 +148,9 @@ def test_gpu_pools(helm):
         c = pod["containers"][0]
         assert spec["replicas"] == replicas
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        args = c["args"]
+        assert args[args.index("--device") + 1] == "cuda"
+        assert args[args.index("--gpu-memory-utilization") + 1] == "0.9"
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
         assert worker_env(deps[f"rel-baton-{role}"])["UCX_TLS"]["value"] == "rc,cuda_copy,cuda_ipc"
@@ -197,6 +201,7 @@ def test_autoscaling_renders_one_hpa_per_pool(helm):
     ("model.dtype=int3", "value must be one of"),
     ("router.scorers=speed=1", "does not match pattern"),
     ("redis.external.url=http://x", "does not match pattern"),
+    ("decode.gpuMemoryUtilization=1.5", "maximum"),
 ])
 def test_invalid_values_fail_with_a_clear_message(helm, setting, message):
     out = subprocess.run([helm, "template", "rel", str(CHART), "--set", setting],

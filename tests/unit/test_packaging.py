@@ -33,3 +33,20 @@ def test_the_wheel_holds_every_module_and_the_kernel_sources(tmp_path):
     sources = {p.name for p in (ROOT / "kernels" / "csrc").glob("*.c")}
     assert sources and {n.rsplit("/", 1)[1] for n in names
                         if n.startswith("baton/kernels/csrc/")} >= sources
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_the_images_copy_everything_the_build_reads(dockerfile):
+    """`pip install .` in an image needs setup.py and every folder pyproject.toml maps to a
+    package (no Docker engine here: the Dockerfile is read, not built)."""
+    import tomllib
+
+    root = ROOT
+    folders = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"].values()
+    copied = set()
+    for line in (root / "deploy" / "docker" / dockerfile).read_text().splitlines():
+        if line.startswith("COPY "):
+            copied.update(p.rstrip("/").removeprefix("./") for p in line.split()[1:-1])
+    missing = {"setup.py", "pyproject.toml", *(f.split("/")[0] for f in folders)} - copied
+    assert not missing, f"{dockerfile} does not copy {sorted(missing)}"
