@@ -157,6 +157,10 @@ def test_gpu_pools(helm):
         assert c["args"][c["args"].index("--model") + 1] == "/models/Llama-3.1-8B-Instruct"
         assert c["volumeMounts"] == [{"name": "models", "mountPath": "/models", "readOnly": True}]
         assert pod["volumes"][0]["persistentVolumeClaim"] == {"claimName": "models"}
+    # helm --set hands 0.45 over as a string; the schema takes it
+    shared = by_kind(render(helm, VALUES["gpu-pools"], "decode.gpuMemoryUtilization=0.45"),
+                     "Deployment")["rel-baton-decode"]["spec"]["template"]["spec"]["containers"][0]
+    assert shared["args"][shared["args"].index("--gpu-memory-utilization") + 1] == "0.45"
     assert "UCX_NET_DEVICES" in worker_env(deps["rel-baton-prefill"])
     assert "UCX_NET_DEVICES" not in worker_env(deps["rel-baton-decode"])  # per pool
 
@@ -201,7 +205,8 @@ def test_autoscaling_renders_one_hpa_per_pool(helm):
     ("model.dtype=int3", "value must be one of"),
     ("router.scorers=speed=1", "does not match pattern"),
     ("redis.external.url=http://x", "does not match pattern"),
-    ("decode.gpuMemoryUtilization=1.5", "maximum"),
+    ("decode.gpuMemoryUtilization=2", "gpuMemoryUtilization"),
+    ("decode.gpuMemoryUtilization=1.5", "gpuMemoryUtilization"),
 ])
 def test_invalid_values_fail_with_a_clear_message(helm, setting, message):
     out = subprocess.run([helm, "template", "rel", str(CHART), "--set", setting],
