@@ -8,6 +8,8 @@ them)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -157,3 +159,48 @@ def _block_nbytes(path) -> int:
     from baton.engine.runner import ModelRunner
 
     return ModelRunner.block_nbytes(load_model(str(path)).config, EngineConfig())
+
+
+# ---- baton up ------------------------------------------------------------------------------------
+
+
+def test_baton_up_asked_for_gpus_where_there_are_none_says_so(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = subprocess.run([sys.executable, "-m", "baton.cli.main", "up", "--device", "cuda",
+                          "--log-dir", str(tmp_path), "--http-port", "-1", "--grpc-port", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "--device cuda, but no GPU is visible" in out.stdout + out.stderr
+
+
+@pytest.mark.gpu
+def test_baton_up_on_a_gpu_machine_runs_its_workers_on_the_gpus(tiny_llama, tmp_path):
+    """Each worker gets a GPU (sharing them, with a stated share, when there are fewer GPUs
+    than workers); a prompt goes the remote way, VRAM to VRAM."""
+    from baton.bench.common import worker_infos
+    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+    from tests.support.up import Up
+
+    up = Up(tmp_path, "--model", str(tiny_llama[0]), "--device", "cuda", "--prefill", "1",
+            "--decode", "1", "--http-port", "-1", "--local-prefill-max-tokens", "0")
+    try:
+        text = "".join(up.lines)
+        gpus = torch.cuda.device_count()
+        assert f"{gpus} GPU(s) for 2 worker(s)" in text, text
+        if gpus == 1:
+            assert "GPU 0 (45% of its memory), GPU 0 (45% of its memory)" in text, text
+        infos, gone = worker_infos(up.redis_url, up.secret)
+        assert gone == 0 and len(infos) == 2
+        assert {(i.device, i.kv_memory) for i in infos.values()} == {("cuda", "VRAM")}
+        final = None
+        for m in api_pb2_grpc.BatonStub(up.router.channel).Generate(api_pb2.GenerateRequest(
+                text="the quick brown fox " * 8, params=worker_pb2.SamplingParams(
+                    max_tokens=8, ignore_eos=True)), timeout=120):
+            final = m.final if m.HasField("final") else final
+        assert final is not None and final.path == "remote", final
+        assert "cuda_ipc" in final.transports or gpus > 1, final.transports
+        up.assert_quiet(workers=2)
+    finally:
+        assert up.stop() == 0
