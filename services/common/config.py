@@ -49,11 +49,13 @@ class EngineSettings:
                        help="where the engine and its KV pool live: cpu, cuda (the first GPU "
                             "this process sees), cuda:N, or auto: cuda when a GPU is visible, "
                             "else cpu (default $BATON_DEVICE, else auto)")
-        g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+        g.add_argument("--gpu-memory-utilization", type=float,
+                       default=float(os.environ.get("BATON_GPU_MEMORY_UTILIZATION", "0.9")),
                        help="on a GPU: the share of its memory this worker may use in all "
                             "(weights, activations, CUDA graphs, KV pool); the KV pool gets "
                             "what is left, logged at start-up. Workers sharing a GPU each need "
-                            "their own share: two at 0.45 (default 0.9)")
+                            "their own share: two at 0.45 (default "
+                            "$BATON_GPU_MEMORY_UTILIZATION, else 0.9)")
         g.add_argument("--num-blocks", type=int, default=None,
                        help="KV-cache blocks in the pool (default: 1 GiB worth on CPU; on a GPU "
                             "what --gpu-memory-utilization leaves)")
