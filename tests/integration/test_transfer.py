@@ -146,8 +146,10 @@ def test_disaggregated_tokens_equal_colocated(pair, reference):
     _, stats = pair.handoff(prompts[8], params, "stats")
     assert stats.blocks_read + stats.blocks_local == -(-len(prompts[8]) // 16)
     assert stats.bytes == stats.blocks_read * 30 * 2 * 16 * 3 * 64 * 4
-    assert "cma" in stats.transports or "tcp" in stats.transports, stats
     info = pair.decode.info()
+    # DRAM pools (CPU workers): cma, or tcp; VRAM pools (BATON_DEVICE=cuda): cuda_ipc
+    ways = ("cuda_ipc",) if info.kv_memory == "VRAM" else ("cma", "tcp")
+    assert any(w in stats.transports for w in ways), (info.kv_memory, stats)
     assert info.transports == stats.transports and info.known_peers == 1
     pair.assert_idle_and_intact()
 
