@@ -9,9 +9,10 @@ bench/results/soak-*.json.
 
     python bench/soak.py [--requests 20000] [--clients 8] [--kill-every 4000] [--up-args "..."]
 
-The default cluster is `baton up --decode 2 --local-prefill-max-tokens 0`: a killed decode worker
-leaves one serving while `baton up` restarts it, a killed prefill worker leaves the decode
-workers prefilling locally, and every other request moves its KV blocks over NIXL.
+The default cluster is `baton up --prefill 2 --decode 2 --local-prefill-max-tokens 0`: a killed
+worker leaves the other of its role serving while `baton up` restarts it, and every request
+moves its KV blocks over NIXL. The newest worker of a role is the one killed, so one of each
+role lives from start to end and its memory is measured over the whole run.
 
 Requests (a fixed mix, seeded): prompts drawn from --prompts distinct random token prompts whose
 greedy outputs are computed first in this process with the same engine and model; both public
@@ -62,6 +63,15 @@ def sample(pid: int) -> tuple[int, int] | None:
         return rss, len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return None
+
+
+def _started(pid: int) -> int:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def name_of(pid: int) -> str:
@@ -240,10 +250,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=0.1)
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between samples")
     ap.add_argument("--model", default=None, help="default: the default model (SmolLM2)")
-    ap.add_argument("--up-args", default="--decode 2 --local-prefill-max-tokens 0",
-                    help="more `baton up` options (default: two decode workers, so one serves "
-                         "while the other is killed, and every prompt prefilled on the prefill "
-                         "worker, so every request moves KV blocks)")
+    ap.add_argument("--up-args", default="--prefill 2 --decode 2 --local-prefill-max-tokens 0",
+                    help="more `baton up` options (default: two workers of each role, so one "
+                         "serves while the other is killed and one of each lives through the "
+                         "run, and every prompt prefilled on a prefill worker, so every request "
+                         "moves KV blocks)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args()
 
@@ -300,13 +311,16 @@ class Run:
         self.samples.append(row)
 
     def kill_one(self) -> None:
+        """SIGKILL the newest worker of the next role (decode, prefill, ...): with two of a role,
+        a replacement is the one killed next time, and the other lives from start to end, so
+        its memory is measured over the whole run."""
         role = ("decode", "prefill")[len(self.kills) % 2]
-        for pid in descendants(self.up.pid):
-            if name_of(pid).startswith(f"{role}-"):
-                os.kill(pid, signal.SIGKILL)
-                self.kills.append({"at_request": self.ledger.done, "role": role, "pid": pid})
-                self.say(f"SIGKILL {role} worker {pid} at request {self.ledger.done}")
-                return
+        pids = [p for p in descendants(self.up.pid) if name_of(p).startswith(f"{role}-")]
+        if pids:
+            pid = max(pids, key=_started)
+            os.kill(pid, signal.SIGKILL)
+            self.kills.append({"at_request": self.ledger.done, "role": role, "pid": pid})
+            self.say(f"SIGKILL {role} worker {pid} at request {self.ledger.done}")
 
     def drive(self, clients: Clients) -> None:
         """--requests requests from --clients threads, sampling and killing as they go."""
