@@ -53,12 +53,13 @@ def want():
     return reference(LLMEngine.from_path(None), MAX_TOKENS)
 
 
-def streaming_on(workers, load: Load, timeout: float = 30.0,
+def streaming_on(workers, load: Load, timeout: float = 180.0,
                  want: list[list[int]] | None = None, left: int = 0) -> int:
     """Index in ``workers`` of one whose requests' tokens are reaching their clients: it runs a
     request while every request in flight has had tokens (a fixed wait raced slow prefills)
     and, given ``want``, has ``left`` more to come (a stream about to end may finish before a
-    signal lands, and then nothing on that worker is left to move)."""
+    signal lands, and then nothing on that worker is left to move). ``timeout`` is a hang
+    bound: on a loaded 2-core machine such a moment took longer than 30 s to come once."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if load.streaming(want, left):
