@@ -95,13 +95,17 @@ def device_info() -> dict:
 # =================================================================================================
 
 
-def ceilings() -> dict:
-    n = 1 << 30  # 2 GiB of bf16 each way: far past L2
-    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+def copy_bandwidth() -> float:
+    """The device's copy rate, bytes read + written per second: 2 GiB of bf16 each way (far past
+    L2), median of 20 CUDA-event-timed copies."""
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     t = cuda_time(lambda: dst.copy_(src), 20)
-    copy_bw = 2 * src.numel() * 2 / t
-    src = dst = None
+    return 2 * src.nbytes / t
+
+
+def ceilings() -> dict:
+    copy_bw = copy_bandwidth()
     m = 8192
     a = torch.randn((m, m), device="cuda", dtype=torch.bfloat16)
     b = torch.randn((m, m), device="cuda", dtype=torch.bfloat16)

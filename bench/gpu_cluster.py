@@ -7,8 +7,8 @@
 What it does, in order (each part's result lands in the JSON; a failed check is reported, and
 the timings after it still run):
 
-1. ``ceiling``: the device's own copy bandwidth, a 1 GiB device-to-device copy timed with CUDA
-   events (bytes read + bytes written over time, as ``bench/gpu.py`` measures it).
+1. ``ceiling``: the device's own copy bandwidth, measured as ``bench/gpu.py`` does
+   (``copy_bandwidth``: a 2 GiB device-to-device copy, CUDA events, bytes read + written).
 2. ``tokens``: SmolLM2 greedy tokens, float32 (TF32 off), on a set of prompts: (a) the CPU
    engine in this process, (b) the GPU engine in this process, (c) a real cluster on the GPU:
    Redis, a prefill worker and a decode worker (separate processes, ``--device cuda``, sharing
@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from baton.bench.common import pct
 
 MIB = 1 << 20
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
@@ -62,7 +63,7 @@ def log(msg: str) -> None:
 
 
 def med(xs):
-    return statistics.median(xs) if xs else None
+    return pct(xs, 0.5)
 
 
 # =================================================================================================
@@ -71,24 +72,11 @@ def med(xs):
 
 
 def copy_ceiling(device: str) -> dict:
-    import torch
-
     if not device.startswith("cuda"):
         return {"skipped": "not on CUDA"}
-    src = torch.randn(256 * MIB, device=device, dtype=torch.bfloat16)  # 512 MiB each way
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(23):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) / 1e3)
-    t = med(times)
-    return {"bytes": src.nbytes, "median_s": t, "copy_bytes_per_s": 2 * src.nbytes / t,
-            "note": "read + written bytes over time"}
+    from baton.bench.gpu import copy_bandwidth
+
+    return {"copy_bytes_per_s": copy_bandwidth(), "note": "read + written bytes over time"}
 
 
 # =================================================================================================
@@ -103,13 +91,8 @@ def engine_tokens(model, device: str, max_tokens: int) -> list[list[int]]:
 
     eng = LLMEngine(model, EngineConfig(dtype="float32", device=device, num_kv_blocks=512,
                                         max_num_seqs=8))
-    reqs = [eng.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-            for p in PROMPTS]
-    out = {r.request_id: [] for r in reqs}
-    while eng.has_unfinished():
-        for o in eng.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[r.request_id] for r in reqs]
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [c.token_ids for c in eng.generate(PROMPTS, params)]
 
 
 class GpuCluster:
@@ -382,12 +365,12 @@ def _summarize(mode: str, c: int, finals: list) -> dict:
 
     tpot = [f.timing.decode_s / (f.usage.completion_tokens - 1) for f in finals
             if f.usage.completion_tokens > 1]
-    ttft = sorted(f.timing.first_token_s for f in finals)
+    ttft = [f.timing.first_token_s for f in finals]
     paths: dict[str, int] = {}
     for f in finals:
         paths[f.path] = paths.get(f.path, 0) + 1
     return {"mode": mode, "concurrency": c, "requests": len(finals), "paths": paths,
-            "ttft_p50_ms": med(ttft) * 1e3, "ttft_p90_ms": ttft[int(0.9 * (len(ttft) - 1))] * 1e3,
+            "ttft_p50_ms": med(ttft) * 1e3, "ttft_p90_ms": pct(ttft, 0.9) * 1e3,
             "queue_p50_ms": p50("queue_s"), "prefill_p50_ms": p50("prefill_s"),
             "transfer_p50_ms": p50("transfer_s"), "first_decode_step_p50_ms":
             p50("first_decode_step_s"), "route_p50_ms": p50("route_s"),

@@ -313,7 +313,6 @@ class _LocalCluster:
             raise SystemExit("error: --device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES, "
                              "driver, or a CPU-only build of torch)")
         if not gpus:
-            self.common_device = ["--device", "cpu"]
             return None
         workers = a.colocated or a.prefill + a.decode
         placement = place_on_gpus(workers, gpus, a.gpu_memory_utilization)
@@ -323,8 +322,8 @@ class _LocalCluster:
 
     def _gpu(self, i: int) -> tuple[list[str], dict]:
         """Flags and environment of the i-th worker (start order; wraps for later ones)."""
-        if self.placement is None:
-            return getattr(self, "common_device", []), {}
+        if self.placement is None:  # no GPU to give: never let auto find one later
+            return ["--device", "cpu"], {}
         gpu, share = self.placement[i % len(self.placement)]
         return (["--device", "cuda", "--gpu-memory-utilization", str(share)],
                 {"CUDA_VISIBLE_DEVICES": gpu})

@@ -15,7 +15,7 @@ that share come, in this order:
   (another process on the same GPU may hold more than its own share).
 
 :func:`plan_kv_pool` is pure arithmetic on those numbers, so it is tested on any machine; the
-engine measures them (:func:`measure`) and logs :meth:`KVPoolPlan.describe` at start-up.
+engine measures them (:class:`DeviceMemory`) and logs :meth:`KVPoolPlan.describe` at start-up.
 """
 
 from __future__ import annotations
@@ -58,13 +58,6 @@ class KVPoolPlan:
                 f"weights {g(self.weights)}, activations and CUDA graphs {g(self.reserve)} "
                 f"(estimate), KV pool {g(self.kv_bytes)} = {self.num_blocks} blocks of "
                 f"{self.block_nbytes / 1024:.0f} KiB")
-
-    def to_json(self) -> dict:
-        return {"device": self.device, "total_bytes": self.total,
-                "gpu_memory_utilization": self.utilization, "context_bytes": self.context,
-                "weights_bytes": self.weights, "reserve_bytes": self.reserve,
-                "free_bytes_after_weights": self.free_now, "kv_bytes": self.kv_bytes,
-                "num_blocks": self.num_blocks, "block_nbytes": self.block_nbytes}
 
 
 def plan_kv_pool(*, device: str, total: int, free_now: int, context: int, weights: int,
