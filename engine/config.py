@@ -112,6 +112,11 @@ class EngineConfig:
     # all (weights, activations, CUDA graphs, KV pool); the KV pool gets what is left
     # (``baton.engine.gpu_memory``). Ignored on CPU, where kv_cache_bytes sizes the pool.
     gpu_memory_utilization: float = 0.9
+    # KV tiers under the pool (baton.engine.kv_tiers): evicted prefix blocks kept in host memory
+    # (pinned on CUDA) and in one file under kv_disk_tier_dir; 0 turns a tier off
+    kv_host_tier_bytes: int = 0
+    kv_disk_tier_bytes: int = 0
+    kv_disk_tier_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -132,6 +137,12 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequestError("gpu_memory_utilization", self.gpu_memory_utilization,
                                       "must be in (0, 1]")
+        if self.kv_host_tier_bytes < 0 or self.kv_disk_tier_bytes < 0:
+            raise InvalidRequestError("kv_tier_bytes", (self.kv_host_tier_bytes,
+                                                        self.kv_disk_tier_bytes), "must be >= 0")
+        if self.kv_disk_tier_bytes and not self.kv_disk_tier_dir:
+            raise InvalidRequestError("kv_disk_tier_dir", self.kv_disk_tier_dir,
+                                      "a disk tier needs a directory")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
 

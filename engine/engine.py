@@ -17,6 +17,7 @@ Roles (one engine class, three ways to use it):
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ from baton.engine.block_hash import namespace_for
 from baton.engine.config import EngineConfig
 from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
 from baton.engine.gpu_memory import DeviceMemory, activation_reserve, check_cuda_device
-from baton.engine.kv_cache import KVCacheManager, PrefixHit
+from baton.engine.kv_cache import KVCacheManager
+from baton.engine.kv_tiers import DiskTier, HostTier, TierStore
 from baton.engine.loader import LoadedModel, load_model
 from baton.engine.model import LlamaModel
 from baton.engine.params import SamplingParams
@@ -35,6 +37,8 @@ from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs, make_generator
 from baton.engine.scheduler import Scheduler
 from baton.engine.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("baton.engine")
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # pool / host / disk
     handoff: KVHandoff | None = None
     queue_s: float | None = None  # arrival to first scheduled (None: not scheduled here)
     first_token_s: float | None = None  # arrival to the first token sampled here
@@ -95,6 +100,7 @@ class Completion:
     finish_reason: str
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,12 +157,47 @@ class LLMEngine:
                                  cfg.record_kv_events)
         self.scheduler = Scheduler(cfg, self.kv)
         self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
+        self.tiers = self._make_tiers()
         # what the device holds for this engine once the pool and the graphs exist
         self.device_reserved = device_memory.used_now() if device_memory is not None else 0
         self.requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._aborted: list[RequestOutput] = []
         self._ids = itertools.count()
+
+    def _make_tiers(self) -> TierStore | None:
+        """The KV tiers under the pool (``baton.engine.kv_tiers``), or None without any."""
+        cfg, kv = self.cfg, self.runner.kv
+        if not cfg.enable_prefix_caching or not (cfg.kv_host_tier_bytes or cfg.kv_disk_tier_bytes):
+            return None
+        shape, events = kv.shape[1:], self.kv.pool.events
+        tiers: list = []
+        if cfg.kv_host_tier_bytes:
+            n = cfg.kv_host_tier_bytes // self.block_nbytes
+            if n < 1:
+                raise InvalidRequestError("kv_host_tier_bytes", cfg.kv_host_tier_bytes,
+                                          f"holds no block of {self.block_nbytes} bytes")
+            tiers.append(HostTier(n, shape, kv.dtype, pin=cfg.device != "cpu", events=events))
+        if cfg.kv_disk_tier_bytes:
+            try:
+                tiers.append(DiskTier(cfg.kv_disk_tier_dir, cfg.kv_disk_tier_bytes, shape,
+                                      kv.dtype, self.fingerprint, events))
+            except ValueError as e:
+                raise InvalidRequestError("kv_disk_tier_bytes", cfg.kv_disk_tier_bytes,
+                                          str(e)) from None
+            except OSError as e:  # a full or unwritable disk: serve without the tier
+                log.error("KV disk tier off: %s", e)
+        if not tiers:
+            return None
+        store = TierStore(kv, tiers)
+        self.kv.tiers = store
+        self.kv.pool.on_evict = store.offload
+        return store
+
+    def close(self) -> None:
+        """Stop the tiers' writer (the disk tier's queued blocks are written first)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     @classmethod
     def from_path(cls, path: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
@@ -316,13 +357,13 @@ class LLMEngine:
         if len(self.scheduler.running) + reserved >= self.cfg.max_num_seqs:
             self._forget(req)  # a hand-off joins the running batch: never past its limit
             return None
-        hit = self.kv.get_prefix_hit(req)
-        hit_blocks = min(len(hit.blocks), len(ids) // self.cfg.block_size)
-        hit = PrefixHit(hit.blocks[:hit_blocks], hit_blocks * self.cfg.block_size)
+        hit = self.kv.get_prefix_hit(req).truncated(len(ids) // self.cfg.block_size)
         if self.kv.allocate_slots(req, len(ids) - hit.num_tokens, hit) is None:
             self._forget(req)
             return None
+        hit_blocks = hit.num_tokens // self.cfg.block_size  # tier blocks that failed: read
         req.num_cached_tokens = hit.num_tokens
+        req.cached_tokens_by_tier = hit.tokens_by_tier()
         req.status = RequestStatus.RESERVED
         return HandoffSlots(req.request_id, tuple(self.kv.block_ids(req.request_id)), hit_blocks)
 
@@ -443,6 +484,7 @@ class LLMEngine:
             finished=req.is_finished, finish_reason=FINISH_REASONS.get(req.status),
             stop_reason=req.stop_reason, logprobs=lps, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens, num_output_tokens=req.num_output_tokens,
+            cached_tokens_by_tier=req.cached_tokens_by_tier,
             queue_s=(None if req.first_scheduled_time is None
                      else req.first_scheduled_time - req.arrival_time),
             first_token_s=(None if req.first_token_time is None
@@ -484,6 +526,7 @@ class LLMEngine:
                 if out.finished:
                     c.finish_reason = out.finish_reason
                     c.num_cached_tokens = out.num_cached_tokens
+                    c.cached_tokens_by_tier = out.cached_tokens_by_tier
         return [done[r.request_id] for r in order]
 
     def check_integrity(self) -> None:

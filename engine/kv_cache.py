@@ -18,8 +18,8 @@ the end of a sequence is evicted before its (more shareable) beginning.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from baton.engine.request import Request
 
@@ -48,6 +48,10 @@ class BlockPool:
     (a deque another thread may pop from): ``(STORED, hash)`` when a block becomes findable,
     ``(EVICTED, hash)`` when it stops being findable, ``(CLEARED, None)`` when every hash goes.
     A worker publishes them to the Redis prefix index (``baton.control.prefix_index``).
+
+    ``on_evict(block_ids, hashes)``, when set, is called with the cached blocks a
+    ``get_new_blocks`` call evicts, before it returns (so before anything overwrites them): the
+    engine copies them into its KV tiers (``baton.engine.kv_tiers``).
     """
 
     def __init__(self, num_blocks: int, record_events: bool = False) -> None:
@@ -60,6 +64,7 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
         self.events: deque[tuple[str, bytes | None]] | None = deque() if record_events else None
+        self.on_evict: Callable[[list[int], list[bytes]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,6 +82,8 @@ class BlockPool:
         if n > len(self.free_queue):
             return None
         out = []
+        evicted_ids: list[int] = []
+        evicted: list[bytes] = []
         for _ in range(n):
             _, block = self.free_queue.popitem(last=False)
             assert block.ref_cnt == 0, block
@@ -84,10 +91,14 @@ class BlockPool:
                 del self.cached[block.block_hash]
                 if self.events is not None:
                     self.events.append((EVICTED, block.block_hash))
+                evicted_ids.append(block.block_id)
+                evicted.append(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted_ids, evicted)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
@@ -140,12 +151,32 @@ class BlockPool:
         assert len(self.free_queue) == len(set(self.free_queue)), "duplicate in free queue"
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefixHit:
-    """Result of a prefix-cache lookup: blocks to reuse and the tokens they cover."""
+    """Result of a prefix-cache lookup: pool blocks to reuse, then blocks a KV tier holds
+    (``tier_hashes[i]`` in tier ``tier_names[i]``: loaded into fresh blocks on allocation), and
+    the tokens they all cover. ``allocate_slots`` shortens the tier part in place when a tier
+    block fails to load (its tokens are then computed)."""
 
     blocks: list[KVBlock]
     num_tokens: int
+    tier_hashes: tuple[bytes, ...] = ()
+    tier_names: tuple[str, ...] = ()
+    block_size: int = field(default=0, repr=False)
+
+    def tokens_by_tier(self) -> dict[str, int]:
+        """Reused tokens per place: ``pool`` and each tier's name."""
+        out = {"pool": self.num_tokens - len(self.tier_hashes) * self.block_size}
+        for name in self.tier_names:
+            out[name] = out.get(name, 0) + self.block_size
+        return out
+
+    def truncated(self, max_blocks: int) -> PrefixHit:
+        """The same hit cut to its first ``max_blocks`` blocks."""
+        pool = self.blocks[:max_blocks]
+        k = max(0, max_blocks - len(self.blocks))
+        hs, ns = self.tier_hashes[:k], self.tier_names[:k]
+        return PrefixHit(pool, (len(pool) + len(hs)) * self.block_size, hs, ns, self.block_size)
 
 
 class KVCacheManager:
@@ -162,6 +193,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_num_hashed: dict[str, int] = {}
+        self.tiers = None  # baton.engine.kv_tiers.TierStore, set by the engine when it has tiers
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -176,7 +208,7 @@ class KVCacheManager:
         there are logits to sample from.
         """
         if not self.enable_prefix_caching:
-            return PrefixHit([], 0)
+            return PrefixHit([], 0, block_size=self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for h in request.block_hashes[:max_blocks]:
@@ -184,7 +216,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return PrefixHit(hits, len(hits) * self.block_size)
+        tier = None
+        if self.tiers is not None and len(hits) < max_blocks:
+            rest = request.block_hashes[len(hits):max_blocks]
+            # a block the pool holds further on is not loaded twice: the tier run stops there
+            stop = next((i for i, h in enumerate(rest) if h in self.pool.cached), len(rest))
+            tier = self.tiers.lookup(rest[:stop])
+        if not tier or not tier.hashes:
+            return PrefixHit(hits, len(hits) * self.block_size, block_size=self.block_size)
+        return PrefixHit(hits, (len(hits) + len(tier.hashes)) * self.block_size, tier.hashes,
+                         tier.tiers, self.block_size)
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, prefix: PrefixHit | None = None
@@ -193,7 +234,14 @@ class KVCacheManager:
 
         ``prefix`` (only for a request with no blocks yet) is reused before anything is allocated.
         Returns the newly allocated blocks, or ``None`` (and changes nothing) if the pool cannot
-        provide them now.
+        provide them now. A prefix with tier blocks::
+
+            | pool hits (touched) | tier blocks (new, loaded) | new tokens (new, computed) |
+            0                 len(blocks)            prefix.num_tokens     + num_new_tokens
+
+        The tier blocks are loaded before this returns; when one fails to load, it and the rest
+        of the tier part become tokens to compute (``prefix`` is shortened in place, and the
+        request then needs more steps than ``num_new_tokens``: chunked prefill continues it).
         """
         blocks = self.req_blocks.setdefault(request.request_id, [])
         hit = prefix.blocks if prefix else []
@@ -210,8 +258,20 @@ class KVCacheManager:
         blocks.extend(hit)
         new = self.pool.get_new_blocks(max(need, 0)) or []
         blocks.extend(new)
-        if hit:
-            self.req_num_hashed[request.request_id] = len(hit)
+        reused = len(hit)
+        if prefix is not None and prefix.tier_hashes:
+            tiered = new[: len(prefix.tier_hashes)]
+            loaded = self.tiers.load(prefix.tier_hashes, prefix.tier_names,
+                                     [b.block_id for b in tiered])
+            for block, h in zip(tiered[:loaded], prefix.tier_hashes):
+                self.pool.cache_block(block, h)
+            reused += loaded
+            if loaded < len(prefix.tier_hashes):
+                prefix.tier_hashes = prefix.tier_hashes[:loaded]
+                prefix.tier_names = prefix.tier_names[:loaded]
+                prefix.num_tokens = reused * self.block_size
+        if reused:
+            self.req_num_hashed[request.request_id] = reused
         return new
 
     def cache_computed_blocks(self, request: Request) -> None:

@@ -68,6 +68,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit at the (last) admission
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # pool, host, disk
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None

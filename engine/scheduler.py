@@ -97,6 +97,7 @@ class Scheduler:
             self.stats.prefix_hit_tokens += hit.num_tokens
             req.num_computed_tokens = hit.num_tokens
             req.num_cached_tokens = hit.num_tokens
+            req.cached_tokens_by_tier = hit.tokens_by_tier()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.requests.append(req)
