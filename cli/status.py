@@ -98,6 +98,13 @@ def _worker_lines(workers: list[dict]) -> list[str]:
                      f"{_n(r['running']):>4} {_n(r['queued']):>5} {kv:>13} {hit:>5} "
                      f"{_n(r['tokens_per_s'], '{:.1f}'):>7} {_ms(r['ttft']):>18} "
                      f"{_bytes(r['transfer_bytes']):>9}")
+        for tier, t in (r.get("tiers") or {}).items():
+            bw = "-" if not t["load_bandwidth"] else _bytes(t["load_bandwidth"]) + "/s"
+            off = "" if t["enabled"] != 0 else "  OFF (I/O error, see its log)"
+            lines.append(f"  {tier} tier: {_n(t['blocks'])}/{_n(t['capacity'])} blocks, "
+                         f"{t['hits']:.0f} hits ({_n(t['cached_tokens'])} tokens) in "
+                         f"{t['loads']:.0f} loads at {bw}, {t['evictions']:.0f} evictions, "
+                         f"{t['errors']:.0f} errors, {t['corrupt']:.0f} corrupt{off}")
     return lines if workers else lines + ["(no worker registered)"]
 
 

@@ -47,8 +47,10 @@ class Delta:
 @dataclass
 class Usage:
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # reused, not computed: from a worker's KV pool or its tiers
     completion_tokens: int
+    cached_tokens_host: int = 0  # of cached_tokens, loaded back from a host-memory KV tier
+    cached_tokens_disk: int = 0  # of cached_tokens, loaded back from a disk KV tier
 
 
 @dataclass
@@ -129,7 +131,8 @@ def _result(final, text: str, ids: list[int], lps: list[TokenLogprob]) -> Result
     t, u = final.timing, final.usage
     return Result(
         text=text, token_ids=ids, finish_reason=final.finish_reason,
-        usage=Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens), path=final.path,
+        usage=Usage(u.prompt_tokens, u.cached_tokens, u.completion_tokens,
+                    u.cached_tokens_host, u.cached_tokens_disk), path=final.path,
         route_reason=final.route_reason,
         timing=Timing(t.route_s, t.queue_s, t.prefill_s, t.transfer_s, t.first_token_s,
                       t.first_decode_step_s, t.decode_s, t.total_s),

@@ -211,7 +211,31 @@ def _worker_figures(g: Samples | None, c: Samples | None, dt: float | None) -> d
         generated_tokens=gen, tokens_per_s=_rate(gen, dt),
         ttft=_pcts(c, "baton_worker_time_to_first_token_seconds"),
         transfer_bytes=total(c, "baton_kv_transfer_bytes_total"),
-        transfer_failures=total(c, "baton_kv_transfer_failures_total"))
+        transfer_failures=total(c, "baton_kv_transfer_failures_total"),
+        tiers=_tier_figures(g, c))
+
+
+def _tier_figures(g: Samples | None, c: Samples | None) -> dict:
+    """Per KV tier (``--kv-host-tier-gb``, ``--kv-disk-tier-gb``): blocks now and capacity,
+    and over the window hits, loads, load bandwidth, evictions, errors."""
+    out = {}
+    for tier in ("host", "disk"):
+        cap = total(g, "baton_kv_tier_capacity", tier=tier)
+        if cap is None:
+            continue
+
+        def count(name: str, tier: str = tier) -> float:
+            return total(c, f"baton_kv_tier_{name}_total", tier=tier) or 0.0
+
+        secs = count("load_seconds")
+        out[tier] = dict(blocks=total(g, "baton_kv_tier_blocks", tier=tier), capacity=cap,
+                         enabled=total(g, "baton_kv_tier_enabled", tier=tier),
+                         hits=count("hits"), loads=count("loads"),
+                         load_bandwidth=count("load_bytes") / secs if secs else None,
+                         evictions=count("evictions"), errors=count("errors"),
+                         corrupt=count("corrupt_blocks"),
+                         cached_tokens=total(c, "baton_worker_cached_tokens_total", tier=tier))
+    return out
 
 
 def _rate(count: float | None, dt: float | None) -> float | None:

@@ -5,6 +5,9 @@ Three kinds of keys, all with TTLs, so nothing outlives the process that owns it
     baton:pc:<worker id>:<incarnation>  SET of 32-byte block hashes the worker's KV cache holds
                                         (baton.engine.block_hash: they commit to the model
                                         fingerprint, the cache salt and every earlier token)
+    baton:pc:<worker id>:<incarnation>:<tier>
+                                        the same for each KV tier under the pool (host, disk:
+                                        baton.engine.kv_tiers), loaded back on a hit
     baton:load:<worker id>              "<incarnation> <waiting> <running> <free> <total>"
     baton:inflight:<worker id>          ZSET "<router id>:<request id>" -> expiry (ms since epoch)
 
@@ -47,8 +50,12 @@ INFLIGHT_PREFIX = "baton:inflight:"
 _CHUNK = 1000  # members per SADD when a whole set is rewritten
 
 
-def index_key(worker_id: str, incarnation: str) -> str:
-    return f"{INDEX_PREFIX}{worker_id}:{incarnation}"
+TIERS = ("host", "disk")  # baton.engine.kv_tiers' tiers, fastest first
+
+
+def index_key(worker_id: str, incarnation: str, tier: str = "pool") -> str:
+    base = f"{INDEX_PREFIX}{worker_id}:{incarnation}"
+    return base if tier == "pool" else f"{base}:{tier}"
 
 
 def load_key(worker_id: str) -> str:
@@ -77,7 +84,10 @@ class IndexPublisher:
         self.redis, self.worker_id, self.incarnation = client, worker_id, incarnation
         self.events, self.load, self.ttl_s, self.interval_s = events, load, ttl_s, interval_s
         self.key, self.load_key = index_key(worker_id, incarnation), load_key(worker_id)
-        self.held: set[bytes] = set()  # what the index should say: resent whole after an outage
+        self.keys = {t: index_key(worker_id, incarnation, t) for t in ("pool", *TIERS)}
+        # what the index should say, per place (pool, host, disk): resent whole after an outage
+        self.held_by: dict[str, set[bytes]] = {t: set() for t in self.keys}
+        self.held = self.held_by["pool"]
         self.num_flushes = self.num_errors = 0
         self._dirty = True  # the first flush writes the (empty) set and its TTL
         self._last_load: tuple | None = None
@@ -106,52 +116,62 @@ class IndexPublisher:
     def flush(self) -> None:
         """Send the events seen since the last flush (and the load if it changed) in one
         pipeline. Raises RedisError if Redis cannot be reached (nothing is lost: ``held``)."""
-        stored, evicted = self._drain_events()
+        changes = self._drain_events()
         load = tuple(self.load())
         now = time.monotonic()
         keepalive = now - self._refreshed > self.ttl_s / 3
-        if not (stored or evicted or self._dirty or keepalive or load != self._last_load):
+        if not (any(a or b for a, b in changes.values()) or self._dirty or keepalive
+                or load != self._last_load):
             return
         ttl_ms = int(self.ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=self._dirty)
-        if self._dirty:  # rewrite the whole set (first flush, after an outage, after a clear)
-            pipe.delete(self.key)
-            held = list(self.held)
-            for i in range(0, len(held), _CHUNK):
-                pipe.sadd(self.key, *held[i : i + _CHUNK])
-        else:
-            if stored:
-                pipe.sadd(self.key, *stored)
-            if evicted:
-                pipe.srem(self.key, *evicted)
-        pipe.pexpire(self.key, ttl_ms)
+        for place, key in self.keys.items():
+            stored, evicted = changes[place]
+            if self._dirty:  # rewrite the whole set (first flush, after an outage, a clear)
+                pipe.delete(key)
+                held = list(self.held_by[place])
+                for i in range(0, len(held), _CHUNK):
+                    pipe.sadd(key, *held[i : i + _CHUNK])
+            else:
+                if stored:
+                    pipe.sadd(key, *stored)
+                if evicted:
+                    pipe.srem(key, *evicted)
+            if place == "pool" or self.held_by[place] or evicted:
+                pipe.pexpire(key, ttl_ms)
         pipe.set(self.load_key, " ".join(map(str, (self.incarnation, *load))), px=ttl_ms)
         pipe.execute()
         if self._dirty and self.num_errors:
-            log.info("prefix index: Redis is back; resent %d block hashes", len(self.held))
+            log.info("prefix index: Redis is back; resent %d block hashes",
+                     sum(map(len, self.held_by.values())))
         self._dirty, self._last_load, self._refreshed = False, load, now
         self.num_flushes += 1
 
-    def _drain_events(self) -> tuple[set[bytes], set[bytes]]:
-        """The engine's events since the last flush, applied to ``held``: the hashes stored and
-        evicted since then (a hash stored then evicted counts as evicted, and the reverse)."""
-        stored: set[bytes] = set()
-        evicted: set[bytes] = set()
+    def _drain_events(self) -> dict[str, tuple[set[bytes], set[bytes]]]:
+        """The engine's events since the last flush, applied to ``held_by``: per place (pool,
+        host, disk) the hashes stored and evicted since then (a hash stored then evicted counts
+        as evicted, and the reverse). Tier events are ``"stored:<tier>"`` and so on."""
+        out: dict[str, tuple[set[bytes], set[bytes]]] = {p: (set(), set()) for p in self.keys}
         while True:
             try:
                 kind, h = self.events.popleft()
             except IndexError:
-                return stored, evicted
+                return out
+            kind, _, place = kind.partition(":")
+            place = place or "pool"
+            if place not in out:
+                continue
+            stored, evicted = out[place]
             if kind == STORED:
-                self.held.add(h)
+                self.held_by[place].add(h)
                 stored.add(h)
                 evicted.discard(h)
             elif kind == EVICTED:
-                self.held.discard(h)
+                self.held_by[place].discard(h)
                 evicted.add(h)
                 stored.discard(h)
             elif kind == CLEARED:
-                self.held.clear()
+                self.held_by[place].clear()
                 self._dirty = True
 
     def stop(self, withdraw: bool = True) -> None:
@@ -161,7 +181,7 @@ class IndexPublisher:
             self._thread.join(2)
         if withdraw:
             try:
-                self.redis.delete(self.key, self.load_key)
+                self.redis.delete(*self.keys.values(), self.load_key)
             except (RedisError, OSError) as e:
                 log.warning("could not delete the prefix index of %s: %s (it expires in %.0fs)",
                             self.worker_id, e, self.ttl_s)
@@ -171,39 +191,53 @@ class IndexPublisher:
 # Router side
 # ------------------------------------------------------------------------------------------------
 
-# KEYS: 3 per candidate (index set, load string, in-flight zset). ARGV[1]: now in ms; ARGV[2]: the
-# prompt's block hashes in order, concatenated (32 bytes each). Returns one string, a line per
-# candidate: "<leading blocks held> <in flight>[ <load string>]" (one bulk reply parses fast).
+# KEYS: 5 per candidate (index set, load string, in-flight zset, host-tier set, disk-tier set).
+# ARGV[1]: now in ms; ARGV[2]: the prompt's block hashes in order, concatenated (32 bytes each).
+# Returns one string, a line per candidate: "<leading blocks in the pool> <leading blocks in the
+# pool or host tier> <leading blocks anywhere> <in flight>[ <load string>]" (one bulk reply
+# parses fast).
 #
-# A worker's set is prefix-closed: the engine frees a request's blocks tail first and revives a
-# cached block only together with every block before it, so a block is always evicted before its
+# A worker's pool set is prefix-closed: the engine frees a request's blocks tail first and revives
+# a cached block only together with every block before it, so a block is always evicted before its
 # parent. The leading run is therefore found by bisection: block 1, block n, then ~log2(n)
 # lookups (about 11 per worker for 512 blocks instead of 512; each lookup costs ~1 us in Redis).
+# The tiers receive a request's blocks tail first and drop them least recently used first, so
+# the union of pool and tiers is prefix-closed too, short of a block that failed its checksum:
+# the same bisection finds the runs into the tiers (a worker with no tier set skips it).
 _SIGNALS = """
 local blob = ARGV[2]
 local n = #blob / 32
 local out = {}
-for w = 0, #KEYS / 3 - 1 do
-  local key = KEYS[3 * w + 1]
-  local function held(i)
+local function run(held)
+  if n == 0 or not held(1) then return 0 end
+  if held(n) then return n end
+  local lo, hi = 1, n - 1  -- blocks 1..lo held, block hi + 1 not
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if held(mid) then lo = mid else hi = mid - 1 end
+  end
+  return lo
+end
+for w = 0, #KEYS / 5 - 1 do
+  local pool, host, disk = KEYS[5 * w + 1], KEYS[5 * w + 4], KEYS[5 * w + 5]
+  local function has(key, i)
     return redis.call('SISMEMBER', key, string.sub(blob, 32 * i - 31, 32 * i)) == 1
   end
-  local lo = 0
-  if n > 0 and held(1) then
-    if held(n) then lo = n else
-      local hi = n - 1  -- blocks 1..lo held, block hi + 1 not
-      lo = 1
-      while lo < hi do
-        local mid = math.floor((lo + hi + 1) / 2)
-        if held(mid) then lo = mid else hi = mid - 1 end
-      end
-    end
+  local p = run(function(i) return has(pool, i) end)
+  local ph, all = p, p
+  local tiered = p < n and redis.call('EXISTS', host, disk) > 0
+  if tiered then
+    ph = run(function(i) return has(pool, i) or has(host, i) end)
+    all = run(function(i) return has(pool, i) or has(host, i) or has(disk, i) end)
+    if ph < p then ph = p end
+    if all < ph then all = ph end
   end
   -- unexpired entries only (expired ones are pruned by the routers' writer threads)
-  out[w + 1] = lo .. ' ' .. redis.call('ZCOUNT', KEYS[3 * w + 3], ARGV[1], '+inf')
+  out[w + 1] = p .. ' ' .. ph .. ' ' .. all .. ' ' ..
+    redis.call('ZCOUNT', KEYS[5 * w + 3], ARGV[1], '+inf')
 end
 local loads = {}
-for w = 0, #KEYS / 3 - 1 do loads[w + 1] = KEYS[3 * w + 2] end
+for w = 0, #KEYS / 5 - 1 do loads[w + 1] = KEYS[5 * w + 2] end
 loads = redis.call('MGET', unpack(loads))
 for w = 1, #out do
   if loads[w] then out[w] = out[w] .. ' ' .. loads[w] end
@@ -216,7 +250,9 @@ return table.concat(out, '\\n')
 class Signals:
     """What the index says about one candidate worker for one prompt."""
 
-    hit_blocks: int = 0  # leading blocks of the prompt its KV cache holds
+    hit_blocks: int = 0  # leading blocks of the prompt its KV pool holds
+    host_blocks: int = 0  # the blocks after those its host tier holds
+    disk_blocks: int = 0  # the blocks after those its disk tier holds
     inflight: int = 0  # requests routed to it and not finished, by every router
     waiting: int | None = None  # its engine's queue (None: not published yet)
     running: int | None = None
@@ -274,7 +310,8 @@ class PrefixIndex:
                     self._keys.clear()
                 k = self._keys[w.worker_id, w.incarnation] = (
                     index_key(w.worker_id, w.incarnation), load_key(w.worker_id),
-                    inflight_key(w.worker_id))
+                    inflight_key(w.worker_id), *(index_key(w.worker_id, w.incarnation, t)
+                                                 for t in TIERS))
             keys += k
         # this router's unwritten claims, taken before Redis is read: a batch the writer thread
         # writes meanwhile is then counted twice for a moment (harmless: it only leans away from
@@ -292,8 +329,10 @@ class PrefixIndex:
         self._came_back()
         out = []
         for w, line in zip(workers, reply.decode().split("\n")):
-            hit, infl, *load = line.split(" ")
-            s = Signals(int(hit), max(0, int(infl) + pending.get(w.worker_id, 0)))
+            hit, host, anywhere, infl, *load = line.split(" ")
+            hit, host, anywhere = int(hit), int(host), int(anywhere)
+            s = Signals(hit, host - hit, anywhere - host,
+                        max(0, int(infl) + pending.get(w.worker_id, 0)))
             if load and load[0] == w.incarnation:  # not an older incarnation's load
                 s.waiting, s.running, s.free_blocks, s.total_blocks = map(int, load[1:])
             out.append(s)

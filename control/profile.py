@@ -89,6 +89,8 @@ class Profile:
     serving_factor: float = 1.0  # a serving decode worker's step over the bare engine's
     served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
+    # KV tiers: loading blocks back into the pool, {tier, blocks, bytes, s} (kv_tiers.TierStore)
+    tier_load: list[dict] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
     version: int = VERSION
 
@@ -246,6 +248,21 @@ def prefill_throughput_factor(rows: Sequence[dict], engine_prompt: Callable[[int
         return None
     work = sum(engine_prompt(r["tokens"]) for r in done[1:])
     return (done[-1]["end"] - done[0]["end"]) / work
+
+
+def tier_weights(p: Profile) -> dict[str, float]:
+    """Per KV tier, the share of a block's prefill time that loading it from the tier saves:
+    ``1 - load time per token / prefill time per token`` (a 1,024-token prompt's, prefill factor
+    included), clipped to [0, 1]. The router's prefix scorer values a tier's blocks by it."""
+    if not p.tier_load or not p.prefill_long:
+        return {}
+    model = CostModel(p)
+    prefill_per_token = model.engine_prompt(1024) * p.prefill_factor / 1024
+    out = {}
+    for row in p.tier_load:
+        per_token = row["s"] / (row["blocks"] * p.block_size)
+        out[row["tier"]] = round(min(1.0, max(0.0, 1 - per_token / prefill_per_token)), 4)
+    return out
 
 
 def default_path() -> Path:

@@ -30,6 +30,9 @@ class EngineSettings:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     gpu_memory_utilization: float = 0.9
     kv_staging: str = "auto"  # auto | always | never (baton.transfer.agent.STAGING)
+    kv_host_tier_gb: float | None = None  # None: 4 GiB under a GPU pool, none under a CPU pool
+    kv_disk_tier_gb: float = 0.0
+    kv_disk_tier_dir: str | None = None  # None: <cache dir>/kv-tier/<worker name>
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -37,6 +40,10 @@ class EngineSettings:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization {self.gpu_memory_utilization}: must be "
                              "in (0, 1]")
+        if self.kv_host_tier_gb is not None and self.kv_host_tier_gb < 0:
+            raise ValueError(f"--kv-host-tier-gb {self.kv_host_tier_gb}: must be >= 0")
+        if self.kv_disk_tier_gb < 0:
+            raise ValueError(f"--kv-disk-tier-gb {self.kv_disk_tier_gb}: must be >= 0")
 
     @staticmethod
     def add_flags(ap: argparse.ArgumentParser) -> None:
@@ -69,11 +76,31 @@ class EngineSettings:
                             "cannot register the VRAM (logged, and shown as staged-host in "
                             "transports, worker info and /metrics); always stages every "
                             "hand-off; never refuses to start instead of staging (default auto)")
+        t = ap.add_argument_group(
+            "KV tiers", "Prefix blocks the KV pool evicts are kept in slower tiers and loaded "
+            "back on a prefix hit instead of being recomputed: host memory under a GPU pool, "
+            "then local disk. The router's index knows each block's tier.")
+        t.add_argument("--kv-host-tier-gb", type=float, default=None,
+                       help="pinned host memory for blocks a GPU pool evicts (default 4; 0 "
+                            "turns it off). A CPU pool is host memory already: give it the "
+                            "memory instead (--num-blocks) and use the disk tier")
+        t.add_argument("--kv-disk-tier-gb", type=float, default=0.0,
+                       help="local disk for evicted blocks, one preallocated file with a "
+                            "checksum per block (default 0: off). A full disk or an I/O error "
+                            "turns the tier off (logged, baton_kv_tier_errors_total), never a "
+                            "request")
+        t.add_argument("--kv-disk-tier-dir", default=None,
+                       help="the disk tier's directory; a restarted worker revalidates the file "
+                            "it finds there (same model fingerprint, every block's checksum) or "
+                            "discards it, and logs which (default: $BATON_CACHE_DIR or "
+                            "~/.cache/baton, then kv-tier/<--worker-id, else role-port>; give "
+                            "--worker-id or a fixed --port so a restart finds the same one)")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> EngineSettings:
         return cls(a.model, a.dtype, a.num_blocks, a.block_size, a.max_num_seqs, a.threads,
-                   a.device, a.gpu_memory_utilization, a.kv_staging)
+                   a.device, a.gpu_memory_utilization, a.kv_staging, a.kv_host_tier_gb,
+                   a.kv_disk_tier_gb, a.kv_disk_tier_dir)
 
     def resolved_device(self) -> str:
         """``--device`` with auto decided: cuda when this process sees a GPU, else cpu."""
@@ -83,15 +110,31 @@ class EngineSettings:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def engine_config(self, record_kv_events: bool):
-        """The engine's own config (``baton.engine.config.EngineConfig``)."""
+    def engine_config(self, record_kv_events: bool, worker_name: str = "worker"):
+        """The engine's own config (``baton.engine.config.EngineConfig``); ``worker_name`` names
+        the default disk-tier directory. Raises ValueError for a host tier under a CPU pool."""
         from baton.engine.config import EngineConfig
 
-        return EngineConfig(dtype=self.dtype, device=self.resolved_device(),
+        device = self.resolved_device()
+        host_gb = self.kv_host_tier_gb
+        if device == "cpu" and host_gb:
+            raise ValueError(f"--kv-host-tier-gb {host_gb}: a CPU worker's KV pool is host "
+                             "memory already; give the pool that memory (--num-blocks) and use "
+                             "--kv-disk-tier-gb for the tier below it")
+        if host_gb is None:
+            host_gb = 4.0 if device != "cpu" else 0.0
+        disk_dir = self.kv_disk_tier_dir
+        if self.kv_disk_tier_gb and disk_dir is None:
+            root = os.environ.get("BATON_CACHE_DIR") or os.path.expanduser("~/.cache/baton")
+            disk_dir = os.path.join(root, "kv-tier", worker_name)
+        return EngineConfig(dtype=self.dtype, device=device,
                             block_size=self.block_size, num_kv_blocks=self.num_blocks,
                             max_num_seqs=self.max_num_seqs, num_threads=self.threads,
                             record_kv_events=record_kv_events,
-                            gpu_memory_utilization=self.gpu_memory_utilization)
+                            gpu_memory_utilization=self.gpu_memory_utilization,
+                            kv_host_tier_bytes=int(host_gb * (1 << 30)),
+                            kv_disk_tier_bytes=int(self.kv_disk_tier_gb * (1 << 30)),
+                            kv_disk_tier_dir=disk_dir)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,12 @@ class WorkerMetrics:
         self.transfer_failures = Counter("baton_kv_transfer_failures",
                                          "KV hand-offs that failed, by error.", ["error"],
                                          registry=r)
+        self.tier_tokens = Counter("baton_worker_cached_tokens",
+                                   "Prompt tokens reused, by where their KV was: pool, host, "
+                                   "disk (the last two loaded back from a KV tier).", ["tier"],
+                                   registry=r)
+        if getattr(engine, "tiers", None) is not None:
+            r.register(TierCollector(engine.tiers))
         self._last: dict[str, float] = {}  # request id -> time of its last token
 
     def observe_outputs(self, outputs) -> None:
@@ -83,6 +89,9 @@ class WorkerMetrics:
                         self.ttft.observe(out.first_token_s)
                     self.prompt_tokens.inc(out.num_prompt_tokens)
                     self.cached_tokens.inc(out.num_cached_tokens)
+                    for tier, n in (out.cached_tokens_by_tier or {}).items():
+                        if n:
+                            self.tier_tokens.labels(tier).inc(n)
                 else:
                     self.itl.observe(now - last)
                 self._last[rid] = now
@@ -94,6 +103,43 @@ class WorkerMetrics:
         """Serve /metrics on ``port`` (0: a free one); returns the port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_address[1]
+
+
+class TierCollector:
+    """The KV tiers' counters (``baton.engine.kv_tiers.TierStats``), read when scraped."""
+
+    GAUGES = (("blocks", "Blocks the tier holds."), ("capacity", "Blocks the tier can hold."),
+              ("enabled", "1 while the tier works, 0 after an I/O error turned it off."))
+    COUNTERS = (("stored", "stored", "Blocks written into the tier."),
+                ("hits", "hits", "Blocks loaded back from the tier into the KV pool."),
+                ("loads", "loads", "Load operations (one per request's run of tier blocks)."),
+                ("load_bytes", "load_bytes", "Bytes loaded back into the KV pool."),
+                ("load_s", "load_seconds", "Seconds spent loading (the load bandwidth is "
+                 "load_bytes / load_seconds)."),
+                ("evictions", "evictions", "Blocks the tier dropped for room (LRU)."),
+                ("errors", "errors", "I/O errors (the disk tier turns off on the first)."),
+                ("corrupt", "corrupt_blocks", "Blocks whose checksum or hash did not match "
+                 "when loaded (dropped, computed instead)."),
+                ("dropped", "dropped_blocks", "Evicted blocks not stored: the writer was "
+                 "behind, or the tier is off."))
+
+    def __init__(self, tiers) -> None:
+        self.tiers = tiers
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.tiers.stats()
+        for name, doc in self.GAUGES:
+            g = GaugeMetricFamily(f"baton_kv_tier_{name}", doc, labels=["tier"])
+            for tier, st in stats.items():
+                g.add_metric([tier], float(getattr(st, name)))
+            yield g
+        for attr, name, doc in self.COUNTERS:
+            c = CounterMetricFamily(f"baton_kv_tier_{name}", doc, labels=["tier"])
+            for tier, st in stats.items():
+                c.add_metric([tier], float(getattr(st, attr)))
+            yield c
 
 
 class RouterMetrics:

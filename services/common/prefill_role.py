@@ -88,7 +88,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         resp = worker_pb2.PrefillResponse(first_token_id=out.new_token_ids[0],
                                           num_cached_tokens=out.num_cached_tokens,
                                           prefill_s=time.monotonic() - t0,
-                                          queue_s=out.queue_s or 0.0)
+                                          queue_s=out.queue_s or 0.0,
+                                          **tier_fields(out))
         if out.logprobs:
             resp.first_logprob.CopyFrom(logprob_to_proto(out.logprobs[0]))
         if span.recording:
@@ -118,6 +119,12 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _free(self, request_id: str) -> None:
         self.loop.call(self.engine.release_handoff, request_id)
+
+
+def tier_fields(out) -> dict[str, int]:
+    """An output's cached tokens loaded back from the KV tiers, as the protos' fields."""
+    by = out.cached_tokens_by_tier or {}
+    return {"cached_tokens_host": by.get("host", 0), "cached_tokens_disk": by.get("disk", 0)}
 
 
 def engine_spans(span, t0: float, out) -> None:

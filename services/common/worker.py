@@ -40,10 +40,14 @@ class EngineDied(RuntimeError):
     engine loop raises it; defined here, torch-free, for the status it maps to)."""
 
 
-def build_engine(settings: EngineSettings, record_kv_events: bool):
+def build_engine(settings: EngineSettings, record_kv_events: bool, worker_name: str = "worker"):
     from baton.engine.engine import LLMEngine
 
-    return LLMEngine.from_path(settings.model, settings.engine_config(record_kv_events))
+    try:
+        cfg = settings.engine_config(record_kv_events, worker_name)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return LLMEngine.from_path(settings.model, cfg)
 
 
 @dataclass
@@ -87,6 +91,7 @@ class WorkerBoot:
             if publisher is not None:
                 publisher.stop(withdraw=True)
             on_stop()
+            self.engine.close()  # the disk tier's queued blocks are written before exit
             tracing.shutdown()
         serve_forever(self.server, stop, registration, cfg.drain_timeout, health=health,
                       busy=busy, died=died, drain=drain)
@@ -101,7 +106,8 @@ def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     # before the agent: UCX reads its environment once
     configure_ucx(loopback_only=is_loopback(net.host))
     try:
-        engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url))
+        engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url),
+                              worker_name=net.worker_id or f"{role}-{net.port or os.getpid()}")
     except InvalidRequestError as e:  # --device, --gpu-memory-utilization: say which, no trace
         raise SystemExit(f"error: {e}") from None
     report_memory(engine)
@@ -135,6 +141,10 @@ def report_memory(engine) -> None:
         log.info("KV pool on %s: %d blocks of %d KiB (%.2f GiB)", engine.cfg.device,
                  engine.num_blocks, engine.block_nbytes // 1024,
                  engine.num_blocks * engine.block_nbytes / (1 << 30))
+    for tier in engine.tiers.tiers if engine.tiers is not None else ():
+        where = f" ({tier.startup})" if getattr(tier, "startup", "") else ""
+        log.info("KV %s tier: %d blocks (%.2f GiB)%s", tier.name, tier.stats.capacity,
+                 tier.stats.capacity * engine.block_nbytes / (1 << 30), where)
 
 
 def is_loopback(host: str) -> bool:

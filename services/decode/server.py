@@ -26,7 +26,7 @@ from baton.engine.errors import InvalidRequestError
 from baton.services.common import tracing
 from baton.services.common.config import HolderSettings, WorkerConfig, worker_parser
 from baton.services.common.engine_loop import EngineLoop
-from baton.services.common.prefill_role import add_prefill_role, engine_spans
+from baton.services.common.prefill_role import add_prefill_role, engine_spans, tier_fields
 from baton.services.common.worker import (
     abort_with,
     boot_worker,
@@ -121,6 +121,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
         def first(chunk, out):
             chunk.num_cached_tokens = out.num_cached_tokens
+            for name, n in tier_fields(out).items():
+                setattr(chunk, name, n)
             chunk.queue_s = out.queue_s or 0.0
             if span.recording:
                 engine_spans(span, t0, out)

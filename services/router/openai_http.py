@@ -528,7 +528,12 @@ def _usage(final) -> dict:
     u = final.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {
+                "cached_tokens": u.cached_tokens,
+                # Baton's: where the cached tokens' KV was (the workers' pools or KV tiers)
+                "cached_tokens_by_tier": {
+                    "pool": max(0, u.cached_tokens - u.cached_tokens_host - u.cached_tokens_disk),
+                    "host": u.cached_tokens_host, "disk": u.cached_tokens_disk}}}
 
 
 # ---- the server ----------------------------------------------------------------------------------

@@ -452,6 +452,7 @@ class Orchestrator:
             cs.end()
         st.prefill_s = time.monotonic() - t
         st.queue_s, st.cached = pre.queue_s, pre.num_cached_tokens
+        st.cached_host, st.cached_disk = pre.cached_tokens_host, pre.cached_tokens_disk
         return pre
 
     def _local(self, request, st: Progress, decode, deadline: Deadline, cancel: Cancellation):
@@ -602,6 +603,7 @@ def _absorb(st: Progress, chunk) -> api_pb2.GenerateResponse:
         st.span.set({"baton.kv.bytes": t.bytes})
     if chunk.num_cached_tokens:
         st.cached = chunk.num_cached_tokens
+        st.cached_host, st.cached_disk = chunk.cached_tokens_host, chunk.cached_tokens_disk
     if chunk.queue_s:
         st.queue_s = chunk.queue_s
     lps = list(chunk.logprobs)

@@ -45,6 +45,7 @@ class Progress:
         self.migrations: int = b.migrations if b else 0
         self.migrated_from: list[str] = list(b.migrated_from) if b else []
         self.cached = 0
+        self.cached_host = self.cached_disk = 0  # of cached: loaded from the workers' KV tiers
         self.prefill_s = self.transfer_s = 0.0
         self.transports = self.prefill_worker = self.decode_worker = ""
         self.first_logprob: list = []
@@ -127,7 +128,9 @@ class Progress:
             request_id=self.request_ids[0], router_request_id=self.request_ids[1],
             usage=api_pb2.Usage(prompt_tokens=len(self.prompt),
                                 cached_tokens=min(self.cached, len(self.prompt)),
-                                completion_tokens=len(self.tokens)),
+                                completion_tokens=len(self.tokens),
+                                cached_tokens_host=self.cached_host,
+                                cached_tokens_disk=self.cached_disk),
             timing=api_pb2.Timing(prefill_s=self.prefill_s, transfer_s=self.transfer_s,
                                   first_token_s=first - self.t0, decode_s=now - first,
                                   total_s=now - self.t0, route_s=self.route_s,

@@ -4,7 +4,10 @@ which one.
 Every candidate gets a score in [0, 1] from each scorer, combined with weights
 (``--scorers prefix=3,inflight=1,queue=1,kv=0.5``)::
 
-    prefix    leading prompt blocks the worker's KV cache holds / prompt blocks (Redis index)
+    prefix    leading prompt blocks the worker's KV cache holds / prompt blocks (Redis index);
+              a block in a KV tier (host memory, disk) counts its tier's weight (--tier-weights:
+              the share of a block's prefill time a load from the tier saves, measured by
+              `baton profile`), so a pool hit beats a host hit beats a disk hit beats a miss
     inflight  1 / (1 + requests in flight on it, counted by every router in Redis)
     queue     1 / (1 + requests waiting in its engine's queue)
     kv        free KV blocks / total KV blocks
@@ -33,7 +36,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.control.pd import (  # noqa: F401 (the reasons are part of the routing API)
     FEW_NEW_TOKENS,
@@ -57,16 +60,24 @@ class NoWorkerError(Exception):
     pass
 
 
+DEFAULT_TIER_WEIGHTS = {"host": 0.95, "disk": 0.8}
+
+
 @dataclass(frozen=True)
 class ScoreInput:
     """What a scorer sees about one candidate."""
 
     signals: Signals
     prompt_blocks: int  # blocks of the prompt that could be reused at all
+    tier_weights: dict[str, float] = field(default_factory=lambda: DEFAULT_TIER_WEIGHTS)
 
 
 def _prefix(x: ScoreInput) -> float:
-    return x.signals.hit_blocks / x.prompt_blocks if x.prompt_blocks else 0.0
+    if not x.prompt_blocks:
+        return 0.0
+    s, w = x.signals, x.tier_weights
+    return (s.hit_blocks + w.get("host", 0.0) * s.host_blocks
+            + w.get("disk", 0.0) * s.disk_blocks) / x.prompt_blocks
 
 
 def _inflight(x: ScoreInput) -> float:
@@ -85,6 +96,23 @@ def _kv(x: ScoreInput) -> float:
 
 
 SCORERS = {"prefix": _prefix, "inflight": _inflight, "queue": _queue, "kv": _kv}
+
+
+def parse_tier_weights(spec: str) -> dict[str, float]:
+    """``"host=0.95,disk=0.8"`` -> weights in [0, 1]; raises ValueError naming a bad entry."""
+    out = dict(DEFAULT_TIER_WEIGHTS)
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, value = part.partition("=")
+        if name not in DEFAULT_TIER_WEIGHTS:
+            raise ValueError(f"unknown KV tier {name!r} (known: host, disk)")
+        try:
+            w = float(value)
+        except ValueError:
+            raise ValueError(f"tier weight {part!r} is not name=number") from None
+        if not 0 <= w <= 1:
+            raise ValueError(f"tier weight {part!r} must be in [0, 1]")
+        out[name] = w
+    return out
 
 
 def parse_weights(spec: str) -> dict[str, float]:
@@ -123,11 +151,13 @@ class RoutingPolicy:
 
     def __init__(self, pool, index: PrefixIndex | None, *, mode: str = "cache-aware",
                  weights: dict[str, float] | None = None, local_max_new_tokens: int = 64,
-                 prefill_saturation: int = 8, saturated_local_max_tokens: int = 256) -> None:
+                 prefill_saturation: int = 8, saturated_local_max_tokens: int = 256,
+                 tier_weights: dict[str, float] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"routing mode {mode!r} must be one of {MODES}")
         self.pool, self.index, self.mode = pool, index, mode
         self.weights = weights or parse_weights(DEFAULT_WEIGHTS)
+        self.tier_weights = tier_weights or dict(DEFAULT_TIER_WEIGHTS)
         self.local_max_new_tokens, self.prefill_saturation = (local_max_new_tokens,
                                                               prefill_saturation)
         self.saturated_local_max = saturated_limit(saturated_local_max_tokens)
@@ -211,7 +241,7 @@ class RoutingPolicy:
         terms = [(SCORERS[name], wt / total) for name, wt in weights.items() if wt]
         scores = {}  # each worker scored once, though it may be a candidate for both roles
         for wid, s in by_id.items():
-            x = ScoreInput(s, n_blocks)
+            x = ScoreInput(s, n_blocks, self.tier_weights)
             scores[wid] = sum(wt * f(x) for f, wt in terms)
 
         def score(w: WorkerRecord) -> float:
@@ -226,8 +256,11 @@ class RoutingPolicy:
             s = by_id[w.worker_id]
             return (s.inflight + (s.waiting or 0)) >= self.prefill_saturation > 0
 
-        return self._finish(ids, d, p, by_id[d.worker_id].hit_blocks * bs,
-                            by_id[p.worker_id].hit_blocks * bs if p else 0,
+        def held(w: WorkerRecord) -> int:  # a tier's blocks load faster than they compute
+            s = by_id[w.worker_id]
+            return (s.hit_blocks + s.host_blocks + s.disk_blocks) * bs
+
+        return self._finish(ids, d, p, held(d), held(p) if p else 0,
                             bool(p_cands) and all(saturated(w) for w in p_cands),
                             used_index, t0)
 

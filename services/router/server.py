@@ -30,7 +30,14 @@ from baton.services.common.worker import (
 from baton.services.router.grpc_api import RouterServicer, TokenAuth
 from baton.services.router.limits import ApiKeys, Limits
 from baton.services.router.orchestrator import Orchestrator, RouterSettings
-from baton.services.router.routing import DEFAULT_WEIGHTS, MODES, RoutingPolicy, parse_weights
+from baton.services.router.routing import (
+    DEFAULT_TIER_WEIGHTS,
+    DEFAULT_WEIGHTS,
+    MODES,
+    RoutingPolicy,
+    parse_tier_weights,
+    parse_weights,
+)
 from baton.services.router.workers import WorkerPool
 from baton.v1 import api_pb2_grpc
 
@@ -80,6 +87,12 @@ def _routing_flags(g) -> None:
                         "the worker holds), inflight (requests in flight, all routers), queue "
                         "(the worker's waiting requests), kv (free KV blocks) "
                         f"(default {DEFAULT_WEIGHTS})")
+    g.add_argument("--tier-weights", default="auto",
+                   help="what the prefix scorer counts for a block a worker holds in a KV tier "
+                        "instead of its pool, name=weight,... in [0, 1] (host, disk): the share "
+                        "of the block's prefill time a load saves. auto: from `baton profile`'s "
+                        "measured load bandwidth and prefill cost when its profile is there, "
+                        "else host=0.95,disk=0.8 (logged at start-up)")
     g.add_argument("--local-prefill-max-tokens", type=int, default=64,
                    help="the chosen decode worker prefills the prompt itself when it lacks at "
                         "most this many of its tokens (prefix-cache hits excluded); more go "
@@ -180,6 +193,7 @@ class RouterConfig:
     log_level: str
     keys: ApiKeys
     tls: tuple[str, str] | None  # (certificate file, key file)
+    tier_weights: dict | None = None  # None: DEFAULT_TIER_WEIGHTS
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> RouterConfig:
@@ -193,6 +207,10 @@ class RouterConfig:
         except ValueError as e:
             raise ValueError(f"--scorers: {e}") from None
         try:
+            tier_weights = resolve_tier_weights(a.tier_weights)
+        except ValueError as e:
+            raise ValueError(f"--tier-weights: {e}") from None
+        try:
             keys = ApiKeys.load(a.auth_token, a.api_keys_file)
         except OSError as e:
             raise ValueError(f"--api-keys-file: {e}") from None
@@ -202,7 +220,7 @@ class RouterConfig:
             a.inflight_ttl, a.request_timeout, a.max_retries, a.max_migrations,
             a.stall_timeout, Limits(a.max_concurrent, a.max_queued, a.max_concurrent_per_key),
             a.max_prompt_tokens, a.max_tokens, a.startup_timeout, a.drain_timeout, a.log_level,
-            keys, (a.tls_cert, a.tls_key) if a.tls_cert else None)
+            keys, (a.tls_cert, a.tls_key) if a.tls_cert else None, tier_weights)
 
     @property
     def threads(self) -> int:
@@ -211,6 +229,27 @@ class RouterConfig:
         bound."""
         lim = self.limits
         return lim.max_concurrent + lim.max_queued + 16 if lim.max_concurrent else 1024
+
+
+def resolve_tier_weights(spec: str) -> dict[str, float]:
+    """``--tier-weights``: given, or (auto) from the local `baton profile`, or the defaults;
+    logged with where they came from."""
+    if spec != "auto":
+        w = parse_tier_weights(spec)
+        log.info("KV tier weights %s (--tier-weights)", w)
+        return w
+    from baton.control.profile import Profile, ProfileError, default_path, tier_weights
+
+    path = default_path()
+    try:
+        measured = tier_weights(Profile.load(path)) if path.exists() else {}
+    except ProfileError as e:
+        log.warning("KV tier weights: %s; using the defaults", e)
+        measured = {}
+    w = {**DEFAULT_TIER_WEIGHTS, **measured}
+    log.info("KV tier weights %s (%s)", w, f"measured in {path}" if measured else
+             "defaults: no profile with tier loads; `baton profile` measures them")
+    return w
 
 
 # ---- start-up ------------------------------------------------------------------------------------
@@ -227,7 +266,8 @@ def build_orchestrator(cfg: RouterConfig, client, pool: WorkerPool,
     policy = RoutingPolicy(pool, index, mode=cfg.routing, weights=cfg.weights,
                            local_max_new_tokens=cfg.local_prefill_max_tokens,
                            prefill_saturation=cfg.prefill_saturation,
-                           saturated_local_max_tokens=cfg.saturated_local_max_tokens)
+                           saturated_local_max_tokens=cfg.saturated_local_max_tokens,
+                           tier_weights=cfg.tier_weights)
     policy.prompt_hashes([0] * 256, worker.fingerprint, None, 16)  # builds the native hasher
     settings = RouterSettings(
         tok.model, tok.max_model_len, worker.fingerprint, cfg.max_retries, cfg.max_migrations,

@@ -320,3 +320,72 @@ def test_racing_decisions_of_one_router_see_each_other(client):
     other.close()
     totals = {"p1": 1 + picks.count("p1"), "p2": picks.count("p2")}
     assert len(picks) == 6 and abs(totals["p1"] - totals["p2"]) <= 1, picks
+
+
+def test_tier_events_publish_a_set_per_tier_and_signals_count_each_tier(client):
+    """A worker's blocks in its pool, host tier and disk tier: the publisher keeps one set per
+    place, and the index finds the runs into each (pool first, then host, then disk)."""
+    prompt = hash_blocks(list(range(64)), 4, NS)  # 16 blocks
+    a, ev, _ = publisher(client, "t")
+    ev.extend((STORED, h) for h in prompt[:4])
+    ev.extend(("stored:host", h) for h in prompt[4:7])
+    ev.extend(("stored:disk", h) for h in prompt[2:12])  # inclusive: 2, 3 also in the pool
+    a.flush()
+    assert client.scard(index_key("t", "i1", "host")) == 3
+    assert client.scard(index_key("t", "i1", "disk")) == 10
+    index = PrefixIndex(client, "r1")
+    (s,) = index.signals(prompt, [rec("t")])
+    assert (s.hit_blocks, s.host_blocks, s.disk_blocks) == (4, 3, 5)
+    ev.extend([("evicted:disk", prompt[11]), ("evicted:disk", prompt[10]),
+               ("evicted:host", prompt[6])])
+    a.flush()
+    (s,) = index.signals(prompt, [rec("t")])
+    assert (s.hit_blocks, s.host_blocks, s.disk_blocks) == (4, 2, 4)
+    ev.append(("cleared:disk", None))
+    a.flush()
+    assert not client.exists(index_key("t", "i1", "disk"))
+    (s,) = index.signals(prompt, [rec("t")])
+    assert (s.hit_blocks, s.host_blocks, s.disk_blocks) == (4, 2, 0)
+    a.stop(withdraw=True)
+    assert not client.exists(index_key("t", "i1", "host")) and not client.exists(
+        index_key("t", "i1"))
+    index.close()
+
+
+def test_tier_aware_scoring_prefers_pool_over_host_over_disk_over_a_miss(client):
+    """Four prefill workers holding the same 12 of a prompt's 12 reusable blocks, in the pool, in
+    the host tier, on disk, and nowhere: the scorer picks them in that order as each better one
+    leaves; with equal tiers, the one holding more blocks wins even from a slower tier."""
+    from baton.services.router.routing import RoutingPolicy
+
+    ids = list(range(200))
+    chain = hash_blocks(ids[:192], 16, NS)
+    hashes = b"".join(chain)
+    for wid, kind in (("pool", STORED), ("host", "stored:host"), ("disk", "stored:disk")):
+        pub, ev, _ = publisher(client, wid)
+        ev.extend((kind, h) for h in chain)
+        pub.flush()
+    index = PrefixIndex(client, "r-tiers")
+    d = WorkerRecord("dec", "decode", "127.0.0.1:9", "fp", "i1")
+    ws = {w: WorkerRecord(w, "prefill", f"127.0.0.1:{10 + i}", "fp", "i1")
+          for i, w in enumerate(("pool", "host", "disk", "none"))}
+    policy = RoutingPolicy(_Pool([d, *ws.values()]), index,
+                           weights={"prefix": 1}, tier_weights={"host": 0.9, "disk": 0.6},
+                           local_max_new_tokens=0)
+    picks = []
+    left = set()
+    for _ in range(3):
+        got = policy.decide(ids, hashes, {ws[w].address for w in left})
+        picks.append(got.prefill.worker_id)
+        assert got.cached_tokens == 192  # a tier's blocks load: all count as held
+        left.add(got.prefill.worker_id)
+    assert picks == ["pool", "host", "disk"]
+    # 12 blocks on disk (0.6 each) beat 6 in the pool (1 each)
+    pub, ev, _ = publisher(client, "half")
+    ev.extend((STORED, h) for h in chain[:6])
+    pub.flush()
+    half = WorkerRecord("half", "prefill", "127.0.0.1:20", "fp", "i1")
+    policy = RoutingPolicy(_Pool([d, ws["disk"], half]), index, weights={"prefix": 1},
+                           tier_weights={"host": 0.9, "disk": 0.6}, local_max_new_tokens=0)
+    assert policy.decide(ids, hashes, set()).prefill.worker_id == "disk"
+    index.close()

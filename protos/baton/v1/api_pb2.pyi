@@ -46,14 +46,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., params: _Optional[_Union[_worker_pb2.SamplingParams, _Mapping]] = ..., last_delta_in_final: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "cached_tokens_host", "cached_tokens_disk")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens_host: int
+    cached_tokens_disk: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s", "route_s", "queue_s", "first_decode_step_s")

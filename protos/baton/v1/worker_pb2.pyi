@@ -81,7 +81,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "handle", "num_cached_tokens", "prefill_s", "sampler_state", "first_logprob", "queue_s", "first_text")
+    __slots__ = ("first_token_id", "finish_reason", "handle", "num_cached_tokens", "prefill_s", "sampler_state", "first_logprob", "queue_s", "first_text", "cached_tokens_host", "cached_tokens_disk")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,8 @@ class PrefillResponse(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
     handle: KVHandle
@@ -100,7 +102,9 @@ class PrefillResponse(_message.Message):
     first_logprob: TokenLogprob
     queue_s: float
     first_text: str
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sampler_state: _Optional[bytes] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., first_text: _Optional[str] = ...) -> None: ...
+    cached_tokens_host: int
+    cached_tokens_disk: int
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., sampler_state: _Optional[bytes] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., first_text: _Optional[str] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "params", "handle", "sampler_state")
@@ -119,7 +123,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "transfer", "num_cached_tokens", "logprobs", "queue_s")
+    __slots__ = ("token_ids", "text", "finish_reason", "transfer", "num_cached_tokens", "logprobs", "queue_s", "cached_tokens_host", "cached_tokens_disk")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +131,8 @@ class DecodeChunk(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_HOST_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_DISK_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: str
@@ -134,7 +140,9 @@ class DecodeChunk(_message.Message):
     num_cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     queue_s: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    cached_tokens_host: int
+    cached_tokens_disk: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class LocalRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
