@@ -28,6 +28,7 @@ from baton.control.profile import (
     ProfileError,
     default_path,
     prefill_throughput_factor,
+    tier_weights,
 )
 
 
@@ -329,6 +330,45 @@ def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[s
         proc.wait()
 
 
+TIER_BLOCKS = 64  # blocks per timed load: a 1,024-token prefix at 16 tokens a block
+
+
+def measure_tiers(engine, repeats: int = 3, say: Callable[[str], None] = print) -> list[dict]:
+    """Loading ``TIER_BLOCKS`` blocks back into a pool from each KV tier (``kv_tiers``): a host
+    tier, and a disk tier in a scratch directory (read back from the file, checksums checked;
+    the page cache holds what was just written, as it holds a busy worker's recent
+    evictions). The router's tier weights come from these against the prefill cost."""
+    import tempfile
+
+    import torch
+    from baton.engine.kv_tiers import DiskTier, HostTier, TierStore
+
+    kv = engine.kv_cache
+    shape, n = kv.shape[1:], min(TIER_BLOCKS, engine.num_blocks)
+    scratch = torch.zeros((n, *shape), dtype=kv.dtype, device=kv.device)
+    hashes = [i.to_bytes(32, "little") for i in range(n)]
+    data = torch.randn((n, *shape)).to(kv.dtype)
+    out = []
+    with tempfile.TemporaryDirectory(prefix="baton-profile-tier-") as d:
+        host = HostTier(n, shape, kv.dtype, pin=kv.device.type == "cuda")
+        disk = DiskTier(d, (n + 1) * (8192 + data[0].nbytes), shape, kv.dtype, "profile",
+                        max_pending=n)
+        for tier in (host, disk):
+            for h, block in zip(hashes, data):
+                tier.put(h, block.clone())
+            if tier is disk:
+                disk.flush()
+            store = TierStore(scratch, [tier])
+            names = [tier.name] * n
+            s = _median_time(lambda st=store, nm=names: st.load(hashes, nm, range(n)), repeats)
+            assert torch.equal(scratch.cpu(), data), f"{tier.name} tier loaded other bytes"
+            out.append({"tier": tier.name, "blocks": n, "bytes": n * data[0].nbytes, "s": s})
+            say(f"load {n} blocks from the {tier.name} tier: {s * 1000:8.2f} ms "
+                f"({n * data[0].nbytes / s / 1e9:.2f} GB/s)")
+        disk.close()
+    return out
+
+
 def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                 handoff: bool = True, say: Callable[[str], None] = print,
                 neighbors: bool = True) -> Profile:
@@ -350,6 +390,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
         engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
         with _neighbors(model, dtype, others, say):
             costs = measure_engine(engine, repeats, say)
+            costs["tier_load"] = measure_tiers(engine, repeats, say)
     finally:  # the caller's cores and threads back (its later workers pin themselves)
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
@@ -380,6 +421,10 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
                 "of the bare engine's time")
         say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
             "(a serving worker's time over the bare engine's)")
+    weights = tier_weights(p)
+    if weights:
+        say("KV tier weights for the router (the share of a block's prefill time a load saves): "
+            + ", ".join(f"{k}={v}" for k, v in weights.items()))
     return p
 
 

@@ -54,6 +54,15 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                     help="the share of each GPU's memory the workers on it may use together; "
                          "k workers sharing a GPU get a k-th each, stated at start (default "
                          "0.9)")
+    ap.add_argument("--kv-host-tier-gb", type=float, default=None,
+                    help="GPU workers: pinned host memory per worker for the blocks its KV pool "
+                         "evicts (default 4; 0: off)")
+    ap.add_argument("--kv-disk-tier-gb", type=float, default=0.0,
+                    help="local disk per worker for the blocks its KV pool (and host tier) "
+                         "evicts, loaded back on a prefix hit (default 0: off). Each worker "
+                         "start slot has its own directory under the cache folder "
+                         "(kv-tier/up-<grpc port>-<slot>), so a restarted worker revalidates "
+                         "what its predecessor wrote")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per worker (default: this machine's cores shared out "
                          "among the workers, at least 1 each; several workers with every core "
@@ -129,6 +138,8 @@ class UpConfig:
     device: str
     gpu_memory_utilization: float
     threads: int | None
+    kv_host_tier_gb: float | None
+    kv_disk_tier_gb: float
     local_prefill_max_tokens: int
     routing: str
     log_dir: str | None
@@ -169,6 +180,8 @@ def _check(a: UpConfig) -> str:
         return "--decode must be >= 1 (or use --colocated N)"
     if not 0 < a.gpu_memory_utilization <= 1:
         return f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]"
+    if a.kv_disk_tier_gb < 0 or (a.kv_host_tier_gb or 0) < 0:
+        return "--kv-host-tier-gb and --kv-disk-tier-gb must be >= 0"
     if a.scaling is not None:
         try:
             a.policies()
@@ -376,6 +389,7 @@ class _LocalCluster:
         a = self.a
         if slot is None:
             slot, self.next_slot = self.next_slot, self.next_slot + 1
+        args = [*args, *self._tier_args(slot)]
         if not a.ray:
             device, env = self._gpu(slot)
             return WorkerProcess(role, ["--host", a.host, *device, *args],
@@ -389,6 +403,19 @@ class _LocalCluster:
                       local=self.ray_local, **self.kw)
         self.say(f"Ray actor for a {role} worker on node {w.node_ip} ({w.start_s:.0f}s)")
         return w
+
+    def _tier_args(self, slot: int) -> list[str]:
+        """The KV tier flags of the worker in start slot ``slot`` (its own disk directory, the
+        same for every restart of that slot)."""
+        a, out = self.a, []
+        if a.kv_host_tier_gb is not None:
+            out += ["--kv-host-tier-gb", str(a.kv_host_tier_gb)]
+        if a.kv_disk_tier_gb:
+            from baton import cache_dir
+
+            out += ["--kv-disk-tier-gb", str(a.kv_disk_tier_gb), "--kv-disk-tier-dir",
+                    str(cache_dir() / "kv-tier" / f"up-{a.grpc_port}-{slot}")]
+        return out
 
     def _start_workers(self) -> tuple[list, list]:
         a = self.a

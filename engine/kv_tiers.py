@@ -38,6 +38,7 @@ Threads: everything here runs on the engine thread except the disk tier's writer
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -216,7 +217,20 @@ class DiskTier(Tier):
             raise ValueError(f"disk tier of {capacity_bytes} bytes holds no block of "
                              f"{self.nbytes} bytes")
         os.makedirs(directory, exist_ok=True)
-        self._open()
+        # one worker per directory: a second one would overwrite the first one's slots
+        self._lock_fd = os.open(os.path.join(directory, "kv-tier.lock"), os.O_RDWR | os.O_CREAT,
+                                0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise ValueError(f"another process uses the disk tier in {directory}: give each "
+                             "worker its own --kv-disk-tier-dir") from None
+        try:
+            self._open()
+        except OSError:
+            os.close(self._lock_fd)
+            raise
         self._thread = threading.Thread(target=self._writer, name="kv-disk-tier", daemon=True)
         self._thread.start()
 
@@ -448,12 +462,17 @@ class DiskTier(Tier):
             self.events.append((kind, h))
 
     def close(self) -> None:
-        self.flush()
-        self._queue.put(None)
-        self._thread.join(5)
+        """Write what is queued, stop the writer, close the file (safe to call twice)."""
+        if self._thread.is_alive():
+            self.flush()
+            self._queue.put(None)
+            self._thread.join(5)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
 
 # ---- the store the engine uses -----------------------------------------------------------------

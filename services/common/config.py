@@ -110,9 +110,10 @@ class EngineSettings:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def engine_config(self, record_kv_events: bool, worker_name: str = "worker"):
+    def engine_config(self, record_kv_events: bool, worker_name: str | None = None):
         """The engine's own config (``baton.engine.config.EngineConfig``); ``worker_name`` names
-        the default disk-tier directory. Raises ValueError for a host tier under a CPU pool."""
+        the default disk-tier directory (None: there is no stable name to give it). Raises
+        ValueError for a host tier under a CPU pool, or a disk tier without a directory."""
         from baton.engine.config import EngineConfig
 
         device = self.resolved_device()
@@ -125,6 +126,9 @@ class EngineSettings:
             host_gb = 4.0 if device != "cpu" else 0.0
         disk_dir = self.kv_disk_tier_dir
         if self.kv_disk_tier_gb and disk_dir is None:
+            if worker_name is None:
+                raise ValueError("--kv-disk-tier-gb needs a directory a restarted worker finds "
+                                 "again: give --kv-disk-tier-dir, --worker-id or a fixed --port")
             root = os.environ.get("BATON_CACHE_DIR") or os.path.expanduser("~/.cache/baton")
             disk_dir = os.path.join(root, "kv-tier", worker_name)
         return EngineConfig(dtype=self.dtype, device=device,

@@ -40,7 +40,8 @@ class EngineDied(RuntimeError):
     engine loop raises it; defined here, torch-free, for the status it maps to)."""
 
 
-def build_engine(settings: EngineSettings, record_kv_events: bool, worker_name: str = "worker"):
+def build_engine(settings: EngineSettings, record_kv_events: bool,
+                 worker_name: str | None = None):
     from baton.engine.engine import LLMEngine
 
     try:
@@ -107,7 +108,8 @@ def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     configure_ucx(loopback_only=is_loopback(net.host))
     try:
         engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url),
-                              worker_name=net.worker_id or f"{role}-{net.port or os.getpid()}")
+                              worker_name=net.worker_id or (f"{role}-{net.port}" if net.port
+                                                            else None))
     except InvalidRequestError as e:  # --device, --gpu-memory-utilization: say which, no trace
         raise SystemExit(f"error: {e}") from None
     report_memory(engine)

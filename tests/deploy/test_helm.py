@@ -165,6 +165,30 @@ def test_gpu_pools(helm):
     assert "UCX_NET_DEVICES" not in worker_env(deps["rel-baton-decode"])  # per pool
 
 
+def test_kv_tiers_pass_their_flags_and_mount_the_disk_tier(helm):
+    deps = by_kind(render(helm, VALUES["gpu-pools"], "prefill.kvTiers.diskGb=8",
+                          "prefill.kvTiers.hostGb=16"), "Deployment")
+    pod = deps["rel-baton-prefill"]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--kv-host-tier-gb") + 1] == "16"
+    assert args[args.index("--kv-disk-tier-gb") + 1] == "8"
+    assert args[args.index("--kv-disk-tier-dir") + 1] == "/var/lib/baton/kv-tier"
+    assert {"name": "kv-tier", "mountPath": "/var/lib/baton/kv-tier"} in pod["containers"][0][
+        "volumeMounts"]
+    assert {"name": "kv-tier", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in pod["containers"][0][
+        "volumeMounts"]
+    # the decode pool has neither: its worker's own defaults (4 GiB host tier on a GPU)
+    dec = deps["rel-baton-decode"]["spec"]["template"]["spec"]
+    assert not any(a.startswith("--kv-") for a in dec["containers"][0]["args"])
+    assert [v["name"] for v in dec["volumes"]] == ["models"]
+    # without a model volume the tier's mount stands alone
+    pod = by_kind(render(helm, None, "prefill.kvTiers.diskGb=1"), "Deployment")[
+        "rel-baton-prefill"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "kv-tier",
+                                                     "mountPath": "/var/lib/baton/kv-tier"}]
+
+
 def test_external_redis_from_a_secret_with_tracing_and_monitoring(helm):
     docs = render(helm, VALUES["external-redis"])
     assert "rel-baton-redis" not in by_kind(docs, "Deployment")
@@ -207,6 +231,8 @@ def test_autoscaling_renders_one_hpa_per_pool(helm):
     ("redis.external.url=http://x", "does not match pattern"),
     ("decode.gpuMemoryUtilization=2", "gpuMemoryUtilization"),
     ("decode.gpuMemoryUtilization=1.5", "gpuMemoryUtilization"),
+    ("prefill.kvTiers.diskGb=-1", "diskGb"),
+    ("prefill.kvTiers.ssdGb=1", "additional properties 'ssdGb' not allowed"),
 ])
 def test_invalid_values_fail_with_a_clear_message(helm, setting, message):
     out = subprocess.run([helm, "template", "rel", str(CHART), "--set", setting],

@@ -14,7 +14,7 @@ import redis
 from baton.control.prefix_index import index_key
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
-from tests.integration.test_routing import scrape
+from tests.integration.test_routing import documented_metrics, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -105,3 +105,15 @@ def test_an_evicted_prompt_comes_back_from_disk_and_after_a_restart(cluster):
     assert f2.usage.cached_tokens == 96 and f2.usage.cached_tokens_disk == 96
     assert f2.index_cached_tokens == 96
     cluster.assert_quiet()
+
+
+def test_every_documented_tier_metric_is_served(cluster):
+    import urllib.request
+
+    names = [n for n in documented_metrics() if n.startswith("baton_kv_tier_")]
+    assert len(names) >= 10
+    body = urllib.request.urlopen(f"http://{cluster.prefill[0].metrics_address}/metrics",
+                                  timeout=10).read().decode()
+    families = {line.split()[2] for line in body.splitlines() if line.startswith("# TYPE ")}
+    missing = [n for n in names if n not in families and n.removesuffix("_total") not in families]
+    assert not missing, missing

@@ -248,3 +248,35 @@ def _hashes(eng, prompt) -> list[bytes]:
     from baton.engine.block_hash import hash_blocks, namespace_for
 
     return hash_blocks(prompt, eng.cfg.block_size, namespace_for(eng.fingerprint, None))
+
+
+def test_baton_profile_measures_each_tiers_load(tiny_engine):
+    from baton.bench.profile import measure_tiers
+
+    eng = tiny_engine()
+    rows = measure_tiers(eng, repeats=1, say=lambda s: None)  # asserts the bytes came back
+    assert [r["tier"] for r in rows] == [HOST, DISK]
+    for r in rows:
+        assert r["blocks"] == 64 and r["bytes"] == 64 * eng.block_nbytes and r["s"] > 0
+
+
+def test_router_tier_weight_flags(monkeypatch, tmp_path):
+    from baton.services.router.routing import DEFAULT_TIER_WEIGHTS, parse_tier_weights
+    from baton.services.router.server import resolve_tier_weights
+
+    assert parse_tier_weights("disk=0.5") == {"host": 0.95, "disk": 0.5}
+    for bad, why in (("ssd=1", "unknown KV tier 'ssd'"), ("disk=2", "must be in"),
+                     ("disk=x", "not name=number")):
+        with pytest.raises(ValueError, match=why):
+            parse_tier_weights(bad)
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))  # no profile there: the defaults
+    assert resolve_tier_weights("auto") == DEFAULT_TIER_WEIGHTS
+    assert resolve_tier_weights("host=1") == {"host": 1.0, "disk": 0.8}
+
+
+def test_a_second_tier_on_the_same_directory_is_refused(tmp_path):
+    first = disk(tmp_path)
+    with pytest.raises(ValueError, match="another process uses the disk tier"):
+        disk(tmp_path)
+    first.close()
+    disk(tmp_path).close()  # free again once the first is closed

@@ -83,3 +83,34 @@ def test_the_table_names_processes_without_metrics():
     text = status.render(cluster_state.summarize(cluster_state.Snapshot(100.0, "redis://x", nodes)))
     assert "router-a" in text and "no metrics" in text and "decode-a" in text
     assert "1 decode; routers: 1" in text
+
+
+def test_a_worker_with_kv_tiers_shows_a_line_per_tier():
+    from baton.engine.kv_tiers import TierStats, TierStore
+    from baton.services.common.metrics import TierCollector
+
+    r = CollectorRegistry()
+    Counter("baton_worker_prompt_tokens", "", registry=r).inc(100)
+    Counter("baton_worker_prefix_hit_tokens", "", registry=r).inc(48)
+    Counter("baton_worker_cached_tokens", "", ["tier"], registry=r).labels("disk").inc(48)
+    disk = TierStats(capacity=500, blocks=120, stored=130, hits=3, loads=1,
+                     load_bytes=3 << 20, load_s=0.002, evictions=10)
+
+    class Store(TierStore):
+        def __init__(self):
+            pass
+
+        def stats(self):
+            return {"disk": disk}
+
+    r.register(TierCollector(Store()))
+    node = cluster_state.Node("prefill", "p1", "h:1", "h:2", 0.0, "m", samples=_scrape(r))
+    summary = cluster_state.summarize(cluster_state.Snapshot(100.0, "redis://x", [node]))
+    (w,) = summary["workers"]
+    t = w["tiers"]["disk"]
+    assert (t["blocks"], t["capacity"], t["hits"], t["loads"], t["evictions"]) == (
+        120, 500, 3, 1, 10)
+    assert t["load_bandwidth"] == pytest.approx((3 << 20) / 0.002)
+    assert t["cached_tokens"] == 48 and t["enabled"] == 1
+    text = status.render(summary)
+    assert "disk tier: 120/500 blocks, 3 hits (48 tokens) in 1 loads at 1.5GiB/s" in text

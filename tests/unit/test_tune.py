@@ -283,3 +283,17 @@ def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed()
     rows.append({"tokens": 300, "end": 13.0})
     assert prefill_throughput_factor(rows, lambda n: n / 250) == pytest.approx(3.0 / 3.2)
     assert prefill_throughput_factor(rows[:2], lambda n: 1.0) is None
+
+
+def test_tier_weights_are_the_share_of_prefill_time_a_load_saves():
+    from baton.control.profile import tier_weights
+
+    p = make_profile()
+    assert tier_weights(p) == {}  # no tier measured: the router keeps its defaults
+    per_token = CostModel(p).engine_prompt(1024) / 1024
+    p.tier_load = [{"tier": "host", "blocks": 64, "bytes": 0, "s": 0.1 * per_token * 64 * 16},
+                   {"tier": "disk", "blocks": 64, "bytes": 0, "s": 0.4 * per_token * 64 * 16},
+                   {"tier": "slow", "blocks": 1, "bytes": 0, "s": 10.0}]
+    assert tier_weights(p) == {"host": 0.9, "disk": 0.6, "slow": 0.0}
+    p.prefill_factor = 2.0  # a serving worker prefills at half the bare engine's speed
+    assert tier_weights(p)["disk"] == 0.8
