@@ -8,10 +8,17 @@ import os
 import platform
 import random
 import socket
+import sys
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+# `python bench/<script>.py` puts bench/ first on sys.path, where bench/profile.py hides the
+# standard library's profile module (cProfile imports it, and transformers imports cProfile:
+# building the tiny test model failed). Every script imports this module first, so dropping
+# the folder here keeps the scripts runnable; they import each other as baton.bench.*.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != RESULTS.parent]
 
 
 def machine() -> dict:

@@ -270,11 +270,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    # run as a script, bench/ leads sys.path and its profile.py would hide the standard library's
-    # (which transformers' tiny-model builder imports)
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     random.seed(0)
     main()
