@@ -182,9 +182,11 @@ class LLMEngine:
             try:
                 tiers.append(DiskTier(cfg.kv_disk_tier_dir, cfg.kv_disk_tier_bytes, shape,
                                       kv.dtype, self.fingerprint, events))
-            except ValueError as e:
-                raise InvalidRequestError("kv_disk_tier_bytes", cfg.kv_disk_tier_bytes,
-                                          str(e)) from None
+            except ValueError as e:  # no room for a block, or another worker's directory
+                field, value = (("kv_disk_tier_dir", cfg.kv_disk_tier_dir)
+                                if "another process" in str(e)
+                                else ("kv_disk_tier_bytes", cfg.kv_disk_tier_bytes))
+                raise InvalidRequestError(field, value, str(e)) from None
             except OSError as e:  # a full or unwritable disk: serve without the tier
                 log.error("KV disk tier off: %s", e)
         if not tiers:

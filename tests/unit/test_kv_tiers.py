@@ -244,6 +244,15 @@ def test_tier_flags_are_checked(tiny_engine):
         tiny_engine(kv_host_tier_bytes=10)
 
 
+def test_two_engines_on_one_disk_tier_directory_are_refused(tiny_engine, tmp_path):
+    from baton.engine.errors import InvalidRequestError
+
+    first = tiny_engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    with pytest.raises(InvalidRequestError, match="kv_disk_tier_dir.*another process"):
+        tiny_engine(kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    first.close()
+
+
 def _hashes(eng, prompt) -> list[bytes]:
     from baton.engine.block_hash import hash_blocks, namespace_for
 
