@@ -359,8 +359,7 @@ def measure_tiers(engine, repeats: int = 3, say: Callable[[str], None] = print) 
             if tier is disk:
                 disk.flush()
             store = TierStore(scratch, [tier])
-            names = [tier.name] * n
-            s = _median_time(lambda st=store, nm=names: st.load(hashes, nm, range(n)), repeats)
+            s = _median_time(lambda st=store: st.load(hashes, range(n)), repeats)
             assert torch.equal(scratch.cpu(), data), f"{tier.name} tier loaded other bytes"
             out.append({"tier": tier.name, "blocks": n, "bytes": n * data[0].nbytes, "s": s})
             say(f"load {n} blocks from the {tier.name} tier: {s * 1000:8.2f} ms "

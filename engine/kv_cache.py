@@ -261,14 +261,14 @@ class KVCacheManager:
         reused = len(hit)
         if prefix is not None and prefix.tier_hashes:
             tiered = new[: len(prefix.tier_hashes)]
-            loaded = self.tiers.load(prefix.tier_hashes, prefix.tier_names,
-                                     [b.block_id for b in tiered])
+            got = self.tiers.load(prefix.tier_hashes, [b.block_id for b in tiered])
+            loaded = len(got)
             for block, h in zip(tiered[:loaded], prefix.tier_hashes):
                 self.pool.cache_block(block, h)
             reused += loaded
+            prefix.tier_names = tuple(got)  # where each came from (a block may have moved)
             if loaded < len(prefix.tier_hashes):
                 prefix.tier_hashes = prefix.tier_hashes[:loaded]
-                prefix.tier_names = prefix.tier_names[:loaded]
                 prefix.num_tokens = reused * self.block_size
         if reused:
             self.req_num_hashed[request.request_id] = reused

@@ -527,45 +527,49 @@ class TierStore:
                     break
 
     def lookup(self, hashes: Sequence[bytes]) -> TierHit:
-        """The leading run of ``hashes`` some tier holds (the fastest tier named per block)."""
+        """The leading run of ``hashes`` some tier holds (the fastest tier named per block).
+        The run becomes its tiers' most recently used: the allocation that precedes its load
+        evicts pool blocks into the tiers, and those should push out something else."""
         hs, ts = [], []
         for h in hashes:
             t = next((t for t in self.tiers if h in t), None)
             if t is None:
                 break
+            t.touch(h)
             hs.append(h)
             ts.append(t.name)
         return TierHit(tuple(hs), tuple(ts))
 
-    def load(self, hashes: Sequence[bytes], tiers: Sequence[str],
-             block_ids: Sequence[int]) -> int:
-        """Fill pool block ``block_ids[i]`` with ``hashes[i]`` from tier ``tiers[i]``, in one
-        batched copy into the pool; returns how many leading blocks were loaded (fewer when one
-        fails its check)."""
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> list[str]:
+        """Fill pool block ``block_ids[i]`` with ``hashes[i]`` from whichever tier holds it now
+        (a block :meth:`lookup` found in the host tier may have moved to disk since), in one
+        batched copy into the pool. Returns the tier of each leading block loaded: fewer than
+        asked when one is gone or fails its check."""
         n = len(hashes)
         if n == 0:
-            return 0
+            return []
         t0 = time.perf_counter()
         staging = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype)
-        ok = 0
-        for i, (h, name) in enumerate(zip(hashes, tiers)):
-            tier = self.by_name[name]
-            if not tier.read(h, staging[i]):
+        got: list[str] = []
+        for i, h in enumerate(hashes):
+            tier = next((t for t in self.tiers if h in t), None)
+            if tier is None or not tier.read(h, staging[i]):
                 break
-            ok += 1
+            got.append(tier.name)
+        ok = len(got)
         if ok:
             ids = torch.tensor(list(block_ids[:ok]), device=self.kv.device)
             self.kv.index_copy_(0, ids, staging[:ok].to(self.kv.device, non_blocking=True))
             dt = time.perf_counter() - t0
             per = staging[0].nbytes
-            for name in set(tiers[:ok]):
+            for name in set(got):
                 s = self.by_name[name].stats
-                k = tiers[:ok].count(name)
+                k = got.count(name)
                 s.hits += k
                 s.loads += 1
                 s.load_bytes += k * per
                 s.load_s += dt * k / ok
-        return ok
+        return got
 
     def stats(self) -> dict[str, TierStats]:
         return {t.name: t.stats for t in self.tiers}

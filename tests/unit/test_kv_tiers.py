@@ -160,7 +160,7 @@ def test_store_cascades_pool_to_host_to_disk_and_loads_back(tmp_path):
     hit = store.lookup([h(1), h(2), h(5)])
     assert hit.hashes == (h(1), h(2)) and hit.tiers == (DISK, HOST)
     kv[2:4] = 0
-    assert store.load(hit.hashes, hit.tiers, [3, 2]) == 2
+    assert store.load(hit.hashes, [3, 2]) == [DISK, HOST]
     assert torch.equal(kv[3], block(10)) and torch.equal(kv[2], block(11))
     st = store.stats()
     assert (st[HOST].hits, st[DISK].hits) == (1, 1) and st[DISK].load_bytes == kv[0].nbytes
@@ -289,3 +289,52 @@ def test_a_second_tier_on_the_same_directory_is_refused(tmp_path):
         disk(tmp_path)
     first.close()
     disk(tmp_path).close()  # free again once the first is closed
+
+
+@pytest.mark.gpu
+def test_a_gpu_pool_evicts_into_pinned_host_memory_and_disk_and_loads_back(tiny_engine,
+                                                                           tmp_path):
+    """On CUDA: the pool in VRAM, a pinned host tier of 8 blocks, then disk. The prompt's evicted
+    blocks come back from both tiers with the tokens of the CPU engine without a cache (the
+    split between the tiers is the one the CPU test below pins)."""
+    prompt = list(range(50, 90)) + [7, 8, 9]
+    cold = tiny_engine(enable_prefix_caching=False).generate([prompt], GREEDY)[0]
+    nbytes = tiny_engine().block_nbytes
+    eng = tiny_engine(device="cuda", num_kv_blocks=16, kv_host_tier_bytes=8 * nbytes,
+                      kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    host = eng.tiers.by_name[HOST]
+    assert host.data.is_pinned() and eng.kv_cache.is_cuda
+    first = eng.generate([prompt], GREEDY)[0]
+    eng.generate([list(range(300, 340))], GREEDY)
+    eng.tiers.flush()
+    again = eng.generate([prompt], GREEDY)[0]
+    assert first.token_ids == again.token_ids == cold.token_ids
+    by = again.cached_tokens_by_tier
+    assert by == {"pool": 16, HOST: 8, DISK: 16}
+    eng.check_integrity()
+    eng.close()
+
+
+@pytest.mark.parametrize("host_blocks,split", [
+    # the allocation before the load evicts more pool blocks into a 2-block host tier, pushing
+    # the prompt's two host blocks down to disk: they load from there (the load looks again)
+    (2, {"pool": 16, DISK: 24}),
+    (8, {"pool": 16, HOST: 8, DISK: 16}),
+])
+def test_a_host_tier_over_disk_loads_each_block_from_where_it_is(tiny_engine, tmp_path,
+                                                                host_blocks, split):
+    prompt = list(range(50, 90)) + [7, 8, 9]
+    cold = tiny_engine(enable_prefix_caching=False).generate([prompt], GREEDY)[0]
+    nbytes = tiny_engine().block_nbytes
+    eng = tiny_engine(num_kv_blocks=16, kv_host_tier_bytes=host_blocks * nbytes,
+                      kv_disk_tier_bytes=1 << 20, kv_disk_tier_dir=str(tmp_path))
+    eng.generate([prompt], GREEDY)
+    eng.generate([list(range(300, 340))], GREEDY)
+    eng.tiers.flush()
+    again = eng.generate([prompt], GREEDY)[0]
+    assert again.token_ids == cold.token_ids
+    assert again.cached_tokens_by_tier == split
+    st = eng.tiers.stats()
+    assert st[HOST].hits * 4 == split.get(HOST, 0) and st[DISK].hits * 4 == split[DISK]
+    eng.check_integrity()
+    eng.close()
