@@ -362,6 +362,13 @@ def logprob_to_proto(lp):
         top=[worker_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
+class NoRoomError(Exception):
+    """This worker cannot take the request now (KV blocks, a slot in its running batch) within
+    the call's time: RESOURCE_EXHAUSTED. Raised, not ``context.abort``-ed, by code inside a
+    ``try`` that maps exceptions to statuses: an abort there raises a bare ``Exception`` that
+    such a handler would turn into INTERNAL."""
+
+
 _STATUS = [  # most specific first
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (FingerprintMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -370,6 +377,7 @@ _STATUS = [  # most specific first
     (TransferDeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (PeerUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (EngineDied, grpc.StatusCode.UNAVAILABLE),  # this worker is going away: try another
+    (NoRoomError, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ]
 
 

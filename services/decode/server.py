@@ -20,7 +20,6 @@ import time
 import uuid
 from dataclasses import replace
 
-import grpc
 from baton.engine.engine import LLMEngine
 from baton.engine.errors import InvalidRequestError
 from baton.services.common import tracing
@@ -28,6 +27,7 @@ from baton.services.common.config import HolderSettings, WorkerConfig, worker_pa
 from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.prefill_role import add_prefill_role, engine_spans, tier_fields
 from baton.services.common.worker import (
+    NoRoomError,
     abort_with,
     boot_worker,
     engine_guard,
@@ -171,10 +171,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             if slots is not None:
                 return slots
             left = deadline - time.monotonic()
-            if left <= 0:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              "no room for the hand-off before the deadline (free KV blocks "
-                              "and a slot in the running batch, --max-num-seqs)")
+            if left <= 0:  # raised: _decode maps what _reserve raises to a status
+                raise NoRoomError("no room for the hand-off before the deadline (free KV "
+                                  "blocks and a slot in the running batch, --max-num-seqs)")
             if not context.is_active():
                 return None
             self.loop.wait_for_frees(seen, left)

@@ -197,3 +197,35 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
             th.join(60)
         assert got["a"][-1] == got["b"][-1] == "CANCELLED"
         c.assert_quiet()
+
+
+def test_a_hand_off_with_no_room_before_its_deadline_is_resource_exhausted(tiny_llama, redis):
+    """A decode worker whose one batch slot stays taken refuses a hand-off when its wait for
+    room ends: RESOURCE_EXHAUSTED naming what was short, as a plain generated stub sees it. (Its
+    refusal was a context.abort inside a handler that maps exceptions to statuses, which turned
+    the abort's own bare Exception into INTERNAL "Exception: ".)"""
+    from baton.v1 import worker_pb2_grpc
+
+    common = ["--model", str(tiny_llama[0]), "--num-blocks", "128", "--redis-url", redis.url]
+    procs = [WorkerProcess("decode", [*common, "--max-num-seqs", "1",
+                                      "--transfer-timeout", "1"])]
+    try:
+        procs.append(WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1"]))
+        stub = api_pb2_grpc.BatonStub(procs[-1].channel)
+        long = stub.Generate(req(10, 100000), timeout=120)  # takes the one slot
+        next(long)  # its first token: it runs
+        ids = [5 + i for i in range(20)]
+        call = worker_pb2.DecodeRequest(
+            request_id="no-room", prompt_token_ids=ids, first_token_id=7,
+            params=worker_pb2.SamplingParams(max_tokens=4),
+            handle=worker_pb2.KVHandle(worker_id="p", incarnation="i", address="127.0.0.1:1",
+                                       lease_id="l", block_ids=list(range(5)), num_tokens=20,
+                                       fingerprint="f", expires_at=time.time() + 60))
+        with pytest.raises(grpc.RpcError) as e:
+            list(worker_pb2_grpc.DecodeWorkerStub(procs[0].channel).Decode(call))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "no room for the hand-off" in e.value.details()
+        long.cancel()
+    finally:
+        for p in reversed(procs):
+            p.stop()
