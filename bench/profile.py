@@ -341,7 +341,7 @@ def measure_tiers(engine, repeats: int = 3, say: Callable[[str], None] = print) 
     import tempfile
 
     import torch
-    from baton.engine.kv_tiers import DiskTier, HostTier, TierStore
+    from baton.engine.kv_tiers import DiskTier, HostTier, TierStore, disk_tier_bytes
 
     kv = engine.kv_cache
     shape, n = kv.shape[1:], min(TIER_BLOCKS, engine.num_blocks)
@@ -351,7 +351,7 @@ def measure_tiers(engine, repeats: int = 3, say: Callable[[str], None] = print) 
     out = []
     with tempfile.TemporaryDirectory(prefix="baton-profile-tier-") as d:
         host = HostTier(n, shape, kv.dtype, pin=kv.device.type == "cuda")
-        disk = DiskTier(d, (n + 1) * (8192 + data[0].nbytes), shape, kv.dtype, "profile",
+        disk = DiskTier(d, disk_tier_bytes(n, data[0].nbytes), shape, kv.dtype, "profile",
                         max_pending=n)
         for tier in (host, disk):
             for h, block in zip(hashes, data):

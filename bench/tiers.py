@@ -214,6 +214,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from baton.engine.config import EngineConfig
+    from baton.engine.kv_tiers import disk_tier_bytes
     from baton.engine.loader import load_model
     from baton.engine.runner import ModelRunner
 
@@ -239,9 +240,8 @@ def main() -> None:
         w = {**desc, "requests": len(prompts), "prompt_tokens": total,
              "working_set_blocks": ws, "pool_blocks": pool, "block_bytes": block_nbytes,
              "disk_tier_blocks": tier_blocks, "ideal_hit_rate": round(sum(ideal) / total, 4)}
-        # the tier's file has a header and per-slot padding: ask for enough bytes for its slots
-        stride = -(-(64 + block_nbytes) // 4096) * 4096
-        for label, tier_bytes in (("tiers_off", 0), ("tiers_on", tier_blocks * stride + 4096)):
+        for label, tier_bytes in (("tiers_off", 0),
+                                  ("tiers_on", disk_tier_bytes(tier_blocks, block_nbytes))):
             print(f"  {label} ...", flush=True)
             res = run_cluster(model, prompts, max_tokens, pool, tier_bytes, args.threads,
                               f"{name}/{label}")

@@ -83,11 +83,10 @@ class IndexPublisher:
                  ttl_s: float = 10.0, interval_s: float = 0.02) -> None:
         self.redis, self.worker_id, self.incarnation = client, worker_id, incarnation
         self.events, self.load, self.ttl_s, self.interval_s = events, load, ttl_s, interval_s
-        self.key, self.load_key = index_key(worker_id, incarnation), load_key(worker_id)
+        self.load_key = load_key(worker_id)
         self.keys = {t: index_key(worker_id, incarnation, t) for t in ("pool", *TIERS)}
         # what the index should say, per place (pool, host, disk): resent whole after an outage
         self.held_by: dict[str, set[bytes]] = {t: set() for t in self.keys}
-        self.held = self.held_by["pool"]
         self.num_flushes = self.num_errors = 0
         self._dirty = True  # the first flush writes the (empty) set and its TTL
         self._last_load: tuple | None = None

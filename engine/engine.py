@@ -28,7 +28,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
 from baton.engine.gpu_memory import DeviceMemory, activation_reserve, check_cuda_device
 from baton.engine.kv_cache import KVCacheManager
-from baton.engine.kv_tiers import DiskTier, HostTier, TierStore
+from baton.engine.kv_tiers import DiskTier, DiskTierBusy, HostTier, TierStore
 from baton.engine.loader import LoadedModel, load_model
 from baton.engine.model import LlamaModel
 from baton.engine.params import SamplingParams
@@ -182,11 +182,12 @@ class LLMEngine:
             try:
                 tiers.append(DiskTier(cfg.kv_disk_tier_dir, cfg.kv_disk_tier_bytes, shape,
                                       kv.dtype, self.fingerprint, events))
-            except ValueError as e:  # no room for a block, or another worker's directory
-                field, value = (("kv_disk_tier_dir", cfg.kv_disk_tier_dir)
-                                if "another process" in str(e)
-                                else ("kv_disk_tier_bytes", cfg.kv_disk_tier_bytes))
-                raise InvalidRequestError(field, value, str(e)) from None
+            except DiskTierBusy as e:
+                raise InvalidRequestError("kv_disk_tier_dir", cfg.kv_disk_tier_dir,
+                                          str(e)) from None
+            except ValueError as e:  # no room for one block
+                raise InvalidRequestError("kv_disk_tier_bytes", cfg.kv_disk_tier_bytes,
+                                          str(e)) from None
             except OSError as e:  # a full or unwritable disk: serve without the tier
                 log.error("KV disk tier off: %s", e)
         if not tiers:

@@ -183,6 +183,20 @@ _SLOT_HEADER = 64
 _ALIGN = 4096
 
 
+def slot_stride(block_nbytes: int) -> int:
+    """Bytes one disk-tier slot takes: its header and the block, rounded up to 4 KiB."""
+    return -(-(_SLOT_HEADER + block_nbytes) // _ALIGN) * _ALIGN
+
+
+def disk_tier_bytes(num_blocks: int, block_nbytes: int) -> int:
+    """The disk-tier size (``kv_disk_tier_bytes``) that holds ``num_blocks`` blocks."""
+    return num_blocks * slot_stride(block_nbytes)
+
+
+class DiskTierBusy(ValueError):
+    """Another process holds the disk tier's directory."""
+
+
 class DiskTier(Tier):
     """Fixed slots in one preallocated file under ``directory``, written by a background thread.
 
@@ -197,7 +211,7 @@ class DiskTier(Tier):
                  on_error: Callable[[str], None] | None = None) -> None:
         self.block_shape, self.dtype = tuple(block_shape), dtype
         self.nbytes = torch.empty(block_shape, dtype=dtype).nbytes
-        self.stride = -(-(_SLOT_HEADER + self.nbytes) // _ALIGN) * _ALIGN
+        self.stride = slot_stride(self.nbytes)
         self.num_slots = max(0, capacity_bytes // self.stride)
         self.events, self.max_pending, self.on_error = events, max_pending, on_error
         self.stats = TierStats(capacity=self.num_slots)
@@ -224,8 +238,8 @@ class DiskTier(Tier):
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise ValueError(f"another process uses the disk tier in {directory}: give each "
-                             "worker its own --kv-disk-tier-dir") from None
+            raise DiskTierBusy(f"another process uses the disk tier in {directory}: give each "
+                               "worker its own --kv-disk-tier-dir") from None
         try:
             self._open()
         except OSError:
@@ -505,12 +519,13 @@ class TierStore:
         for t in self.tiers:
             if isinstance(t, DiskTier):
                 t.disable_if_failed()
-        todo = [(h, i) for i, h in enumerate(hashes) if not any(h in t for t in self.tiers)]
-        # a block some tier holds already: refresh its LRU position, no copy
-        for h in hashes:
-            for t in self.tiers:
-                if h in t:
-                    t.touch(h)
+        todo = []
+        for i, h in enumerate(hashes):
+            held = [t for t in self.tiers if h in t]
+            for t in held:  # a block some tier holds already: refresh its LRU position, no copy
+                t.touch(h)
+            if not held:
+                todo.append((h, i))
         if not todo:
             return
         # one gather (and on CUDA one device-to-host copy) for the step's evictions

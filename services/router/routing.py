@@ -98,37 +98,37 @@ def _kv(x: ScoreInput) -> float:
 SCORERS = {"prefix": _prefix, "inflight": _inflight, "queue": _queue, "kv": _kv}
 
 
-def parse_tier_weights(spec: str) -> dict[str, float]:
-    """``"host=0.95,disk=0.8"`` -> weights in [0, 1]; raises ValueError naming a bad entry."""
-    out = dict(DEFAULT_TIER_WEIGHTS)
+def _parse_named_numbers(spec: str, known, what: str, lo: float, hi: float | None,
+                         start: dict[str, float]) -> dict[str, float]:
+    """``"a=1,b=2"`` over ``start``: each name in ``known``, each number in [lo, hi]; raises
+    ValueError naming the bad entry (``what``: "scorer", "KV tier")."""
+    out = dict(start)
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, _, value = part.partition("=")
-        if name not in DEFAULT_TIER_WEIGHTS:
-            raise ValueError(f"unknown KV tier {name!r} (known: host, disk)")
+        if name not in known:
+            raise ValueError(f"unknown {what} {name!r} (known: {', '.join(known)})")
         try:
             w = float(value)
         except ValueError:
-            raise ValueError(f"tier weight {part!r} is not name=number") from None
-        if not 0 <= w <= 1:
-            raise ValueError(f"tier weight {part!r} must be in [0, 1]")
+            raise ValueError(f"{what} weight {part!r} is not name=number") from None
+        if hi is None and w < lo:
+            raise ValueError(f"{what} weight {part!r} must be >= {lo:g}")
+        if hi is not None and not lo <= w <= hi:
+            raise ValueError(f"{what} weight {part!r} must be in [{lo:g}, {hi:g}]")
         out[name] = w
     return out
 
 
+def parse_tier_weights(spec: str) -> dict[str, float]:
+    """``"host=0.95,disk=0.8"`` -> weights in [0, 1] (the others default); raises ValueError
+    naming a bad entry."""
+    return _parse_named_numbers(spec, DEFAULT_TIER_WEIGHTS, "KV tier", 0, 1,
+                                DEFAULT_TIER_WEIGHTS)
+
+
 def parse_weights(spec: str) -> dict[str, float]:
     """``"prefix=3,inflight=1"`` -> weights; raises ValueError naming a bad entry."""
-    out: dict[str, float] = {}
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, value = part.partition("=")
-        if name not in SCORERS:
-            raise ValueError(f"unknown scorer {name!r} (known: {', '.join(SCORERS)})")
-        try:
-            w = float(value)
-        except ValueError:
-            raise ValueError(f"scorer weight {part!r} is not name=number") from None
-        if w < 0:
-            raise ValueError(f"scorer weight {part!r} must be >= 0")
-        out[name] = w
+    out = _parse_named_numbers(spec, SCORERS, "scorer", 0, None, {})
     if not any(out.values()):
         raise ValueError(f"scorer weights {spec!r}: at least one must be > 0")
     return out

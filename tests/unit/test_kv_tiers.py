@@ -19,6 +19,7 @@ from baton.engine.kv_tiers import (
     DiskTier,
     HostTier,
     TierStore,
+    disk_tier_bytes,
 )
 from baton.engine.params import SamplingParams
 
@@ -35,10 +36,8 @@ def block(v: float) -> torch.Tensor:
 
 
 def disk(tmp_path, n_blocks=3, fingerprint="fp", events=None, **kw) -> DiskTier:
-    nbytes = torch.empty(SHAPE).nbytes
-    stride = -(-(_SLOT_HEADER + nbytes) // 4096) * 4096
-    return DiskTier(str(tmp_path), n_blocks * stride, SHAPE, torch.float32, fingerprint,
-                    events, **kw)
+    return DiskTier(str(tmp_path), disk_tier_bytes(n_blocks, torch.empty(SHAPE).nbytes), SHAPE,
+                    torch.float32, fingerprint, events, **kw)
 
 
 def read(tier, hh) -> torch.Tensor | None:
