@@ -27,11 +27,12 @@ class EngineLoop:
     ``fault_step_delay_s`` (tests only): every step takes at least that long (a slow machine,
     on any machine)."""
 
-    def __init__(self, engine: LLMEngine, *, on_tick: Callable[[], None] | None = None,
-                 tick_s: float = 0.05, fault_crash_after: int = 0,
+    def __init__(self, engine: LLMEngine, *, tick_s: float = 0.05, fault_crash_after: int = 0,
                  fault_step_delay_s: float = 0.0) -> None:
-        # called between steps on the engine thread (a holder's lease sweep); may be set later
-        self.on_tick, self._tick_s = on_tick, tick_s
+        # called between steps on the engine thread (a holder's lease sweep, a decode worker's
+        # quarantine check); added with add_tick
+        self._ticks: list[Callable[[], None]] = []
+        self._tick_s = tick_s
         self.on_outputs: Callable[[list], None] | None = None  # metrics, on the engine thread
         self.engine = engine
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
@@ -48,6 +49,11 @@ class EngineLoop:
         self._free_seen = 0
         self._wakes = 0
 
+    def add_tick(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the engine thread after every step (and every idle wait of at most
+        ``tick_s``). Call before :meth:`start`."""
+        self._ticks.append(fn)
+
     def start(self) -> EngineLoop:
         self._thread.start()
         return self
@@ -60,12 +66,18 @@ class EngineLoop:
     # ---- used from other threads -----------------------------------------------------------------
 
     def call(self, fn: Callable, *args, **kwargs) -> Future:
-        """Run ``fn(*args, **kwargs)`` on the engine thread between steps."""
+        """Run ``fn(*args, **kwargs)`` on the engine thread between steps; a dead engine fails
+        the future with :class:`EngineDied`, whenever it died."""
         fut: Future = Future()
         if self._error is not None:
             fut.set_exception(EngineDied(f"engine stopped: {self._error!r}"))
             return fut
         self._calls.put((fut, fn, args, kwargs))
+        # the engine may have died between the check and the put, after its thread failed what
+        # the queue held: fail what is left ourselves (each item is taken from the queue once,
+        # by one thread, so nothing is failed twice)
+        if self._error is not None:
+            self._fail_pending(self._error)
         return fut
 
     def run(self, fn: Callable, *args, **kwargs):
@@ -117,15 +129,15 @@ class EngineLoop:
                 busy = self.engine.has_unfinished()
                 self._drain(block=not busy)
                 if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    self.dispatch(self.engine.step())
                     self._steps += 1
                     if self._fault_step_delay_s:
                         time.sleep(self._fault_step_delay_s)
                     if self._steps == self._fault_crash_after:
                         raise RuntimeError("fault injection: --fault-crash-engine-after "
                                            f"{self._fault_crash_after}")
-                if self.on_tick is not None:
-                    self.on_tick()
+                for tick in self._ticks:
+                    tick()
                 self._note_frees()
         except BaseException as e:  # a bug in the engine: fail every waiter loudly
             log.exception("engine thread died")
@@ -163,7 +175,9 @@ class EngineLoop:
                 self._freed.notify_all()
         self._free_seen = free
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Engine thread only: hand outputs to their streams (and the metrics); a finished
+        request's stream is dropped with its last output."""
         if self.on_outputs is not None:
             self.on_outputs(outputs)
         for out in outputs:

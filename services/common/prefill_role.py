@@ -152,7 +152,7 @@ def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot,
                       free=lambda rid: loop.call(engine.release_handoff, rid),
                       checksums=settings.kv_checksums)
     holder.serve_lease_channel(boot.host)
-    loop.on_tick = holder.sweep
+    loop.add_tick(holder.sweep)
     share = settings.max_leased_share
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillService(loop, holder, boot.worker_id,

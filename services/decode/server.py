@@ -180,11 +180,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _commit(self, rid: str) -> queue.SimpleQueue:
         stream = self.loop.open_stream(rid)
-        outs = self.engine.commit_handoff(rid)
-        if self.loop.on_outputs is not None:
-            self.loop.on_outputs(outs)
-        for out in outs:
-            stream.put(out)
+        # the first output may finish the request already (EOS, max_tokens=1): dispatch drops
+        # its stream then, as for any finished request
+        self.loop.dispatch(self.engine.commit_handoff(rid))
         return stream
 
     def Info(self, request, context):

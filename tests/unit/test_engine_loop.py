@@ -7,6 +7,7 @@ import threading
 
 from baton.engine.params import SamplingParams
 from baton.services.common.engine_loop import EngineLoop
+from baton.services.common.worker import EngineDied
 
 PROMPT = list(range(5, 30))  # 25 tokens: 7 blocks of 4
 
@@ -46,5 +47,74 @@ def test_wake_ends_every_wait_without_a_free(tiny_engine):
             loop.wake()
             done.wait(0.05)
         assert got == [loop.frees]
+    finally:
+        loop.stop()
+
+
+class _PutAfterDeath:
+    """The loop's call queue, with a barrier between ``call``'s dead-engine check and its put:
+    the put waits until the engine thread has died (and failed what the queue held)."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop, self.inner = loop, loop._calls
+
+    def put(self, item) -> None:
+        if item is not None and threading.current_thread().name == "late-caller":
+            assert self.loop.died.wait(120), "the engine thread never died"
+        self.inner.put(item)
+
+    def get(self, *a, **kw):
+        return self.inner.get(*a, **kw)
+
+    def get_nowait(self):
+        return self.inner.get_nowait()
+
+
+def test_a_call_posted_while_the_engine_dies_fails_instead_of_hanging(tiny_engine):
+    """Bug: call() checked for a dead engine, then enqueued; an item put after the dying thread
+    drained the queue was never completed and its caller (an RPC thread) hung."""
+    engine = tiny_engine(num_kv_blocks=8)
+    loop = EngineLoop(engine, fault_crash_after=1)
+    loop._calls = _PutAfterDeath(loop)
+    loop.start()
+    got: list = []
+
+    def late_call() -> None:
+        fut = loop.call(engine.stats)  # passes the check: the engine is alive yet
+        got.append(fut.exception(timeout=120))  # hang detector only
+
+    caller = threading.Thread(target=late_call, name="late-caller", daemon=True)
+    caller.start()
+    loop.submit("x", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=4))  # 1 step
+    caller.join(180)
+    assert loop.died.is_set()
+    assert len(got) == 1 and isinstance(got[0], EngineDied), got
+    assert "fault injection" in str(got[0])
+
+
+def test_a_commit_whose_first_token_finishes_the_request_drops_its_stream(tiny_engine):
+    """Bug: a hand-off committed with max_tokens=1 finished at once, and its stream entry
+    stayed in the loop forever (one leaked queue per such request)."""
+    from baton.services.decode.server import DecodeService
+
+    engine = tiny_engine(num_kv_blocks=16)
+    loop = EngineLoop(engine).start()
+    try:
+        service = DecodeService(loop, reader=None, worker_id="w", incarnation="i",
+                                transfer_timeout_s=5.0)
+        for rid, max_tokens in (("one", 1), ("more", 3)):
+            slots = loop.run(engine.reserve_handoff, rid, PROMPT, 7,
+                             SamplingParams(max_tokens=max_tokens))
+            assert slots is not None
+            stream = loop.run(service._commit, rid)
+            first = stream.get(timeout=120)
+            assert first.new_token_ids == [7]
+            assert first.finished == (max_tokens == 1)
+        assert "one" not in loop._streams  # finished with its first output
+        assert "more" in loop._streams  # still decoding: its stream stays until it finishes
+        while not stream.get(timeout=120).finished:
+            pass
+        assert loop.run(lambda: dict(loop._streams)) == {}
+        loop.run(engine.check_integrity)
     finally:
         loop.stop()
