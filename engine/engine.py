@@ -111,6 +111,7 @@ class EngineStats:
     running: int  # requests in the running batch
     free_blocks: int  # KV blocks free (cached ones included)
     total_blocks: int
+    quarantined_blocks: int = 0  # held for a transfer that may still write them
 
 
 @dataclass
@@ -214,7 +215,7 @@ class LLMEngine:
         """The engine's load: plain counter reads, safe from any thread (a moment's view)."""
         sched, pool = self.scheduler, self.kv.pool
         return EngineStats(len(sched.waiting), len(sched.running), pool.num_free_blocks,
-                           pool.num_blocks)
+                           pool.num_blocks, self.kv.num_quarantined_blocks)
 
     @property
     def kv_events(self):
@@ -369,6 +370,21 @@ class LLMEngine:
         req.cached_tokens_by_tier = hit.tokens_by_tier()
         req.status = RequestStatus.RESERVED
         return HandoffSlots(req.request_id, tuple(self.kv.block_ids(req.request_id)), hit_blocks)
+
+    def quarantine_handoff(self, request_id: str) -> int:
+        """Decode side: end a reserved hand-off whose blocks a transfer may still be writing
+        (a READ its transport could not cancel). The request ends aborted; its blocks stay
+        held, handed to no one, until :meth:`release_quarantine`. Returns how many."""
+        req = self._handoff(request_id, RequestStatus.RESERVED)
+        n = self.kv.quarantine(request_id)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._aborted.append(self._output(req, [], [], None))
+        self._forget(req)
+        return n
+
+    def release_quarantine(self, request_id: str) -> None:
+        """The transfer into ``request_id``'s quarantined blocks ended: free them."""
+        self.kv.release_quarantine(request_id)
 
     def commit_handoff(self, request_id: str) -> list[RequestOutput]:
         """Decode side: the reserved blocks now hold the prompt's KV; start decoding.

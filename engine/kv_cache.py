@@ -193,6 +193,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.req_num_hashed: dict[str, int] = {}
+        # blocks of ended requests that something outside the engine may still write (a NIXL
+        # READ that could not be cancelled): held, never handed out, until released
+        self.quarantined: dict[str, list[KVBlock]] = {}
         self.tiers = None  # baton.engine.kv_tiers.TierStore, set by the engine when it has tiers
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -294,10 +297,28 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def quarantine(self, request_id: str) -> int:
+        """Take a request's blocks out of its table but keep holding them (nothing gets them
+        until :meth:`release_quarantine`); returns how many."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self.req_num_hashed.pop(request_id, None)
+        self.quarantined[request_id] = blocks
+        return len(blocks)
+
+    def release_quarantine(self, request_id: str) -> None:
+        """Free the blocks :meth:`quarantine` held for ``request_id`` (tail first)."""
+        blocks = self.quarantined.pop(request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(b) for b in list(self.quarantined.values()))
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs: dict[int, int] = {}
-        for blocks in self.req_blocks.values():
+        for blocks in [*self.req_blocks.values(), *self.quarantined.values()]:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for block in self.pool.blocks:

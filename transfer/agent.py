@@ -34,7 +34,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from baton.transfer.errors import PeerUnavailableError, TransferDeadlineError, TransferError
+from baton.transfer.errors import (
+    PeerUnavailableError,
+    ReadInFlightError,
+    TransferDeadlineError,
+    TransferError,
+)
 
 log = logging.getLogger("baton.transfer")
 
@@ -279,7 +284,8 @@ class KVAgent:
     def read(self, peer: str, remote_ids: list[int], local_ids: list[int], deadline: float) -> None:
         """READ the peer's blocks ``remote_ids`` into our ``local_ids``; returns when the bytes are
         in. Raises :class:`PeerUnavailableError` if the peer is gone, :class:`TransferDeadlineError`
-        past ``deadline`` (``time.monotonic()``)."""
+        past ``deadline`` (``time.monotonic()``), and :class:`ReadInFlightError` past it when
+        NIXL cannot cancel the READ (``local_ids`` may still be written: see its ``read``)."""
         assert len(remote_ids) == len(local_ids)
         if not remote_ids:
             return
@@ -291,27 +297,10 @@ class KVAgent:
                                              remote, np.asarray(remote_ids, np.int32))
         except Exception as e:
             raise PeerUnavailableError(f"cannot start a read from {peer}: {e}") from e
+        finished = False
         try:
-            state = self.agent.transfer(h)
-            # VRAM to VRAM is a DMA copy that ends within microseconds (16 MiB) to a fraction of
-            # a millisecond (256 MiB on an H100): poll at once for its first half millisecond,
-            # yielding the GIL between polls; then, as for DRAM reads (which UCX progresses in
-            # these very polls), back off to at most 0.2 ms between them
-            spin_until = time.monotonic() + (0.0005 if self.mem_type == "VRAM" else 0.0)
-            pause = 0.0
-            while state == "PROC":
-                now = time.monotonic()
-                if now > deadline:
-                    raise TransferDeadlineError(
-                        f"read of {len(remote_ids)} blocks from {peer} passed its deadline")
-                if now < spin_until:
-                    time.sleep(0)
-                else:
-                    time.sleep(pause)
-                    pause = min(0.0002, pause * 2 or 2e-5)
-                state = self.agent.check_xfer_state(h)
-            if state != "DONE":
-                raise PeerUnavailableError(f"read from {peer} failed ({state})")
+            self._wait(h, peer, len(remote_ids), deadline)
+            finished = True
             if self.host is not None:
                 self._stage_in(local_ids)
         except TransferError:
@@ -322,7 +311,35 @@ class KVAgent:
             try:
                 self.agent.release_xfer_handle(h)
             except Exception as e:  # an aborted read NIXL could not cancel: it owns the handle
+                if not finished:
+                    raise ReadInFlightError(
+                        f"read of {len(remote_ids)} blocks from {peer} passed its deadline and "
+                        f"could not be cancelled ({e}): its target blocks stay quarantined",
+                        InFlightRead(self, h, peer, tuple(local_ids))) from e
                 log.warning("releasing a read handle from %s: %s", peer, e)
+
+    def _wait(self, h, peer: str, num_blocks: int, deadline: float) -> None:
+        """Progress a READ until it is DONE (returns) or fails (raises)."""
+        state = self.agent.transfer(h)
+        # VRAM to VRAM is a DMA copy that ends within microseconds (16 MiB) to a fraction of a
+        # millisecond (256 MiB on an H100): poll at once for its first half millisecond,
+        # yielding the GIL between polls; then, as for DRAM reads (which UCX progresses in these
+        # very polls), back off to at most 0.2 ms between them
+        spin_until = time.monotonic() + (0.0005 if self.mem_type == "VRAM" else 0.0)
+        pause = 0.0
+        while state == "PROC":
+            now = time.monotonic()
+            if now > deadline:
+                raise TransferDeadlineError(
+                    f"read of {num_blocks} blocks from {peer} passed its deadline")
+            if now < spin_until:
+                time.sleep(0)
+            else:
+                time.sleep(pause)
+                pause = min(0.0002, pause * 2 or 2e-5)
+            state = self.agent.check_xfer_state(h)
+        if state != "DONE":
+            raise PeerUnavailableError(f"read from {peer} failed ({state})")
 
     def close(self) -> None:
         self._closed.set()
@@ -334,6 +351,35 @@ class KVAgent:
             self.remove_peer(name)
         self.agent.release_dlist_handle(self._local)
         self.agent.deregister_memory(self._reg)
+
+
+class InFlightRead:
+    """A READ abandoned past its deadline that NIXL could not cancel: until it settles, its
+    target blocks ``local_ids`` may still be written, so their owner keeps them out of use."""
+
+    def __init__(self, agent: KVAgent, handle, peer: str, local_ids: tuple[int, ...]) -> None:
+        self.agent, self.handle, self.peer, self.local_ids = agent, handle, peer, local_ids
+        self._settled = False
+
+    def settled(self) -> bool:
+        """True once the READ reached a terminal state (done or failed) or its peer was removed,
+        and its handle was given back. Cheap to poll; call from one thread."""
+        if self._settled:
+            return True
+        if self.peer in self.agent._remote:
+            try:
+                state = self.agent.agent.check_xfer_state(self.handle)
+            except Exception as e:  # NIXL no longer knows it: nothing can write any more
+                log.info("in-flight read from %s: %s", self.peer, e)
+                state = "ERR"
+            if state == "PROC":
+                return False
+        try:
+            self.agent.agent.release_xfer_handle(self.handle)
+        except Exception as e:  # gone with its peer
+            log.debug("releasing a settled read handle from %s: %s", self.peer, e)
+        self._settled = True
+        return True
 
 
 def _runs(block_ids) -> list[tuple[int, int]]:

@@ -37,3 +37,13 @@ class TransferDeadlineError(TransferError):
 
 class ChecksumMismatchError(TransferError):
     """Per-block checksums (a debugging option) disagree after the read."""
+
+
+class ReadInFlightError(TransferDeadlineError):
+    """A READ passed its deadline and the transport could not cancel it: it may still write
+    into the reader's blocks. The reader must not reuse them until ``read.settled()`` says the
+    transfer reached a terminal state (or its peer was removed)."""
+
+    def __init__(self, message: str, read) -> None:
+        self.read = read  # baton.transfer.agent.InFlightRead
+        super().__init__(message)

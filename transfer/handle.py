@@ -20,6 +20,7 @@ class KVHandle:
     fingerprint: str
     expires_at: float  # unix seconds
     block_crc32: tuple[int, ...] = ()  # only when the holder computes checksums
+    lease_port: int = 0  # the holder's lease channel on its host (0: release over gRPC only)
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.expires_at - (time.time() if now is None else now)
@@ -31,19 +32,9 @@ class KVHandle:
             worker_id=self.worker_id, incarnation=self.incarnation, address=self.address,
             lease_id=self.lease_id, block_ids=self.block_ids, num_tokens=self.num_tokens,
             fingerprint=self.fingerprint, expires_at=self.expires_at,
-            block_crc32=self.block_crc32)
+            block_crc32=self.block_crc32, lease_port=self.lease_port)
 
     @classmethod
     def from_proto(cls, m) -> KVHandle:
         return cls(m.worker_id, m.incarnation, m.address, m.lease_id, tuple(m.block_ids),
-                   m.num_tokens, m.fingerprint, m.expires_at, tuple(m.block_crc32))
-
-
-def release_request(handle):
-    """The ReleaseLeaseRequest that gives ``handle``'s lease back (a :class:`KVHandle` or its
-    protobuf message): the one place that reads the lease out of a handle, for the decode worker
-    after its read and for the router when a hand-off is abandoned."""
-    from baton.v1 import worker_pb2
-
-    return worker_pb2.ReleaseLeaseRequest(lease_id=handle.lease_id,
-                                          incarnation=handle.incarnation)
+                   m.num_tokens, m.fingerprint, m.expires_at, tuple(m.block_crc32), m.lease_port)

@@ -1,11 +1,12 @@
 """The holder's side of a hand-off (a prefill worker): leases on pinned blocks, the KVSource
 RPCs a reader calls (handshake, lease release), and the lease channel.
 
-The lease channel is a plain TCP listener on the holder's host: a reader keeps one connection
-per holder and releases a lease with one line, ``R <incarnation> <lease id>\n``, answered by
-``1\n`` (intact) or ``0 <reason>\n``. It gives exactly the ReleaseLease answer, because it is the
-same call; it exists because a release sits on the critical path of every hand-off, and a gRPC
-round trip from Python costs ~1.3 ms on a small machine against ~0.05 ms for a socket.
+The lease channel is a TCP listener on the holder's host, the fast way to give a lease back
+(protocol and client: ``baton.transfer.lease_client``). A connection's first line is a greeting
+with the cluster secret; after ``OK`` each line ``R <incarnation> <lease id>`` is answered
+exactly as the ``ReleaseLease`` RPC answers it (it is the same call). The listener serves at most
+``max_connections`` at once and closes a connection that does not greet within
+``greeting_timeout_s``.
 
 The holder never pushes anything: the reader pulls with one-sided NIXL READs, so a slow or dead
 reader costs the holder nothing but the lease's blocks until it expires.
@@ -13,6 +14,7 @@ reader costs the holder nothing but the lease's blocks until it expires.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import socketserver
@@ -22,9 +24,11 @@ from collections.abc import Callable
 
 import grpc
 import torch
+from baton.transfer import cluster_secret
 from baton.transfer.agent import KVAgent
 from baton.transfer.handle import KVHandle
 from baton.transfer.lease import LeaseTable
+from baton.transfer.lease_client import greeting
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("baton.transfer")
@@ -50,7 +54,7 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
         self.worker_id, self.incarnation, self.address = worker_id, incarnation, address
         self.fingerprint, self.agent, self.leases = fingerprint, agent, leases
         self._free, self.checksums = free, checksums
-        self._lease_server: socketserver.ThreadingTCPServer | None = None
+        self._lease_server: _LeaseChannel | None = None
         self.lease_port = 0
 
     def grant(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int) -> KVHandle:
@@ -59,7 +63,8 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
         self.agent.wake()  # a read is coming, maybe over a connection not set up yet
         crc = block_crc32(self.agent.kv, block_ids) if self.checksums else ()
         return KVHandle(self.worker_id, self.incarnation, self.address, lease.lease_id,
-                        tuple(block_ids), num_tokens, self.fingerprint, lease.expires_at, crc)
+                        tuple(block_ids), num_tokens, self.fingerprint, lease.expires_at, crc,
+                        self.lease_port)
 
     def sweep(self) -> int:
         """Free the blocks of every expired lease; returns how many ended."""
@@ -87,26 +92,14 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
             self._free(result.lease.request_id)
         return result.intact, result.reason
 
-    def serve_lease_channel(self, host: str) -> int:
-        """Start the lease channel on ``host``; returns its port."""
-        holder = self
-
-        class Handler(socketserver.StreamRequestHandler):
-            def handle(self) -> None:
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for line in self.rfile:
-                    parts = line.decode(errors="replace").split()
-                    if len(parts) != 3 or parts[0] != "R":
-                        self.wfile.write(b"0 malformed lease release\n")
-                        continue
-                    intact, reason = holder.release(parts[2], parts[1])
-                    self.wfile.write(b"1\n" if intact else f"0 {reason}\n".encode())
-
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self._lease_server = Server((host, 0), Handler)
+    def serve_lease_channel(self, host: str, secret: str | None = None,
+                            max_connections: int = 256, greeting_timeout_s: float = 5.0) -> int:
+        """Start the lease channel on ``host``; returns its port. ``secret``: the cluster secret
+        a greeting must carry (default: this process's; none set: any greeting is taken)."""
+        self._lease_server = _LeaseChannel((host, 0), self.release,
+                                           secret if secret is not None
+                                           else cluster_secret.current(),
+                                           max_connections, greeting_timeout_s)
         threading.Thread(target=self._lease_server.serve_forever, name="lease-channel",
                          daemon=True).start()
         self.lease_port = self._lease_server.server_address[1]
@@ -131,3 +124,57 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
     def ReleaseLease(self, request, context):
         intact, reason = self.release(request.lease_id, request.incarnation)
         return worker_pb2.ReleaseLeaseResponse(intact=intact, reason=reason)
+
+
+class _LeaseChannel(socketserver.ThreadingTCPServer):
+    """The lease channel's listener: a thread per connection, at most ``max_connections``
+    (more are closed at once: their readers release over gRPC), each greeted first."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address, release: Callable[[str, str], tuple[bool, str]],
+                 secret: str | None, max_connections: int, greeting_timeout_s: float) -> None:
+        self.release, self.greeting = release, greeting(secret)
+        self.max_connections, self.greeting_timeout_s = max_connections, greeting_timeout_s
+        self.open_connections = 0
+        self._count = threading.Lock()
+        super().__init__(address, _LeaseLines)
+
+    def verify_request(self, request, client_address) -> bool:
+        with self._count:
+            if self.open_connections >= self.max_connections:
+                log.warning("lease channel: %d connections open, refusing %s",
+                            self.open_connections, client_address[0])
+                return False
+            self.open_connections += 1
+            return True
+
+    def close_request(self, request) -> None:
+        super().close_request(request)
+        with self._count:
+            self.open_connections -= 1
+
+
+class _LeaseLines(socketserver.StreamRequestHandler):
+    server: _LeaseChannel
+
+    def handle(self) -> None:
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.connection.settimeout(self.server.greeting_timeout_s)
+        try:
+            hello = self.rfile.readline()
+        except OSError:  # no greeting in time
+            return
+        if not hmac.compare_digest(hello, self.server.greeting):
+            self.wfile.write(b"NO the lease channel requires the cluster secret\n")
+            return
+        self.connection.settimeout(None)
+        self.wfile.write(b"OK\n")
+        for line in self.rfile:
+            parts = line.decode(errors="replace").split()
+            if len(parts) != 3 or parts[0] != "R":
+                self.wfile.write(b"0 malformed lease release\n")
+                continue
+            intact, reason = self.server.release(parts[2], parts[1])
+            self.wfile.write(b"1\n" if intact else f"0 {reason}\n".encode())

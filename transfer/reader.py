@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,8 +32,9 @@ from baton.transfer.errors import (
     TransferDeadlineError,
     TransferError,
 )
-from baton.transfer.handle import KVHandle, release_request
+from baton.transfer.handle import KVHandle
 from baton.transfer.holder import block_crc32
+from baton.transfer.lease_client import LeaseClient, release_quietly
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("baton.transfer")
@@ -72,9 +72,6 @@ class _Peer:
     # UCX transports seen once the first READ from this peer set its protocols up; read from
     # UCX's log once per peer, not per hand-off
     transports: str = ""
-    lease_sock: socket.socket | None = None  # the holder's lease channel (see holder.py)
-    lease_file: object = None
-    lease_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class KVReader:
@@ -86,8 +83,9 @@ class KVReader:
     """
 
     def __init__(self, agent: KVAgent, fingerprint: str, reader_id: str,
-                 fault_delay_release_s: float = 0.0) -> None:
+                 fault_delay_release_s: float = 0.0, leases: LeaseClient | None = None) -> None:
         self.agent, self.fingerprint, self.reader_id = agent, fingerprint, reader_id
+        self.leases = leases or LeaseClient(channel=self._channel)
         self.fault_delay_release_s = fault_delay_release_s  # tests only: widen the lease race
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
@@ -117,7 +115,7 @@ class KVReader:
             # give the lease back early if the holder may still hold it
             if not isinstance(e, LeaseLostError | PeerUnavailableError) and (
                     res.state != TransferState.RELEASING):
-                self.release_quietly(handle)
+                release_quietly(self.leases, handle, timeout=1.0)
             res.state, res.error = TransferState.FAILED, e
             raise
         finally:
@@ -223,73 +221,38 @@ class KVReader:
         except TransferError:
             channel.close()
             raise
+        except Exception as e:  # NIXL's own (a bad metadata blob, a backend that refused it)
+            channel.close()
+            raise PeerUnavailableError(f"handshake with {address}: NIXL did not take the "
+                                       f"peer: {e}") from e
         peer.worker_id, peer.incarnation = resp.worker_id, resp.incarnation
-        if resp.lease_port:
-            host = address.rsplit(":", 1)[0]
-            try:
-                peer.lease_sock = socket.create_connection(
-                    (host, resp.lease_port), timeout=_left(deadline, address, "lease channel"))
-            except OSError as e:
-                self.agent.remove_peer(peer.agent_name)
-                channel.close()
-                raise PeerUnavailableError(f"lease channel of {address}: {e}") from e
-            peer.lease_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            peer.lease_file = peer.lease_sock.makefile("rb")
+        # open the lease channel now rather than on the first release; where it cannot be
+        # reached, releases go over gRPC (the LeaseClient decides, each time)
+        if resp.lease_port and not self.leases.connect(address, resp.lease_port, deadline):
+            log.info("lease channel of %s (port %d) unreachable: releasing over gRPC", address,
+                     resp.lease_port)
         self._peers[address] = peer
         log.info("handshake with %s (%s, incarnation %s): %d blocks of %d bytes", address,
                  resp.worker_id, resp.incarnation, resp.num_blocks, resp.block_nbytes)
         return peer
 
     def _release(self, peer: _Peer, handle: KVHandle, deadline: float) -> tuple[bool, str]:
-        if peer.lease_sock is not None:
-            return self._release_on_channel(peer, handle, deadline)
         try:
-            resp = peer.stub.ReleaseLease(
-                release_request(handle), timeout=_left(deadline, peer.address, "lease release"))
-        except grpc.RpcError as e:
+            return self.leases.release(handle, deadline)
+        except TransferError:
             self._drop(peer)
-            raise _rpc_error(e, peer.address, "lease release") from e
-        return resp.intact, resp.reason
-
-    def _release_on_channel(self, peer: _Peer, handle: KVHandle,
-                            deadline: float) -> tuple[bool, str]:
-        line = f"R {handle.incarnation} {handle.lease_id}\n".encode()
-        try:
-            with peer.lease_lock:
-                peer.lease_sock.settimeout(_left(deadline, peer.address, "lease release"))
-                peer.lease_sock.sendall(line)
-                answer = peer.lease_file.readline().decode(errors="replace")
-        except TimeoutError as e:
-            self._drop(peer)
-            raise TransferDeadlineError(
-                f"lease release with {peer.address} passed its deadline") from e
-        except OSError as e:
-            self._drop(peer)
-            raise PeerUnavailableError(f"lease release with {peer.address} failed: {e}") from e
-        if not answer.endswith("\n"):
-            self._drop(peer)
-            raise PeerUnavailableError(f"lease channel of {peer.address} closed")
-        return answer.startswith("1"), answer[2:].strip()
+            raise
 
     def release_quietly(self, handle: KVHandle, timeout: float = 1.0) -> None:
         """Give a lease back after a failed pull, so the holder frees its blocks before expiry.
         Works without a handshake (a refused peer still gets its lease back)."""
-        peer = self._peers.get(handle.address)
-        channel = None
-        if peer is not None and peer.incarnation == handle.incarnation:
-            stub = peer.stub
-        else:
-            channel = cluster_secret.channel(handle.address)
-            stub = worker_pb2_grpc.KVSourceStub(channel)
-        try:
-            stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(
-                lease_id=handle.lease_id, incarnation=handle.incarnation), timeout=timeout)
-        except grpc.RpcError as e:
-            log.info("could not give lease %s back to %s: %s", handle.lease_id, handle.address,
-                     e.code())
-        finally:
-            if channel is not None:
-                channel.close()
+        release_quietly(self.leases, handle, timeout)
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """The gRPC channel to a holder: the handshake's while it lives (LeaseClient's
+        fallback), else a cached one of the lease client's."""
+        peer = self._peers.get(address)
+        return peer.channel if peer is not None else self.leases._cached_channel(address)
 
     def _drop(self, peer: _Peer) -> None:
         with self._lock:
@@ -297,14 +260,13 @@ class KVReader:
                 del self._peers[peer.address]
         if peer.agent_name:
             self.agent.remove_peer(peer.agent_name)
-        if peer.lease_sock is not None:
-            peer.lease_file.close()
-            peer.lease_sock.close()
+        self.leases.forget(peer.address)
         peer.channel.close()
 
     def close(self) -> None:
         for peer in list(self._peers.values()):
             self._drop(peer)
+        self.leases.close()
 
 
 def _left(deadline: float, address: str, what: str) -> float:

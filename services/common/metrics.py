@@ -45,6 +45,9 @@ class WorkerMetrics:
               registry=r).set_function(lambda: stats().free_blocks)
         Gauge("baton_worker_kv_blocks_used", "KV blocks held by requests.",
               registry=r).set_function(lambda: (s := stats()).total_blocks - s.free_blocks)
+        Gauge("baton_worker_kv_blocks_quarantined", "KV blocks held back because a NIXL READ "
+              "into them passed its deadline and could not be cancelled (freed when it ends).",
+              registry=r).set_function(lambda: stats().quarantined_blocks)
         Gauge("baton_worker_kv_blocks_total", "KV blocks in the pool.",
               registry=r).set_function(lambda: stats().total_blocks)
         self.requests = Counter("baton_worker_requests", "Requests ended, by finish reason.",

@@ -7,8 +7,10 @@ own pool, and streams the rest of the tokens.
 A Decode call, and who frees what on each exit::
 
     reserve blocks ──► pull (handshake, READ, release lease) ──► commit ──► stream tokens
-      │ none free: wait     │ any TransferError: abort (frees        │ client cancels: abort
-      │ until the deadline  │ the reserved blocks), typed status     │ (frees the blocks)
+      │ none free: wait     │ any error: abort (frees the reserved   │ client cancels: abort
+      │ until the deadline  │ blocks), typed status; a READ past its │ (frees the blocks)
+      │                     │ deadline NIXL cannot cancel: the       │
+      │                     │ blocks stay quarantined until it ends  │
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from baton.services.common.worker import (
     tokenizer_info,
     worker_info,
 )
-from baton.transfer.errors import TransferError
+from baton.transfer.errors import ReadInFlightError, TransferError
 from baton.transfer.handle import KVHandle
 from baton.transfer.holder import KVHolder
 from baton.transfer.reader import KVReader
@@ -54,6 +56,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self.loop, self.reader, self.worker_id = loop, reader, worker_id
         self.incarnation, self.transfer_timeout_s = incarnation, transfer_timeout_s
         self.engine: LLMEngine = loop.engine
+        # request id -> a READ that passed its deadline uncancelled (engine thread only)
+        self._in_flight: dict[str, object] = {}
+        loop.add_tick(self.settle_quarantine)
 
     def Decode(self, request, context):
         rid = request.request_id or uuid.uuid4().hex
@@ -132,21 +137,21 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return tokenizer_info(self.engine)
 
     def _pull(self, rid: str, handle: KVHandle, slots, deadline: float, context, span):
-        """READ the holder's blocks into the reserved ones and release the lease; a failed
-        hand-off aborts the request (freeing its blocks) and ends the call typed."""
+        """READ the holder's blocks into the reserved ones and release the lease. Any failure
+        ends the request (its blocks freed, or quarantined while a READ that could not be
+        cancelled may still write them) and the call, typed."""
         ts = span.child("baton.kv.transfer", attrs={
             "baton.kv.source_worker": handle.worker_id, "server.address": handle.address,
             "baton.kv.lease_id": handle.lease_id})
         try:
             needed = replace(handle, block_ids=handle.block_ids[:len(slots.block_ids)])
             res = self.reader.pull(needed, slots.block_ids, slots.num_local_blocks, deadline)
-        except TransferError as e:
+        except Exception as e:  # anything between reserve and commit: never a RESERVED orphan
             ts.end(error=e)
-            if self.metrics is not None:
-                self.metrics.transfer_failures.labels(type(e).__name__).inc()
-            self.loop.run(self.engine.abort, rid)
+            self._end_failed_pull(rid, e)
             log.warning("request %s: hand-off from %s failed: %s", rid, handle.worker_id, e)
-            abort_with(context, e, peer=handle.address)  # the holder failed, not this worker
+            # a TransferError is the holder's (or the path's) failure, not this worker's
+            abort_with(context, e, peer=handle.address if isinstance(e, TransferError) else None)
         ts.set({"baton.kv.bytes": res.bytes, "baton.kv.blocks_read": res.blocks_read,
                 "baton.kv.blocks_local": res.blocks_local,
                 "baton.kv.transport": res.transports or None,
@@ -157,6 +162,29 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             self.metrics.transfer_bytes.inc(res.bytes)
             self.metrics.transfer_seconds.observe(res.handshake_s + res.read_s + res.release_s)
         return res
+
+    def _end_failed_pull(self, rid: str, e: Exception) -> None:
+        if self.metrics is not None:
+            self.metrics.transfer_failures.labels(type(e).__name__).inc()
+        if isinstance(e, ReadInFlightError):
+            self.loop.run(self._quarantine, rid, e.read)
+        else:
+            self.loop.run(self.engine.abort, rid)
+
+    def _quarantine(self, rid: str, read) -> None:
+        """Engine thread: end ``rid`` but hold its blocks until ``read`` settles."""
+        n = self.engine.quarantine_handoff(rid)
+        self._in_flight[rid] = read
+        log.warning("request %s: %d KV blocks quarantined until an uncancellable READ from %s "
+                    "ends", rid, n, read.peer)
+
+    def settle_quarantine(self) -> None:
+        """Engine thread, every tick: free the blocks of each in-flight READ that settled."""
+        for rid, read in list(self._in_flight.items()):
+            if read.settled():
+                del self._in_flight[rid]
+                self.engine.release_quarantine(rid)
+                log.info("request %s: the in-flight READ ended; its blocks are free", rid)
 
     def _reserve(self, rid, request, params, deadline, context):
         """Blocks for the prompt and a slot in the running batch, waiting (until the deadline)
@@ -265,10 +293,10 @@ def serve(cfg: WorkerConfig) -> None:
     if cfg.holder is not None:
         holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
         services += ["baton.v1.PrefillWorker", "baton.v1.KVSource"]
-    loop.start()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeService(loop, reader, boot.worker_id, boot.incarnation, cfg.transfer_timeout,
                       holder, boot.metrics), boot.server)
+    loop.start()
 
     def stop() -> None:
         if holder is not None:

@@ -424,7 +424,7 @@ class Orchestrator:
                 deadline.remaining(), cs.metadata())
             outcome = yield from self._relay(decode, "remote", st, stream, cs, deadline, cancel)
         if not isinstance(outcome, Done):
-            self.pool.release(prefill.address, pre.handle)  # free the blocks now, not at expiry
+            self.pool.release(pre.handle)  # free the blocks now, not at expiry
         return outcome
 
     def _prefill(self, prefill, st: Progress, p, deadline: Deadline, cancel: Cancellation

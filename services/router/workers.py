@@ -22,7 +22,7 @@ from baton.control.registry import WorkerRecord, WorkerRegistry
 from baton.services.common.worker import FIELD_METADATA, PEER_METADATA
 from baton.services.router.errors import Status
 from baton.transfer import cluster_secret
-from baton.transfer.handle import release_request
+from baton.transfer.lease_client import LeaseClient, release_quietly
 from baton.v1 import worker_pb2, worker_pb2_grpc
 from redis.exceptions import RedisError
 
@@ -103,6 +103,7 @@ class WorkerPool:
         # fingerprint (weights, dtype, block size, device kind) are left out, each named once
         self.fingerprint: str | None = None
         self._foreign: set[str] = set()
+        self.leases = LeaseClient(channel=self.channel)  # gives abandoned handles back
 
     def pin_fingerprint(self, fingerprint: str) -> None:
         """Route only to workers with this model fingerprint. A CPU worker and a GPU worker of
@@ -213,14 +214,11 @@ class WorkerPool:
         stub = self.stub(worker_pb2_grpc.DecodeWorkerStub, address)
         return Stream(address, stub.Generate(request, timeout=timeout, metadata=metadata))
 
-    def release(self, address: str, handle) -> None:
-        """Give a KV handle's lease back to its holder at ``address`` (frees its blocks now,
-        not at the lease's expiry). Best effort: the lease expires anyway."""
-        try:
-            self.stub(worker_pb2_grpc.KVSourceStub, address).ReleaseLease(
-                release_request(handle), timeout=2)
-        except grpc.RpcError as e:
-            log.info("could not give a lease back to %s: %s", address, e.code())
+    def release(self, handle) -> None:
+        """Give a KV handle's lease back to its holder (frees its blocks now, not at the
+        lease's expiry), over the holder's lease channel or gRPC. Best effort: the lease
+        expires anyway."""
+        release_quietly(self.leases, handle, timeout=2.0)
 
     def tokenizer(self, timeout: float) -> tuple[worker_pb2.TokenizerResponse, WorkerRecord]:
         """Ask a registered worker for its tokenizer; waits until one is registered and

@@ -49,7 +49,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "address", "lease_id", "block_ids", "num_tokens", "fingerprint", "expires_at", "block_crc32")
+    __slots__ = ("worker_id", "incarnation", "address", "lease_id", "block_ids", "num_tokens", "fingerprint", "expires_at", "block_crc32", "lease_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class KVHandle(_message.Message):
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CRC32_FIELD_NUMBER: _ClassVar[int]
+    LEASE_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     address: str
@@ -68,7 +69,8 @@ class KVHandle(_message.Message):
     fingerprint: str
     expires_at: float
     block_crc32: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., expires_at: _Optional[float] = ..., block_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+    lease_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., expires_at: _Optional[float] = ..., block_crc32: _Optional[_Iterable[int]] = ..., lease_port: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
