@@ -2,6 +2,7 @@
 against its prefill time. One run, one machine; results in bench/results/transfer-*.json.
 
     python bench/transfer.py [--sizes-mib 1,16,256] [--repeats 15] [--ucx-tls default,cma,tcp]
+        [--baseline DIR]
 
 Part 1 (bandwidth): a holder process registers a KV pool of SmolLM2-shaped blocks (float32, 720
 KiB each) and grants leases; this process (the reader, its own registered pool) pulls them with
@@ -13,6 +14,10 @@ setting runs in fresh processes (UCX reads its environment once).
 Part 2 (prompt): real prefill and decode worker processes on SmolLM2; a 2,000-token prompt is
 prefilled, then handed off; the hand-off time (READ + release, from the decode worker's transfer
 stats) is compared with the prefill time the prefill worker reports.
+
+Part 3 (release, with ``--baseline DIR``): the lease release of one-block hand-offs (part 1's
+pull, its ``release_s``), with this build and with the build installed in ``DIR``, alternating
+round by round, each round in fresh holder and reader processes of that build.
 """
 
 from __future__ import annotations
@@ -142,7 +147,8 @@ def bandwidth_main(sizes_mib: list[int], repeats: int) -> dict:
                     next(b for s, lay, b in plan if s == size and lay == layout)),
                 "read_gbps": nbytes / read / 1e9, "handoff_gbps": nbytes / handoff / 1e9,
                 "memcpy_gbps": mc, "handoff_vs_memcpy": nbytes / handoff / 1e9 / mc,
-                "read_ms": read * 1e3, "handoff_ms": handoff * 1e3})
+                "read_ms": read * 1e3, "handoff_ms": handoff * 1e3,
+                "release_samples_ms": [(s[1] - s[0]) * 1e3 for s in samples]})
         reader.close()
         agent.close()
         return out
@@ -201,6 +207,25 @@ def main() -> None:
         sizes, repeats = [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3])
         print("RESULT", json.dumps(bandwidth_main(sizes, repeats)), flush=True)
         return
+    args = parse_args()
+    result = {"machine": machine(), "bandwidth": [], "prompt": None, "release": None}
+    for tls in args.ucx_tls.split(","):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+        if tls != "default":
+            env["UCX_TLS"] = tls if tls in ("tcp",) else f"{tls},self,tcp"
+        print(f"bandwidth, UCX_TLS={env.get('UCX_TLS', 'default')} ...", flush=True)
+        result["bandwidth"].append(run_bandwidth(env, args.sizes_mib, args.repeats))
+    if args.baseline:
+        result["release"] = release_against(args.baseline, args.release_rounds, args.repeats)
+    if not args.skip_prompt:
+        print(f"prompt hand-off, {args.prompt_tokens} tokens ...", flush=True)
+        result["prompt"] = prompt_main(args.prompt_tokens, args.prompt_repeats, args.dtype)
+    print_table(result)
+    if not args.no_save:
+        print(f"wrote {write_result('transfer', result)}")
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", default="1,16,256")
     ap.add_argument("--repeats", type=int, default=15)
@@ -210,28 +235,49 @@ def main() -> None:
     ap.add_argument("--prompt-repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-prompt", action="store_true")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also time lease releases of one-block hand-offs with the Baton build "
+                         "installed in DIR (pip install --no-deps --target DIR <checkout>) and "
+                         "with this one, alternating, in this run")
+    ap.add_argument("--release-rounds", type=int, default=6,
+                    help="with --baseline: rounds of (this build, baseline), --repeats releases "
+                         "per build per round (default 6)")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    result = {"machine": machine(), "bandwidth": [], "prompt": None}
-    for tls in args.ucx_tls.split(","):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-        if tls != "default":
-            env["UCX_TLS"] = tls if tls in ("tcp",) else f"{tls},self,tcp"
-        print(f"bandwidth, UCX_TLS={env.get('UCX_TLS', 'default')} ...", flush=True)
-        r = subprocess.run([sys.executable, __file__, "--_bandwidth", args.sizes_mib,
-                            str(args.repeats)], env=env, capture_output=True, text=True)
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), None)
-        if line is None:
-            print(f"  failed:\n{r.stderr[-2000:]}")
-            result["bandwidth"].append({"ucx_tls": env.get("UCX_TLS", "default"),
-                                        "error": r.stderr[-2000:]})
-            continue
-        result["bandwidth"].append(json.loads(line.split(" ", 1)[1]))
-    if not args.skip_prompt:
-        print(f"prompt hand-off, {args.prompt_tokens} tokens ...", flush=True)
-        result["prompt"] = prompt_main(args.prompt_tokens, args.prompt_repeats, args.dtype)
 
+def run_bandwidth(env: dict, sizes_mib: str, repeats: int) -> dict:
+    """Part 1 in fresh processes under ``env`` (a holder and this script as the reader)."""
+    r = subprocess.run([sys.executable, __file__, "--_bandwidth", sizes_mib, str(repeats)],
+                       env=env, capture_output=True, text=True)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")), None)
+    if line is None:
+        print(f"  failed:\n{r.stderr[-2000:]}")
+        return {"ucx_tls": env.get("UCX_TLS", "default"), "error": r.stderr[-2000:]}
+    return json.loads(line.split(" ", 1)[1])
+
+
+def release_against(baseline: str, rounds: int, repeats: int) -> dict:
+    """Lease release time of one-block hand-offs (a 1-block pull's release_s), this build
+    against the one in ``baseline``, alternating round by round on the same machine."""
+    samples: dict[str, list[float]] = {"current": [], "baseline": []}
+    for i in range(rounds):
+        for arm in ("current", "baseline"):
+            env = dict(os.environ)
+            if arm == "baseline":
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (baseline, env.get("PYTHONPATH"))
+                                                    if p)
+            print(f"release, round {i + 1}/{rounds}, {arm} ...", flush=True)
+            out = run_bandwidth(env, "0", repeats)
+            for row in out.get("sizes", ()):
+                if row["layout"] == "consecutive":
+                    samples[arm] += row["release_samples_ms"]
+    p50 = {arm: statistics.median(v) for arm, v in samples.items() if v}
+    return {"baseline_dir": baseline, "samples_ms": samples, "p50_ms": p50,
+            "ratio": p50["current"] / p50["baseline"] if len(p50) == 2 else None}
+
+
+def print_table(result: dict) -> None:
     print(f"\n{'UCX_TLS':<16}{'transports':<14}{'MiB':>5} {'layout':<12}{'read GB/s':>10}"
           f"{'hand-off GB/s':>14}{'memcpy GB/s':>12}{'ratio':>7}")
     for b in result["bandwidth"]:
@@ -239,13 +285,17 @@ def main() -> None:
             print(f"{b['ucx_tls']:<16}{b['transports']:<14}{s['size_mib']:>5} {s['layout']:<12}"
                   f"{s['read_gbps']:>10.2f}{s['handoff_gbps']:>14.2f}{s['memcpy_gbps']:>12.2f}"
                   f"{s['handoff_vs_memcpy']:>7.0%}")
+    if result["release"]:
+        r = result["release"]
+        print(f"\nlease release p50 (one-block hand-offs, {len(r['samples_ms']['current'])} "
+              f"each): this build {r['p50_ms'].get('current', float('nan')):.3f} ms, baseline "
+              f"{r['p50_ms'].get('baseline', float('nan')):.3f} ms, ratio "
+              f"{r['ratio'] or float('nan'):.2f}x")
     if result["prompt"]:
         p = result["prompt"]
         print(f"\n{p['prompt_tokens']}-token prompt ({p['dtype']}): prefill {p['prefill_s']:.3f}s, "
               f"hand-off {p['handoff_s'] * 1e3:.1f} ms = {p['handoff_fraction_of_prefill']:.2%} "
               "of the prefill")
-    if not args.no_save:
-        print(f"wrote {write_result('transfer', result)}")
 
 
 if __name__ == "__main__":
