@@ -33,7 +33,7 @@ class Setup:
     """A running Baton cluster: redis, workers pinned one per core, a router."""
 
     def __init__(self, a: CompareConfig, kind: str, redis_url: str) -> None:
-        from baton.services.common.launch import WorkerProcess
+        from baton.services.launch.local import WorkerProcess
 
         self.kind, self.procs = kind, []
         common = ["--redis-url", redis_url, "--dtype", a.dtype, "--threads", "1",

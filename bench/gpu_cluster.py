@@ -102,7 +102,7 @@ class GpuCluster:
     def __init__(self, device: str, model: str | None, util: float, log_dir: str,
                  extra: tuple[str, ...] = ()) -> None:
         from baton.control.redis_server import EmbeddedRedis
-        from baton.services.common.launch import WorkerProcess
+        from baton.services.launch.local import WorkerProcess
 
         self.procs = []
         self.redis = EmbeddedRedis().start()

@@ -172,7 +172,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from baton.control.redis_server import EmbeddedRedis
-    from baton.services.common.launch import WorkerProcess
+    from baton.services.launch.local import WorkerProcess
 
     with EmbeddedRedis() as redis:
         print("starting a colocated worker and a router ...", flush=True)

@@ -132,8 +132,8 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     goodput."""
     from baton.control.redis_server import EmbeddedRedis
     from baton.engine.params import SamplingParams
-    from baton.services.common.launch import WorkerProcess
-    from baton.services.common.worker import params_to_proto
+    from baton.services.common.protocol import params_to_proto
+    from baton.services.launch.local import WorkerProcess
     from baton.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
@@ -216,7 +216,7 @@ def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int =
     from concurrent.futures import ThreadPoolExecutor
 
     from baton.engine.params import SamplingParams
-    from baton.services.common.worker import params_to_proto
+    from baton.services.common.protocol import params_to_proto
     from baton.v1 import api_pb2
 
     params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
@@ -266,7 +266,7 @@ def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
     from baton.engine.params import SamplingParams
-    from baton.services.common.worker import params_to_proto
+    from baton.services.common.protocol import params_to_proto
     from baton.v1 import api_pb2
 
     lo, hi = SERVED_TOKENS

@@ -70,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from baton.control.redis_server import EmbeddedRedis
-    from baton.services.common.launch import WorkerProcess
+    from baton.services.launch.local import WorkerProcess
     from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     prompt = [1, 504, 3575, 282, 4649, 314, 2, 198]

@@ -48,7 +48,7 @@ def main() -> None:
     import grpc
     from baton.control.redis_server import EmbeddedRedis
     from baton.engine.tokenizer import BatonTokenizer
-    from baton.services.common.launch import WorkerProcess
+    from baton.services.launch.local import WorkerProcess
     from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
     rng = random.Random(0)

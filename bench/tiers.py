@@ -64,7 +64,7 @@ def run_cluster(model: str | None, prompts, max_tokens: list[int], pool_blocks: 
     TTFT, cached tokens (total, from disk), and the workers' tier metrics at the end."""
     import grpc
     from baton.control.redis_server import EmbeddedRedis
-    from baton.services.common.launch import WorkerProcess
+    from baton.services.launch.local import WorkerProcess
     from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
     tmp = Path(tempfile.mkdtemp(prefix="baton-tiers-"))

@@ -100,7 +100,7 @@ def main() -> None:
 
     from baton.bench.tiny_model import make_hf_model
     from baton.control.redis_server import EmbeddedRedis
-    from baton.services.common.launch import WorkerProcess
+    from baton.services.launch.local import WorkerProcess
 
     model_dir = Path(tempfile.mkdtemp(prefix="baton-trace-model-"))
     max_len = max(map(len, prompts)) + args.max_tokens + 16

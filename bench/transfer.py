@@ -43,7 +43,10 @@ MIB = 1 << 20
 def holder_main(pool_blocks: int, leases_json: str) -> None:
     """Register a pool, grant the leases asked for, print the handles, serve until killed."""
     import torch
-    from baton.services.common.worker import make_server, new_incarnation
+    try:
+        from baton.services.common.process import make_server, new_incarnation
+    except ImportError:  # --baseline: a build from before the worker's modules moved
+        from baton.services.common.worker import make_server, new_incarnation
     from baton.transfer.agent import KVAgent, configure_ucx
     from baton.transfer.holder import KVHolder
     from baton.transfer.lease import LeaseTable
@@ -162,8 +165,8 @@ def bandwidth_main(sizes_mib: list[int], repeats: int) -> dict:
 def prompt_main(prompt_tokens: int, repeats: int, dtype: str) -> dict:
     from baton.engine.loader import load_model
     from baton.engine.params import SamplingParams
-    from baton.services.common.launch import WorkerProcess
-    from baton.services.common.worker import params_to_proto
+    from baton.services.common.protocol import params_to_proto
+    from baton.services.launch.local import WorkerProcess
     from baton.v1 import worker_pb2, worker_pb2_grpc
 
     tokenizer = load_model(None).tokenizer

@@ -51,7 +51,7 @@ def _handoff(a: argparse.Namespace) -> int:
     from baton.engine.errors import BatonError
     from baton.engine.loader import load_model
     from baton.engine.params import SamplingParams
-    from baton.services.common.worker import params_to_proto
+    from baton.services.common.protocol import params_to_proto
 
     try:
         tokenizer = load_model(a.model).tokenizer
@@ -354,9 +354,9 @@ def _piece(name: str, args: list[str]) -> int:
                   file=sys.stderr)
             return 2
         if known.role == "prefill":
-            from baton.services.prefill.server import main as run
+            from baton.services.worker.serve import main as run
         else:  # decode, or both: the decode server that also serves as a prefill worker
-            from baton.services.decode.server import main as run
+            from baton.services.worker.decode_role import main as run
 
             rest = ["--role", known.role, *rest]
         args = rest

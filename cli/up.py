@@ -190,15 +190,38 @@ def _check(a: UpConfig) -> str:
     return ""
 
 
+def _preflight(a: UpConfig) -> str:
+    """What can be checked before any process starts ("" when all is well): the model is
+    there and of a kind Baton serves, and the router's ports are free."""
+    import socket
+
+    from baton.engine.errors import ModelLoadError
+    from baton.engine.loader import check_model
+
+    try:
+        check_model(a.model)
+    except ModelLoadError as e:
+        return f"--model: {e}"
+    for flag, port in (("--grpc-port", a.grpc_port), ("--http-port", a.http_port)):
+        if port <= 0:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((a.host, port))
+            except OSError as e:
+                return f"{flag} {port}: cannot listen on {a.host}:{port} ({e.strerror})"
+    return ""
+
+
 def up(args: argparse.Namespace) -> int:
     return run(UpConfig.from_args(args))
 
 
 def run(a: UpConfig) -> int:
     from baton.control.redis_server import RedisStartError
-    from baton.services.common.launch import WorkerStartError
+    from baton.services.launch.local import WorkerStartError
 
-    problem = _check(a)
+    problem = _check(a) or _preflight(a)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -384,7 +407,7 @@ class _LocalCluster:
     def spawn(self, role: str, args: list[str], slot: int | None = None):
         """Start a ``role`` worker; ``slot``: its place in start order, which picks its GPU
         (None: the next one, for workers the autoscaler adds)."""
-        from baton.services.common.launch import WorkerProcess
+        from baton.services.launch.local import WorkerProcess
 
         a = self.a
         if slot is None:
@@ -394,7 +417,7 @@ class _LocalCluster:
             device, env = self._gpu(slot)
             return WorkerProcess(role, ["--host", a.host, *device, *args],
                                  env={**self.env, **env}, **self.kw)
-        from baton.services.common.ray_launch import RayWorker
+        from baton.services.launch.ray_actors import RayWorker
 
         gpus = self.ray_gpus
         device = ["--device", "cuda" if gpus else "cpu"]
@@ -439,7 +462,7 @@ class _LocalCluster:
         return prefill, decode
 
     def _start_router(self, url: str):
-        from baton.services.common.launch import WorkerProcess
+        from baton.services.launch.local import WorkerProcess
 
         a = self.a
         local_max = 1 << 30 if a.colocated else a.local_prefill_max_tokens

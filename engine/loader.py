@@ -80,16 +80,32 @@ def default_model_path() -> Path:
 
 def load_model(path: str | os.PathLike | None = None, *, use_cache: bool = True) -> LoadedModel:
     """Load a GGUF file or a Hugging Face directory (``None``: the default SmolLM2 model)."""
+    p = check_model(path)
+    if p.is_dir():
+        return _load_hf_dir(p)
+    return _load_gguf(p, use_cache)
+
+
+def check_model(path: str | os.PathLike | None = None) -> Path:
+    """What can be checked of a model without reading its weights (a launcher's check before it
+    starts any process): the path resolves to a GGUF file, or to a Hugging Face directory whose
+    config Baton serves and which has weights and a tokenizer. Returns the path; raises
+    :class:`ModelLoadError` (or :class:`UnsupportedModelError`) naming what is wrong."""
     p = Path(path).expanduser() if path is not None else default_model_path()
     if not p.exists():
         raise ModelLoadError(f"model path does not exist: {str(p)!r}")
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ModelLoadError(f"{str(p)!r} is a directory without config.json")
-        return _load_hf_dir(p)
+        _hf_config(json.loads((p / "config.json").read_text()))
+        if not any(p.glob("*.safetensors")):
+            raise ModelLoadError(f"no .safetensors files in {str(p)!r}")
+        if not (p / "tokenizer.json").is_file():
+            raise ModelLoadError(f"no tokenizer.json in {str(p)!r}")
+        return p
     if p.suffix != ".gguf":
         raise ModelLoadError(f"{str(p)!r} is neither a .gguf file nor a Hugging Face directory")
-    return _load_gguf(p, use_cache)
+    return p
 
 
 # =================================================================================================

@@ -37,7 +37,7 @@ class ModelRunner:
     """Owns the KV tensor and runs the model on scheduled batches.
 
     kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (block-major, see
-    README.md, "KV layout"): one block's keys and values for every layer form one contiguous
+    docs/engine.md, "KV layout"): one block's keys and values for every layer form one contiguous
     region.
     """
 

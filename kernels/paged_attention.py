@@ -1,6 +1,6 @@
 """Torch reference paged attention over Baton's block-major KV cache.
 
-KV cache layout (README.md, "KV layout")::
+KV cache layout (docs/engine.md, "KV layout")::
 
     kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
                           k/v ^

@@ -1,6 +1,6 @@
 """Triton kernels for the engine on CUDA: paged decode and prefill attention, and the KV store.
 
-They read and write Baton's block-major KV cache in place (README.md, "KV layout")::
+They read and write Baton's block-major KV cache in place (docs/engine.md, "KV layout")::
 
     kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 

@@ -10,7 +10,7 @@ Two roles, as in every hand-off:
 
 Both register their whole KV pool with NIXL once at start-up
 (:class:`baton.transfer.agent.KVAgent`); a block is one contiguous region of the pool (see the
-README's "KV layout"), so a hand-off is one descriptor per block, and NIXL merges runs of
+docs/engine.md, "KV layout"), so a hand-off is one descriptor per block, and NIXL merges runs of
 consecutive block ids.
 """
 

@@ -1,8 +1,9 @@
 """One NIXL agent per worker, with the engine's whole KV pool registered once at start-up.
 
 Block ``b`` of a pool is the region ``[base + b * block_nbytes, + block_nbytes)`` (block-major
-layout, README "KV layout"), so both sides prepare one descriptor list over all blocks once per
-peer, and a hand-off is a READ of index lists (NIXL merges runs of consecutive ids into one region).
+layout, docs/engine.md, "KV layout"), so both sides prepare one descriptor list over all blocks
+once per peer, and a hand-off is a READ of index lists (NIXL merges runs of consecutive ids into
+one region).
 
 UCX picks its transports itself (on one machine: ``cma`` for DRAM, i.e. one ``process_vm_readv``
 per region, or ``cuda_ipc`` for VRAM: the reader's GPU copies straight out of the holder's pool;

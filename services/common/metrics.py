@@ -1,4 +1,4 @@
-"""Prometheus metrics of Baton's processes (names in README's metrics table).
+"""Prometheus metrics of Baton's processes (names in docs/metrics.md's table).
 
 Workers serve theirs on ``--metrics-port`` (``/metrics``); the router adds its own to the
 OpenAI HTTP front's ``/metrics``. Latency histograms share one set of buckets, from 5 ms to 60 s.

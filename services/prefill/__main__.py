@@ -1,7 +1,9 @@
+"""``python -m baton.services.prefill``: a prefill worker (see ``baton.services.worker.serve``)."""
+
 from baton import adopt_launch_settings
 
 adopt_launch_settings()  # before torch starts threads
 
-from baton.services.prefill.server import main  # noqa: E402 (after the settings above)
+from baton.services.worker.serve import prefill_main  # noqa: E402 (after the settings above)
 
-main()
+prefill_main()

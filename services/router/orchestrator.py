@@ -37,7 +37,7 @@ from baton.engine.errors import InvalidRequestError
 from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common import tracing
 from baton.services.common.metrics import RouterMetrics
-from baton.services.common.worker import params_from_proto
+from baton.services.common.protocol import params_from_proto
 from baton.services.router.errors import RequestError, Status
 from baton.services.router.limits import (
     Admission,

@@ -18,7 +18,7 @@ from baton.control.prefix_index import PrefixIndex
 from baton.control.registry import Registration, RouterRecord, WorkerRegistry
 from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common import tracing
-from baton.services.common.worker import (
+from baton.services.common.process import (
     add_standard_services,
     advertised_host,
     announce,

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import grpc
 from baton.control.registry import WorkerRecord, WorkerRegistry
-from baton.services.common.worker import FIELD_METADATA, PEER_METADATA
+from baton.services.common.protocol import FIELD_METADATA, PEER_METADATA
 from baton.services.router.errors import Status
 from baton.transfer import cluster_secret
 from baton.transfer.lease_client import LeaseClient, release_quietly

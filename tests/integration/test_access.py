@@ -154,7 +154,7 @@ def test_default_cluster_is_loopback_only_and_needs_a_key(tiny_llama, tmp_path):
 
 def test_redis_auth_is_required_and_used(tiny_llama):
     from baton.control.redis_server import EmbeddedRedis
-    from baton.services.common.launch import WorkerProcess, WorkerStartError
+    from baton.services.launch.local import WorkerProcess, WorkerStartError
 
     r = EmbeddedRedis(password="s3cret-pw").start()
     workers = []

@@ -17,7 +17,7 @@ import torch
 from baton.engine.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
-from baton.services.common.launch import WorkerProcess, WorkerStartError
+from baton.services.launch.local import WorkerProcess, WorkerStartError
 
 from tests.integration.test_transfer import _eventually, start_pair
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from baton.services.common.launch import WorkerStartError
+from baton.services.launch.local import WorkerStartError
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 from tests.support.cluster import Cluster

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 from baton.control.redis_server import EmbeddedRedis
-from baton.services.common.launch import WorkerProcess
+from baton.services.launch.local import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 pytestmark = pytest.mark.slow

@@ -41,7 +41,7 @@ def test_1000_starts_from_a_process_running_grpc_never_abort(grpc_running):
     a fork leaves is what is measured; with a preexec_fn 13 and 40 of 300 aborted here). Then
     Python children apply the settings as a Baton process does first thing and run on the
     cores they were given."""
-    from baton.services.common.launch import spawn
+    from baton.services.launch.local import spawn
 
     cpu = sorted(os.sched_getaffinity(0))[0]
     true = shutil.which("true") or "/bin/true"
@@ -66,7 +66,7 @@ def test_workers_started_and_stopped_many_times_never_abort(grpc_running, tiny_l
     """A decode worker pinned to a core and tied to its parent (the two settings that used a
     preexec_fn), started and drained 12 times from a process with gRPC running: every start
     serves, every stop exits 0, and no log holds gRPC's poller error."""
-    from baton.services.common.launch import WorkerProcess
+    from baton.services.launch.local import WorkerProcess
 
     cpu = sorted(os.sched_getaffinity(0))[0]
     for i in range(12):

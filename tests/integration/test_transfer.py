@@ -16,8 +16,8 @@ import grpc
 import pytest
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
-from baton.services.common.launch import WorkerProcess, WorkerStartError
-from baton.services.common.worker import params_to_proto
+from baton.services.common.protocol import params_to_proto
+from baton.services.launch.local import WorkerProcess, WorkerStartError
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.support.processes import free_port

@@ -13,7 +13,7 @@ from baton.control.redis_server import EmbeddedRedis
 from baton.control.registry import WorkerRegistry
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
-from baton.services.common.launch import WorkerProcess
+from baton.services.launch.local import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
 from tests.integration.test_transfer import Pair

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from baton.control.redis_server import EmbeddedRedis
-from baton.services.common.launch import WorkerProcess
+from baton.services.launch.local import WorkerProcess
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 PerWorker = Callable[["Cluster", int], Sequence[str]]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 from baton.engine.params import SamplingParams
-from baton.services.common.engine_loop import EngineLoop
-from baton.services.common.worker import EngineDied
+from baton.services.worker.engine_loop import EngineLoop
+from baton.services.worker.status import EngineDied
 
 PROMPT = list(range(5, 30))  # 25 tokens: 7 blocks of 4
 
@@ -95,7 +95,7 @@ def test_a_call_posted_while_the_engine_dies_fails_instead_of_hanging(tiny_engin
 def test_a_commit_whose_first_token_finishes_the_request_drops_its_stream(tiny_engine):
     """Bug: a hand-off committed with max_tokens=1 finished at once, and its stream entry
     stayed in the loop forever (one leaked queue per such request)."""
-    from baton.services.decode.server import DecodeService
+    from baton.services.worker.decode_role import DecodeService
 
     engine = tiny_engine(num_kv_blocks=16)
     loop = EngineLoop(engine).start()

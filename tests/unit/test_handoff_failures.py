@@ -14,10 +14,10 @@ import pytest
 import torch
 from baton.engine.params import SamplingParams
 from baton.services.common import tracing
-from baton.services.common.engine_loop import EngineLoop
 from baton.services.common.metrics import WorkerMetrics
-from baton.services.common.worker import make_server
-from baton.services.decode.server import DecodeService
+from baton.services.common.process import make_server
+from baton.services.worker.decode_role import DecodeService
+from baton.services.worker.engine_loop import EngineLoop
 from baton.transfer.agent import KVAgent, configure_ucx
 from baton.transfer.errors import PeerUnavailableError, ReadInFlightError
 from baton.transfer.handle import KVHandle

@@ -7,10 +7,10 @@ Layers, lowest first; a package may import its own layer and those below, never 
         <  services  <  bench  <  cli
 
 ``baton.client`` (the SDK) stands apart: it imports only ``baton.v1``, and only the clients of a
-cluster (``bench``, ``cli``) import it. Within ``services`` the
-worker roles and the router do not import each other; what two of them share lives in
-``services.common``. The kernels sit under the engine because the engine's model calls them;
-nothing in ``kernels`` knows the engine.
+cluster (``bench``, ``cli``) import it. Within ``services`` the worker process
+(``services.worker``), the router and the launchers do not import each other; what the worker
+and the router share lives in ``services.common``. The kernels sit under the engine because the
+engine's model calls them; nothing in ``kernels`` knows the engine.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ ORDER = ["baton.v1", "baton.kernels", "baton.engine", "baton.transfer", "baton.c
          "baton.services", "baton.bench", "baton.cli"]
 APART = {"baton.client": {"baton.client", "baton.v1"}}
 CLIENTS = ("baton.bench", "baton.cli")  # what talks to a cluster as its users do
-SIBLINGS = ["baton.services.prefill", "baton.services.decode", "baton.services.router"]
+# the worker process, the router and the launchers: none imports another; what the worker and
+# the router share lives in services.common (the prefill and decode packages are the worker's
+# thin entry points)
+SIBLINGS = ["baton.services.worker", "baton.services.router", "baton.services.launch"]
 # first-party folders a module could be imported by, if ``baton.`` were left off
 BARE = ("engine", "kernels", "transfer", "control", "services", "client", "cli", "bench", "v1")
 
@@ -58,8 +61,8 @@ def violations() -> list[str]:
             for a in SIBLINGS:
                 if module.startswith(a + ".") and any(
                         target.startswith(b) for b in SIBLINGS if b != a):
-                    found.append(f"{where}: the worker roles and the router share through "
-                                 "services.common")
+                    found.append(f"{where}: the worker, the router and the launchers share "
+                                 "through services.common")
     return found
 
 
@@ -74,7 +77,7 @@ def test_every_import_respects_the_layers():
 def test_a_package_that_imports_a_higher_one_is_caught(tmp_path, monkeypatch):
     """The check itself: an engine module importing the services is reported."""
     bad = tmp_path / "bad.py"
-    bad.write_text("def f():\n    from baton.services.common import worker\n")
+    bad.write_text("def f():\n    from baton.services.common import process\n")
     real = modules()
     monkeypatch.setattr(sys.modules[__name__], "modules",
                         lambda: {**real, "baton.engine.bad": bad})

@@ -8,7 +8,7 @@ import socket
 import time
 
 import pytest
-from baton.services.common.worker import make_server
+from baton.services.common.process import make_server
 from baton.transfer.errors import PeerUnavailableError
 from baton.transfer.holder import KVHolder
 from baton.transfer.lease import LeaseTable

@@ -76,7 +76,7 @@ def test_workers_advertise_a_reachable_host():
     import argparse
     import socket
 
-    from baton.services.common.worker import advertised_host
+    from baton.services.common.process import advertised_host
 
     ns = argparse.Namespace
     assert advertised_host(ns(host="127.0.0.1", advertise_host=None)) == "127.0.0.1"

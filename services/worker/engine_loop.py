@@ -15,14 +15,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from baton.engine.engine import LLMEngine, RequestOutput
-from baton.services.common.worker import EngineDied
+from baton.services.worker.status import EngineDied
 
 log = logging.getLogger("baton.services")
 
 
 class EngineLoop:
     """``died`` is set when the engine thread stops on an error: the worker then deregisters,
-    reports NOT_SERVING and exits non-zero (:func:`baton.services.common.worker.serve_forever`).
+    reports NOT_SERVING and exits non-zero (:func:`baton.services.common.process.serve_forever`).
     ``fault_crash_after`` (tests only): the thread fails on purpose after that many steps;
     ``fault_step_delay_s`` (tests only): every step takes at least that long (a slow machine,
     on any machine)."""

@@ -1,8 +1,6 @@
-"""The decode worker: takes a prefilled request's KV handle, pulls the blocks over NIXL into its
-own pool, and streams the rest of the tokens.
-
-``python -m baton.services.decode --help``. Serves ``DecodeWorker`` (Decode, Info). Prints
-``BATON_READY <address> <worker id> <incarnation>`` once it serves.
+"""The decode role on a worker: the ``DecodeWorker`` service. It takes a prefilled request's KV
+handle, pulls the blocks over NIXL into its own pool, and streams the rest of the tokens; its
+``Generate`` prefills locally too (the local path, colocated workers).
 
 A Decode call, and who frees what on each exit::
 
@@ -15,7 +13,6 @@ A Decode call, and who frees what on each exit::
 
 from __future__ import annotations
 
-import argparse
 import logging
 import queue
 import time
@@ -25,16 +22,13 @@ from dataclasses import replace
 from baton.engine.engine import LLMEngine
 from baton.engine.errors import InvalidRequestError
 from baton.services.common import tracing
-from baton.services.common.config import HolderSettings, WorkerConfig, worker_parser
-from baton.services.common.engine_loop import EngineLoop
-from baton.services.common.prefill_role import add_prefill_role, engine_spans, tier_fields
-from baton.services.common.worker import (
+from baton.services.common.protocol import logprob_to_proto, params_from_proto
+from baton.services.worker.engine_loop import EngineLoop
+from baton.services.worker.prefill_role import engine_spans, tier_fields
+from baton.services.worker.status import (
     NoRoomError,
     abort_with,
-    boot_worker,
     engine_guard,
-    logprob_to_proto,
-    params_from_proto,
     tokenizer_info,
     worker_info,
 )
@@ -241,74 +235,3 @@ def _relay(stream, context, on_first, span=tracing.NO_SPAN):
             span.set({"gen_ai.usage.output_tokens": out.num_output_tokens,
                       "gen_ai.response.finish_reasons": [out.finish_reason or ""]})
             return
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap, g = worker_parser(
-        "python -m baton.services.decode",
-        "Baton decode worker: pulls a prefilled request's KV blocks over NIXL from the prefill "
-        "worker named in its handle, then streams the generated tokens.")
-    g.add_argument("--transfer-timeout", type=float, default=10.0,
-                   help="deadline in seconds for one hand-off (handshake, read, lease release); "
-                        "a dead or stalled prefill worker fails the request within it")
-    g.add_argument("--peers", default="",
-                   help="comma-separated prefill worker addresses to handshake with (and probe "
-                        "with a one-block read) before reporting ready; a peer with another "
-                        "model fingerprint makes this worker exit with an error")
-    g.add_argument("--role", choices=["decode", "both"], default="decode",
-                   help="both: also be a prefill worker (PrefillWorker and KVSource on the same "
-                        "engine), for colocated pools (default decode)")
-    HolderSettings.add_flags(g, full=False)  # --lease-ttl, for --role both
-    g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
-    try:
-        cfg = WorkerConfig.decode(ap.parse_args(argv))
-    except ValueError as e:
-        ap.error(str(e))
-    serve(cfg)
-
-
-def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
-    """Handshake with (and probe) every ``--peers`` prefill worker; exits 2 on a mismatch."""
-    for peer in cfg.peers:
-        try:
-            transports = reader.connect(peer, time.monotonic() + cfg.transfer_timeout,
-                                        probe_block=0)
-        except TransferError as e:
-            log.error("refusing to start: peer %s: %s", peer, e)
-            raise SystemExit(2) from e
-        log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
-
-
-def serve(cfg: WorkerConfig) -> None:
-    """Boot, connect the peers, serve (and prefill too with ``--role both``) until drained."""
-    boot = boot_worker(cfg)
-    reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
-                      cfg.fault_delay_release)
-    connect_peers(reader, cfg)
-    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after,
-                      fault_step_delay_s=cfg.fault_step_delay)
-    loop.on_outputs = boot.metrics.observe_outputs
-    services = ["baton.v1.DecodeWorker"]
-    holder = None
-    if cfg.holder is not None:
-        holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
-        services += ["baton.v1.PrefillWorker", "baton.v1.KVSource"]
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        DecodeService(loop, reader, boot.worker_id, boot.incarnation, cfg.transfer_timeout,
-                      holder, boot.metrics), boot.server)
-    loop.start()
-
-    def stop() -> None:
-        if holder is not None:
-            holder.shutdown()
-        loop.stop()
-        reader.close()
-        boot.agent.close()
-
-    boot.serve(cfg.server, services, stop,
-               busy=None if holder is None else lambda: len(holder.leases) > 0,
-               died=loop.died)
-
-
-if __name__ == "__main__":
-    main()

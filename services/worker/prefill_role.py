@@ -14,15 +14,10 @@ import uuid
 import grpc
 from baton.services.common import tracing
 from baton.services.common.config import HolderSettings
-from baton.services.common.engine_loop import EngineLoop
-from baton.services.common.worker import (
-    WorkerBoot,
-    abort_with,
-    logprob_to_proto,
-    params_from_proto,
-    tokenizer_info,
-    worker_info,
-)
+from baton.services.common.protocol import logprob_to_proto, params_from_proto
+from baton.services.worker.boot import WorkerBoot
+from baton.services.worker.engine_loop import EngineLoop
+from baton.services.worker.status import abort_with, tokenizer_info, worker_info
 from baton.transfer.holder import KVHolder
 from baton.transfer.lease import LeaseTable
 from baton.v1 import worker_pb2, worker_pb2_grpc

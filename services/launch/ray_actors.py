@@ -17,7 +17,7 @@ from pathlib import Path
 class _WorkerActor:
     def start(self, role: str, args: list[str], env: dict, log_dir: str | None, local: bool):
         import ray
-        from baton.services.common.launch import WorkerProcess
+        from baton.services.launch.local import WorkerProcess
 
         ip = "127.0.0.1" if local else ray.util.get_node_ip_address()
         bind = ["--host", ip] if local else ["--host", "0.0.0.0", "--advertise-host", ip]

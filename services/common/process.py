@@ -1,0 +1,124 @@
+"""What every Baton server process (a worker, a router) does around its gRPC server: build it,
+add health and reflection, announce readiness, drain on SIGTERM, log. Torch-free."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+
+from baton import set_on_signals
+
+log = logging.getLogger("baton.services")
+
+
+def make_server(max_workers: int = 32, interceptors=(),
+                max_concurrent_rpcs: int | None = None) -> grpc.Server:
+    """A gRPC server on ``max_workers`` threads; with ``max_concurrent_rpcs``, calls past that
+    many at once end RESOURCE_EXHAUSTED instead of queueing for a thread without bound."""
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                       interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)],
+                       maximum_concurrent_rpcs=max_concurrent_rpcs)
+
+
+def add_standard_services(server: grpc.Server, service_names: list[str]):
+    """The standard gRPC health-checking (overall and per service: SERVING) and reflection
+    services. Returns the health servicer; ``serve_forever`` flips it to NOT_SERVING on drain."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    for name in ("", *service_names):
+        hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return hs
+
+
+def serve_forever(server: grpc.Server, on_stop, registration=None,
+                  drain_timeout: float = 30.0, health=None,
+                  busy: Callable[[], bool] | None = None,
+                  died: threading.Event | None = None,
+                  drain: threading.Event | None = None) -> None:
+    """Block until SIGTERM/SIGINT (``drain``, from :func:`announce`), then drain: deregister
+    (routers stop sending work), wait while ``busy()`` (work that still needs RPCs in: a
+    prefill worker's leased blocks wait for their readers' release calls), refuse new RPCs,
+    let the ones in flight finish, run ``on_stop``, return. All of it within ``drain_timeout``.
+
+    ``died`` set (the engine thread stopped on an error) does the same at once, without
+    waiting for ``busy``, and then exits 1: the worker cannot serve any more, and its
+    supervisor (``baton up``, Kubernetes, Ray) replaces it. Its calls in flight ended
+    UNAVAILABLE, which the router retries (or migrates) elsewhere."""
+    done = drain or threading.Event()
+    if drain is None:
+        set_on_signals(done)
+    if died is not None:
+        threading.Thread(target=lambda: (died.wait(), done.set()), name="engine-watch",
+                         daemon=True).start()
+    done.wait()
+    crashed = died is not None and died.is_set()
+    if crashed:
+        log.error("the engine thread died: deregistering, NOT_SERVING, exiting 1 so that "
+                  "this worker is replaced")
+    else:
+        log.info("draining: deregistering, finishing in-flight requests (up to %.0fs)",
+                 drain_timeout)
+    if registration is not None:
+        registration.withdraw()
+    if health is not None:
+        health.enter_graceful_shutdown()  # NOT_SERVING for every service
+    deadline = time.monotonic() + drain_timeout
+    while not crashed and busy is not None and busy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    server.stop(grace=max(0.0, deadline - time.monotonic())).wait()
+    on_stop()
+    if crashed:
+        raise SystemExit(1)
+    log.info("drained; exiting")
+
+
+def announce(address: str, worker_id: str, incarnation: str) -> threading.Event:
+    """The line a parent process (``baton up``, tests) waits for; returns the event SIGTERM and
+    SIGINT set from then on (a drain). The handlers go in first: a parent that stops the
+    process as soon as it reads the line must get a drain, not the default action (exit -15)."""
+    drain = threading.Event()
+    set_on_signals(drain)
+    print(f"BATON_READY {address} {worker_id} {incarnation}", flush=True)
+    return drain
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def advertised_host(args) -> str:
+    """The host part of the address this process registers (see ``--advertise-host``); ``args``
+    has ``host`` and ``advertise_host`` (the command line, or a role's config)."""
+    if getattr(args, "advertise_host", None):
+        return args.advertise_host
+    if args.host in ("0.0.0.0", "", "::"):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return args.host
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(6)

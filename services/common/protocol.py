@@ -1,0 +1,40 @@
+"""The worker API's conversions and metadata keys, shared by the router and the workers:
+sampling parameters to and from ``baton.v1.SamplingParams``, log-probabilities, and the trailing
+metadata a worker names a rejected field or a failed peer in. Torch-free."""
+
+from __future__ import annotations
+
+from baton.engine.params import SamplingParams
+from baton.v1 import worker_pb2
+
+FIELD_METADATA = "baton-field"
+
+
+# a decode worker's failed hand-off: the address of the prefill worker (the holder) it failed
+# on, so the router retries without that worker rather than without this one
+PEER_METADATA = "baton-failed-peer"
+
+
+def params_from_proto(m) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=m.max_tokens if m.HasField("max_tokens") else 16,
+        temperature=m.temperature, top_k=m.top_k,
+        top_p=m.top_p if m.HasField("top_p") else 1.0,
+        seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
+        stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
+        cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
+        logprobs=m.logprobs if m.HasField("logprobs") else None)
+
+
+def params_to_proto(p: SamplingParams):
+    return worker_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+        seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
+        cache_salt=p.cache_salt, logprobs=p.logprobs)
+
+
+def logprob_to_proto(lp):
+    """baton.engine.sampler.TokenLogprobs -> baton.v1.TokenLogprob."""
+    return worker_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[worker_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

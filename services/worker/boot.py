@@ -1,0 +1,138 @@
+"""What every worker process sets up before it serves: logging, UCX, the engine from its
+flags, the gRPC server (bound, not started), the NIXL agent and the metrics; and the serve loop
+around them (register, publish, announce, drain)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from baton.engine.errors import InvalidRequestError, ModelLoadError
+from baton.services.common import tracing
+from baton.services.common.config import EngineSettings, ServerSettings, WorkerConfig
+from baton.services.common.process import (
+    add_standard_services,
+    advertised_host,
+    announce,
+    is_loopback,
+    make_server,
+    new_incarnation,
+    serve_forever,
+    setup_logging,
+)
+from baton.services.worker.publisher import publish_index, register
+from baton.transfer import cluster_secret
+
+log = logging.getLogger("baton.services")
+
+
+def build_engine(settings: EngineSettings, record_kv_events: bool,
+                 worker_name: str | None = None):
+    from baton.engine.engine import LLMEngine
+
+    try:
+        cfg = settings.engine_config(record_kv_events, worker_name)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    return LLMEngine.from_path(settings.model, cfg)
+
+
+@dataclass
+class WorkerBoot:
+    """What every worker process sets up first: engine, identity, gRPC server, NIXL agent."""
+
+    engine: object  # baton.engine.engine.LLMEngine
+    role: str
+    host: str
+    address: str
+    worker_id: str
+    incarnation: str
+    server: grpc.Server
+    agent: object  # baton.transfer.agent.KVAgent
+    metrics: object  # baton.services.common.metrics.WorkerMetrics
+
+    def serve(self, cfg: ServerSettings, services: list[str], on_stop,
+              busy: Callable[[], bool] | None = None,
+              died: threading.Event | None = None) -> None:
+        """Start serving, register, announce, and block until drained (``busy``, ``died``:
+        see :func:`serve_forever`)."""
+        health = add_standard_services(self.server, services)
+        self.server.start()
+        metrics_address = ""
+        if cfg.metrics_port >= 0:
+            mport = self.metrics.serve(self.host, cfg.metrics_port)
+            host = self.address.rsplit(":", 1)[0]
+            metrics_address = f"{host}:{mport}"
+            log.info("Prometheus metrics on http://%s/metrics", metrics_address)
+            print(f"BATON_METRICS {metrics_address}", flush=True)
+        log.info("%s worker %s (incarnation %s) serving on %s, model fingerprint %s", self.role,
+                 self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
+        registration = register(cfg, self.role, self.worker_id, self.address,
+                                self.engine.fingerprint, self.incarnation,
+                                self.engine.model_info.name, self.engine.cfg.block_size,
+                                metrics_address, self.engine.cfg.max_num_seqs)
+        publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
+        drain = announce(self.address, self.worker_id, self.incarnation)
+
+        def stop() -> None:
+            if publisher is not None:
+                publisher.stop(withdraw=True)
+            on_stop()
+            self.engine.close()  # the disk tier's queued blocks are written before exit
+            tracing.shutdown()
+        serve_forever(self.server, stop, registration, cfg.drain_timeout, health=health,
+                      busy=busy, died=died, drain=drain)
+
+
+def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
+    """Logging, UCX reporting, the engine, a bound (not started) gRPC server, the NIXL agent."""
+    from baton.transfer.agent import KVAgent, configure_ucx
+
+    net, role = cfg.server, cfg.role
+    setup_logging(net.log_level)
+    # before the agent: UCX reads its environment once
+    configure_ucx(loopback_only=is_loopback(net.host))
+    try:
+        engine = build_engine(cfg.engine, record_kv_events=bool(net.redis_url),
+                              worker_name=net.worker_id or (f"{role}-{net.port}" if net.port
+                                                            else None))
+    except (InvalidRequestError, ModelLoadError) as e:  # a bad --model, --device...: one line
+        raise SystemExit(f"error: {e}") from None
+    report_memory(engine)
+    incarnation = new_incarnation()
+    try:
+        gate = cluster_secret.interceptors()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    server = make_server(interceptors=gate)
+    port = server.add_insecure_port(f"{net.host}:{net.port}")
+    port = net.advertise_port or port  # a proxy or port mapping in front of this one
+    host = advertised_host(net)
+    worker_id = net.worker_id or f"{role}-{host}-{port}"
+    tracing.setup(role, worker_id)
+    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache,
+                    staging=cfg.engine.kv_staging)
+    from baton.services.common.metrics import WorkerMetrics
+
+    return WorkerBoot(engine, role, net.host, f"{host}:{port}", worker_id, incarnation,
+                      server, agent, WorkerMetrics(engine, role, agent))
+
+
+def report_memory(engine) -> None:
+    """Log where the engine runs and how its KV pool was sized (GPU: the device's share)."""
+    plan = engine.memory_plan
+    if plan is not None:
+        log.info("KV pool on %s", plan.describe())
+        log.info("%s holds %.2f GiB for this engine with the pool and its CUDA graphs",
+                 engine.cfg.device, engine.device_reserved / (1 << 30))
+    else:
+        log.info("KV pool on %s: %d blocks of %d KiB (%.2f GiB)", engine.cfg.device,
+                 engine.num_blocks, engine.block_nbytes // 1024,
+                 engine.num_blocks * engine.block_nbytes / (1 << 30))
+    for tier in engine.tiers.tiers if engine.tiers is not None else ():
+        where = f" ({tier.startup})" if getattr(tier, "startup", "") else ""
+        log.info("KV %s tier: %d blocks (%.2f GiB)%s", tier.name, tier.stats.capacity,
+                 tier.stats.capacity * engine.block_nbytes / (1 << 30), where)

@@ -1,0 +1,124 @@
+"""Starting a worker: its command line, and the serve loop of each role.
+
+``python -m baton.services.prefill --help``: a prefill worker serves ``PrefillWorker`` (Prefill,
+Info) and ``KVSource`` (Handshake, ReleaseLease) on one gRPC port; decode workers READ the leased
+blocks over NIXL. ``python -m baton.services.decode --help``: a decode worker serves
+``DecodeWorker`` (Decode, Generate, Info); with ``--role both`` the prefill role too. Each prints
+``BATON_READY <address> <worker id> <incarnation>`` once it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from baton.services.common.config import HolderSettings, WorkerConfig, worker_parser
+from baton.services.worker.boot import boot_worker
+from baton.services.worker.decode_role import DecodeService
+from baton.services.worker.engine_loop import EngineLoop
+from baton.services.worker.prefill_role import add_prefill_role
+from baton.transfer.errors import TransferError
+from baton.transfer.reader import KVReader
+from baton.v1 import worker_pb2_grpc
+
+log = logging.getLogger("baton.services")
+
+
+def prefill_main(argv: list[str] | None = None) -> None:
+    ap, handoff = worker_parser(
+        "python -m baton.services.prefill",
+        "Baton prefill worker: computes prompts' KV and first token, and holds the KV blocks "
+        "under a lease until a decode worker has read them over NIXL.")
+    HolderSettings.add_flags(handoff, full=True)
+    try:
+        cfg = WorkerConfig.prefill(ap.parse_args(argv))
+    except ValueError as e:
+        ap.error(str(e))
+    serve_prefill(cfg)
+
+
+def decode_main(argv: list[str] | None = None) -> None:
+    ap, g = worker_parser(
+        "python -m baton.services.decode",
+        "Baton decode worker: pulls a prefilled request's KV blocks over NIXL from the prefill "
+        "worker named in its handle, then streams the generated tokens.")
+    g.add_argument("--transfer-timeout", type=float, default=10.0,
+                   help="deadline in seconds for one hand-off (handshake, read, lease release); "
+                        "a dead or stalled prefill worker fails the request within it")
+    g.add_argument("--peers", default="",
+                   help="comma-separated prefill worker addresses to handshake with (and probe "
+                        "with a one-block read) before reporting ready; a peer with another "
+                        "model fingerprint makes this worker exit with an error")
+    g.add_argument("--role", choices=["decode", "both"], default="decode",
+                   help="both: also be a prefill worker (PrefillWorker and KVSource on the same "
+                        "engine), for colocated pools (default decode)")
+    HolderSettings.add_flags(g, full=False)  # --lease-ttl, for --role both
+    g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
+    try:
+        cfg = WorkerConfig.decode(ap.parse_args(argv))
+    except ValueError as e:
+        ap.error(str(e))
+    serve_decode(cfg)
+
+
+def serve_prefill(cfg: WorkerConfig) -> None:
+    """A prefill worker: boot, hold prompts' KV under leases, serve until drained."""
+    boot = boot_worker(cfg)
+    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after,
+                      fault_step_delay_s=cfg.fault_step_delay)
+    loop.on_outputs = boot.metrics.observe_outputs
+    holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
+    loop.start()
+
+    def stop() -> None:
+        holder.shutdown()
+        loop.stop()
+        boot.agent.close()
+
+    # a drain waits for the leased blocks' readers (their release calls need this server)
+    boot.serve(cfg.server, ["baton.v1.PrefillWorker", "baton.v1.KVSource"], stop,
+               busy=lambda: len(holder.leases) > 0, died=loop.died)
+
+
+def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
+    """Handshake with (and probe) every ``--peers`` prefill worker; exits 2 on a mismatch."""
+    for peer in cfg.peers:
+        try:
+            transports = reader.connect(peer, time.monotonic() + cfg.transfer_timeout,
+                                        probe_block=0)
+        except TransferError as e:
+            log.error("refusing to start: peer %s: %s", peer, e)
+            raise SystemExit(2) from e
+        log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
+
+
+def serve_decode(cfg: WorkerConfig) -> None:
+    """Boot, connect the peers, serve (and prefill too with ``--role both``) until drained."""
+    boot = boot_worker(cfg)
+    reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
+                      cfg.fault_delay_release)
+    connect_peers(reader, cfg)
+    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after,
+                      fault_step_delay_s=cfg.fault_step_delay)
+    loop.on_outputs = boot.metrics.observe_outputs
+    services = ["baton.v1.DecodeWorker"]
+    holder = None
+    if cfg.holder is not None:
+        holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
+        services += ["baton.v1.PrefillWorker", "baton.v1.KVSource"]
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
+        DecodeService(loop, reader, boot.worker_id, boot.incarnation, cfg.transfer_timeout,
+                      holder, boot.metrics), boot.server)
+    loop.start()
+
+    def stop() -> None:
+        if holder is not None:
+            holder.shutdown()
+        loop.stop()
+        reader.close()
+        boot.agent.close()
+
+    boot.serve(cfg.server, services, stop,
+               busy=None if holder is None else lambda: len(holder.leases) > 0,
+               died=loop.died)

@@ -1,0 +1,43 @@
+"""A worker or a cluster that cannot start says why in one line, as a new user meets it: the
+real `baton up` and worker commands, run as processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("module", ["baton.services.prefill", "baton.services.decode"])
+def test_a_worker_with_a_missing_model_says_so_in_one_line(module):
+    r = run("-m", module, "--model", "/no/such/path")
+    assert r.returncode != 0
+    assert r.stderr.strip().splitlines()[-1] == "error: model path does not exist: '/no/such/path'"
+    assert "Traceback" not in r.stderr
+
+
+def test_baton_up_checks_the_model_before_starting_anything(tmp_path):
+    r = run("-m", "baton.cli.main", "up", "--model", "/no/such/path")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --model: model path does not exist: '/no/such/path'"
+    assert r.stdout == ""  # no process was started (it would have said so)
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    r = run("-m", "baton.cli.main", "up", "--model", str(tmp_path))
+    assert r.returncode == 2 and "model_type 'no-such-family' is not supported" in r.stderr
+
+
+def test_baton_up_checks_its_ports_before_starting_anything():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = run("-m", "baton.cli.main", "up", "--http-port", str(port))
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith(f"error: --http-port {port}: cannot listen on 127.0.0.1:")
+    assert r.stdout == ""
