@@ -99,8 +99,8 @@ def test_baton_autoscale_patches_kubernetes_deployments(tmp_path):
 
     from baton.control.redis_server import EmbeddedRedis
 
+    from tests.support.kube import FakeKube
     from tests.support.processes import free_port
-    from tests.unit.test_autoscale import FakeKube
 
     pytest.importorskip("kubernetes")
     kube = FakeKube({"rel-baton-prefill": 1, "rel-baton-decode": 1})

@@ -6,8 +6,6 @@ blocks so that short prompts span many blocks."""
 from __future__ import annotations
 
 import json
-import random
-import re
 import subprocess
 import sys
 import threading
@@ -20,6 +18,9 @@ from baton.control.prefix_index import INDEX_PREFIX, inflight_key
 from baton.control.redis_server import EmbeddedRedis
 from baton.control.registry import WorkerRegistry
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+from tests.support.observe import documented_metrics, scrape, tokens
+from tests.support.pair import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -39,11 +40,6 @@ def cluster(start_cluster, tiny_llama):
                  ["--local-prefill-max-tokens", "0", "--http-port", "0"]])
 
 
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 400) for _ in range(n)]
-
-
 def generate(router, ids, max_tokens=4, salt=None, timeout=60.0):
     params = worker_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     if salt is not None:
@@ -60,8 +56,24 @@ def generate(router, ids, max_tokens=4, salt=None, timeout=60.0):
     return out, final
 
 
-def settle():
-    time.sleep(0.15)  # workers publish index changes every ~20 ms
+def indexed(cluster, *prompts: list[int]) -> None:
+    """Until, for each prompt, some worker's prefix-index set in Redis holds every full block of
+    it (the workers publish their cache's changes every ~20 ms); polled, the bound is a hang
+    detector."""
+    from baton.control.prefix_index import index_key
+    from baton.engine.block_hash import hash_blocks, namespace_for
+
+    r = redis_py.Redis.from_url(cluster.redis.url)
+    infos = [w.info() for w in (*cluster.prefill, *cluster.decode)]
+    keys = [index_key(i.worker_id, i.incarnation) for i in infos]
+    ns = namespace_for(infos[0].fingerprint)
+
+    def held(ids) -> bool:
+        want = hash_blocks(ids, BS, ns)
+        return any(all(r.smismember(k, want)) for k in keys)
+
+    eventually(lambda: all(held(p) for p in prompts), bool)
+    r.close()
 
 
 def test_requests_sharing_a_prefix_go_where_it_is_cached(cluster):
@@ -71,7 +83,7 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(cluster):
         _, f = generate(cluster.routers[1], sys_ids + tokens(100 + i, 12))
         assert f.path == "remote" and f.route_reason == "many-new-tokens" and f.index_used
         first[i] = f.prefill_worker
-    settle()
+    indexed(cluster, *systems)
     assert set(first.values()) == {w.worker_id for w in cluster.prefill}  # spread
     for round_ in range(2):
         for i, sys_ids in enumerate(systems):
@@ -93,12 +105,12 @@ def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
     t = f1.timing  # the breakdown: route, queue (inside prefill), transfer, first decode step
     assert 0 < t.route_s < t.first_token_s and 0 <= t.queue_s <= t.prefill_s
     assert t.transfer_s > 0 and 0 < t.first_decode_step_s <= t.decode_s < t.total_s
-    settle()
+    held = (len(turn1) + len(out1) - 1) // BS * BS  # the last answer token has no KV yet
+    indexed(cluster, (turn1 + out1)[:held])  # the decode worker's blocks, answer included
     # turn 2 = turn 1 + its answer + a short question: the decode worker holds all but the
     # last few tokens (blocks produced by decoding included) and prefills them itself
     turn2 = turn1 + out1 + tokens(21, 5)
     _, f2 = generate(cluster.routers[0], turn2)
-    held = (len(turn1) + len(out1) - 1) // BS * BS  # the last answer token has no KV yet
     assert f2.path == "local" and f2.route_reason == "few-new-tokens"
     assert f2.timing.prefill_s == 0 and f2.timing.first_decode_step_s > 0
     assert f2.decode_worker == f1.decode_worker
@@ -106,7 +118,7 @@ def test_multi_turn_reuses_the_decode_workers_own_blocks(cluster):
     # through a router that always prefills remotely, only the blocks the decode worker lacks
     # move: the prefill worker computes the turn, the hand-off reads just the new blocks
     turn3 = turn2 + tokens(22, 40)
-    settle()
+    indexed(cluster, turn2[:len(turn2) // BS * BS])
     _, f3 = generate(cluster.routers[1], turn3)
     assert f3.path == "remote"
     total_blocks = -(-len(turn3) // BS)
@@ -193,7 +205,7 @@ def test_metrics_count_decisions_and_reasons(cluster):
 def test_router_restart_keeps_the_index(cluster):
     prompt = tokens(50, 80)
     _, f = generate(cluster.routers[0], prompt + tokens(51, 20))
-    settle()
+    indexed(cluster, prompt)
     cluster.restart_router(0, graceful=True)
     _, g = generate(cluster.routers[0], prompt + tokens(52, 20))
     assert g.index_cached_tokens == 80 and g.prefill_worker == f.prefill_worker
@@ -202,7 +214,7 @@ def test_router_restart_keeps_the_index(cluster):
 def test_redis_outage_degrades_to_load_only_and_recovers(cluster):
     prompt = tokens(60, 64)
     generate(cluster.routers[1], prompt + tokens(61, 20))
-    settle()
+    indexed(cluster, prompt)
     port = cluster.redis.port
     cluster.redis.stop()
     try:
@@ -234,7 +246,7 @@ def test_a_killed_workers_entries_expire_within_the_ttl(cluster):
     r = redis_py.Redis.from_url(cluster.redis.url)
     victim = cluster.prefill[1]
     generate(cluster.routers[1], tokens(80, 100))
-    settle()
+    indexed(cluster, tokens(80, 100))
     keys = lambda: r.keys(f"{INDEX_PREFIX}{victim.worker_id}:*")  # noqa: E731
     victim.kill()
     t = time.monotonic()
@@ -252,22 +264,11 @@ def test_a_killed_workers_entries_expire_within_the_ttl(cluster):
     assert f.prefill_worker == cluster.prefill[0].worker_id
 
 
-def scrape(address: str, path: str = "/metrics") -> dict[str, float]:
-    """Prometheus text -> {sample name with labels: value}."""
-    body = urllib.request.urlopen(f"http://{address}{path}", timeout=10).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def test_every_process_serves_its_metrics(cluster):
     for i in range(3):
         generate(cluster.routers[0], tokens(90 + i, 70), max_tokens=6)
+    # (the workers count on their engine threads before a token leaves: nothing to wait for)
     assert generate(cluster.routers[0], tokens(95, 6))[1].path == "local"  # prefilled on decode
-    settle()
     d = scrape(cluster.decode[0].metrics_address)
     p = [scrape(w.metrics_address) for w in cluster.prefill if w.proc.poll() is None]
     for m in [d, *p]:
@@ -326,7 +327,10 @@ def test_baton_status_and_top_show_the_cluster(cluster):
     for w in s["workers"]:
         assert w["metrics"] and w["kv_total"] == 512 and 0 <= w["kv_used"] <= 512
         assert w["running"] == 0 and w["queued"] == 0  # all finished
-        assert w["hit_rate"] is None or 0 <= w["hit_rate"] <= 1
+        # every live worker took prompts in this module's tests (the decode worker the local
+        # path's): its hit rate is its own counters' ratio
+        assert w["prompt_tokens"] > 0 and 0 <= w["hit_tokens"] <= w["prompt_tokens"]
+        assert w["hit_rate"] == pytest.approx(w["hit_tokens"] / w["prompt_tokens"])
     (d,) = [w for w in s["workers"] if w["role"] == "decode"]
     assert d["transfer_bytes"] > 0 and d["generated_tokens"] >= 15
     assert 0 < s["hit_rate"] <= 1  # the earlier tests shared prefixes
@@ -345,25 +349,6 @@ def test_baton_status_and_top_show_the_cluster(cluster):
     row = next(line for line in second.splitlines()
                if line.startswith(f"router-{host}-{port}-"))
     assert row.split()[2] == "1"  # REQS in the window: the one request
-
-
-def documented_metrics() -> list[str]:
-    """Every metric name in docs/metrics.md's table (``_used``-style shorthands expanded)."""
-    from pathlib import Path
-
-    page = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
-    table = page.split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    names = []
-    for line in table.splitlines():
-        if not line.startswith("| `baton"):
-            continue
-        last = None
-        for name in re.findall(r"`([a-z0-9_]+)(?:\{[a-z_,]*\})?`", line.split("|")[1]):
-            if name.startswith("_"):  # `_used` after `baton_worker_kv_blocks_free`
-                name = last.rsplit("_", 1)[0] + name
-            names.append(name)
-            last = name
-    return names
 
 
 def test_every_documented_metric_is_served(cluster):

@@ -14,7 +14,7 @@ import redis
 from baton.control.prefix_index import index_key
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
-from tests.integration.test_routing import documented_metrics, scrape
+from tests.support.observe import documented_metrics, scrape
 
 pytestmark = pytest.mark.slow
 

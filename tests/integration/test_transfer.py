@@ -20,6 +20,7 @@ from baton.services.common.protocol import params_to_proto
 from baton.services.launch.local import WorkerProcess, WorkerStartError
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
+from tests.support.pair import Pair, eventually, start_pair
 from tests.support.processes import free_port
 
 pytestmark = pytest.mark.slow
@@ -38,68 +39,6 @@ PROMPTS = [
     ("text", "Ünïcödé: ça marche très bien, naïve café —"),
     ("chat", "Summarise: " + "The decode worker pulls KV blocks over NIXL. " * 40),
 ]
-
-
-class Pair:
-    """A prefill and a decode worker and the calls a router would make."""
-
-    def __init__(self, prefill: WorkerProcess, decode: WorkerProcess) -> None:
-        self.prefill, self.decode = prefill, decode
-
-    def prefill_call(self, ids, params, rid, timeout=120.0):
-        stub = worker_pb2_grpc.PrefillWorkerStub(self.prefill.channel)
-        return stub.Prefill(worker_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=ids, params=params_to_proto(params)),
-            timeout=timeout)
-
-    def decode_call(self, ids, params, rid, pre, timeout=120.0):
-        stub = worker_pb2_grpc.DecodeWorkerStub(self.decode.channel)
-        tokens, stats = [], None
-        for chunk in stub.Decode(worker_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
-                params=params_to_proto(params), handle=pre.handle,
-                sampler_state=pre.sampler_state), timeout=timeout):
-            tokens += chunk.token_ids
-            if chunk.HasField("transfer"):
-                stats = chunk.transfer
-        return tokens, stats
-
-    def handoff(self, ids, params, rid):
-        pre = self.prefill_call(ids, params, rid)
-        if pre.finish_reason:
-            return [pre.first_token_id], None
-        return self.decode_call(ids, params, rid, pre)
-
-    def assert_idle_and_intact(self):
-        for w in (self.prefill, self.decode):
-            info = _eventually(lambda w=w: w.info(check_integrity=True),
-                               lambda i: i.num_free_blocks == i.num_blocks)
-            assert info.integrity_ok, info.integrity_error
-            assert info.num_free_blocks == info.num_blocks, (w.role, info)
-
-    def stop(self):
-        for w in (self.decode, self.prefill):
-            w.stop()
-
-
-def _eventually(get, ok, timeout=10.0):
-    end = time.monotonic() + timeout
-    while True:
-        value = get()
-        if ok(value) or time.monotonic() > end:
-            return value
-        time.sleep(0.05)
-
-
-def start_pair(prefill_args=(), decode_args=(), peers=True) -> Pair:
-    prefill = WorkerProcess("prefill", ["--num-blocks", "256", *prefill_args])
-    try:
-        extra = ["--peers", prefill.address] if peers else []
-        decode = WorkerProcess("decode", ["--num-blocks", "256", *extra, *decode_args])
-    except BaseException:
-        prefill.stop()
-        raise
-    return Pair(prefill, decode)
 
 
 @pytest.fixture(scope="module")
@@ -230,11 +169,11 @@ def test_lease_expiry_during_the_read_is_detected_and_nothing_is_decoded(referen
         t.start()
         time.sleep(0.8)
         p.prefill.kill()
-        t0 = time.monotonic()
         t.join()
+        # UNAVAILABLE (the holder is gone), not DEADLINE_EXCEEDED: the release failed as soon as
+        # it was tried, it did not wait out the hand-off's deadline
         assert len(errors) == 2 and errors[1].code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - t0 < 3.0  # the rest of the 2.5 s delay, then the error
-        info = _eventually(lambda: p.decode.info(check_integrity=True),
+        info = eventually(lambda: p.decode.info(check_integrity=True),
                            lambda i: i.num_free_blocks == i.num_blocks)
         assert info.integrity_ok and info.num_free_blocks == info.num_blocks
     finally:
@@ -256,22 +195,21 @@ def test_killed_stalled_and_restarted_prefill_worker(reference, tmp_path):
         # stalled: SIGSTOP after the prefill; the decode side fails within its 3 s deadline
         pre = p.prefill_call(ids, params, "stalled")
         os.kill(prefill.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
         try:
             with pytest.raises(grpc.RpcError) as e:
                 p.decode_call(ids, params, "stalled", pre)
         finally:
             os.kill(prefill.pid, signal.SIGCONT)
+        # the worker's own 3 s --transfer-timeout ended it (the call's deadline is 120 s)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
-        assert time.monotonic() - t0 < 5.0
+        assert e.value.details().startswith("TransferDeadlineError"), e.value.details()
         # killed between prefill and read: a typed error at once, not at the deadline
         pre = p.prefill_call(ids, params, "killed")
         prefill.kill()
-        t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as e:
             p.decode_call(ids, params, "killed", pre)
+        # UNAVAILABLE, not DEADLINE_EXCEEDED: it did not wait for the 3 s deadline
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
-        assert time.monotonic() - t0 < 3.0
         # restarted on the same address: a new incarnation, picked up without touching decode
         p.prefill = prefill = WorkerProcess("prefill", prefill_args)
         assert prefill.incarnation != pre.handle.incarnation
@@ -306,7 +244,7 @@ def test_mismatched_peers_refuse_each_other(pair, reference):
     finally:
         other.stop()
     # the unread lease expires or is released by the reader's give-back; either way it ends
-    _eventually(lambda: pair.prefill.info(), lambda i: i.active_leases == 0, timeout=35)
+    eventually(lambda: pair.prefill.info(), lambda i: i.active_leases == 0, timeout=35)
 
 
 def test_checksummed_handoff(reference):

@@ -16,7 +16,7 @@ from baton.engine.params import SamplingParams
 from baton.services.launch.local import WorkerProcess
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
-from tests.integration.test_transfer import Pair
+from tests.support.pair import Pair
 
 pytestmark = pytest.mark.slow
 

@@ -41,26 +41,33 @@ def test_the_holders_progress_thread_backs_off_when_idle_and_wakes_for_a_read():
                     progress_interval_s=0.002, idle_interval_s=0.064)
     calls: list[float] = []
     lock = threading.Lock()
+    seen = threading.Condition(lock)
     poll = agent.agent.get_new_notifs
 
     def counted(*args, **kwargs):
-        with lock:
+        with seen:
             calls.append(time.monotonic())
+            seen.notify_all()
         return poll(*args, **kwargs)
+
+    def polls_after(n: int, since: float) -> list[float]:
+        """The first ``n`` polls after ``since``, waited for (the bound is a hang detector)."""
+        with seen:
+            assert seen.wait_for(lambda: sum(t > since for t in calls) >= n, 60), calls
+            return [t for t in calls if t > since][:n]
 
     agent.agent.get_new_notifs = counted
     try:
-        time.sleep(0.5)  # backed off by now: 2+4+...+64 ms, then every 64 ms
-        with lock:
-            calls.clear()
-        time.sleep(0.64)
-        with lock:
-            idle = len(calls)
-        assert 5 <= idle <= 12, idle  # ~10 polls at 64 ms (500 Hz would be ~320)
+        # backed off: 2+4+...+64 ms after the start, then every 64 ms. A loaded machine only
+        # stretches the gaps; a thread that did not back off would poll every 2 ms
+        start = polls_after(1, 0.0)[0]
+        idle = polls_after(12, start)[-6:]
+        gaps = [b - a for a, b in zip(idle, idle[1:])]
+        assert min(gaps) >= 0.06, gaps  # ~64 ms each (500 Hz would be 2 ms)
+        woke = time.monotonic()
         agent.wake()
-        time.sleep(0.03)
-        with lock:
-            woken = [t for t in calls if t > calls[idle - 1]] if idle else list(calls)
-        assert len(woken) >= 3, woken  # 2, 4, 8, 16 ms after the wake: at least 3 in 30 ms
+        woken = polls_after(3, woke)
+        # 2, 4, 8 ms after the wake, not the 64 ms idle period each
+        assert woken[-1] - woke < 3 * 0.064, [t - woke for t in woken]
     finally:
         agent.close()
