@@ -68,7 +68,11 @@ def chaos_cluster(start_cluster) -> tuple[Cluster, FaultyProxy]:
             # short TTLs: a dead worker leaves the registry, and blocks leased to a reader that
             # died come back, within a test
             worker_args=["--num-blocks", "200", "--registry-ttl", "2"],
-            role_args={"decode": ["--transfer-timeout", "5"], "prefill": ["--lease-ttl", "8"]},
+            # decode steps of at least 20 ms: on a fast machine a worker otherwise generates a
+            # whole answer ahead of its client (the tokens wait in socket buffers), and a worker
+            # stopped "mid-stream" has nothing left to stall
+            role_args={"decode": ["--transfer-timeout", "5", "--fault-step-delay", "0.02"],
+                       "prefill": ["--lease-ttl", "8"]},
             decode_args=lambda c, i: (["--port", str(port), "--advertise-port",
                                        str(proxy.port)] if i == 1 else []),
             routers=[["--local-prefill-max-tokens", "0", "--stall-timeout", "3"]])

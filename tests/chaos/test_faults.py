@@ -75,8 +75,10 @@ def pids(cluster: Cluster) -> dict[str, int]:
 
 
 def rejoined(cluster: Cluster, worker_id: str, field: str, timeout=30.0) -> None:
-    """Rounds of 4 concurrent requests with fresh prompts (no cached prefix draws them to the
-    old workers) until ``worker_id`` serves one (as ``field`` of the final message)."""
+    """Rounds of 4 concurrent requests with fresh prompts until ``worker_id`` serves one (as
+    ``field`` of the final message). Each prompt starts with its own number: prompts sharing a
+    leading block would be drawn by the prefix index to whichever worker served the first one,
+    and the rejoined worker might never get one."""
     stub = api_pb2_grpc.BatonStub(cluster.router.channel)
     end, n = time.monotonic() + timeout, 0
     nonce = time.time_ns()  # prompts no earlier call cached anywhere
@@ -84,7 +86,7 @@ def rejoined(cluster: Cluster, worker_id: str, field: str, timeout=30.0) -> None
         finals = []
 
         def one(k: int, finals=finals) -> None:
-            req = api_pb2.GenerateRequest(text=f"[{nonce}] Tell me a fact about {k}.",
+            req = api_pb2.GenerateRequest(text=f"{k} [{nonce}] Tell me a fact about {k}.",
                                           params=worker_pb2.SamplingParams(max_tokens=8))
             finals.append(list(stub.Generate(req, timeout=60))[-1].final)
 
