@@ -4,6 +4,7 @@ metadata a worker names a rejected field or a failed peer in. Torch-free."""
 
 from __future__ import annotations
 
+from baton.engine.errors import InvalidRequestError
 from baton.engine.params import SamplingParams
 from baton.v1 import worker_pb2
 
@@ -16,8 +17,13 @@ PEER_METADATA = "baton-failed-peer"
 
 
 def params_from_proto(m) -> SamplingParams:
+    """The engine's parameters; ``max_tokens`` must be set (the router resolves each API's
+    default before any worker call)."""
+    if not m.HasField("max_tokens"):
+        raise InvalidRequestError("params.max_tokens", None,
+                                  "required on the worker API (the router sets it)")
     return SamplingParams(
-        max_tokens=m.max_tokens if m.HasField("max_tokens") else 16,
+        max_tokens=m.max_tokens,
         temperature=m.temperature, top_k=m.top_k,
         top_p=m.top_p if m.HasField("top_p") else 1.0,
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),

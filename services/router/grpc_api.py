@@ -10,8 +10,15 @@ from __future__ import annotations
 import grpc
 from baton.services.router.errors import RequestError
 from baton.services.router.limits import ApiKeys
-from baton.services.router.orchestrator import Caller, Cancellation, Orchestrator
+from baton.services.router.orchestrator import (
+    Caller,
+    Cancellation,
+    Orchestrator,
+    resolve_max_tokens,
+)
 from baton.v1 import api_pb2, api_pb2_grpc
+
+DEFAULT_MAX_TOKENS = 16  # what a Baton API request that sets no params.max_tokens gets
 
 
 class RouterServicer(api_pb2_grpc.BatonServicer):
@@ -28,6 +35,7 @@ class RouterServicer(api_pb2_grpc.BatonServicer):
         metadata = tuple(context.invocation_metadata() or ())
         caller = Caller.of(metadata, context.peer())
         deadline = self.orchestrator.deadline(context.time_remaining())
+        resolve_max_tokens(request, DEFAULT_MAX_TOKENS)
         try:
             yield from self.orchestrator.generate(request, deadline, cancel, caller)
         except RequestError as e:

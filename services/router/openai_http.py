@@ -106,8 +106,13 @@ _NUMBERS = (("temperature", (int, float), "a number"), ("top_p", (int, float), "
             ("seed", int, "an integer"), ("top_k", int, "an integer"))
 
 
+# what a request that sets neither max_tokens nor max_completion_tokens gets, per endpoint
+# (the completions API's documented default; chat keeps the same until its own default lands)
+DEFAULT_MAX_TOKENS = {"text": 16, "chat": 16}
+
+
 def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
-    p = worker_pb2.SamplingParams()
+    p = worker_pb2.SamplingParams(max_tokens=DEFAULT_MAX_TOKENS[kind])
     for key in ("max_completion_tokens", "max_tokens"):
         value = _typed(body, key, int, "an integer")
         if value is not None:

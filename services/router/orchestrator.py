@@ -47,7 +47,7 @@ from baton.services.router.limits import (
     StallWatch,
     WaitEndedError,
 )
-from baton.services.router.progress import Progress, call_span, final_attrs, request_attrs
+from baton.services.router.progress import Attempt, Sent, call_span, final_attrs, request_attrs
 from baton.services.router.routing import Decision, NoWorkerError, RoutingPolicy
 from baton.services.router.workers import Stream, WorkerError, WorkerPool
 from baton.v1 import api_pb2, worker_pb2
@@ -165,6 +165,57 @@ class Failed:
 Outcome = Done | Retry | Migrate | Failed
 
 
+# ---- one request, as the orchestrator carries it ------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """One request from validation to its end: what the client asked (``request``; its
+    ``params`` with ``max_tokens`` resolved, converted once), its prompt, deadline and
+    cancellation, the router's id for it, what was sent so far, and the workers that failed."""
+
+    request: api_pb2.GenerateRequest
+    params: worker_pb2.SamplingParams
+    ids: list[int]
+    deadline: Deadline
+    cancel: Cancellation
+    rid: str
+    t0: float
+    span: tracing.NoSpan  # a tracing.Span when tracing is on
+    hashes: _PromptHashes
+    sent: Sent = field(default_factory=Sent)
+    failed: set[str] = field(default_factory=set)
+    retries: int = 0
+
+    def attempt(self, metrics) -> Attempt:
+        """The next attempt: a new request on the workers (a failed one may still be known
+        there), resuming after what was sent."""
+        n = self.retries + self.sent.migrations
+        return Attempt(self.rid if n == 0 else f"{self.rid}.{n}", self.ids, self.t0,
+                       self.retries, self.sent, metrics, self.span,
+                       last_delta_in_final=self.request.last_delta_in_final,
+                       request_ids=(self.request.request_id, self.rid))
+
+    def left(self) -> float:
+        return self.deadline.at - time.monotonic()
+
+    def waiting(self) -> bool:
+        """Still wanted: the client has not gone."""
+        return not self.cancel.cancelled
+
+    def ended_wait(self, e: Exception) -> RequestError:
+        """A wait (admission, the decode queue) that ended without a place."""
+        status = Status.CANCELLED if self.cancel.cancelled else Status.DEADLINE_EXCEEDED
+        return RequestError(status, f"{type(e).__name__}: {e}")
+
+
+def resolve_max_tokens(request: api_pb2.GenerateRequest, default: int) -> None:
+    """Set ``params.max_tokens`` to the front's API default when the client left it unset: the
+    workers get it always (the worker API has no default of its own)."""
+    if not request.params.HasField("max_tokens"):
+        request.params.max_tokens = default
+
+
 # ---- settings ------------------------------------------------------------------------------------
 
 
@@ -235,7 +286,9 @@ class Orchestrator:
                                         at=t0)
         status = "CANCELLED"  # unless it ends otherwise: the consumer stopped reading
         try:
-            for msg in self._admitted(request, deadline, cancel, caller, t0, rid, span):
+            call = _Call(request, request.params, self.validate(request), deadline, cancel,
+                         rid, t0, span, _PromptHashes(self, request))
+            for msg in self._admitted(call, caller):
                 if msg.HasField("final"):
                     status = "OK"
                     self.metrics.finished(msg.final)
@@ -255,6 +308,8 @@ class Orchestrator:
         """The prompt's token ids; raises RequestError (INVALID_ARGUMENT) naming the field."""
         try:
             ids = self._prompt_ids(request)
+            if not request.params.HasField("max_tokens"):  # the fronts resolve it
+                raise InvalidRequestError("params.max_tokens", None, "unset")
             p = params_from_proto(request.params)  # validation: the workers get the proto
             if self.settings.max_tokens and p.max_tokens > self.settings.max_tokens:
                 raise InvalidRequestError("params.max_tokens", p.max_tokens,
@@ -264,146 +319,124 @@ class Orchestrator:
             raise RequestError.invalid(e) from None
         return ids
 
-    def _admitted(self, request, deadline: Deadline, cancel: Cancellation, caller: Caller,
-                  t0: float, rid: str, span):
-        """Validate, then run under the admission limits (see baton.services.router.limits)."""
-        ids = self.validate(request)
+    def _admitted(self, call: _Call, caller: Caller):
+        """Run the request under the admission limits (see baton.services.router.limits)."""
         try:
-            with self.admission.slot(caller.key, lambda: deadline.at - time.monotonic(),
-                                     lambda: not cancel.cancelled):
-                span.event("baton.admitted")
-                yield from self._attempts(request, deadline, cancel, t0, rid, span, ids)
+            with self.admission.slot(caller.key, call.left, call.waiting):
+                call.span.event("baton.admitted")
+                yield from self._attempts(call)
         except LimitExceededError as e:
             raise RequestError(Status.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}") from None
         except WaitEndedError as e:
-            status = Status.CANCELLED if cancel.cancelled else Status.DEADLINE_EXCEEDED
-            raise RequestError(status, f"{type(e).__name__}: {e}") from None
+            raise call.ended_wait(e) from None
 
-    def _attempts(self, request, deadline: Deadline, cancel: Cancellation, t0: float,
-                  rid: str, span, ids: list[int]):
-        """Attempts until one is done or the request fails; each is a new request on the
-        workers (a failed one may still be known there)."""
-        failed: set[str] = set()
-        st: Progress | None = None
-        retries = 0
-        hashes = _PromptHashes(self, request)
+    def _attempts(self, call: _Call):
+        """Attempts until one is done or the request fails."""
         while True:
-            n = retries + (st.migrations if st else 0)
-            st = Progress(rid if n == 0 else f"{rid}.{n}", ids, t0, retries, self.metrics,
-                          span, before=st, last_delta_in_final=request.last_delta_in_final,
-                          request_ids=(request.request_id, rid))
-            decision = self._route(st, hashes, failed, deadline, cancel)
-            outcome = yield from self._attempt(request, st, decision, deadline, cancel)
+            st = call.attempt(self.metrics)
+            decision = self._route(call, st)
+            outcome = yield from self._attempt(call, st, decision)
             if isinstance(outcome, Done):
                 return
             if isinstance(outcome, Failed):
                 raise outcome.error
-            failed.add(outcome.address)
+            call.failed.add(outcome.address)
             self.pool.forget()
-            if cancel.cancelled:
+            if call.cancel.cancelled:
                 raise _client_gone()
-            if deadline.passed():
+            if call.deadline.passed():
                 raise RequestError(Status.DEADLINE_EXCEEDED, f"the deadline passed after "
                                    f"{outcome.address} failed ({outcome.detail})")
             if isinstance(outcome, Migrate):
-                self._migrate(request, st, outcome)
+                self._migrate(call, st, outcome)
             else:
-                retries += 1
-                self._retry(st, outcome, retries, failed)
+                call.retries += 1
+                self._retry(call, st, outcome)
 
-    def _route(self, st: Progress, hashes: _PromptHashes, failed: set[str], deadline: Deadline,
-               cancel: Cancellation) -> Decision:
+    def _route(self, call: _Call, st: Attempt) -> Decision:
         """The workers for this attempt; waits in the decode queue while every decode worker's
         batch is full (see baton.services.router.limits)."""
         t = time.monotonic()
 
         def decide() -> Decision:
             try:
-                return self.policy.decide(st.ids, hashes.of(st.ids), failed)
+                return self.policy.decide(st.ids, call.hashes.of(st.ids), call.failed)
             except NoWorkerError:  # the registry read may predate a worker's start
                 if not self.pool.forget(if_older_than=0.1):
                     raise
-                return self.policy.decide(st.ids, hashes.of(st.ids), failed)
+                return self.policy.decide(st.ids, call.hashes.of(st.ids), call.failed)
 
         try:
-            decision = self.decode_queue.first(decide, lambda: deadline.at - time.monotonic(),
-                                               lambda: not cancel.cancelled)
+            decision = self.decode_queue.first(decide, call.left, call.waiting)
         except NoWorkerError as e:
             raise RequestError(Status.UNAVAILABLE, str(e)) from None
         except LimitExceededError as e:
             raise RequestError(Status.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}") from None
         except WaitEndedError as e:
-            status = Status.CANCELLED if cancel.cancelled else Status.DEADLINE_EXCEEDED
-            raise RequestError(status, f"{type(e).__name__}: {e}") from None
+            raise call.ended_wait(e) from None
         st.route(decision, t, time.monotonic())
         self.metrics.routed(decision)
         return decision
 
-    def _migrate(self, request, st: Progress, m: Migrate) -> None:
+    def _migrate(self, call: _Call, st: Attempt, m: Migrate) -> None:
         """Resume after the tokens sent, on another decode worker; or end UNAVAILABLE."""
-        why = self._cannot_migrate(st, request)
+        why = self._cannot_migrate(call, st)
         if why:
             raise RequestError(Status.UNAVAILABLE,
                                f"worker {m.address} failed after tokens were streamed "
                                f"({m.detail}); not migrated: {why}")
         st.migrated(st.decode_worker, self.tokenizer)
         self.metrics.migrations.inc()
-        st.span.event("baton.migrate", {"baton.worker.address": m.address,
-                                        "baton.migrate.tokens_sent": len(st.tokens)})
+        call.span.event("baton.migrate", {"baton.worker.address": m.address,
+                                          "baton.migrate.tokens_sent": len(call.sent.tokens)})
         log.warning("request %s: %s after %d tokens; migrating (%d)", st.rid, m.detail,
-                    len(st.tokens), st.migrations)
+                    len(call.sent.tokens), call.sent.migrations)
 
-    def _retry(self, st: Progress, r: Retry, retries: int, failed: set[str]) -> None:
+    def _retry(self, call: _Call, st: Attempt, r: Retry) -> None:
         """Try another worker; or end UNAVAILABLE when ``max_retries`` are spent."""
-        st.span.event("baton.retry", {"baton.worker.address": r.address,
-                                      "baton.retry.reason": r.detail})
-        if retries > self.settings.max_retries:
+        call.span.event("baton.retry", {"baton.worker.address": r.address,
+                                        "baton.retry.reason": r.detail})
+        if call.retries > self.settings.max_retries:
             raise RequestError(Status.UNAVAILABLE, "every attempt failed on an unavailable "
-                               f"worker ({sorted(failed)})")
+                               f"worker ({sorted(call.failed)})")
         log.warning("request %s: %s; retrying elsewhere (attempt %d)", st.rid, r.detail,
-                    retries)
+                    call.retries)
 
-    def _cannot_migrate(self, st: Progress, request) -> str:
+    def _cannot_migrate(self, call: _Call, st: Attempt) -> str:
         """Why the request cannot resume on another worker ("" when it can)."""
-        if st.migrations >= self.settings.max_migrations:
-            return f"already migrated {st.migrations} times (--max-migrations)"
-        p = request.params
-        if len(st.tokens) >= (p.max_tokens if p.HasField("max_tokens") else 16):
+        sent = call.sent
+        if sent.migrations >= self.settings.max_migrations:
+            return f"already migrated {sent.migrations} times (--max-migrations)"
+        if len(sent.tokens) >= call.params.max_tokens:
             return "every requested token was sent, but not the finish"
-        if len(st.prompt) + len(st.tokens) >= self.settings.max_model_len:
+        if len(st.prompt) + len(sent.tokens) >= self.settings.max_model_len:
             return f"prompt and output fill the context length {self.settings.max_model_len}"
         return ""
 
     # ---- one attempt -----------------------------------------------------------------------------
 
-    def _attempt(self, request, st: Progress, decision: Decision, deadline: Deadline,
-                 cancel: Cancellation):
-        """One attempt on the decided workers, counted in flight on them (in Redis too): on the
-        decode worker until the attempt ends, on the prefill worker until its prefill does (a
-        prefill worker counted through every decode it handed off to would look saturated to
-        the routers while it idles, and they would prefill on the decode workers instead)."""
+    def _attempt(self, call: _Call, st: Attempt, decision: Decision):
+        """One attempt on the decided workers, counted in flight on its decode worker (in Redis
+        too) until the attempt ends; the prefill worker counts it while it prefills
+        (:meth:`_prefill`)."""
         index = self.policy.index
         if index is not None:
             index.claim(st.rid, [decision.decode.worker_id])
-            if decision.prefill is not None:
-                index.claim(_prefill_key(st.rid), [decision.prefill.worker_id])
         try:
             if decision.path == "remote":
-                return (yield from self._remote(request, st, decision, deadline, cancel))
-            return (yield from self._local(request, st, decision.decode, deadline, cancel))
+                return (yield from self._remote(call, st, decision))
+            return (yield from self._local(call, st, decision.decode))
         finally:
             if index is not None:
                 index.release(st.rid)
-                index.release(_prefill_key(st.rid))
             self.decode_queue.wake()  # its decode slot is free
 
-    def _remote(self, request, st: Progress, decision: Decision, deadline: Deadline,
-                cancel: Cancellation):
+    def _remote(self, call: _Call, st: Attempt, decision: Decision):
         """Prefill on the prefill worker, then decode from its KV handle on the decode worker.
         A hand-off that does not end in Done gives the lease back at once."""
-        prefill, p = decision.prefill, st.params(request.params)
+        prefill, p = decision.prefill, st.params(call.params)
         assert prefill is not None  # the remote path always names its prefill worker
-        pre = self._prefill(prefill, st, p, deadline, cancel)
+        pre = self._prefill(call, st, prefill, p)
         if not isinstance(pre, worker_pb2.PrefillResponse):
             return pre
         first_lp = [pre.first_logprob] if pre.HasField("first_logprob") else []
@@ -421,56 +454,61 @@ class Orchestrator:
             stream = self.pool.decode(decode.address, worker_pb2.DecodeRequest(
                 request_id=st.rid, prompt_token_ids=st.ids, first_token_id=pre.first_token_id,
                 params=p, handle=pre.handle, sampler_state=pre.sampler_state),
-                deadline.remaining(), cs.metadata())
-            outcome = yield from self._relay(decode, "remote", st, stream, cs, deadline, cancel)
+                call.deadline.remaining(), cs.metadata())
+            outcome = yield from self._relay(call, st, decode, "remote", stream, cs)
         if not isinstance(outcome, Done):
             self.pool.release(pre.handle)  # free the blocks now, not at expiry
         return outcome
 
-    def _prefill(self, prefill, st: Progress, p, deadline: Deadline, cancel: Cancellation
+    def _prefill(self, call: _Call, st: Attempt, prefill, p
                  ) -> worker_pb2.PrefillResponse | Outcome:
         """The prefill worker's answer (a KV handle and the first token), or the outcome that
-        ends the attempt."""
+        ends the attempt. The worker counts the request in flight (in Redis too) only while it
+        prefills: a prefill worker counted through every decode it handed off to would look
+        saturated to the routers while it idles, and they would prefill on the decode workers
+        instead."""
         st.prefill_worker = prefill.worker_id
+        index = self.policy.index
+        if index is not None:
+            index.claim(_prefill_key(st.rid), [prefill.worker_id])
         t = time.monotonic()
         with self.pool.busy(prefill.address):
             cs = call_span(st.span, prefill, "PrefillWorker", "Prefill")
-            call = self.pool.prefill(prefill.address, worker_pb2.PrefillRequest(
-                request_id=st.rid, prompt_token_ids=st.ids, params=p), deadline.remaining(),
-                cs.metadata())
             try:
-                with cancel.linked(call):
-                    pre = call.result()
+                pending = self.pool.prefill(prefill.address, worker_pb2.PrefillRequest(
+                    request_id=st.rid, prompt_token_ids=st.ids, params=p),
+                    call.deadline.remaining(), cs.metadata())
+                with call.cancel.linked(pending):
+                    pre = pending.result()
             except WorkerError as e:
                 cs.end(error=e.status.name)
                 if e.status is Status.RESOURCE_EXHAUSTED:  # backpressure: elsewhere
                     return Retry(prefill.address, f"{prefill.address} refused: {e.detail}")
-                return self._failure(e, deadline, cancel, sent=False)
+                return failure_outcome(e, call.deadline, call.cancel, sent=False)
             finally:
-                if self.policy.index is not None:
-                    self.policy.index.release(_prefill_key(st.rid))
+                if index is not None:  # the one release of the prefill claim
+                    index.release(_prefill_key(st.rid))
             cs.end()
         st.prefill_s = time.monotonic() - t
         st.queue_s, st.cached = pre.queue_s, pre.num_cached_tokens
         st.cached_host, st.cached_disk = pre.cached_tokens_host, pre.cached_tokens_disk
         return pre
 
-    def _local(self, request, st: Progress, decode, deadline: Deadline, cancel: Cancellation):
+    def _local(self, call: _Call, st: Attempt, decode):
         """The decode worker prefills the prompt itself and decodes."""
         with self.pool.busy(decode.address):
             cs = call_span(st.span, decode, "DecodeWorker", "Generate")
             stream = self.pool.generate(decode.address, worker_pb2.LocalRequest(
-                request_id=st.rid, prompt_token_ids=st.ids, params=st.params(request.params)),
-                deadline.remaining(), cs.metadata())
-            return (yield from self._relay(decode, "local", st, stream, cs, deadline, cancel))
+                request_id=st.rid, prompt_token_ids=st.ids, params=st.params(call.params)),
+                call.deadline.remaining(), cs.metadata())
+            return (yield from self._relay(call, st, decode, "local", stream, cs))
 
-    def _relay(self, decode, path: str, st: Progress, stream: Stream, cs, deadline: Deadline,
-               cancel: Cancellation):
+    def _relay(self, call: _Call, st: Attempt, decode, path: str, stream: Stream, cs):
         """Relay the decode worker's chunks as deltas, then the final message."""
         st.decode_worker = decode.worker_id
         reason, watch, final = "", None, None
         try:
-            with cancel.linked(stream):
+            with call.cancel.linked(stream):
                 for chunk in stream:
                     if watch is None:  # mid-stream from here: a silent worker is a hung one
                         watch = self.stall.watch(stream)
@@ -486,7 +524,7 @@ class Orchestrator:
                         yield final
         except WorkerError as e:
             cs.end(error=e.status.name)
-            return self._after_stream_error(e, decode, st, watch, final, deadline, cancel)
+            return self._after_stream_error(call, e, decode, watch, final)
         finally:
             if watch is not None:
                 self.stall.unwatch(watch)
@@ -496,34 +534,15 @@ class Orchestrator:
                                        "ended the stream unfinished"))
         return Done()
 
-    def _after_stream_error(self, e: WorkerError, decode, st: Progress, watch, final,
-                            deadline: Deadline, cancel: Cancellation) -> Outcome:
+    def _after_stream_error(self, call: _Call, e: WorkerError, decode, watch, final) -> Outcome:
         if final is not None:  # everything was delivered; only the status was lost
             log.info("request %s: %s failed after its finish (%s); already complete",
-                     st.rid, decode.address, e.status.name)
+                     call.rid, decode.address, e.status.name)
             return Done()
         if watch is not None and watch.stalled:
             return Migrate(decode.address, f"{decode.address} sent nothing for "
                            f"{self.stall.timeout_s:g}s (--stall-timeout)")
-        return self._failure(e, deadline, cancel, sent=st.sent)
-
-    @staticmethod
-    def _failure(e: WorkerError, deadline: Deadline, cancel: Cancellation,
-                 sent: bool) -> Outcome:
-        """What a failed worker call means: retry elsewhere if the worker was unavailable before
-        anything was sent, migrate if it failed after, else the request fails with the
-        worker's status."""
-        if e.status is Status.CANCELLED and cancel.cancelled:
-            return Failed(_client_gone())
-        if not sent and (e.status in _RETRY_BEFORE_FIRST_TOKEN or (
-                # the worker's own timeout (a KV hand-off from a stalled peer), not the client's
-                e.status is Status.DEADLINE_EXCEEDED and deadline.at - time.monotonic() > 1.0)):
-            # without the worker that failed: a decode worker names the prefill worker its
-            # hand-off failed on, which is then the one left out
-            return Retry(e.culprit, str(e))
-        if sent and e.status in (Status.UNAVAILABLE, Status.CANCELLED):
-            return Migrate(e.address, f"{e.address} failed: {e.status.name} {e.detail}")
-        return Failed(RequestError(e.status, e.detail, e.field))
+        return failure_outcome(e, call.deadline, call.cancel, sent=call.sent.any)
 
     # ---- input -----------------------------------------------------------------------------------
 
@@ -551,6 +570,24 @@ class Orchestrator:
                 if limit == self.settings.max_model_len - 1 else
                 f"this router takes at most {limit} tokens (--max-prompt-tokens)")
         return ids
+
+
+def failure_outcome(e: WorkerError, deadline: Deadline, cancel: Cancellation,
+                    sent: bool) -> Outcome:
+    """What a failed worker call means: retry elsewhere if the worker was unavailable before
+    anything was sent, migrate if it failed after, else the request fails with the worker's
+    status. The one rule, for every worker call."""
+    if e.status is Status.CANCELLED and cancel.cancelled:
+        return Failed(_client_gone())
+    if not sent and (e.status in _RETRY_BEFORE_FIRST_TOKEN or (
+            # the worker's own timeout (a KV hand-off from a stalled peer), not the client's
+            e.status is Status.DEADLINE_EXCEEDED and deadline.at - time.monotonic() > 1.0)):
+        # without the worker that failed: a decode worker names the prefill worker its
+        # hand-off failed on, which is then the one left out
+        return Retry(e.culprit, str(e))
+    if sent and e.status in (Status.UNAVAILABLE, Status.CANCELLED):
+        return Migrate(e.address, f"{e.address} failed: {e.status.name} {e.detail}")
+    return Failed(RequestError(e.status, e.detail, e.field))
 
 
 # before anything reached the client: the worker is gone, or the hand-off's lease was lost
@@ -593,7 +630,7 @@ def _chat_messages(messages) -> list[dict]:
     return msgs
 
 
-def _absorb(st: Progress, chunk) -> api_pb2.GenerateResponse:
+def _absorb(st: Attempt, chunk) -> api_pb2.GenerateResponse:
     """Take one decode chunk's news into ``st``; the delta message for the client."""
     if chunk.HasField("transfer"):
         t = chunk.transfer

@@ -1,9 +1,10 @@
 """What the client has been sent so far, across a request's attempts, and the final message.
 
-One :class:`Progress` per attempt; an attempt after a migration starts from the one before it,
-so the tokens and text already streamed carry over and the workers get the prompt plus those
-tokens. The final message's timings, path, workers and usage are built here too, as are the
-tracing attributes that describe a request and its worker calls.
+One :class:`Attempt` per attempt on the workers, and one :class:`Sent` per request: an attempt
+after a migration shares the request's ``Sent``, so the tokens and text already streamed carry
+over and the workers get the prompt plus those tokens. The final message's timings, path,
+workers and usage are built here too, as are the tracing attributes that describe a request
+and its worker calls.
 """
 
 from __future__ import annotations
@@ -17,33 +18,39 @@ from baton.services.router.routing import Decision
 from baton.v1 import api_pb2
 
 
-class Progress:
-    """One attempt's progress and the timings for the final message. An attempt after a
-    migration starts from the one ``before``: what the client was sent carries over, and the
-    workers get the prompt plus those tokens (``ids``) with ``max_tokens`` reduced by them."""
+class Sent:
+    """What the client has been sent, across every attempt of a request (a migration hands the
+    same record to the next attempt, so nothing is sent twice or lost)."""
 
-    def __init__(self, rid: str, prompt: list[int], t0: float, attempt: int,
-                 metrics=None, span=tracing.NO_SPAN, before: Progress | None = None,
-                 last_delta_in_final: bool = False, request_ids: tuple[str, str] = ("", "")
-                 ) -> None:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # every token sent to the client
+        self.text = ""  # every character sent to the client
+        self.unsent_text = ""  # goes out before the next attempt's text (see Attempt.migrated)
+        self.any = False  # anything at all reached the client
+        self.first_at: float | None = None
+        self.second_at: float | None = None  # after the first token
+        self.last_at: float | None = None
+        self.migrations = 0
+        self.migrated_from: list[str] = []  # the failed decode workers, in order
+
+
+class Attempt:
+    """One attempt on the workers and its figures for the final message. ``sent`` is the
+    request's :class:`Sent`, shared with the attempts before and after this one: the workers
+    get the prompt plus the tokens already sent (``ids``), with ``max_tokens`` reduced by
+    them."""
+
+    def __init__(self, rid: str, prompt: list[int], t0: float, attempt: int, sent: Sent,
+                 metrics=None, span=tracing.NO_SPAN, last_delta_in_final: bool = False,
+                 request_ids: tuple[str, str] = ("", "")) -> None:
         """``rid``: this attempt's id on the workers; ``request_ids``: the client's label and
         the router's id for the whole request, echoed in the final message."""
         self.rid, self.prompt, self.t0, self.attempt = rid, prompt, t0, attempt
-        self.request_ids = request_ids
+        self.sent, self.request_ids = sent, request_ids
         self.last_delta_in_final = last_delta_in_final
         self.metrics, self.span = metrics, span
-        b = before
-        self.tokens: list[int] = list(b.tokens) if b else []  # every token sent to the client
-        self.start = len(self.tokens)  # this attempt's first token's index in ``tokens``
-        self.ids = prompt + self.tokens  # the prompt the workers get
-        self.text: str = b.text if b else ""  # every character sent to the client
-        self.unsent_text: str = b.unsent_text if b else ""  # goes out before this attempt's text
-        self.sent: bool = b.sent if b else False
-        self.first_at: float | None = b.first_at if b else None
-        self.second_at: float | None = b.second_at if b else None  # after the first token
-        self.last_at: float | None = b.last_at if b else None
-        self.migrations: int = b.migrations if b else 0
-        self.migrated_from: list[str] = list(b.migrated_from) if b else []
+        self.start = len(sent.tokens)  # this attempt's first token's index in sent.tokens
+        self.ids = prompt + sent.tokens  # the prompt the workers get
         self.cached = 0
         self.cached_host = self.cached_disk = 0  # of cached: loaded from the workers' KV tiers
         self.prefill_s = self.transfer_s = 0.0
@@ -53,6 +60,14 @@ class Progress:
         self.decision: Decision | None = None
         self.blocks_read = self.blocks_local = 0
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.sent.tokens
+
+    @property
+    def migrations(self) -> int:
+        return self.sent.migrations
+
     def params(self, p):
         """The request's sampling parameters for this attempt (``max_tokens`` less the tokens
         already sent)."""
@@ -60,20 +75,20 @@ class Progress:
             return p
         q = type(p)()
         q.CopyFrom(p)
-        q.max_tokens = (p.max_tokens if p.HasField("max_tokens") else 16) - self.start
+        q.max_tokens = p.max_tokens - self.start
         return q
 
     def migrated(self, worker_id: str, tokenizer: BatonTokenizer) -> None:
         """The decode worker failed after streaming ``tokens``: the next attempt resumes after
         them. Text the worker held back (an unfinished UTF-8 character, a possible stop string's
         start) was never sent; it goes out first, from the router's own decode of the tokens."""
-        self.migrations += 1
-        self.migrated_from.append(worker_id)
+        sent = self.sent
+        sent.migrations += 1
+        sent.migrated_from.append(worker_id)
         seed = self.prompt[-5:]  # as the workers' detokenizer: context for a leading space
-        full = tokenizer.decode(seed + self.tokens)[len(tokenizer.decode(seed)):]
-        sent = self.text
-        if full.startswith(sent):
-            self.unsent_text = full[len(sent):].rstrip("\ufffd")
+        full = tokenizer.decode(seed + sent.tokens)[len(tokenizer.decode(seed)):]
+        if full.startswith(sent.text):
+            sent.unsent_text = full[len(sent.text):].rstrip("\ufffd")
 
     def route(self, decision: Decision, start: float, end: float) -> None:
         self.decision, self.route_s = decision, end - start
@@ -88,18 +103,18 @@ class Progress:
                 "baton.attempt": self.attempt}, at=start).end(at=end)
 
     def delta(self, token_ids, text, logprobs=()):
-        now = time.monotonic()
-        if self.first_at is None:
-            self.first_at = now
-        elif self.second_at is None and token_ids:
-            self.second_at = now
-        if self.last_at is not None and self.metrics is not None:
-            self.metrics.itl.observe(now - self.last_at)
-        self.last_at = now
-        self.sent = True
-        if self.unsent_text:
-            text, self.unsent_text = self.unsent_text + text, ""
-        self.text += text
+        now, sent = time.monotonic(), self.sent
+        if sent.first_at is None:
+            sent.first_at = now
+        elif sent.second_at is None and token_ids:
+            sent.second_at = now
+        if sent.last_at is not None and self.metrics is not None:
+            self.metrics.itl.observe(now - sent.last_at)
+        sent.last_at = now
+        sent.any = True
+        if sent.unsent_text:
+            text, sent.unsent_text = sent.unsent_text + text, ""
+        sent.text += text
         return api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
             text=text, token_ids=token_ids, logprobs=logprobs))
 
@@ -112,31 +127,32 @@ class Progress:
         return (delta, self.final(reason, path))
 
     def final(self, reason: str, path: str, last_delta=None):
-        if self.migrations:
+        sent = self.sent
+        if sent.migrations:
             path = "migrated"
         now = time.monotonic()
-        first = self.first_at or now
+        first = sent.first_at or now
         d = self.decision
         return api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(
             finish_reason=reason, path=path, prefill_worker=self.prefill_worker,
             decode_worker=self.decode_worker, transports=self.transports, retries=self.attempt,
             prompt_token_ids=self.prompt, route_reason=d.reason if d else "",
-            migrations=self.migrations, migrated_from=self.migrated_from,
+            migrations=sent.migrations, migrated_from=sent.migrated_from,
             index_cached_tokens=d.cached_tokens if d else 0,
             index_used=d.used_index if d else False, kv_blocks_read=self.blocks_read,
             kv_blocks_local=self.blocks_local, last_delta=last_delta,
             request_id=self.request_ids[0], router_request_id=self.request_ids[1],
             usage=api_pb2.Usage(prompt_tokens=len(self.prompt),
                                 cached_tokens=min(self.cached, len(self.prompt)),
-                                completion_tokens=len(self.tokens),
+                                completion_tokens=len(sent.tokens),
                                 cached_tokens_host=self.cached_host,
                                 cached_tokens_disk=self.cached_disk),
             timing=api_pb2.Timing(prefill_s=self.prefill_s, transfer_s=self.transfer_s,
                                   first_token_s=first - self.t0, decode_s=now - first,
                                   total_s=now - self.t0, route_s=self.route_s,
                                   queue_s=self.queue_s,
-                                  first_decode_step_s=(self.second_at - first
-                                                       if self.second_at else 0.0))))
+                                  first_decode_step_s=(sent.second_at - first
+                                                       if sent.second_at else 0.0))))
 
 
 def request_attrs(request, model: str, rid: str) -> tuple[str, dict]:
@@ -146,7 +162,7 @@ def request_attrs(request, model: str, rid: str) -> tuple[str, dict]:
     return f"{op} {model}", {
         "gen_ai.operation.name": op, "gen_ai.provider.name": "baton",
         "gen_ai.request.model": request.model or model,
-        "gen_ai.request.max_tokens": p.max_tokens if p.HasField("max_tokens") else 16,
+        "gen_ai.request.max_tokens": p.max_tokens,
         "gen_ai.request.temperature": p.temperature,
         "gen_ai.request.top_p": p.top_p if p.HasField("top_p") else None,
         "gen_ai.request.top_k": p.top_k or None,

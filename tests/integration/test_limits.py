@@ -207,8 +207,10 @@ def test_a_hand_off_with_no_room_before_its_deadline_is_resource_exhausted(tiny_
     from baton.v1 import worker_pb2_grpc
 
     common = ["--model", str(tiny_llama[0]), "--num-blocks", "128", "--redis-url", redis.url]
+    # steps of at least 50 ms: the long request holds the slot for its whole context (~500
+    # tokens), not the second or so a fast machine takes for it
     procs = [WorkerProcess("decode", [*common, "--max-num-seqs", "1",
-                                      "--transfer-timeout", "1"])]
+                                      "--transfer-timeout", "1", "--fault-step-delay", "0.05"])]
     try:
         procs.append(WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1"]))
         stub = api_pb2_grpc.BatonStub(procs[-1].channel)

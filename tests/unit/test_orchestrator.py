@@ -18,6 +18,7 @@ from baton.services.router.orchestrator import (
     Orchestrator,
     Retry,
     RouterSettings,
+    failure_outcome,
 )
 from baton.services.router.workers import WorkerError
 
@@ -28,7 +29,7 @@ def failure(status: Status, *, sent: bool = False, left: float = 60.0, cancelled
     if cancelled:
         cancel.cancel()
     e = WorkerError("10.0.0.1:5000", status, "what the worker said", field)
-    return Orchestrator._failure(e, Deadline.after(left), cancel, sent)
+    return failure_outcome(e, Deadline.after(left), cancel, sent)
 
 
 @pytest.mark.parametrize("status", [Status.UNAVAILABLE, Status.ABORTED, Status.CANCELLED])
@@ -44,9 +45,9 @@ def test_a_failed_hand_off_is_retried_without_the_prefill_worker_it_failed_on():
     # none to try
     e = WorkerError("10.0.0.1:5000", Status.UNAVAILABLE, "PeerUnavailableError: ...",
                     culprit="10.0.0.2:6000")
-    out = Orchestrator._failure(e, Deadline.after(60), Cancellation(), False)
+    out = failure_outcome(e, Deadline.after(60), Cancellation(), False)
     assert isinstance(out, Retry) and out.address == "10.0.0.2:6000"
-    out = Orchestrator._failure(e, Deadline.after(60), Cancellation(), True)  # mid-stream
+    out = failure_outcome(e, Deadline.after(60), Cancellation(), True)  # mid-stream
     assert isinstance(out, Migrate) and out.address == "10.0.0.1:5000"
 
 
