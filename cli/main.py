@@ -249,23 +249,27 @@ def _add_request(sub) -> None:
     r.set_defaults(func=_request)
 
 
+def _command(sub, name: str, help: str, description: str, add_args, func=None) -> None:
+    """A subcommand whose flags ``add_args(parser)`` declares and whose ``func`` runs it."""
+    cmd = sub.add_parser(name, help=help, description=description)
+    add_args(cmd)
+    if func is not None:
+        cmd.set_defaults(func=func)
+
+
 def _add_status(sub) -> None:
     from baton.cli import status
 
-    st = sub.add_parser("status", help="the cluster at a glance: routers and workers, load, KV "
-                                       "usage, prefix hits, TTFT/TPOT percentiles",
-                        description="List the routers and workers registered in Redis, with "
-                                    "what their /metrics say: requests, load, KV blocks used, "
-                                    "prefix-cache hit rate, TTFT/TPOT percentiles (since each "
-                                    "process started). `baton top` keeps it refreshed.")
-    status.add_args(st, top=False)
-    st.set_defaults(func=status.status)
-    tp = sub.add_parser("top", help="`baton status`, refreshed, over a sliding window",
-                        description="Redraw `baton status` every --interval seconds, with "
-                                    "latency percentiles, hit rates and throughput over the "
-                                    "last --window seconds. Ctrl-C quits.")
-    status.add_args(tp, top=True)
-    tp.set_defaults(func=status.top)
+    _command(sub, "status", "the cluster at a glance: routers and workers, load, KV usage, "
+             "prefix hits, TTFT/TPOT percentiles",
+             "List the routers and workers registered in Redis, with what their /metrics say: "
+             "requests, load, KV blocks used, prefix-cache hit rate, TTFT/TPOT percentiles "
+             "(since each process started). `baton top` keeps it refreshed.",
+             lambda p: status.add_args(p, top=False), status.status)
+    _command(sub, "top", "`baton status`, refreshed, over a sliding window",
+             "Redraw `baton status` every --interval seconds, with latency percentiles, hit "
+             "rates and throughput over the last --window seconds. Ctrl-C quits.",
+             lambda p: status.add_args(p, top=True), status.top)
 
 
 def _add_measuring(sub) -> None:
@@ -274,49 +278,38 @@ def _add_measuring(sub) -> None:
     from baton.bench.profile import add_profile_args, cmd_profile
     from baton.control.tune import add_tune_args, cmd_tune
 
-    b = sub.add_parser("bench", help="load generator: latency percentiles, throughput, SLO "
-                                     "attainment, goodput; disaggregated vs colocated",
-                       description="Drive Baton (gRPC) or any OpenAI-compatible server with "
-                                   "synthetic, shared-prefix or trace workloads. `baton bench "
-                                   "run TARGET`, `baton bench compare`; --help on each.")
-    add_bench_args(b)
-    pr = sub.add_parser("profile", help="measure this engine on this machine: prefill, decode "
-                                        "step and KV hand-off times (for `baton tune`)",
-                        description="Time the engine (one core, one torch thread, as workers "
-                                    "run under `baton bench compare`): prefill against batched "
-                                    "tokens, decode steps against batch size and context, and "
-                                    "the KV hand-off between real prefill and decode worker "
-                                    "processes against bytes. Writes the profile `baton tune` "
-                                    "reads (takes about two minutes for SmolLM2).")
-    add_profile_args(pr)
-    pr.set_defaults(func=cmd_profile)
-    tu = sub.add_parser("tune", help="recommend a prefill:decode split (or colocated) for a "
-                                     "trace and SLOs, by simulation",
-                        description="Simulate the trace on every split of --workers workers "
-                                    "into prefill and decode pools and on colocated serving, "
-                                    "with `baton profile`'s costs, continuous batching and "
-                                    "queueing; print each configuration's goodput (highest "
-                                    "Poisson rate at which --attainment of requests meet both "
-                                    "SLOs) and attainment at the trace's own rate, recommend "
-                                    "one, and plot attainment against rate.")
-    add_tune_args(tu)
-    tu.set_defaults(func=cmd_tune)
+    _command(sub, "bench", "load generator: latency percentiles, throughput, SLO attainment, "
+             "goodput; disaggregated vs colocated",
+             "Drive Baton (gRPC) or any OpenAI-compatible server with synthetic, shared-prefix "
+             "or trace workloads. `baton bench run TARGET`, `baton bench compare`; --help on "
+             "each.", add_bench_args)
+    _command(sub, "profile", "measure this engine on this machine: prefill, decode step and KV "
+             "hand-off times (for `baton tune`)",
+             "Time the engine (one core, one torch thread, as workers run under `baton bench "
+             "compare`): prefill against batched tokens, decode steps against batch size and "
+             "context, and the KV hand-off between real prefill and decode worker processes "
+             "against bytes. Writes the profile `baton tune` reads (takes about two minutes "
+             "for SmolLM2).", add_profile_args, cmd_profile)
+    _command(sub, "tune", "recommend a prefill:decode split (or colocated) for a trace and "
+             "SLOs, by simulation",
+             "Simulate the trace on every split of --workers workers into prefill and decode "
+             "pools and on colocated serving, with `baton profile`'s costs, continuous batching "
+             "and queueing; print each configuration's goodput (highest Poisson rate at which "
+             "--attainment of requests meet both SLOs) and attainment at the trace's own rate, "
+             "recommend one, and plot attainment against rate.", add_tune_args, cmd_tune)
 
 
 def _add_autoscale(sub) -> None:
     from baton.control.autoscale import add_autoscale_args, cmd_autoscale
 
-    au = sub.add_parser("autoscale", help="run the SLO autoscaler against Kubernetes "
-                                          "Deployments (local clusters: `baton up --autoscale`)",
-                        description="Every --scale-interval seconds, read the routers' TTFT/TPOT "
-                                    "and the decode workers' KV usage over --scale-window "
-                                    "seconds (through the Redis registry and their /metrics), "
-                                    "decide each pool's replicas (grow on pressure > 1, shrink "
-                                    "one at a time after pressure < 0.5 lasted, cooldowns "
-                                    "between) and patch the pool Deployments' scale. Pods "
-                                    "drain on SIGTERM, so scale-down fails no request.")
-    add_autoscale_args(au)
-    au.set_defaults(func=cmd_autoscale)
+    _command(sub, "autoscale", "run the SLO autoscaler against Kubernetes Deployments (local "
+             "clusters: `baton up --autoscale`)",
+             "Every --scale-interval seconds, read the routers' TTFT/TPOT and the decode "
+             "workers' KV usage over --scale-window seconds (through the Redis registry and "
+             "their /metrics), decide each pool's replicas (grow on pressure > 1, shrink one at "
+             "a time after pressure < 0.5 lasted, cooldowns between) and patch the pool "
+             "Deployments' scale. Pods drain on SIGTERM, so scale-down fails no request.",
+             add_autoscale_args, cmd_autoscale)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -65,13 +65,17 @@ def render(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _unmeasured(r: dict, role: str, why: str) -> str:
+    """A process's row when its /metrics could not be read."""
+    return f"{r['id'][:34]:<34} {role}{_age(r['uptime_s']):>7}  (no metrics: {why}, or unreachable)"
+
+
 def _router_lines(routers: list[dict]) -> list[str]:
     lines = [f"{'ROUTER':<34} {'UP':>7} {'REQS':>6} {'ERR':>4} {'REMOTE':>6} {'LOCAL':>6} "
              f"{'REQ/S':>6} {'TTFT ms p50/90/99':>18} {'TPOT ms p50/90/99':>18} {'INDEX':>5}"]
     for r in routers:
         if not r["metrics"]:
-            lines.append(f"{r['id'][:34]:<34} {_age(r['uptime_s']):>7}  (no metrics: started "
-                         "without --http-port, or unreachable)")
+            lines.append(_unmeasured(r, "", "started without --http-port"))
             continue
         idx = {None: "-", 1.0: "up", 0.0: "DOWN"}.get(r["index_up"], "?")
         lines.append(f"{r['id'][:34]:<34} {_age(r['uptime_s']):>7} {_n(r['requests']):>6} "
@@ -87,8 +91,7 @@ def _worker_lines(workers: list[dict]) -> list[str]:
              f"{'KV READ':>9}"]
     for r in workers:
         if not r["metrics"]:
-            lines.append(f"{r['id'][:34]:<34} {r['role']:<7} {_age(r['uptime_s']):>7}  "
-                         "(no metrics: --metrics-port -1, or unreachable)")
+            lines.append(_unmeasured(r, f"{r['role']:<7} ", "--metrics-port -1"))
             continue
         kv = "-"
         if r["kv_total"]:

@@ -86,6 +86,18 @@ class Stream:
             raise WorkerError.of(self.address, e) from None
 
 
+def count_inflight(counts: dict[str, int], lock: threading.Lock, address: str):
+    """The body of a ``busy(address)`` context manager: ``counts[address]`` is one higher while
+    the ``with`` block runs (a generator for :func:`contextlib.contextmanager`)."""
+    with lock:
+        counts[address] = counts.get(address, 0) + 1
+    try:
+        yield
+    finally:
+        with lock:
+            counts[address] -= 1
+
+
 class WorkerPool:
     """Live workers from the registry (re-read at most every ``refresh_s``), one channel per
     address, and the router's own count of requests in flight on each (least-loaded first)."""
@@ -178,13 +190,8 @@ class WorkerPool:
 
     @contextmanager
     def busy(self, address: str):
-        with self._lock:
-            self._inflight[address] = self._inflight.get(address, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inflight[address] -= 1
+        """Count a call on ``address`` in flight (:meth:`inflight`) while the body runs."""
+        yield from count_inflight(self._inflight, self._lock, address)
 
     def forget(self, if_older_than: float = 0.0) -> bool:
         """Re-read the registry on the next pick (a worker just failed, or none was found), if

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 from baton.control.registry import WorkerRecord
 from baton.services.router.errors import Status
-from baton.services.router.workers import WorkerError
+from baton.services.router.workers import WorkerError, count_inflight
 from baton.v1 import worker_pb2
 
 HANG = "hang"
@@ -122,13 +122,7 @@ class FakeWorkerPool:
 
     @contextmanager
     def busy(self, address: str):
-        with self._lock:
-            self._inflight[address] = self._inflight.get(address, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inflight[address] -= 1
+        yield from count_inflight(self._inflight, self._lock, address)  # as the real pool
 
     # ---- calls ---------------------------------------------------------------------------------
 
