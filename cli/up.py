@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from baton.services.common.config import DTYPES
 from baton.transfer import cluster_secret
 
 from baton import set_on_signals
@@ -42,8 +43,26 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC API")
     ap.add_argument("--http-port", type=int, default=8000,
                     help="the router's OpenAI-compatible HTTP API (-1: none)")
+    _add_worker_args(ap)
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=64,
+                    help="the decode worker prefills itself when it lacks at most this many of "
+                         "a prompt's tokens (prefix-cache hits excluded) (default 64)")
+    ap.add_argument("--routing", default="cache-aware",
+                    choices=["cache-aware", "least-loaded", "round-robin"],
+                    help="the router's policy (default cache-aware: Redis prefix index + load)")
+    ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
+    ap.add_argument("--router-args", default="",
+                    help="more options for the router, e.g. \"--max-concurrent 64 "
+                         "--max-concurrent-per-key 8 --max-tokens 1024\" (see python -m "
+                         "baton.services.router --help)")
+    _add_security_args(ap)
+    _add_scaling_args(ap)
+
+
+def _add_worker_args(ap: argparse.ArgumentParser) -> None:
+    """What every worker gets: its model, dtype, pool, device and tiers."""
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                     help="where the workers run: cuda gives each worker its own GPU (the ones "
@@ -67,19 +86,6 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
                     help="torch threads per worker (default: this machine's cores shared out "
                          "among the workers, at least 1 each; several workers with every core "
                          "each spin against each other. Under --ray: torch's own default)")
-    ap.add_argument("--local-prefill-max-tokens", type=int, default=64,
-                    help="the decode worker prefills itself when it lacks at most this many of "
-                         "a prompt's tokens (prefix-cache hits excluded) (default 64)")
-    ap.add_argument("--routing", default="cache-aware",
-                    choices=["cache-aware", "least-loaded", "round-robin"],
-                    help="the router's policy (default cache-aware: Redis prefix index + load)")
-    ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
-    ap.add_argument("--router-args", default="",
-                    help="more options for the router, e.g. \"--max-concurrent 64 "
-                         "--max-concurrent-per-key 8 --max-tokens 1024\" (see python -m "
-                         "baton.services.router --help)")
-    _add_security_args(ap)
-    _add_scaling_args(ap)
 
 
 def _add_security_args(ap: argparse.ArgumentParser) -> None:

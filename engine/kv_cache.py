@@ -263,19 +263,24 @@ class KVCacheManager:
         blocks.extend(new)
         reused = len(hit)
         if prefix is not None and prefix.tier_hashes:
-            tiered = new[: len(prefix.tier_hashes)]
-            got = self.tiers.load(prefix.tier_hashes, [b.block_id for b in tiered])
-            loaded = len(got)
-            for block, h in zip(tiered[:loaded], prefix.tier_hashes):
-                self.pool.cache_block(block, h)
-            reused += loaded
-            prefix.tier_names = tuple(got)  # where each came from (a block may have moved)
-            if loaded < len(prefix.tier_hashes):
-                prefix.tier_hashes = prefix.tier_hashes[:loaded]
-                prefix.num_tokens = reused * self.block_size
+            reused += self._load_tier_blocks(prefix, new, reused)
         if reused:
             self.req_num_hashed[request.request_id] = reused
         return new
+
+    def _load_tier_blocks(self, prefix: PrefixHit, new: list[KVBlock], pool_hits: int) -> int:
+        """Load the prefix's tier blocks into the first of the ``new`` blocks and make them
+        findable; returns how many loaded. A failed load shortens ``prefix`` to what loaded."""
+        tiered = new[: len(prefix.tier_hashes)]
+        got = self.tiers.load(prefix.tier_hashes, [b.block_id for b in tiered])
+        loaded = len(got)
+        for block, h in zip(tiered[:loaded], prefix.tier_hashes):
+            self.pool.cache_block(block, h)
+        prefix.tier_names = tuple(got)  # where each came from (a block may have moved)
+        if loaded < len(prefix.tier_hashes):
+            prefix.tier_hashes = prefix.tier_hashes[:loaded]
+            prefix.num_tokens = (pool_hits + loaded) * self.block_size
+        return loaded
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Give every full block whose KV is now computed its hash (makes it findable)."""

