@@ -4,18 +4,20 @@ a client on a flushed database per test."""
 from __future__ import annotations
 
 import pytest
-import redis
-from baton.control.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="module")
 def server():
+    from baton.control.redis_server import EmbeddedRedis
+
     with EmbeddedRedis() as r:
         yield r
 
 
 @pytest.fixture
 def client(server):
+    import redis
+
     c = redis.Redis.from_url(server.url, socket_timeout=1)
     c.flushdb()
     return c
