@@ -51,6 +51,21 @@ def wpct(pairs: list[tuple[float, float]], q: float) -> float:
 
 
 def main() -> None:
+    args = parse_args()
+    prompt = [1, 504, 3575, 282, 4649, 314, 2, 198]
+    if args.model:
+        prompt = [t % 400 for t in prompt]
+    times, route_s, used_index = measure(args, prompt)
+    res = {"machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens,
+           "prompt_tokens": len(prompt), "workers": args.workers,
+           "model": args.model or "SmolLM2-135M-Instruct",
+           "router_reads_index": args.workers > 1, "target_added_p50_ms": 2.0}
+    report(args, res, times, route_s, used_index)
+    if not args.no_save:
+        print(f"wrote {write_result('router', res)}")
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300,
                     help="rounds of: direct, router, direct, router-2msg (default 300)")
@@ -67,16 +82,15 @@ def main() -> None:
                     help="also measure the router of another Baton build installed in DIR "
                          "(pip install --no-deps --target DIR <checkout>), in the same run")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def measure(args, prompt: list[int]):
+    """Start the workers and the router(s), run the rounds; (seconds and worker class per call
+    by arm, the routers' route_s, whether each read the index)."""
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.launch.local import WorkerProcess
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-    prompt = [1, 504, 3575, 282, 4649, 314, 2, 198]
-    if args.model:
-        prompt = [t % 400 for t in prompt]
-    params = worker_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     with EmbeddedRedis() as redis:
         print(f"starting {args.workers} colocated worker(s) and a router ...", flush=True)
         model = ["--model", args.model] if args.model else []
@@ -88,106 +102,109 @@ def main() -> None:
         baseline = (WorkerProcess("router", router_args, env={"PYTHONPATH": args.baseline})
                     if args.baseline else None)
         try:
-            directs = {w.worker_id: worker_pb2_grpc.DecodeWorkerStub(w.channel)
-                       for w in workers}
-            ids = list(directs)
-            routed = api_pb2_grpc.BatonStub(router.channel)
-            base = api_pb2_grpc.BatonStub(baseline.channel) if baseline else None
-            last = [ids[0]]  # the worker that served the previous call
-
-            def via_worker(i, k):
-                # one direct call per round goes to the worker of the call before, one to
-                # another (k: which of the round's two direct calls this is)
-                prev = last[0]
-                wid = prev if (i + k) % 2 == 0 else ids[(ids.index(prev) + 1) % len(ids)]
-                for _ in directs[wid].Generate(worker_pb2.LocalRequest(
-                        request_id=f"d{i}.{k}", prompt_token_ids=prompt, params=params),
-                        timeout=30):
-                    pass
-                return wid
-
-            route_s, used_index = [], []
-
-            def via_router(i, in_final=True, stub=None):
-                wid = None
-                for m in (stub or routed).Generate(api_pb2.GenerateRequest(
-                        token_ids=api_pb2.TokenIds(ids=prompt), params=params,
-                        last_delta_in_final=in_final), timeout=30):
-                    if m.HasField("final"):
-                        wid = m.final.decode_worker
-                        if i >= args.warmup:
-                            route_s.append(m.final.timing.route_s)
-                            used_index.append(m.final.index_used)
-                return wid
-
-            arms = (("direct", lambda i: via_worker(i, 0)), ("router", via_router),
-                    ("direct", lambda i: via_worker(i, 1)),
-                    ("router-2msg", lambda i: via_router(i, False)))
-            if base is not None:
-                arms += (("baseline", lambda i: via_router(i, stub=base)),)
-            # (seconds, "same" | "other") per call, by arm
-            times = {name: [] for name, _ in arms}
-            for i in range(args.warmup + args.requests):
-                for name, fn in arms:
-                    prev = last[0]
-                    t0 = time.perf_counter()
-                    last[0] = fn(i)
-                    if i >= args.warmup:
-                        times[name].append((time.perf_counter() - t0,
-                                            "same" if last[0] == prev else "other"))
+            return _rounds(args, prompt, workers, router, baseline)
         finally:
             router.stop()
             if baseline is not None:
                 baseline.stop()
             for w in workers:
                 w.stop()
-    res = {"machine": machine(), "requests": args.requests, "max_tokens": args.max_tokens,
-           "prompt_tokens": len(prompt), "workers": args.workers,
-           "model": args.model or "SmolLM2-135M-Instruct",
-           "router_reads_index": args.workers > 1, "target_added_p50_ms": 2.0}
+
+
+def _rounds(args, prompt, workers, router, baseline):
+    """Each round: every arm once, in turn (see the module's docs)."""
+    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+    params = worker_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    directs = {w.worker_id: worker_pb2_grpc.DecodeWorkerStub(w.channel) for w in workers}
+    ids = list(directs)
+    routed = api_pb2_grpc.BatonStub(router.channel)
+    base = api_pb2_grpc.BatonStub(baseline.channel) if baseline else None
+    last = [ids[0]]  # the worker that served the previous call
+
+    def via_worker(i, k):
+        # one direct call per round goes to the worker of the call before, one to another
+        # (k: which of the round's two direct calls this is)
+        prev = last[0]
+        wid = prev if (i + k) % 2 == 0 else ids[(ids.index(prev) + 1) % len(ids)]
+        for _ in directs[wid].Generate(worker_pb2.LocalRequest(
+                request_id=f"d{i}.{k}", prompt_token_ids=prompt, params=params), timeout=30):
+            pass
+        return wid
+
+    route_s, used_index = [], []
+
+    def via_router(i, in_final=True, stub=None):
+        wid = None
+        for m in (stub or routed).Generate(api_pb2.GenerateRequest(
+                token_ids=api_pb2.TokenIds(ids=prompt), params=params,
+                last_delta_in_final=in_final), timeout=30):
+            if m.HasField("final"):
+                wid = m.final.decode_worker
+                if i >= args.warmup:
+                    route_s.append(m.final.timing.route_s)
+                    used_index.append(m.final.index_used)
+        return wid
+
+    arms = (("direct", lambda i: via_worker(i, 0)), ("router", via_router),
+            ("direct", lambda i: via_worker(i, 1)),
+            ("router-2msg", lambda i: via_router(i, False)))
+    if base is not None:
+        arms += (("baseline", lambda i: via_router(i, stub=base)),)
+    times = {name: [] for name, _ in arms}  # (seconds, "same" | "other") per call, by arm
+    for i in range(args.warmup + args.requests):
+        for name, fn in arms:
+            prev = last[0]
+            t0 = time.perf_counter()
+            last[0] = fn(i)
+            if i >= args.warmup:
+                times[name].append((time.perf_counter() - t0,
+                                    "same" if last[0] == prev else "other"))
+    return times, route_s, used_index
+
+
+def _row(name, calls, extra=""):
+    xs = [t for t, _ in calls]
+    r = {"calls": len(xs), "p50_ms": pct(xs, 0.5) * 1e3, "p99_ms": pct(xs, 0.99) * 1e3,
+         "mean_ms": statistics.fmean(xs) * 1e3}
+    print(f"{name:<14}{len(xs):>6}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{extra}")
+    return r
+
+
+def _added(res: dict, name: str, calls, direct) -> None:
+    """A routed arm's row: its latency added to direct calls of the same classes, mixed in its
+    proportions (see the module's docs)."""
+    share = {cls: sum(c == cls for _, c in calls) / len(calls) for cls in ("same", "other")}
+    mixed = []
+    for cls, w in share.items():
+        sub = [t for t, c in direct if c == cls]
+        mixed += [(t, w / len(sub)) for t in sub] if sub and w else []
+    base50, base99 = wpct(mixed, 0.5), wpct(mixed, 0.99)
+    xs = [t for t, _ in calls]
+    added50, added99 = (pct(xs, 0.5) - base50) * 1e3, (pct(xs, 0.99) - base99) * 1e3
+    unmatched = (pct(xs, 0.5) - pct([t for t, _ in direct], 0.5)) * 1e3
+    r = res[name] = _row(name, calls, f"{added50:>11.2f}{added99:>11.2f}{unmatched:>11.2f}")
+    r.update(added_p50_ms=added50, added_p99_ms=added99, added_p50_unmatched_ms=unmatched,
+             served_by_same_worker=share["same"])
+
+
+def report(args, res: dict, times, route_s, used_index) -> None:
+    """Fill ``res`` and print the table."""
     direct = times["direct"]
     print(f"\n{'':<14}{'calls':>6}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}"
           f"{'unmatched':>11}")
-
-    def row(name, calls, extra=""):
-        xs = [t for t, _ in calls]
-        r = {"calls": len(xs), "p50_ms": pct(xs, 0.5) * 1e3, "p99_ms": pct(xs, 0.99) * 1e3,
-             "mean_ms": statistics.fmean(xs) * 1e3}
-        print(f"{name:<14}{len(xs):>6}{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}{extra}")
-        return r
-
-    res["direct"] = row("direct", direct)
+    res["direct"] = _row("direct", direct)
     for cls in ("same", "other"):
         sub = [c for c in direct if c[1] == cls]
         if sub and len(sub) < len(direct):
-            res[f"direct-{cls}"] = row(f"  {cls} worker", sub)
+            res[f"direct-{cls}"] = _row(f"  {cls} worker", sub)
     for name in [n for n in ("router", "router-2msg", "baseline") if n in times]:
-        calls = times[name]
-        share = {cls: sum(c == cls for _, c in calls) / len(calls) for cls in ("same", "other")}
-        # direct calls of each class, weighted so the classes mix as in the router's calls
-        mixed = []
-        for cls, w in share.items():
-            sub = [t for t, c in direct if c == cls]
-            mixed += [(t, w / len(sub)) for t in sub] if sub and w else []
-        base50, base99 = wpct(mixed, 0.5), wpct(mixed, 0.99)
-        xs = [t for t, _ in calls]
-        added50, added99 = (pct(xs, 0.5) - base50) * 1e3, (pct(xs, 0.99) - base99) * 1e3
-        unmatched = (pct(xs, 0.5) - pct([t for t, _ in direct], 0.5)) * 1e3
-        r = res[name] = row(name, calls, f"{added50:>11.2f}{added99:>11.2f}{unmatched:>11.2f}")
-        r.update(added_p50_ms=added50, added_p99_ms=added99, added_p50_unmatched_ms=unmatched,
-                 served_by_same_worker=share["same"])
+        _added(res, name, times[name], direct)
     for k in ("added_p50_ms", "added_p99_ms", "added_p50_unmatched_ms"):
         res[k] = res["router"][k]  # the SDK's way: what the target is checked on
     res["meets_target"] = res["added_p50_ms"] <= 2.0
     if "baseline" in times:
-        b = res["baseline"]
-        res["baseline_dir"] = args.baseline
-        res["added_p50_vs_baseline"] = res["added_p50_ms"] / b["added_p50_ms"]
-        res["p50_vs_baseline"] = res["router"]["p50_ms"] / b["p50_ms"]
-        print(f"this router vs the baseline's: added p50 {res['added_p50_ms']:.2f} vs "
-              f"{b['added_p50_ms']:.2f} ms ({res['added_p50_vs_baseline']:.2f}x); whole call "
-              f"p50 {res['router']['p50_ms']:.2f} vs {b['p50_ms']:.2f} ms "
-              f"({res['p50_vs_baseline']:.3f}x)")
+        _against_baseline(args, res)
     res["route_decision"] = {"p50_ms": statistics.median(route_s) * 1e3,
                              "p99_ms": pct(route_s, 0.99) * 1e3,
                              "index_read_share": sum(used_index) / len(route_s)}
@@ -199,8 +216,16 @@ def main() -> None:
           f"message more. Routing decision p50 {res['route_decision']['p50_ms']:.2f} ms (index "
           f"read by {res['route_decision']['index_read_share']:.0%} of them). Target: added p50 "
           f"<= 2 ms ({'met' if res['meets_target'] else 'not met'})")
-    if not args.no_save:
-        print(f"wrote {write_result('router', res)}")
+
+
+def _against_baseline(args, res: dict) -> None:
+    b = res["baseline"]
+    res["baseline_dir"] = args.baseline
+    res["added_p50_vs_baseline"] = res["added_p50_ms"] / b["added_p50_ms"]
+    res["p50_vs_baseline"] = res["router"]["p50_ms"] / b["p50_ms"]
+    print(f"this router vs the baseline's: added p50 {res['added_p50_ms']:.2f} vs "
+          f"{b['added_p50_ms']:.2f} ms ({res['added_p50_vs_baseline']:.2f}x); whole call p50 "
+          f"{res['router']['p50_ms']:.2f} vs {b['p50_ms']:.2f} ms ({res['p50_vs_baseline']:.3f}x)")
 
 
 if __name__ == "__main__":
