@@ -212,7 +212,7 @@ def vllm_concurrent(url, model, prompts) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -225,10 +225,13 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     ap.add_argument("--no-save", action="store_true")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-
     model = load_model(a.model)
     salt = str(time.time())
     rng = random.Random(7)
@@ -248,58 +251,74 @@ def main(argv=None) -> int:
     if vmodel:
         res["vllm"] = {"url": a.vllm_url, "model": vmodel, "dtype": "bfloat16 (server's)",
                        "single": [], "concurrent": []}
-
     for dtype in a.dtypes.split(","):
-        engine = LLMEngine(model, EngineConfig(dtype=dtype))
-        log(f"baton {dtype}: compute {engine.cfg.compute_dtype}, GEMMs "
-            f"{engine.cfg.gemm_dtype}, attention "
-            f"{engine.attention_backend}, {engine.num_blocks} KV blocks, "
-            f"{torch.get_num_threads()} threads")
-        engine.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True))
-        b = res["baton"][dtype] = {"compute_dtype": str(engine.cfg.compute_dtype),
-                                   "gemm_dtype": str(engine.cfg.gemm_dtype),
-                                   "attention": engine.attention_backend,
-                                   "single": [], "concurrent": []}
-        for rep in range(a.repeats):
-            single, conc = workload(f"{dtype}-{rep}")
-            settle()
-            b["single"].append(baton_single(engine, single))
-            log(f"baton {dtype} single #{rep}: {b['single'][-1]['decode_tok_s']:.1f} tok/s, "
-                f"TTFT {b['single'][-1]['ttft_s'] * 1000:.0f} ms")
-            settle()
-            b["concurrent"].append(baton_concurrent(engine, conc))
-            log(f"baton {dtype} concurrent #{rep}: "
-                f"{b['concurrent'][-1]['agg_out_tok_s']:.1f} out tok/s")
-            engine.check_integrity()
-            if vmodel and dtype == "bfloat16":  # alternate with the bf16 peer
-                v = res["vllm"]
-                settle()
-                v["single"].append(vllm_single(a.vllm_url, vmodel, single))
-                log(f"vllm single #{rep}: {v['single'][-1]['decode_tok_s']:.1f} tok/s, "
-                    f"TTFT {v['single'][-1]['ttft_s'] * 1000:.0f} ms")
-                settle()
-                v["concurrent"].append(vllm_concurrent(a.vllm_url, vmodel, conc))
-                log(f"vllm concurrent #{rep}: {v['concurrent'][-1]['agg_out_tok_s']:.1f} "
-                    "out tok/s")
-        del engine
+        run_baton(a, model, dtype, res, workload, warm, vmodel)
         if not a.skip_hf:
-            from baton.engine.hf_reference import to_hf
+            run_hf(a, model, dtype, res, workload, warm)
+    rows = summarize(res)
+    print_summary(rows)
+    if not a.no_save:
+        log(f"wrote {write_result('engine', res)}")
+    return 0
 
-            hf = to_hf(model, getattr(torch, dtype))
-            single, conc = workload(f"hf-{dtype}")
-            hf_generate_s(hf, warm[0], 8)
-            settle()
-            h = res["hf"][dtype] = {"single": hf_single(hf, single)}
-            log(f"hf {dtype} single: {h['single']['decode_tok_s']:.1f} tok/s, "
-                f"TTFT {h['single']['ttft_s'] * 1000:.0f} ms")
-            h["sequential"] = hf_sequential(hf, conc, a.hf_sample)
-            log(f"hf {dtype} sequential: {h['sequential']['agg_out_tok_s']:.1f} out tok/s "
-                f"({h['sequential']['how']})")
-            del hf
 
-    # summary: medians over repeats
+def run_baton(a, model, dtype: str, res: dict, workload, warm, vmodel) -> None:
+    """Baton's engine in ``dtype``: single and concurrent, ``--repeats`` times (alternating with
+    the bf16 peer when there is one)."""
+    engine = LLMEngine(model, EngineConfig(dtype=dtype))
+    log(f"baton {dtype}: compute {engine.cfg.compute_dtype}, GEMMs "
+        f"{engine.cfg.gemm_dtype}, attention "
+        f"{engine.attention_backend}, {engine.num_blocks} KV blocks, "
+        f"{torch.get_num_threads()} threads")
+    engine.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True))
+    b = res["baton"][dtype] = {"compute_dtype": str(engine.cfg.compute_dtype),
+                               "gemm_dtype": str(engine.cfg.gemm_dtype),
+                               "attention": engine.attention_backend,
+                               "single": [], "concurrent": []}
+    for rep in range(a.repeats):
+        single, conc = workload(f"{dtype}-{rep}")
+        settle()
+        b["single"].append(baton_single(engine, single))
+        log(f"baton {dtype} single #{rep}: {b['single'][-1]['decode_tok_s']:.1f} tok/s, "
+            f"TTFT {b['single'][-1]['ttft_s'] * 1000:.0f} ms")
+        settle()
+        b["concurrent"].append(baton_concurrent(engine, conc))
+        log(f"baton {dtype} concurrent #{rep}: "
+            f"{b['concurrent'][-1]['agg_out_tok_s']:.1f} out tok/s")
+        engine.check_integrity()
+        if vmodel and dtype == "bfloat16":  # alternate with the bf16 peer
+            run_vllm(a, res["vllm"], vmodel, single, conc, rep)
+
+
+def run_vllm(a, v: dict, vmodel: str, single, conc, rep: int) -> None:
+    settle()
+    v["single"].append(vllm_single(a.vllm_url, vmodel, single))
+    log(f"vllm single #{rep}: {v['single'][-1]['decode_tok_s']:.1f} tok/s, "
+        f"TTFT {v['single'][-1]['ttft_s'] * 1000:.0f} ms")
+    settle()
+    v["concurrent"].append(vllm_concurrent(a.vllm_url, vmodel, conc))
+    log(f"vllm concurrent #{rep}: {v['concurrent'][-1]['agg_out_tok_s']:.1f} out tok/s")
+
+
+def run_hf(a, model, dtype: str, res: dict, workload, warm) -> None:
+    """HF transformers in ``dtype``: single, and the concurrent workload run sequentially."""
+    from baton.engine.hf_reference import to_hf
+
+    hf = to_hf(model, getattr(torch, dtype))
+    single, conc = workload(f"hf-{dtype}")
+    hf_generate_s(hf, warm[0], 8)
+    settle()
+    h = res["hf"][dtype] = {"single": hf_single(hf, single)}
+    log(f"hf {dtype} single: {h['single']['decode_tok_s']:.1f} tok/s, "
+        f"TTFT {h['single']['ttft_s'] * 1000:.0f} ms")
+    h["sequential"] = hf_sequential(hf, conc, a.hf_sample)
+    log(f"hf {dtype} sequential: {h['sequential']['agg_out_tok_s']:.1f} out tok/s "
+        f"({h['sequential']['how']})")
+
+
+def summarize(res: dict) -> list[tuple[str, dict]]:
+    """Medians over the repeats and the ratios, per dtype (also into ``res["summary"]``)."""
     rows = []
-    summary = {}
     for dtype, b in res["baton"].items():
         s = {"baton_decode_tok_s": median([x["decode_tok_s"] for x in b["single"]]),
              "baton_ttft_s": median([x["ttft_s"] for x in b["single"]]),
@@ -318,13 +337,17 @@ def main(argv=None) -> int:
             s["decode_ratio_vs_vllm"] = s["baton_decode_tok_s"] / s["vllm_decode_tok_s"]
             s["concurrent_ratio_vs_vllm"] = (s["baton_concurrent_tok_s"]
                                              / s["vllm_concurrent_tok_s"])
-        summary[dtype] = s
         rows.append((dtype, s))
-    res["summary"] = summary
+    res["summary"] = dict(rows)
+    return rows
 
-    def f(x, fmt="{:.1f}"):
-        return "-" if x is None else fmt.format(x)
 
+def _f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def print_summary(rows) -> None:
+    f = _f
     print(f"\n{'dtype':9} {'figure':34} {'baton':>8} {'hf':>8} {'ratio':>6} {'vllm':>8} "
           f"{'ratio':>6}")
     for dtype, s in rows:
@@ -340,9 +363,6 @@ def main(argv=None) -> int:
         print(f"{'':9} {'TTFT 500-token prompt ms':34} {f(s['baton_ttft_s'] * 1000, '{:.0f}'):>8}"
               f" {'':>8} {'':>6} "
               f"{f(s.get('vllm_ttft_s') and s['vllm_ttft_s'] * 1000, '{:.0f}'):>8}")
-    if not a.no_save:
-        log(f"wrote {write_result('engine', res)}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -151,7 +151,13 @@ def _rounds(args, prompt, workers, router, baseline):
             ("router-2msg", lambda i: via_router(i, False)))
     if base is not None:
         arms += (("baseline", lambda i: via_router(i, stub=base)),)
-    times = {name: [] for name, _ in arms}  # (seconds, "same" | "other") per call, by arm
+    return _time_arms(args, arms, last), route_s, used_index
+
+
+def _time_arms(args, arms, last: list) -> dict:
+    """(seconds, "same" | "other": whether the call's worker served the call before) per call,
+    by arm, after the warm-up rounds."""
+    times: dict[str, list] = {name: [] for name, _ in arms}
     for i in range(args.warmup + args.requests):
         for name, fn in arms:
             prev = last[0]
@@ -160,7 +166,7 @@ def _rounds(args, prompt, workers, router, baseline):
             if i >= args.warmup:
                 times[name].append((time.perf_counter() - t0,
                                     "same" if last[0] == prev else "other"))
-    return times, route_s, used_index
+    return times
 
 
 def _row(name, calls, extra=""):
