@@ -90,8 +90,6 @@ def compare(a: CompareConfig) -> int:
 
 def run_compare(a: CompareConfig) -> list[dict] | None:
     """Measure every setup and peer; None when the arguments are wrong (said on stderr)."""
-    from baton.control.redis_server import EmbeddedRedis
-
     kinds = (a.only or "disaggregated,colocated").split(",")
     load = a.load
     if not (load.goodput or load.rate or load.speedup or load.concurrency):
@@ -107,23 +105,9 @@ def run_compare(a: CompareConfig) -> list[dict] | None:
             print(f"error: --peer {spec!r}: want NAME=URL", file=sys.stderr)
             return None
         targets[name] = ("peer", url)
-
-    def open_target(name: str):
-        how, what = targets[name]
-        if how == "peer":
-            return lg.OpenAITarget(what), None
-        redis = EmbeddedRedis().start()
-        try:
-            setup = Setup(a, what, redis.url)
-        except BaseException:
-            redis.stop()
-            raise
-        t = lg.GrpcTarget(setup.router.address)
-        return t, lambda: (t.close(), setup.stop(), redis.stop())
-
     for name in targets:
         print(f"== {name}", file=sys.stderr)
-        target, close = open_target(name)
+        target, close = _open_target(a, targets[name])
         try:
             lg.run(target, lg.synthetic(2, (32, 32), (4, 4),
                                         lg.Tokens(*a.workload.vocab, "warm")), 1)
@@ -133,24 +117,45 @@ def run_compare(a: CompareConfig) -> list[dict] | None:
     # the colocated setup's goodput rate: every target once more at that rate (p99 TPOT there)
     ref = next((r for r in results if r["target"] == "baton-colocated"), None)
     if load.goodput and ref and ref["goodput_rps"] > 0 and a.rerun:
-        rate = ref["goodput_rps"]
         for res in results:
-            name = res["target"]
-            try:  # a setup that fails to start again must not lose the searches above
-                target, close = open_target(name)
-            except Exception as e:
-                res["at_colocated_goodput_error"] = f"{type(e).__name__}: {e}"[:2000]
-                print(f"  {name}: could not start for the run at {rate:.3g} req/s: "
-                      f"{type(e).__name__}", file=sys.stderr)
-                continue
-            try:
-                at = replace(load, goodput=False, rate=rate)
-                res["at_colocated_goodput"] = measure(target, a.workload, at, name,
-                                                      progress)["runs"][0]
-                res["runs"].append(res["at_colocated_goodput"])
-            finally:
-                (close or target.close)()
+            _rerun_at(a, targets[res["target"]], res, load, ref["goodput_rps"], progress)
     return results
+
+
+def _open_target(a: CompareConfig, how_what: tuple):
+    """(target, its close or None): a peer's URL, or a Baton setup started with its own Redis."""
+    from baton.control.redis_server import EmbeddedRedis
+
+    how, what = how_what
+    if how == "peer":
+        return lg.OpenAITarget(what), None
+    redis = EmbeddedRedis().start()
+    try:
+        setup = Setup(a, what, redis.url)
+    except BaseException:
+        redis.stop()
+        raise
+    t = lg.GrpcTarget(setup.router.address)
+    return t, lambda: (t.close(), setup.stop(), redis.stop())
+
+
+def _rerun_at(a: CompareConfig, how_what: tuple, res: dict, load, rate: float,
+              progress) -> None:
+    """One more run of ``res``'s target at ``rate`` (the colocated setup's goodput)."""
+    name = res["target"]
+    try:  # a setup that fails to start again must not lose the searches before
+        target, close = _open_target(a, how_what)
+    except Exception as e:
+        res["at_colocated_goodput_error"] = f"{type(e).__name__}: {e}"[:2000]
+        print(f"  {name}: could not start for the run at {rate:.3g} req/s: "
+              f"{type(e).__name__}", file=sys.stderr)
+        return
+    try:
+        at = replace(load, goodput=False, rate=rate)
+        res["at_colocated_goodput"] = measure(target, a.workload, at, name, progress)["runs"][0]
+        res["runs"].append(res["at_colocated_goodput"])
+    finally:
+        (close or target.close)()
 
 
 def _summary(results: list[dict]) -> dict:

@@ -130,11 +130,9 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     remote path one after another (each prompt's prefill call, as the router times it). Both
     workers busy, the routers and the clients share their cores, as in a cluster near its
     goodput."""
-    from baton.control.redis_server import EmbeddedRedis
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
-    from baton.services.launch.local import WorkerProcess
-    from baton.v1 import api_pb2_grpc, worker_pb2, worker_pb2_grpc
+    from baton.v1 import api_pb2_grpc
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
     grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
@@ -151,42 +149,10 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     rows = []
     # stops the processes (last started first), then Redis, on every way out
     with contextlib.ExitStack() as stack:
-        redis = stack.enter_context(EmbeddedRedis())
-        common += ["--redis-url", redis.url]
-
-        def start(role: str, args: list[str], cpus: set[int] | None = None) -> WorkerProcess:
-            proc = WorkerProcess(role, args, cpus=cpus)
-            stack.callback(proc.stop)
-            return proc
-
-        prefill = start("prefill", common, {cores[0]})
-        decode = start("decode", [*common, "--peers", prefill.address], {cores[1 % len(cores)]})
-        # the streams' router prefills every prompt on the decode worker, so the streams are
-        # all decoding by the timed window; the busy prompts take the remote path through a
-        # router of their own: prefill, KV hand-off, lease release, decode, as in a cluster
-        router = start("router", ["--redis-url", redis.url, "--http-port", "-1",
-                                  "--local-prefill-max-tokens", "1000000"])
-        remote = start("router", ["--redis-url", redis.url, "--http-port", "-1",
-                                  "--local-prefill-max-tokens", "0"])
-        pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
-        dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
+        prefill, decode, router, remote = _start_cluster(stack, common, cores)
         for n in handoffs:
-            samples = []
-            for i in range(repeats + 1):  # the first pays connection set-up
-                ids, rid = prompts(n), f"profile-{n}-{i}"
-                pre = pstub.Prefill(worker_pb2.PrefillRequest(
-                    request_id=rid, prompt_token_ids=ids, params=params), timeout=120)
-                t0 = time.perf_counter()
-                nbytes = None
-                for chunk in dstub.Decode(worker_pb2.DecodeRequest(
-                        request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
-                        params=params, handle=pre.handle, sampler_state=pre.sampler_state),
-                        timeout=60):
-                    if nbytes is None:
-                        samples.append(time.perf_counter() - t0)
-                        nbytes = chunk.transfer.bytes
-            rows.append({"tokens": n, "bytes": nbytes, "s": statistics.median(samples[1:])})
-            say(f"hand-off {n:5d} tokens ({nbytes / 2**20:6.1f} MiB): "
+            rows.append(_handoff_time(prefill, decode, prompts, n, params, repeats))
+            say(f"hand-off {n:5d} tokens ({rows[-1]['bytes'] / 2**20:6.1f} MiB): "
                 f"{rows[-1]['s'] * 1000:8.2f} ms")
         rstub = api_pb2_grpc.BatonStub(router.channel)
         fits = [n for n in LONG_PROMPTS if n < max_model_len]
@@ -195,14 +161,83 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
             served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
                       for c, b in grid]
-        for r in served:
-            say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
-                f"{r['s'] * 1000:8.2f} ms a token")
-        for n in sizes:
-            ss = [r["s"] for r in busy if r["tokens"] == n]
-            say(f"served prefill {n:5d} tokens meanwhile: {len(ss)} prompts, median "
-                f"{statistics.median(ss) * 1000 if ss else float('nan'):8.2f} ms")
+    _say_served(say, served, busy, sizes)
     return rows, served, busy
+
+
+def _remote_prefill_timing(rstub, ids: list[int], params):
+    """One request through ``rstub``; its final message's timing (it must take the remote
+    path)."""
+    from baton.v1 import api_pb2
+
+    final = None
+    for m in rstub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=ids),
+                                                    params=params), timeout=300):
+        if m.HasField("final"):
+            final = m.final
+    if final is None or final.path != "remote":
+        raise ProfileError(f"a {len(ids)}-token prompt took the "
+                           f"{final.path if final else 'no'} path, not remote")
+    return final.timing
+
+
+def _say_served(say, served: list[dict], busy: list[dict], sizes) -> None:
+    for r in served:
+        say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
+            f"{r['s'] * 1000:8.2f} ms a token")
+    for n in sizes:
+        ss = [r["s"] for r in busy if r["tokens"] == n]
+        say(f"served prefill {n:5d} tokens meanwhile: {len(ss)} prompts, median "
+            f"{statistics.median(ss) * 1000 if ss else float('nan'):8.2f} ms")
+
+
+def _start_cluster(stack: contextlib.ExitStack, common: list[str], cores: list[int]):
+    """Redis, a prefill and a decode worker (a core each) and two routers, each stopped by
+    ``stack``: (prefill, decode, the streams' router, the busy prompts' router)."""
+    from baton.control.redis_server import EmbeddedRedis
+    from baton.services.launch.local import WorkerProcess
+
+    redis = stack.enter_context(EmbeddedRedis())
+    common = [*common, "--redis-url", redis.url]
+
+    def start(role: str, args: list[str], cpus: set[int] | None = None) -> WorkerProcess:
+        proc = WorkerProcess(role, args, cpus=cpus)
+        stack.callback(proc.stop)
+        return proc
+
+    prefill = start("prefill", common, {cores[0]})
+    decode = start("decode", [*common, "--peers", prefill.address], {cores[1 % len(cores)]})
+    # the streams' router prefills every prompt on the decode worker, so the streams are all
+    # decoding by the timed window; the busy prompts take the remote path through a router of
+    # their own: prefill, KV hand-off, lease release, decode, as in a cluster
+    router = start("router", ["--redis-url", redis.url, "--http-port", "-1",
+                              "--local-prefill-max-tokens", "1000000"])
+    remote = start("router", ["--redis-url", redis.url, "--http-port", "-1",
+                              "--local-prefill-max-tokens", "0"])
+    return prefill, decode, router, remote
+
+
+def _handoff_time(prefill, decode, prompts, n: int, params, repeats: int) -> dict:
+    """An ``n``-token prompt's hand-off: from the Prefill answer to the Decode stream's first
+    chunk, median of ``repeats`` (after one that pays the connection set-up)."""
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    pstub = worker_pb2_grpc.PrefillWorkerStub(prefill.channel)
+    dstub = worker_pb2_grpc.DecodeWorkerStub(decode.channel)
+    samples, nbytes = [], None
+    for i in range(repeats + 1):
+        ids, rid = prompts(n), f"profile-{n}-{i}"
+        pre = pstub.Prefill(worker_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=ids, params=params), timeout=120)
+        t0 = time.perf_counter()
+        nbytes = None
+        for chunk in dstub.Decode(worker_pb2.DecodeRequest(
+                request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
+                params=params, handle=pre.handle, sampler_state=pre.sampler_state), timeout=60):
+            if nbytes is None:
+                samples.append(time.perf_counter() - t0)
+                nbytes = chunk.transfer.bytes
+    return {"tokens": n, "bytes": nbytes, "s": statistics.median(samples[1:])}
 
 
 @contextlib.contextmanager
@@ -217,12 +252,10 @@ def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int =
 
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
-    from baton.v1 import api_pb2
 
     params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
     rows: list[dict] = []
     stop = threading.Event()
-
     lock = threading.Lock()
 
     def run(client: int) -> None:
@@ -232,17 +265,9 @@ def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int =
             n = sizes[i % len(sizes)]
             with lock:
                 ids = prompts(n)
-            final = None
             sent = time.monotonic()
-            for m in rstub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=ids), params=params), timeout=300):
-                if m.HasField("final"):
-                    final = m.final
-            if final is None or final.path != "remote":
-                raise ProfileError(f"a {n}-token prompt took the "
-                                   f"{final.path if final else 'no'} path, not remote")
+            t = _remote_prefill_timing(rstub, ids, params)
             if i >= client + len(sizes):
-                t = final.timing
                 with lock:
                     rows.append({"tokens": n, "s": t.prefill_s - t.queue_s,
                                  "end": sent + t.route_s + t.prefill_s})
@@ -404,27 +429,32 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     if handoff:
         p.handoff, p.served, p.served_prefill = measure_workers(
             model, dtype, cores, repeats, say, engine_len, vocab)
-        engine_cost = CostModel(p)
-        for r in p.served:
-            mid = r["context"] + sum(SERVED_TOKENS) // 2
-            r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
-        for r in p.served_prefill:
-            r["model_s"] = engine_cost.engine_prompt(r["tokens"])
-        if p.served:
-            p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
-        through = prefill_throughput_factor(p.served_prefill, engine_cost.engine_prompt)
-        p.prefill_factor = through if through is not None else p.serving_factor
-        if p.served_prefill:
-            say("served prefill, one prompt at a time (for comparison): "
-                f"{statistics.median(r['s'] / r['model_s'] for r in p.served_prefill):.3f} "
-                "of the bare engine's time")
-        say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
-            "(a serving worker's time over the bare engine's)")
+        _serving_factors(p, say)
     weights = tier_weights(p)
     if weights:
         say("KV tier weights for the router (the share of a block's prefill time a load saves): "
             + ", ".join(f"{k}={v}" for k, v in weights.items()))
     return p
+
+
+def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
+    """A serving worker's time over the bare engine's, for decode and prefill (into ``p``)."""
+    engine_cost = CostModel(p)
+    for r in p.served:
+        mid = r["context"] + sum(SERVED_TOKENS) // 2
+        r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
+    for r in p.served_prefill:
+        r["model_s"] = engine_cost.engine_prompt(r["tokens"])
+    if p.served:
+        p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
+    through = prefill_throughput_factor(p.served_prefill, engine_cost.engine_prompt)
+    p.prefill_factor = through if through is not None else p.serving_factor
+    if p.served_prefill:
+        say("served prefill, one prompt at a time (for comparison): "
+            f"{statistics.median(r['s'] / r['model_s'] for r in p.served_prefill):.3f} "
+            "of the bare engine's time")
+    say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
+        "(a serving worker's time over the bare engine's)")
 
 
 def cmd_profile(a) -> int:
