@@ -25,7 +25,7 @@ import time
 from baton.bench.common import machine, write_result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--low", type=int, default=1, help="clients before and after the step")
     ap.add_argument("--high", type=int, default=8, help="clients during the step")
@@ -41,12 +41,40 @@ def main() -> None:
     ap.add_argument("--up-args", default="--num-blocks 200 --kv-target 0.5 --ttft-slo 10 "
                                          "--tpot-slo 1.0 --max-prefill 1 --max-decode 2",
                     help="extra `baton up` flags (the policy's)")
-    a = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> None:
     from baton.bench import loadgen as lg
-    from baton.control.autoscale import SLO, MetricsSignals, pressures
-    from baton.control.registry import WorkerRegistry
 
+    a = parse_args()
+    t0 = time.time()
+    up, lines, address, redis_url = start_up(a)
+    timeline: list[dict] = []
+    stop = threading.Event()
+    threading.Thread(target=watch, args=(a, redis_url, t0, timeline, stop), daemon=True).start()
+    clients = lg.ClosedLoop(lg.GrpcTarget(address, timeout=300), lambda rng: lg.Req(
+        [rng.randrange(100, 10000) for _ in range(a.prompt)], a.output))
+    phases: list[dict] = []
+    try:
+        for name, n, seconds in (("before", a.low, a.before_s), ("step up", a.high, a.high_s),
+                                 ("step down", a.low, a.after_s),
+                                 ("settle", a.steady, a.settle_s),
+                                 ("steady", a.steady, a.steady_s)):
+            phases.append(phase(clients, name, n, seconds, t0))
+        clients.set(0)
+    finally:
+        stop.set()
+        clients.set(0)
+        up.send_signal(signal.SIGINT)
+        up.wait(180)
+    result = summarize(a, lines, phases, timeline, clients, up.returncode, t0)
+    print(f"wrote {write_result('autoscale', result)}")
+
+
+def start_up(a):
+    """`baton up --autoscale` in a fresh cache; (the process, its (time, line)s as they come,
+    the router's gRPC address, the Redis URL)."""
     cache = tempfile.mkdtemp(prefix="baton-autoscale-bench-")
     cmd = [sys.executable, "-m", "baton.cli.main", "up", "--threads", "1", "--grpc-port", "0",
            "--http-port", "0", "--autoscale", *a.up_args.split()]
@@ -54,7 +82,6 @@ def main() -> None:
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env={**os.environ, "BATON_CACHE_DIR": cache})
     lines: list[tuple[float, str]] = []
-    t0 = time.time()
     for line in up.stdout:
         lines.append((time.time(), line))
         print(line, end="", flush=True)
@@ -69,48 +96,37 @@ def main() -> None:
             if "autoscale:" in line:
                 print(line, end="", flush=True)
     threading.Thread(target=pump, daemon=True).start()
+    return up, lines, address, redis_url
+
+
+def watch(a, redis_url: str, t0: float, timeline: list[dict], stop: threading.Event) -> None:
+    """Every 2 s until ``stop``: the pools' sizes, the policy's pressures and signals."""
+    from baton.control.autoscale import SLO, MetricsSignals, pressures
+    from baton.control.registry import WorkerRegistry
 
     registry = WorkerRegistry.from_url(redis_url)
     slo = SLO(*(float(re.search(rf"--{k} (\S+)", a.up_args).group(1))
                 if re.search(rf"--{k} ", a.up_args) else d
                 for k, d in (("ttft-slo", 2.0), ("tpot-slo", 0.1), ("kv-target", 0.85))))
     signals = MetricsSignals(redis_url, 20.0)
-    timeline: list[dict] = []
-    stop = threading.Event()
+    while not stop.wait(2.0):
+        s = signals()
+        timeline.append({"t": time.time() - t0,
+                         "prefill": len(registry.workers("prefill")),
+                         "decode": len(registry.workers("decode")),
+                         "pressure": pressures(s, slo, True), "signals": vars(s)})
 
-    def watch() -> None:
-        while not stop.wait(2.0):
-            s = signals()
-            timeline.append({"t": time.time() - t0,
-                             "prefill": len(registry.workers("prefill")),
-                             "decode": len(registry.workers("decode")),
-                             "pressure": pressures(s, slo, True), "signals": vars(s)})
-    threading.Thread(target=watch, daemon=True).start()
 
-    clients = lg.ClosedLoop(lg.GrpcTarget(address, timeout=300), lambda rng: lg.Req(
-        [rng.randrange(100, 10000) for _ in range(a.prompt)], a.output))
-    phases = []
+def phase(clients, name: str, n: int, seconds: float, t0: float) -> dict:
+    start = time.time() - t0
+    print(f"[{start:6.0f}s] phase {name}: {n} clients for {seconds:.0f}s", flush=True)
+    clients.set(n)
+    time.sleep(seconds)
+    return {"name": name, "clients": n, "start_s": start, "end_s": time.time() - t0}
 
-    def phase(name: str, n: int, seconds: float) -> None:
-        start = time.time() - t0
-        print(f"[{start:6.0f}s] phase {name}: {n} clients for {seconds:.0f}s", flush=True)
-        clients.set(n)
-        time.sleep(seconds)
-        phases.append({"name": name, "clients": n, "start_s": start, "end_s": time.time() - t0})
 
-    try:
-        phase("before", a.low, a.before_s)
-        phase("step up", a.high, a.high_s)
-        phase("step down", a.low, a.after_s)
-        phase("settle", a.steady, a.settle_s)
-        phase("steady", a.steady, a.steady_s)
-        clients.set(0)
-    finally:
-        stop.set()
-        clients.set(0)
-        up.send_signal(signal.SIGINT)
-        up.wait(180)
-
+def summarize(a, lines, phases, timeline, clients, exit_code, t0: float) -> dict:
+    """When the decode pool grew and shrank after the steps, and what changed while steady."""
     changes = [(ts - t0, x.strip()) for ts, x in lines if "autoscale:" in x and "->" in x]
     by = {p["name"]: p for p in phases}
 
@@ -131,13 +147,13 @@ def main() -> None:
         "steady_decode_pressure": ({"min": min(steady_press), "max": max(steady_press)}
                                    if steady_press else None),
         "requests_ok": clients.ok, "requests_failed": len(clients.errors),
-        "errors": clients.errors[:50], "timeline": timeline, "exit_code": up.returncode}
+        "errors": clients.errors[:50], "timeline": timeline, "exit_code": exit_code}
     print(f"\ndecode pool grew {result['grew_after_step_up_s']}s after the step up, shrank "
           f"{result['shrank_after_step_down_s']}s after the step down")
     print(f"requests: {clients.ok} ok, {len(clients.errors)} failed")
     print(f"steady {a.steady_s:.0f}s at {a.steady} clients: {len(steady)} scaling changes; "
           f"decode pressure {result['steady_decode_pressure']}")
-    print(f"wrote {write_result('autoscale', result)}")
+    return result
 
 
 if __name__ == "__main__":

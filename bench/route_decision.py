@@ -23,7 +23,7 @@ from collections import deque
 from baton.bench.common import machine, pct, write_result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--workers", type=int, default=16)
@@ -32,46 +32,25 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> None:
     import redis
-    from baton.control.prefix_index import IndexPublisher, PrefixIndex
+    from baton.control.prefix_index import PrefixIndex
     from baton.control.redis_server import EmbeddedRedis
-    from baton.control.registry import WorkerRecord, WorkerRegistry
-    from baton.engine.block_hash import hash_blocks, namespace_for
-    from baton.engine.kv_cache import STORED
+    from baton.control.registry import WorkerRegistry
     from baton.services.router.routing import RoutingPolicy
     from baton.services.router.server import WorkerPool
 
+    args = parse_args()
     rng = random.Random(0)
-    fp, bs = "bench-fingerprint", args.block_size
+    fp = "bench-fingerprint"
     with EmbeddedRedis() as server:
         client = redis.Redis.from_url(server.url, socket_timeout=0.5,
                                       socket_connect_timeout=0.5)
         registry = WorkerRegistry(client, ttl_s=600)
-        # prompts: a few shared 8k-token "documents"; every worker holds some prefix of some
-        docs = [[rng.randrange(49152) for _ in range(args.prompt_tokens)] for _ in range(4)]
-        ns = namespace_for(fp)
-        doc_hashes = [hash_blocks(d, bs, ns) for d in docs]
-        print(f"registering {args.workers} workers with {args.blocks_per_worker} cached blocks "
-              "each ...", flush=True)
-        publishers = []
-        for i in range(args.workers):
-            role = "prefill" if i < args.workers // 2 else "decode"
-            rec = WorkerRecord(f"{role}-{i}", role, f"127.0.0.1:{40000 + i}", fp, f"inc{i}",
-                               "bench", block_size=bs)
-            registry.put(rec)
-            events = deque((STORED, rng.randbytes(32))
-                           for _ in range(args.blocks_per_worker))
-            for d in doc_hashes:  # a random-depth prefix of each document
-                events.extend((STORED, h) for h in d[: rng.randrange(len(d))])
-            load = (rng.randrange(4), rng.randrange(32), rng.randrange(10000), 10000)
-            pub = IndexPublisher(client, rec.worker_id, rec.incarnation, events,
-                                 lambda load=load: load, ttl_s=600)
-            pub.flush()
-            publishers.append(pub)
-        del publishers, events  # the router process holds none of this
-        gc.collect()
+        docs = populate(args, client, registry, rng, fp)
         index = PrefixIndex(client, "bench-router")
         for i in range(args.workers):  # some requests in flight everywhere
             index.claim(f"warm-{i}", [f"prefill-{i}" if i < args.workers // 2 else f"decode-{i}"])
@@ -79,36 +58,78 @@ def main() -> None:
         pool = WorkerPool(registry, refresh_s=3600)
         policy = RoutingPolicy(pool, index, local_max_new_tokens=64)
         assert len(pool.workers()) == args.workers
-
         prompts = [d[: args.prompt_tokens - rng.randrange(1, 64)] for d in docs]
-        decide, hashing, ping = [], [], []
-        reasons: dict[str, int] = {}
-        for i in range(args.requests + 100):
-            ids = prompts[i % len(prompts)]
-            t0 = time.perf_counter()
-            hashes = policy.prompt_hashes(ids, fp, None, bs)
-            t1 = time.perf_counter()
-            d = policy.decide(ids, hashes, set())
-            t2 = time.perf_counter()
-            client.ping()
-            t3 = time.perf_counter()
-            assert d.used_index, "the index did not answer"
-            if i >= 100:  # warm-up excluded
-                decide.append((t2 - t0) * 1e3)
-                hashing.append((t1 - t0) * 1e3)
-                ping.append((t3 - t2) * 1e3)
-                reasons[d.reason] = reasons.get(d.reason, 0) + 1
+        timed = time_decisions(args, policy, client, prompts, fp)
         index.close()
+    res = report(args, *timed)
+    if not args.no_save:
+        print(f"wrote {write_result('route-decision', res)}")
 
-    def summary(xs):
-        return {"p50_ms": round(pct(xs, 0.5), 4), "p99_ms": round(pct(xs, 0.99), 4),
-                "mean_ms": round(statistics.fmean(xs), 4)}
 
+def populate(args, client, registry, rng, fp: str) -> list[list[int]]:
+    """Register the workers and fill their index sets: random hashes, and a random-depth prefix
+    of each of a few shared 8k-token "documents" (returned)."""
+    from baton.control.prefix_index import IndexPublisher
+    from baton.control.registry import WorkerRecord
+    from baton.engine.block_hash import hash_blocks, namespace_for
+    from baton.engine.kv_cache import STORED
+
+    bs = args.block_size
+    docs = [[rng.randrange(49152) for _ in range(args.prompt_tokens)] for _ in range(4)]
+    ns = namespace_for(fp)
+    doc_hashes = [hash_blocks(d, bs, ns) for d in docs]
+    print(f"registering {args.workers} workers with {args.blocks_per_worker} cached blocks "
+          "each ...", flush=True)
+    for i in range(args.workers):
+        role = "prefill" if i < args.workers // 2 else "decode"
+        rec = WorkerRecord(f"{role}-{i}", role, f"127.0.0.1:{40000 + i}", fp, f"inc{i}",
+                           "bench", block_size=bs)
+        registry.put(rec)
+        events = deque((STORED, rng.randbytes(32)) for _ in range(args.blocks_per_worker))
+        for d in doc_hashes:  # a random-depth prefix of each document
+            events.extend((STORED, h) for h in d[: rng.randrange(len(d))])
+        load = (rng.randrange(4), rng.randrange(32), rng.randrange(10000), 10000)
+        IndexPublisher(client, rec.worker_id, rec.incarnation, events, lambda load=load: load,
+                       ttl_s=600).flush()
+    gc.collect()  # the router process holds none of this
+    return docs
+
+
+def time_decisions(args, policy, client, prompts, fp: str):
+    """(decision ms, of which hashing ms, Redis PING ms, reasons, the prompt's hash bytes),
+    after 100 warm-up decisions."""
+    decide, hashing, ping = [], [], []
+    reasons: dict[str, int] = {}
+    hashes = b""
+    for i in range(args.requests + 100):
+        ids = prompts[i % len(prompts)]
+        t0 = time.perf_counter()
+        hashes = policy.prompt_hashes(ids, fp, None, args.block_size)
+        t1 = time.perf_counter()
+        d = policy.decide(ids, hashes, set())
+        t2 = time.perf_counter()
+        client.ping()
+        t3 = time.perf_counter()
+        assert d.used_index, "the index did not answer"
+        if i >= 100:  # warm-up excluded
+            decide.append((t2 - t0) * 1e3)
+            hashing.append((t1 - t0) * 1e3)
+            ping.append((t3 - t2) * 1e3)
+            reasons[d.reason] = reasons.get(d.reason, 0) + 1
+    return decide, hashing, ping, reasons, hashes
+
+
+def _summary(xs):
+    return {"p50_ms": round(pct(xs, 0.5), 4), "p99_ms": round(pct(xs, 0.99), 4),
+            "mean_ms": round(statistics.fmean(xs), 4)}
+
+
+def report(args, decide, hashing, ping, reasons, hashes) -> dict:
     res = {"benchmark": "route_decision", "machine": machine(),
            "prompt_tokens": args.prompt_tokens, "prompt_blocks": len(hashes) // 32,
            "workers": args.workers, "blocks_per_worker": args.blocks_per_worker,
-           "requests": args.requests, "decision": summary(decide),
-           "of_which_hashing": summary(hashing), "redis_ping": summary(ping),
+           "requests": args.requests, "decision": _summary(decide),
+           "of_which_hashing": _summary(hashing), "redis_ping": _summary(ping),
            "reasons": reasons, "target_p99_ms": 2.0}
     res["decision_p50_over_ping_p50"] = round(res["decision"]["p50_ms"]
                                               / res["redis_ping"]["p50_ms"], 2)
@@ -121,8 +142,7 @@ def main() -> None:
                       ("Redis PING round trip", "redis_ping")):
         print(f"{name:26} {res[key]['p50_ms']:8.3f} {res[key]['p99_ms']:8.3f}")
     print(f"target p99 <= 2 ms: {'met' if res['meets_target'] else 'NOT met'}")
-    if not args.no_save:
-        print(f"wrote {write_result('route-decision', res)}")
+    return res
 
 
 if __name__ == "__main__":
