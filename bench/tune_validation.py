@@ -17,7 +17,7 @@ from dataclasses import replace
 from baton.bench.common import RESULTS, machine, write_result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -34,15 +34,16 @@ def main() -> None:
     ap.add_argument("--start-rate", type=float, default=1.0,
                     help="the goodput search's first rate, req/s (both searches)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
-    a = ap.parse_args()
+    return ap.parse_args()
 
-    from baton.bench.cli import CompareConfig, add_bench_args
+
+def main() -> None:
     from baton.bench.compare import run_compare
     from baton.bench.profile import run_profile
-    from baton.control.profile import CostModel, Profile
+    from baton.control.profile import Profile
     from baton.control.sim import Layout
-    from baton.control.tune import Evaluator, TuneConfig, add_tune_args, load_trace
 
+    a = parse_args()
     t0 = time.monotonic()
 
     def say(msg: str) -> None:
@@ -58,17 +59,7 @@ def main() -> None:
                   "--max-input", str(a.max_input), "--max-output", str(a.max_output),
                   "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
                   "--refine", str(a.refine), "--start-rate", str(a.start_rate)]
-    # the same slice and search through both commands' own parsers (same defaults elsewhere)
-    ap_bench = argparse.ArgumentParser()
-    add_bench_args(ap_bench)
-    # the goodput searches only, not the extra run at colocated's goodput
-    ca = replace(CompareConfig.from_args(ap_bench.parse_args(
-        ["compare", "--dtype", a.dtype, "--quiet", "--no-plots", "--workload", "azure",
-         "--goodput", *slice_args])), rerun=False)
-    ap_tune = argparse.ArgumentParser()
-    add_tune_args(ap_tune)
-    tc = TuneConfig.from_args(ap_tune.parse_args(["--format", "azure", *slice_args]))
-    ev = Evaluator(profile, load_trace(tc.slice), tc.search, tc.knobs)
+    ca, ev = configs(a, profile, slice_args)
     layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     predicted = {}
     for name, layout in layouts.items():
@@ -87,6 +78,32 @@ def main() -> None:
     for name, m in measured.items():
         m["simulated_at_measured_rates"] = [
             (rate, att, ev.at(layouts[name], rate)) for rate, att in m["points"]]
+    result = report(a, profile, slice_args, predicted, measured)
+    print(f"wrote {write_result('tune-validation', result)}")
+
+
+def configs(a, profile, slice_args: list[str]):
+    """The same slice and search through both commands' own parsers (same defaults elsewhere):
+    `baton bench compare`'s config (the goodput searches only, not the extra run at colocated's
+    goodput) and `baton tune`'s evaluator."""
+    from baton.bench.cli import CompareConfig, add_bench_args
+    from baton.control.tune import Evaluator, TuneConfig, add_tune_args, load_trace
+
+    ap_bench = argparse.ArgumentParser()
+    add_bench_args(ap_bench)
+    ca = replace(CompareConfig.from_args(ap_bench.parse_args(
+        ["compare", "--dtype", a.dtype, "--quiet", "--no-plots", "--workload", "azure",
+         "--goodput", *slice_args])), rerun=False)
+    ap_tune = argparse.ArgumentParser()
+    add_tune_args(ap_tune)
+    tc = TuneConfig.from_args(ap_tune.parse_args(["--format", "azure", *slice_args]))
+    return ca, Evaluator(profile, load_trace(tc.slice), tc.search, tc.knobs)
+
+
+def report(a, profile, slice_args, predicted: dict, measured: dict) -> dict:
+    """Predicted against measured goodput per setup, and the winners; printed, and returned."""
+    from baton.control.profile import CostModel
+
     rows = []
     for name, pred in predicted.items():
         m = measured.get(name, {}).get("goodput_rps")
@@ -97,13 +114,6 @@ def main() -> None:
     winner = {k: max(rows, key=lambda r: r[k] or 0)["setup"] if all(r[k] is not None
                                                                       for r in rows) else None
               for k in ("predicted_rps", "measured_rps")}
-    result = {"machine": machine(), "args": vars(a), "slice": slice_args,
-              "cost_model": CostModel(profile).summary(), "rows": rows,
-              "predicted": predicted, "measured": measured,
-              "predicted_winner": winner["predicted_rps"],
-              "measured_winner": winner["measured_rps"],
-              "winner_agrees": (winner["predicted_rps"] == winner["measured_rps"]
-                                if winner["measured_rps"] else None)}
     print(f"\n{'setup':<22} {'predicted':>10} {'measured':>10} {'error':>7}")
     for r in rows:
         m = "-" if r["measured_rps"] is None else f"{r['measured_rps']:.3g}"
@@ -114,7 +124,13 @@ def main() -> None:
         pairs = m["simulated_at_measured_rates"]
         print(f"{name}: attainment measured/simulated at " + ", ".join(
             f"{r:.3g}/s {100 * x:.0f}/{100 * y:.0f}%" for r, x, y in sorted(pairs)))
-    print(f"wrote {write_result('tune-validation', result)}")
+    return {"machine": machine(), "args": vars(a), "slice": slice_args,
+            "cost_model": CostModel(profile).summary(), "rows": rows,
+            "predicted": predicted, "measured": measured,
+            "predicted_winner": winner["predicted_rps"],
+            "measured_winner": winner["measured_rps"],
+            "winner_agrees": (winner["predicted_rps"] == winner["measured_rps"]
+                              if winner["measured_rps"] else None)}
 
 
 if __name__ == "__main__":
