@@ -103,6 +103,17 @@ def settle(idle: float = 0.9, window_s: float = 0.5, max_s: float = 15.0) -> flo
         return window_s
 
 
+def run_threads(target, n: int) -> None:
+    """``target()`` on ``n`` threads at once; returns when every one has."""
+    import threading
+
+    threads = [threading.Thread(target=target) for _ in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 def write_result(name: str, result: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%SZ")

@@ -120,55 +120,69 @@ def ceilings() -> dict:
 
 
 def check_kernels() -> list[dict]:
-    from baton.kernels import paged_attention as ref
-    from baton.kernels import triton_attention as tri
-
     gen = torch.Generator().manual_seed(0)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        for hq, hkv, d, bs, lens, splits in [(32, 8, 128, 16, [1, 1000, 4097, 31], 12),
-                                             (9, 3, 64, 16, [17, 300], 1),
-                                             (12, 4, 96, 8, [5, 129], 5)]:
-            nb = sum(-(-n // bs) for n in lens) + 4
-            kv = torch.randn((nb, 2, 2, bs, hkv, d), generator=gen).to(dtype).cuda()
-            q = torch.randn((len(lens), hq, d), generator=gen).to(dtype).cuda()
-            perm = torch.randperm(nb, generator=gen)
-            width, used, tables = max(-(-n // bs) for n in lens), 0, []
-            for n in lens:
-                k = -(-n // bs)
-                tables.append(perm[used:used + k].tolist() + [0] * (width - k))
-                used += k
-            tab = torch.tensor(tables, dtype=torch.int32, device="cuda")
-            ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
-            want = ref.decode_attention(q.cpu().double(), kv.cpu().double(), 1,
-                                        tab.cpu().long(), ctx.cpu().long(), d**-0.5)
-            got = tri.decode_attention(q, kv, 1, tab, ctx, d**-0.5, splits,
-                                       out=torch.full_like(q, float("nan")))
-            rows.append({"kernel": "decode", "dtype": str(dtype), "heads": f"{hq}/{hkv}x{d}",
-                         "rel_err": rel_err(got.cpu(), want)})
-            # prefill: each sequence's last min(n, 200) tokens are the new chunk
-            chunks = [(n - min(n, 200), min(n, 200)) for n in lens]
-            total = sum(c for _, c in chunks)
-            qp = torch.randn((total, hq, d), generator=gen).to(dtype).cuda()
-            starts = [sum(c for _, c in chunks[:i]) for i in range(len(chunks))]
-            out = torch.full_like(qp, float("nan"))
-            tri.prefill_attention(
-                qp, kv, 1, tab, torch.tensor(starts, dtype=torch.int32, device="cuda"),
-                torch.tensor([c for _, c in chunks], dtype=torch.int32, device="cuda"),
-                torch.tensor([p for p, _ in chunks], dtype=torch.int32, device="cuda"),
-                max(c for _, c in chunks), d**-0.5, out=out)
-            errs = []
-            for (past, c), s, table in zip(chunks, starts, tab.cpu().long()):
-                k, v = ref.gather_kv(kv.cpu().double(), 1, table[: -(-(past + c) // bs)],
-                                     torch.float64)
-                w = ref.prefill_attention(qp[s:s + c].cpu().double(), k[:past + c],
-                                          v[:past + c], past, d**-0.5)
-                errs.append(rel_err(out[s:s + c].cpu(), w))
-            rows.append({"kernel": "prefill", "dtype": str(dtype), "heads": f"{hq}/{hkv}x{d}",
-                         "rel_err": max(errs)})
+        for case in [(32, 8, 128, 16, [1, 1000, 4097, 31], 12), (9, 3, 64, 16, [17, 300], 1),
+                     (12, 4, 96, 8, [5, 129], 5)]:
+            rows += _check_case(gen, dtype, *case)
     for r in rows:
         r["ok"] = r["rel_err"] < (2e-2 if "bfloat16" in r["dtype"] else 1e-4)
     return rows
+
+
+def _check_case(gen, dtype, hq: int, hkv: int, d: int, bs: int, lens: list[int],
+                splits: int) -> list[dict]:
+    """The Triton decode and prefill kernels against the float64 torch reference on one
+    paged layout (blocks in random order)."""
+    from baton.kernels import paged_attention as ref
+    from baton.kernels import triton_attention as tri
+
+    nb = sum(-(-n // bs) for n in lens) + 4
+    kv = torch.randn((nb, 2, 2, bs, hkv, d), generator=gen).to(dtype).cuda()
+    q = torch.randn((len(lens), hq, d), generator=gen).to(dtype).cuda()
+    perm = torch.randperm(nb, generator=gen)
+    width, used, tables = max(-(-n // bs) for n in lens), 0, []
+    for n in lens:
+        k = -(-n // bs)
+        tables.append(perm[used:used + k].tolist() + [0] * (width - k))
+        used += k
+    tab = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    want = ref.decode_attention(q.cpu().double(), kv.cpu().double(), 1, tab.cpu().long(),
+                                ctx.cpu().long(), d**-0.5)
+    got = tri.decode_attention(q, kv, 1, tab, ctx, d**-0.5, splits,
+                               out=torch.full_like(q, float("nan")))
+    heads = f"{hq}/{hkv}x{d}"
+    return [{"kernel": "decode", "dtype": str(dtype), "heads": heads,
+             "rel_err": rel_err(got.cpu(), want)},
+            {"kernel": "prefill", "dtype": str(dtype), "heads": heads,
+             "rel_err": _check_prefill(gen, dtype, kv, tab, lens, hq, d, bs)}]
+
+
+def _check_prefill(gen, dtype, kv, tab, lens: list[int], hq: int, d: int, bs: int) -> float:
+    """The prefill kernel's largest error: each sequence's last min(n, 200) tokens are the new
+    chunk."""
+    from baton.kernels import paged_attention as ref
+    from baton.kernels import triton_attention as tri
+
+    chunks = [(n - min(n, 200), min(n, 200)) for n in lens]
+    total = sum(c for _, c in chunks)
+    qp = torch.randn((total, hq, d), generator=gen).to(dtype).cuda()
+    starts = [sum(c for _, c in chunks[:i]) for i in range(len(chunks))]
+    out = torch.full_like(qp, float("nan"))
+    tri.prefill_attention(
+        qp, kv, 1, tab, torch.tensor(starts, dtype=torch.int32, device="cuda"),
+        torch.tensor([c for _, c in chunks], dtype=torch.int32, device="cuda"),
+        torch.tensor([p for p, _ in chunks], dtype=torch.int32, device="cuda"),
+        max(c for _, c in chunks), d**-0.5, out=out)
+    errs = []
+    for (past, c), st, table in zip(chunks, starts, tab.cpu().long()):
+        k, v = ref.gather_kv(kv.cpu().double(), 1, table[: -(-(past + c) // bs)], torch.float64)
+        w = ref.prefill_attention(qp[st:st + c].cpu().double(), k[:past + c], v[:past + c],
+                                  past, d**-0.5)
+        errs.append(rel_err(out[st:st + c].cpu(), w))
+    return max(errs)
 
 
 def check_smollm2(path: str | None, max_tokens: int) -> dict:
@@ -259,8 +273,7 @@ def weight_bytes_per_step(model) -> int:
 
 
 def bench_model(ceil: dict, batches: list[int], prefills: list[int], ctx: int) -> dict:
-    from baton.engine.cuda_graphs import DecodeGraphs
-    from baton.engine.model import AttentionMetadata, LlamaModel
+    from baton.engine.model import LlamaModel
 
     dtype, bs = torch.bfloat16, 16
     max_len = max(max(prefills), ctx + bs)
@@ -275,80 +288,101 @@ def bench_model(ceil: dict, batches: list[int], prefills: list[int], ctx: int) -
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(prefills) // bs)) + 8
     kv = torch.empty((num_blocks, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim),
                      dtype=dtype, device="cuda").normal_()
-    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv.element_size()
     out = {"config": "llama3-8b-shaped", "weight_bytes": wbytes, "decode": [], "prefill": []}
-
-    copy_bw, mm = ceil["copy_bytes_per_s"], ceil["matmul_bf16_flops"]
     for b in batches:
-        log(f"decode batch {b}: capturing the CUDA graph")
-        graphs = DecodeGraphs(model, kv, b, max_len, bs, sizes=[b])
-        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
-        pos = ctx - 1  # the step's token is the ctx-th key
-        ids = torch.randint(0, cfg.vocab_size, (b,)).tolist()
-
-        # fill the graph's input buffers once; the timed step is the replay alone (the host's
-        # batch preparation is the runner's, and overlaps the previous step in serving)
-        host = time.perf_counter()
-        logits = graphs.run(ids, [pos] * b, [t[pos // bs] for t in tables], tables, [ctx] * b)
-        finite = bool(torch.isfinite(logits).all())
-        host = time.perf_counter() - host
-        t = cuda_time(graphs.graphs[b].replay, 30, warmup=5)
-        kv_read = b * ctx * kv_tok
-        row = {"batch": b, "context": ctx, "step_ms": t * 1e3, "weight_bytes": wbytes,
-               "kv_bytes": kv_read, "bandwidth_util": (wbytes + kv_read) / t / copy_bw,
-               "achieved_bytes_per_s": (wbytes + kv_read) / t, "logits_finite": finite,
-               "tokens_per_s": b / t, "run_with_host_prep_ms": host * 1e3}
-        if b == 1:  # the same step without the graph: what launch overhead costs
-            meta = AttentionMetadata(
-                slot_blocks=torch.tensor([tables[0][pos // bs]], device="cuda"),
-                slot_offsets=torch.tensor([pos % bs], device="cuda"),
-                decode_block_tables=torch.tensor(tables[:1], dtype=torch.int32, device="cuda"),
-                decode_context_lens=torch.tensor([ctx], dtype=torch.int32, device="cuda"),
-                decode_splits=graphs.splits[1])
-            idt = torch.tensor(ids, device="cuda")
-            pst = torch.tensor([pos], device="cuda")
-            rows0 = torch.zeros(1, dtype=torch.long, device="cuda")
-            row["eager_step_ms"] = 1e3 * cuda_time(
-                lambda m=meta, i=idt, p=pst, r=rows0: model.forward(i, p, m, kv, r), 10)
-        out["decode"].append(row)
-        log(f"  {row['step_ms']:.3f} ms, {row['bandwidth_util']:.1%} of copy bandwidth")
-        del graphs
+        out["decode"].append(_bench_decode_step(model, kv, cfg, b, ctx, max_len, ceil))
         torch.cuda.empty_cache()
+    for n in prefills:
+        out["prefill"].append(_bench_prefill(model, kv, cfg, n, ceil))
+    return out
 
+
+def _bench_decode_step(model, kv, cfg, b: int, ctx: int, max_len: int, ceil: dict) -> dict:
+    """One decode step of batch ``b`` at context ``ctx``, replayed from its CUDA graph."""
+    from baton.engine.cuda_graphs import DecodeGraphs
+
+    bs = kv.shape[3]
+    blocks_per_seq = -(-(ctx + 1) // bs)
+    wbytes = weight_bytes_per_step(model)
+    kv_tok = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * kv.element_size()
+    log(f"decode batch {b}: capturing the CUDA graph")
+    graphs = DecodeGraphs(model, kv, b, max_len, bs, sizes=[b])
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+    pos = ctx - 1  # the step's token is the ctx-th key
+    ids = torch.randint(0, cfg.vocab_size, (b,)).tolist()
+    # fill the graph's input buffers once; the timed step is the replay alone (the host's batch
+    # preparation is the runner's, and overlaps the previous step in serving)
+    host = time.perf_counter()
+    logits = graphs.run(ids, [pos] * b, [t[pos // bs] for t in tables], tables, [ctx] * b)
+    finite = bool(torch.isfinite(logits).all())
+    host = time.perf_counter() - host
+    t = cuda_time(graphs.graphs[b].replay, 30, warmup=5)
+    kv_read = b * ctx * kv_tok
+    row = {"batch": b, "context": ctx, "step_ms": t * 1e3, "weight_bytes": wbytes,
+           "kv_bytes": kv_read,
+           "bandwidth_util": (wbytes + kv_read) / t / ceil["copy_bytes_per_s"],
+           "achieved_bytes_per_s": (wbytes + kv_read) / t, "logits_finite": finite,
+           "tokens_per_s": b / t, "run_with_host_prep_ms": host * 1e3}
+    if b == 1:  # the same step without the graph: what launch overhead costs
+        row["eager_step_ms"] = _eager_step_ms(model, kv, tables, ids, pos, ctx, graphs)
+    log(f"  {row['step_ms']:.3f} ms, {row['bandwidth_util']:.1%} of copy bandwidth")
+    return row
+
+
+def _eager_step_ms(model, kv, tables, ids, pos: int, ctx: int, graphs) -> float:
+    from baton.engine.model import AttentionMetadata
+
+    bs = kv.shape[3]
+    meta = AttentionMetadata(
+        slot_blocks=torch.tensor([tables[0][pos // bs]], device="cuda"),
+        slot_offsets=torch.tensor([pos % bs], device="cuda"),
+        decode_block_tables=torch.tensor(tables[:1], dtype=torch.int32, device="cuda"),
+        decode_context_lens=torch.tensor([ctx], dtype=torch.int32, device="cuda"),
+        decode_splits=graphs.splits[1])
+    idt = torch.tensor(ids, device="cuda")
+    pst = torch.tensor([pos], device="cuda")
+    rows0 = torch.zeros(1, dtype=torch.long, device="cuda")
+    return 1e3 * cuda_time(lambda: model.forward(idt, pst, meta, kv, rows0), 10)
+
+
+def _bench_prefill(model, kv, cfg, n: int, ceil: dict) -> dict:
+    """An ``n``-token prefill (nothing cached), and the same GEMMs alone."""
+    from baton.engine.model import AttentionMetadata
+
+    bs, dtype = kv.shape[3], kv.dtype
     lin_params = sum(lin.w.numel() for layer in model.layers
                      for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    for n in prefills:
-        table = torch.arange(-(-n // bs), dtype=torch.int32, device="cuda")[None, :]
-        meta = AttentionMetadata(
-            slot_blocks=(torch.arange(n, device="cuda") // bs),
-            slot_offsets=(torch.arange(n, device="cuda") % bs),
-            prefill_block_tables=table,
-            prefill_starts=torch.zeros(1, dtype=torch.int32, device="cuda"),
-            prefill_lens=torch.tensor([n], dtype=torch.int32, device="cuda"),
-            prefill_past=torch.zeros(1, dtype=torch.int32, device="cuda"),
-            max_prefill_len=n)
-        ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
-        positions = torch.arange(n, device="cuda")
-        last = torch.tensor([n - 1], device="cuda")
-        def fwd(i=ids, p=positions, m=meta, r=last):
-            return model.forward(i, p, m, kv, r)
+    table = torch.arange(-(-n // bs), dtype=torch.int32, device="cuda")[None, :]
+    meta = AttentionMetadata(
+        slot_blocks=(torch.arange(n, device="cuda") // bs),
+        slot_offsets=(torch.arange(n, device="cuda") % bs),
+        prefill_block_tables=table,
+        prefill_starts=torch.zeros(1, dtype=torch.int32, device="cuda"),
+        prefill_lens=torch.tensor([n], dtype=torch.int32, device="cuda"),
+        prefill_past=torch.zeros(1, dtype=torch.int32, device="cuda"),
+        max_prefill_len=n)
+    ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+    positions = torch.arange(n, device="cuda")
+    last = torch.tensor([n - 1], device="cuda")
 
-        finite = bool(torch.isfinite(fwd()).all())
-        t = cuda_time(fwd, 10 if n <= 2048 else 5, warmup=2)
-        attn = cfg.num_layers * cfg.num_heads * 4 * cfg.head_dim * (n * (n + 1) / 2)
-        flops = 2 * lin_params * n + attn + 2 * cfg.vocab_size * cfg.hidden_size
-        row = {"tokens": n, "ms": t * 1e3, "flops": flops, "attention_flops": attn,
-               "flop_util": flops / t / mm, "achieved_flops": flops / t, "logits_finite": finite}
-        # where the time goes: the linear layers alone (the same GEMMs, cuBLAS)
-        x = torch.randn((n, cfg.hidden_size), device="cuda", dtype=dtype)
-        xi = torch.randn((n, cfg.intermediate_size), device="cuda", dtype=dtype)
-        def gemms(lay=model.layers[0], x=x, xi=xi):
-            return lay.qkv(x), lay.o(x), lay.gate_up(x), lay.down(xi)
+    def fwd():
+        return model.forward(ids, positions, meta, kv, last)
 
-        row["gemm_ms_per_layer"] = 1e3 * cuda_time(gemms, 10)
-        out["prefill"].append(row)
-        log(f"prefill {n}: {row['ms']:.2f} ms, {row['flop_util']:.1%} of the matmul rate")
-    return out
+    finite = bool(torch.isfinite(fwd()).all())
+    t = cuda_time(fwd, 10 if n <= 2048 else 5, warmup=2)
+    attn = cfg.num_layers * cfg.num_heads * 4 * cfg.head_dim * (n * (n + 1) / 2)
+    flops = 2 * lin_params * n + attn + 2 * cfg.vocab_size * cfg.hidden_size
+    mm = ceil["matmul_bf16_flops"]
+    row = {"tokens": n, "ms": t * 1e3, "flops": flops, "attention_flops": attn,
+           "flop_util": flops / t / mm, "achieved_flops": flops / t, "logits_finite": finite}
+    # where the time goes: the linear layers alone (the same GEMMs, cuBLAS)
+    x = torch.randn((n, cfg.hidden_size), device="cuda", dtype=dtype)
+    xi = torch.randn((n, cfg.intermediate_size), device="cuda", dtype=dtype)
+    lay = model.layers[0]
+    row["gemm_ms_per_layer"] = 1e3 * cuda_time(
+        lambda: (lay.qkv(x), lay.o(x), lay.gate_up(x), lay.down(xi)), 10)
+    log(f"prefill {n}: {row['ms']:.2f} ms, {row['flop_util']:.1%} of the matmul rate")
+    return row
 
 
 def graph_time(fn, inner: int = 20, reps: int = 20) -> float:
@@ -371,85 +405,106 @@ SWEEP = [(bn, w, st, wv) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3
 
 def bench_attention(ceil: dict, contexts: list[int], batches: list[int],
                     sweep: bool = False) -> list[dict]:
+    rows = []
+    for ctx in contexts:
+        for b in batches:
+            rows.append(_attention_case(ceil, ctx, b, sweep))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _attention_case(ceil: dict, ctx: int, b: int, sweep: bool) -> dict:
+    """The paged decode kernel at batch ``b`` and context ``ctx`` (its own launch rule, and
+    with ``sweep`` every SWEEP setting) against SDPA on contiguous data, and its error."""
     from baton.kernels import triton_attention as tri
 
     hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = "rule"  # the launcher's own choice (decode_splits without settings)
-    rows = []
-    for ctx in contexts:
-        for b in batches:
-            nbl = -(-ctx // bs)
-            kv_bytes = b * ctx * hkv * d * 2 * 2
-            sets = max(1, min(64, (512 << 20) // kv_bytes))  # rotate past L2 (50 MB)
-            kv = torch.empty((sets * b * nbl, 1, 2, bs, hkv, d), dtype=dtype,
-                             device="cuda").normal_()
-            perm = torch.randperm(sets * b * nbl, device="cuda").to(torch.int32)
-            tables = [perm[s * b * nbl:(s + 1) * b * nbl].view(b, nbl) for s in range(sets)]
-            ctxs = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-            q = torch.randn((b, hq, d), dtype=dtype, device="cuda")
-            out = torch.empty_like(q)
+    nbl, kv_bytes, sets, kv, tables = _paged_sets(b, ctx, hkv, d, bs, dtype)
+    ctxs = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn((b, hq, d), dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
 
-            def run(i, cfg, q=q, kv=kv, tables=tables, ctxs=ctxs, out=out, sets=sets, b=b,
-                    ctx=ctx):
-                if cfg == "rule":
-                    tri.decode_attention(q, kv, 0, tables[i % sets], ctxs, d**-0.5,
-                                         tri.decode_splits(b, hkv, ctx, sms), out=out)
-                    return
-                bn, w, st, wv = cfg
-                splits = tri.decode_splits(b, hkv, ctx, sms, block_n=bn, waves=wv)
-                tri.decode_attention(q, kv, 0, tables[i % sets], ctxs, d**-0.5, splits,
-                                     out=out, block_n=bn, num_warps=w, num_stages=st)
+    def run(i, cfg):
+        if cfg == "rule":
+            tri.decode_attention(q, kv, 0, tables[i % sets], ctxs, d**-0.5,
+                                 tri.decode_splits(b, hkv, ctx, sms), out=out)
+            return
+        bn, w, st, wv = cfg
+        splits = tri.decode_splits(b, hkv, ctx, sms, block_n=bn, waves=wv)
+        tri.decode_attention(q, kv, 0, tables[i % sets], ctxs, d**-0.5, splits, out=out,
+                             block_n=bn, num_warps=w, num_stages=st)
 
-            inner = 20 if kv_bytes < (64 << 20) else 4
-            tried = {}
-            for cfg in ([default] + SWEEP if sweep else [default]):
-                tried[cfg] = graph_time(functools.partial(run, cfg=cfg), inner=inner)
-            t = tried[default] if default in tried else min(tried.values())
-            # the same amount of keys/values laid out contiguously for SDPA, [B, Hkv, ctx, D],
-            # rotated over as many sets as the kernel's
-            k = torch.randn((sets, b, hkv, ctx, d), dtype=dtype, device="cuda")
-            v = torch.randn_like(k)
-            q4 = q.unsqueeze(2)
-            try:
-                t_sdpa = graph_time(lambda i, q4=q4, k=k, v=v, n=sets: (
-                    F.scaled_dot_product_attention(q4, k[i % n], v[i % n], scale=d**-0.5,
-                                                   enable_gqa=True)), inner=inner)
-                how = "enable_gqa"
-            except RuntimeError:  # a torch without GQA in SDPA: the heads expanded
-                t_sdpa = graph_time(lambda i, q4=q4, k=k, v=v, n=sets, g=hq // hkv: (
-                    F.scaled_dot_product_attention(q4, k[i % n].repeat_interleave(g, 1),
-                                                   v[i % n].repeat_interleave(g, 1),
-                                                   scale=d**-0.5)), inner=inner)
-                how = "expanded heads (the expansion timed too)"
-            # correctness on this very data: the kernel against SDPA over the gathered cache
-            run(0, default)
-            kk = kv[tables[0].long(), 0, 0].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
-            vv = kv[tables[0].long(), 0, 1].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
-            want = F.scaled_dot_product_attention(q4.float(), kk.float(), vv.float(),
-                                                  scale=d**-0.5, enable_gqa=True).squeeze(2)
-            bw = ceil["copy_bytes_per_s"]
-            splits = tri.decode_splits(b, hkv, ctx, sms)
-            row = {"context": ctx, "batch": b, "splits": splits,
-                   "launch": list(tri.DECODE_WHOLE_LAUNCH if splits == 1
-                                  else tri.DECODE_SPLIT_LAUNCH),
-                   "us": t * 1e6, "kv_bytes": kv_bytes, "bandwidth_util": kv_bytes / t / bw,
-                   "sdpa_us": t_sdpa * 1e6, "sdpa_mode": how, "speedup_vs_sdpa": t_sdpa / t,
-                   "sdpa_bandwidth_util": kv_bytes / t_sdpa / bw,
-                   "rel_err": rel_err(out.float(), want)}
-            if sweep:
-                best = min(tried, key=tried.get)
-                row["sweep_best"] = {"launch": best, "us": tried[best] * 1e6,
-                                     "bandwidth_util": kv_bytes / tried[best] / bw}
-                row["sweep"] = {c if isinstance(c, str) else ",".join(map(str, c)):
-                                round(x * 1e6, 2) for c, x in tried.items()}
-            rows.append(row)
-            log(f"attention ctx {ctx} batch {b}: {t * 1e6:.1f} us "
-                f"({row['bandwidth_util']:.1%}), SDPA {t_sdpa * 1e6:.1f} us"
-                + (f", sweep best {row['sweep_best']}" if sweep else ""))
-            kv = k = v = kk = vv = None
-            torch.cuda.empty_cache()
-    return rows
+    inner = 20 if kv_bytes < (64 << 20) else 4
+    tried = {cfg: graph_time(functools.partial(run, cfg=cfg), inner=inner)
+             for cfg in ([default] + SWEEP if sweep else [default])}
+    t = tried[default] if default in tried else min(tried.values())
+    t_sdpa, how = _sdpa_decode_time(q, b, hkv, ctx, sets, inner)
+    run(0, default)  # correctness on this very data: against SDPA over the gathered cache
+    want = _gathered_sdpa(q, kv, tables[0], b, nbl, ctx)
+    bw = ceil["copy_bytes_per_s"]
+    splits = tri.decode_splits(b, hkv, ctx, sms)
+    row = {"context": ctx, "batch": b, "splits": splits,
+           "launch": list(tri.DECODE_WHOLE_LAUNCH if splits == 1 else tri.DECODE_SPLIT_LAUNCH),
+           "us": t * 1e6, "kv_bytes": kv_bytes, "bandwidth_util": kv_bytes / t / bw,
+           "sdpa_us": t_sdpa * 1e6, "sdpa_mode": how, "speedup_vs_sdpa": t_sdpa / t,
+           "sdpa_bandwidth_util": kv_bytes / t_sdpa / bw, "rel_err": rel_err(out.float(), want)}
+    if sweep:
+        _add_sweep(row, tried, lambda x: {"us": x * 1e6, "bandwidth_util": kv_bytes / x / bw},
+                   1e6, 2)
+    log(f"attention ctx {ctx} batch {b}: {t * 1e6:.1f} us ({row['bandwidth_util']:.1%}), SDPA "
+        f"{t_sdpa * 1e6:.1f} us" + (f", sweep best {row['sweep_best']}" if sweep else ""))
+    return row
+
+
+def _paged_sets(b: int, ctx: int, hkv: int, d: int, bs: int, dtype):
+    """A paged cache holding ``sets`` copies of a batch's keys and values (rotated over past the
+    L2 cache, 50 MB), blocks in random order: (blocks a sequence, bytes a set, sets, cache,
+    block tables per set)."""
+    nbl = -(-ctx // bs)
+    kv_bytes = b * ctx * hkv * d * 2 * 2
+    sets = max(1, min(64, (512 << 20) // kv_bytes))
+    kv = torch.empty((sets * b * nbl, 1, 2, bs, hkv, d), dtype=dtype, device="cuda").normal_()
+    perm = torch.randperm(sets * b * nbl, device="cuda").to(torch.int32)
+    tables = [perm[s * b * nbl:(s + 1) * b * nbl].view(b, nbl) for s in range(sets)]
+    return nbl, kv_bytes, sets, kv, tables
+
+
+def _add_sweep(row: dict, tried: dict, figures, unit: float, digits: int) -> None:
+    """The best launch setting a sweep found (with ``figures(seconds)``) and every one's time."""
+    best = min(tried, key=tried.get)
+    row["sweep_best"] = {"launch": best if isinstance(best, str) else list(best),
+                         **figures(tried[best])}
+    row["sweep"] = {c if isinstance(c, str) else ",".join(map(str, c)): round(x * unit, digits)
+                    for c, x in tried.items()}
+
+
+def _sdpa_decode_time(q, b: int, hkv: int, ctx: int, sets: int, inner: int):
+    """SDPA on the same amount of keys/values laid out contiguously, [B, Hkv, ctx, D], rotated
+    over as many sets as the kernel's; (seconds, how the heads were grouped)."""
+    hq, d = q.shape[1], q.shape[2]
+    k = torch.randn((sets, b, hkv, ctx, d), dtype=q.dtype, device="cuda")
+    v = torch.randn_like(k)
+    q4 = q.unsqueeze(2)
+    try:
+        return graph_time(lambda i: F.scaled_dot_product_attention(
+            q4, k[i % sets], v[i % sets], scale=d**-0.5, enable_gqa=True),
+            inner=inner), "enable_gqa"
+    except RuntimeError:  # a torch without GQA in SDPA: the heads expanded
+        g = hq // hkv
+        return graph_time(lambda i: F.scaled_dot_product_attention(
+            q4, k[i % sets].repeat_interleave(g, 1), v[i % sets].repeat_interleave(g, 1),
+            scale=d**-0.5), inner=inner), "expanded heads (the expansion timed too)"
+
+
+def _gathered_sdpa(q, kv, table, b: int, nbl: int, ctx: int):
+    """SDPA in float32 over the keys and values gathered from the paged cache."""
+    bs, hkv, d = kv.shape[3], kv.shape[4], kv.shape[5]
+    kk = kv[table.long(), 0, 0].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
+    vv = kv[table.long(), 0, 1].reshape(b, nbl * bs, hkv, d)[:, :ctx].transpose(1, 2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2).float(), kk.float(), vv.float(),
+                                          scale=d**-0.5, enable_gqa=True).squeeze(2)
 
 
 # prefill kernel settings tried by --sweep-attention: (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -460,60 +515,59 @@ PREFILL_SWEEP = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for
 def bench_prefill_attention(ceil: dict, lengths: list[int], sweep: bool = False) -> list[dict]:
     """The paged prefill kernel alone: one sequence of n new tokens (nothing cached before), FLOP
     utilisation of its causal attention, against SDPA's causal attention on contiguous data."""
-    from baton.kernels import triton_attention as tri
-
-    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
     rows = []
     for n in lengths:
-        nbl = -(-n // bs)
-        kv = torch.empty((nbl + 8, 1, 2, bs, hkv, d), dtype=dtype, device="cuda").normal_()
-        table = torch.randperm(nbl + 8, device="cuda")[:nbl].to(torch.int32)[None, :]
-        q = torch.randn((n, hq, d), dtype=dtype, device="cuda")
-        out = torch.empty_like(q)
-        z = torch.zeros(1, dtype=torch.int32, device="cuda")
-        lens = torch.tensor([n], dtype=torch.int32, device="cuda")
-        flops = 4 * d * hq * n * (n + 1) / 2
-
-        def run(launch, q=q, kv=kv, table=table, lens=lens, out=out, n=n, z=z):
-            tri.prefill_attention(q, kv, 0, table, z, lens, z, n, d**-0.5, out=out,
-                                  launch=launch)
-
-        tried = {}
-        for cfg in (PREFILL_SWEEP if sweep else [tri.PREFILL_LAUNCH]):
-            try:
-                tried[cfg] = cuda_time(functools.partial(run, cfg), 10, warmup=2)
-            except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory)
-                log(f"prefill {n} {cfg}: {type(e).__name__}")
-        default = tri.PREFILL_LAUNCH
-        t = tried.get(default, min(tried.values()))
-        k = kv[table[0].long(), 0, 0].reshape(nbl * bs, hkv, d)[:n].transpose(0, 1)[None]
-        v = kv[table[0].long(), 0, 1].reshape(nbl * bs, hkv, d)[:n].transpose(0, 1)[None]
-        k, v = k.contiguous(), v.contiguous()
-        q4 = q.transpose(0, 1)[None].contiguous()
-        t_sdpa = cuda_time(lambda q4=q4, k=k, v=v: F.scaled_dot_product_attention(
-            q4, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True), 10, warmup=2)
-        run(default)
-        want = F.scaled_dot_product_attention(q4.float(), k.float(), v.float(), is_causal=True,
-                                              scale=d**-0.5, enable_gqa=True)[0].transpose(0, 1)
-        mm = ceil["matmul_bf16_flops"]
-        row = {"tokens": n, "launch": list(default), "ms": t * 1e3, "flops": flops,
-               "flop_util": flops / t / mm, "sdpa_ms": t_sdpa * 1e3,
-               "sdpa_flop_util": flops / t_sdpa / mm, "speedup_vs_sdpa": t_sdpa / t,
-               "rel_err": rel_err(out.float(), want)}
-        if sweep:
-            best = min(tried, key=tried.get)
-            row["sweep_best"] = {"launch": list(best), "ms": tried[best] * 1e3,
-                                 "flop_util": flops / tried[best] / mm}
-            row["sweep"] = {",".join(map(str, c)): round(x * 1e3, 3) for c, x in tried.items()}
-        rows.append(row)
-        log(f"prefill attention {n}: {t * 1e3:.2f} ms ({row['flop_util']:.1%}), SDPA "
-            f"{t_sdpa * 1e3:.2f} ms" + (f", sweep best {row['sweep_best']}" if sweep else ""))
-        kv = k = v = None
+        rows.append(_prefill_case(ceil, n, sweep))
         torch.cuda.empty_cache()
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def _prefill_case(ceil: dict, n: int, sweep: bool) -> dict:
+    from baton.kernels import triton_attention as tri
+
+    hq, hkv, d, bs, dtype = 32, 8, 128, 16, torch.bfloat16
+    nbl = -(-n // bs)
+    kv = torch.empty((nbl + 8, 1, 2, bs, hkv, d), dtype=dtype, device="cuda").normal_()
+    table = torch.randperm(nbl + 8, device="cuda")[:nbl].to(torch.int32)[None, :]
+    q = torch.randn((n, hq, d), dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
+    z = torch.zeros(1, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+    flops = 4 * d * hq * n * (n + 1) / 2
+
+    def run(launch):
+        tri.prefill_attention(q, kv, 0, table, z, lens, z, n, d**-0.5, out=out, launch=launch)
+
+    tried = {}
+    for cfg in (PREFILL_SWEEP if sweep else [tri.PREFILL_LAUNCH]):
+        try:
+            tried[cfg] = cuda_time(functools.partial(run, cfg), 10, warmup=2)
+        except Exception as e:  # noqa: BLE001 - a setting that does not fit (shared memory)
+            log(f"prefill {n} {cfg}: {type(e).__name__}")
+    default = tri.PREFILL_LAUNCH
+    t = tried.get(default, min(tried.values()))
+    k = kv[table[0].long(), 0, 0].reshape(nbl * bs, hkv, d)[:n].transpose(0, 1)[None]
+    v = kv[table[0].long(), 0, 1].reshape(nbl * bs, hkv, d)[:n].transpose(0, 1)[None]
+    k, v = k.contiguous(), v.contiguous()
+    q4 = q.transpose(0, 1)[None].contiguous()
+    t_sdpa = cuda_time(lambda: F.scaled_dot_product_attention(
+        q4, k, v, is_causal=True, scale=d**-0.5, enable_gqa=True), 10, warmup=2)
+    run(default)
+    want = F.scaled_dot_product_attention(q4.float(), k.float(), v.float(), is_causal=True,
+                                          scale=d**-0.5, enable_gqa=True)[0].transpose(0, 1)
+    mm = ceil["matmul_bf16_flops"]
+    row = {"tokens": n, "launch": list(default), "ms": t * 1e3, "flops": flops,
+           "flop_util": flops / t / mm, "sdpa_ms": t_sdpa * 1e3,
+           "sdpa_flop_util": flops / t_sdpa / mm, "speedup_vs_sdpa": t_sdpa / t,
+           "rel_err": rel_err(out.float(), want)}
+    if sweep:
+        _add_sweep(row, tried, lambda x: {"ms": x * 1e3, "flop_util": flops / x / mm}, 1e3, 3)
+    log(f"prefill attention {n}: {t * 1e3:.2f} ms ({row['flop_util']:.1%}), SDPA "
+        f"{t_sdpa * 1e3:.2f} ms" + (f", sweep best {row['sweep_best']}" if sweep else ""))
+    return row
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
@@ -533,7 +587,11 @@ def main(argv: list[str] | None = None) -> int:
                          "parts to (the combined file is written anew)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels, smollm2, "
                                                "model, attention")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu.py needs a CUDA device", file=sys.stderr)
         return 2
@@ -553,6 +611,19 @@ def main(argv: list[str] | None = None) -> int:
         res["ceilings"] = ceilings()
     log(f"ceilings: copy {res['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
         f"{res['ceilings']['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s")
+    run_parts(a, res, skip)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = out / f"gpu-{stamp}.json"
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print_table(res)
+    print(f"wrote {path}")
+    return 0
+
+
+def run_parts(a, res: dict, skip: set[str]) -> None:
+    """The parts not in ``skip``, into ``res``."""
     if "kernels" not in skip:
         res["kernel_checks"] = check_kernels()
         log(f"kernel checks: {sum(r['ok'] for r in res['kernel_checks'])}/"
@@ -570,14 +641,6 @@ def main(argv: list[str] | None = None) -> int:
     if "model" not in skip:
         res["model"] = bench_model(res["ceilings"], [int(x) for x in a.batches.split(",")],
                                    [int(x) for x in a.prefills.split(",")], 1024)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    path = out / f"gpu-{stamp}.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
-    print_table(res)
-    print(f"wrote {path}")
-    return 0
 
 
 def print_table(res: dict) -> None:

@@ -431,19 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         log("part 4: the 2k-token prefill on the 8B-shaped model")
         res["prefill_8b"] = _guard(lambda: bench_prefill_2k(a.prompt_tokens_8b, a.reps))
     if {"tokens", "serving"} - skip:
-        log("starting the cluster (Redis, prefill worker, decode worker, two routers)")
-        cluster = GpuCluster(a.device, a.model, a.gpu_memory_utilization,
-                             tempfile.mkdtemp(prefix="baton-gpu-cluster-logs-"))
-        try:
-            if "tokens" not in skip:
-                res["tokens"] = _guard(lambda: check_tokens(cluster, a.model, a.max_tokens,
-                                                              a.device))
-            if "serving" not in skip:
-                levels = [int(x) for x in a.concurrency.split(",")]
-                res["serving"] = _guard(lambda: bench_serving(cluster, levels, 512, 64,
-                                                              a.rounds, a.model))
-        finally:
-            cluster.stop()
+        _cluster_parts(a, res, skip)
     if "staged" not in skip:
         log("part 2b: hand-offs staged through pinned host memory")
         want = res.get("tokens", {}).get("gpu_tokens")
@@ -453,6 +441,23 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {write_result('gpu-cluster', res)}")
     print_table(res)
     return 0
+
+
+def _cluster_parts(a, res: dict, skip: set[str]) -> None:
+    """Parts 2 and 5 on one cluster: its tokens, then serving at each concurrency."""
+    log("starting the cluster (Redis, prefill worker, decode worker, two routers)")
+    cluster = GpuCluster(a.device, a.model, a.gpu_memory_utilization,
+                         tempfile.mkdtemp(prefix="baton-gpu-cluster-logs-"))
+    try:
+        if "tokens" not in skip:
+            res["tokens"] = _guard(lambda: check_tokens(cluster, a.model, a.max_tokens,
+                                                          a.device))
+        if "serving" not in skip:
+            levels = [int(x) for x in a.concurrency.split(",")]
+            res["serving"] = _guard(lambda: bench_serving(cluster, levels, 512, 64,
+                                                          a.rounds, a.model))
+    finally:
+        cluster.stop()
 
 
 def _guard(fn):

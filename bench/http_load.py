@@ -160,7 +160,7 @@ def _report(res: dict) -> None:
           f"{'met' if res['meets_target'] else 'missed'})")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=256)
@@ -169,11 +169,14 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, metavar="DIR",
                     help="also load the HTTP front of another Baton build installed in DIR")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def main() -> None:
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.launch.local import WorkerProcess
 
+    args = parse_args()
     with EmbeddedRedis() as redis:
         print("starting a colocated worker and a router ...", flush=True)
         worker = WorkerProcess("decode", ["--redis-url", redis.url, "--max-num-seqs", "64"])

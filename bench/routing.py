@@ -24,10 +24,10 @@ import threading
 import time
 from collections import Counter
 
-from baton.bench.common import machine, pct, random_word_prompts, write_result
+from baton.bench.common import machine, pct, random_word_prompts, run_threads, write_result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--systems", type=int, default=8, help="distinct system prompts")
     ap.add_argument("--system-tokens", type=int, default=320)
@@ -41,53 +41,69 @@ def main() -> None:
                          "are 160)")
     ap.add_argument("--decode-blocks", type=int, default=768)
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    import json
 
-    import grpc
+def main() -> None:
     from baton.control.redis_server import EmbeddedRedis
-    from baton.engine.tokenizer import BatonTokenizer
     from baton.services.launch.local import WorkerProcess
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+    args = parse_args()
     rng = random.Random(0)
     sessions = [(s, u) for u in range(args.users) for s in range(args.systems)]
     rng.shuffle(sessions)
-
     with EmbeddedRedis() as redis:
         common = ["--redis-url", redis.url, "--threads", "1"]
         print("starting 2 prefill workers, 1 decode worker, 2 routers (SmolLM2) ...", flush=True)
         prefill = [WorkerProcess("prefill", [*common, "--num-blocks", str(args.prefill_blocks)])
                    for _ in range(2)]
         decode = WorkerProcess("decode", [*common, "--num-blocks", str(args.decode_blocks)])
-        info = worker_pb2_grpc.DecodeWorkerStub(decode.channel).Tokenizer(
-            worker_pb2.InfoRequest(), timeout=30)
-        tok = BatonTokenizer.from_json(json.loads(info.tokenizer_json))
-        lengths = [args.system_tokens] * args.systems + [args.message_tokens] * (
-            args.systems * args.users * args.turns)
-        texts = random_word_prompts(tok, lengths, "routing-bench")
-        systems, messages = texts[: args.systems], texts[args.systems:]
+        systems, messages = _texts(args, decode)
         routers = {mode: WorkerProcess("router", ["--redis-url", redis.url, "--port", "0",
                                                   "--http-port", "-1", "--routing", mode])
                    for mode in ("round-robin", "cache-aware")}
         try:
-            results = {}
-            for mode, router in routers.items():
-                stub = api_pb2_grpc.BatonStub(router.channel)
-                warm = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
-                    max_tokens=2, cache_salt=f"warm-{mode}"))
-                warm.token_ids.ids.extend(messages[0] * 4)
-                for _ in range(3):
-                    list(stub.Generate(warm, timeout=120))
-                print(f"{mode}: {len(sessions)} conversations x {args.turns} turns ...",
-                      flush=True)
-                results[mode] = run_workload(stub, api_pb2, worker_pb2, grpc, systems, messages,
-                                             sessions, args, salt=mode)
+            results = {mode: _policy_run(args, mode, router, systems, messages, sessions)
+                       for mode, router in routers.items()}
         finally:
             for w in (*routers.values(), decode, *prefill):
                 w.stop()
+    report(args, sessions, results)
 
+
+def _texts(args, decode) -> tuple[list, list]:
+    """The system prompts and the users' messages, in the workers' own tokenizer."""
+    import json
+
+    from baton.engine.tokenizer import BatonTokenizer
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    info = worker_pb2_grpc.DecodeWorkerStub(decode.channel).Tokenizer(
+        worker_pb2.InfoRequest(), timeout=30)
+    tok = BatonTokenizer.from_json(json.loads(info.tokenizer_json))
+    lengths = [args.system_tokens] * args.systems + [args.message_tokens] * (
+        args.systems * args.users * args.turns)
+    texts = random_word_prompts(tok, lengths, "routing-bench")
+    return texts[: args.systems], texts[args.systems:]
+
+
+def _policy_run(args, mode: str, router, systems, messages, sessions) -> dict:
+    """Warm one router up, then run the workload through it."""
+    import grpc
+    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+    stub = api_pb2_grpc.BatonStub(router.channel)
+    warm = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
+        max_tokens=2, cache_salt=f"warm-{mode}"))
+    warm.token_ids.ids.extend(messages[0] * 4)
+    for _ in range(3):
+        list(stub.Generate(warm, timeout=120))
+    print(f"{mode}: {len(sessions)} conversations x {args.turns} turns ...", flush=True)
+    return run_workload(stub, api_pb2, worker_pb2, grpc, systems, messages, sessions, args,
+                        salt=mode)
+
+
+def report(args, sessions, results: dict) -> None:
     rr, ca = results["round-robin"], results["cache-aware"]
     res = {"benchmark": "routing", "machine": machine(), "model": "SmolLM2-135M-Instruct",
            "config": vars(args), "round_robin": rr, "cache_aware": ca,
@@ -102,6 +118,19 @@ def main() -> None:
     print(f"cache-aware TTFT p50 is {res['ttft_p50_speedup']:.2f}x better (target >= 2x)")
     if not args.no_save:
         print(f"wrote {write_result('routing', res)}")
+
+
+def _timed(stub, req):
+    """(time to the first delta, the tokens, the final message) of one request."""
+    t0, first, out, final = time.perf_counter(), None, [], None
+    for msg in stub.Generate(req, timeout=300):
+        if msg.HasField("delta"):
+            if first is None:
+                first = time.perf_counter() - t0
+            out += msg.delta.token_ids
+        else:
+            final = msg.final
+    return first, out, final
 
 
 def run_workload(stub, api_pb2, worker_pb2, grpc, systems, messages, sessions, args, salt):
@@ -130,15 +159,8 @@ def run_workload(stub, api_pb2, worker_pb2, grpc, systems, messages, sessions, a
             req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
                 max_tokens=args.max_tokens, ignore_eos=True, cache_salt=salt))
             req.token_ids.ids.extend(history)
-            t0, first, out, final = time.perf_counter(), None, [], None
             try:
-                for msg in stub.Generate(req, timeout=300):
-                    if msg.HasField("delta"):
-                        if first is None:
-                            first = time.perf_counter() - t0
-                        out += msg.delta.token_ids
-                    else:
-                        final = msg.final
+                first, out, final = _timed(stub, req)
             except grpc.RpcError as e:
                 errors.append(f"{e.code().name}: {e.details()}")
                 done[k, turn].set()
@@ -152,19 +174,18 @@ def run_workload(stub, api_pb2, worker_pb2, grpc, systems, messages, sessions, a
             done[k, turn].set()
 
     t = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    run_threads(worker, args.concurrency)
     if errors:
         raise SystemExit(f"{salt}: {len(errors)} requests failed, first: {errors[0]}")
+    return _figures(ttft, prompt_tokens, cached, paths, time.perf_counter() - t)
+
+
+def _figures(ttft: list[float], prompt_tokens: int, cached: int, paths, wall: float) -> dict:
     return {"requests": len(ttft), "ttft_p50_s": round(pct(ttft, 0.5), 4),
             "ttft_p90_s": round(pct(ttft, 0.9), 4),
             "ttft_mean_s": round(statistics.fmean(ttft), 4),
             "hit_rate": round(cached / prompt_tokens, 4), "prompt_tokens": prompt_tokens,
-            "cached_tokens": cached, "paths": dict(paths),
-            "wall_s": round(time.perf_counter() - t, 2)}
+            "cached_tokens": cached, "paths": dict(paths), "wall_s": round(wall, 2)}
 
 
 if __name__ == "__main__":

@@ -62,10 +62,9 @@ def run_cluster(model: str | None, prompts, max_tokens: list[int], pool_blocks: 
                 tier_bytes: int, threads: int, label: str) -> dict:
     """One cluster (tiers on when ``tier_bytes``), the prompts one at a time; per request:
     TTFT, cached tokens (total, from disk), and the workers' tier metrics at the end."""
-    import grpc
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.launch.local import WorkerProcess
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton.v1 import api_pb2_grpc
 
     tmp = Path(tempfile.mkdtemp(prefix="baton-tiers-"))
     with EmbeddedRedis() as redis:
@@ -90,25 +89,7 @@ def run_cluster(model: str | None, prompts, max_tokens: list[int], pool_blocks: 
         t0 = time.perf_counter()
         try:
             for i, (ids, mt) in enumerate(zip(prompts, max_tokens)):
-                req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
-                    max_tokens=mt, ignore_eos=True))
-                req.token_ids.ids.extend(ids)
-                sent = time.perf_counter()
-                first = None
-                final = None
-                try:
-                    for msg in stub.Generate(req, timeout=600):
-                        if msg.HasField("delta") and first is None:
-                            first = time.perf_counter() - sent
-                        elif msg.HasField("final"):
-                            final = msg.final
-                except grpc.RpcError as e:
-                    raise SystemExit(f"{label}: request {i} failed: {e.code().name}: "
-                                     f"{e.details()}") from None
-                u = final.usage
-                rows.append({"ttft_s": first, "cached": u.cached_tokens,
-                             "cached_disk": u.cached_tokens_disk, "path": final.path,
-                             "prompt": len(ids)})
+                rows.append(_one_request(stub, ids, mt, f"{label}: request {i}"))
                 if (i + 1) % 100 == 0:
                     print(f"  {label}: {i + 1}/{len(prompts)} "
                           f"({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -119,6 +100,29 @@ def run_cluster(model: str | None, prompts, max_tokens: list[int], pool_blocks: 
             for w in workers:
                 w.stop()
     return {"rows": rows, "wall_s": round(wall, 1), "tier_metrics": metrics}
+
+
+def _one_request(stub, ids: list[int], max_tokens: int, what: str) -> dict:
+    """TTFT, cached tokens (total, from disk) and path of one request; exits on a failure."""
+    import grpc
+    from baton.v1 import api_pb2, worker_pb2
+
+    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
+                                                                   ignore_eos=True))
+    req.token_ids.ids.extend(ids)
+    sent = time.perf_counter()
+    first = final = None
+    try:
+        for msg in stub.Generate(req, timeout=600):
+            if msg.HasField("delta") and first is None:
+                first = time.perf_counter() - sent
+            elif msg.HasField("final"):
+                final = msg.final
+    except grpc.RpcError as e:
+        raise SystemExit(f"{what} failed: {e.code().name}: {e.details()}") from None
+    u = final.usage
+    return {"ttft_s": first, "cached": u.cached_tokens, "cached_disk": u.cached_tokens_disk,
+            "path": final.path, "prompt": len(ids)}
 
 
 def _tier_metrics(address: str) -> dict:
@@ -190,7 +194,7 @@ def workload(name: str, args) -> tuple[list[list[int]], list[int], list[bool], s
     return prompts, [1] * len(prompts), follow, str(model_dir), desc
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", default="multi-turn,mooncake")
     ap.add_argument("--model", default=None, help="multi-turn's model (default SmolLM2)")
@@ -211,48 +215,61 @@ def main() -> None:
     ap.add_argument("--tier-factor", type=float, default=1.25)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    from baton.engine.config import EngineConfig
-    from baton.engine.kv_tiers import disk_tier_bytes
-    from baton.engine.loader import load_model
-    from baton.engine.runner import ModelRunner
 
+def main() -> None:
+    args = parse_args()
     result = {"benchmark": "tiers", "machine": machine(), "block_tokens": BLOCK,
               "pool_fraction": args.pool_fraction, "tier_factor": args.tier_factor,
               "targets": {"fraction_of_ideal_with_tiers": 0.9, "follow_up_ttft_p50_ratio": 2.0},
               "workloads": {}}
     table = []
     for name in args.workloads.split(","):
-        prompts, max_tokens, follow, model, desc = workload(name, args)
-        ideal = ideal_hits(prompts)
-        total = sum(map(len, prompts))
-        ws = working_set(prompts)
-        largest = max(-(-(len(p) + m) // BLOCK) for p, m in zip(prompts, max_tokens))
-        pool = max(round(ws * args.pool_fraction), largest + 2)
-        cfg = load_model(model).config
-        block_nbytes = ModelRunner.block_nbytes(cfg, EngineConfig(block_size=BLOCK))
-        tier_blocks = round(ws * args.tier_factor)
-        print(f"{name}: {len(prompts)} requests, {total} prompt tokens, working set {ws} "
-              f"blocks; pool {pool} blocks ({pool / ws:.0%}), disk tier {tier_blocks} blocks "
-              f"({tier_blocks * block_nbytes / (1 << 20):.0f} MiB); ideal hit rate "
-              f"{sum(ideal) / total:.1%}", flush=True)
-        w = {**desc, "requests": len(prompts), "prompt_tokens": total,
-             "working_set_blocks": ws, "pool_blocks": pool, "block_bytes": block_nbytes,
-             "disk_tier_blocks": tier_blocks, "ideal_hit_rate": round(sum(ideal) / total, 4)}
-        for label, tier_bytes in (("tiers_off", 0),
-                                  ("tiers_on", disk_tier_bytes(tier_blocks, block_nbytes))):
-            print(f"  {label} ...", flush=True)
-            res = run_cluster(model, prompts, max_tokens, pool, tier_bytes, args.threads,
-                              f"{name}/{label}")
-            w[label] = summarize(res, prompts, ideal, follow)
-        off, on = w["tiers_off"], w["tiers_on"]
-        if off["follow_up_ttft_p50_s"] and on["follow_up_ttft_p50_s"]:
-            w["follow_up_ttft_p50_ratio"] = round(off["follow_up_ttft_p50_s"]
-                                                  / on["follow_up_ttft_p50_s"], 2)
-        result["workloads"][name] = w
+        w = result["workloads"][name] = run_workload(name, args)
         table.append((name, w))
+    print_table(table)
+    if not args.no_save:
+        print(f"wrote {write_result('tiers', result)}")
 
+
+def run_workload(name: str, args) -> dict:
+    """One workload with tiers off and on, in the same run."""
+    from baton.engine.config import EngineConfig
+    from baton.engine.kv_tiers import disk_tier_bytes
+    from baton.engine.loader import load_model
+    from baton.engine.runner import ModelRunner
+
+    prompts, max_tokens, follow, model, desc = workload(name, args)
+    ideal = ideal_hits(prompts)
+    total = sum(map(len, prompts))
+    ws = working_set(prompts)
+    largest = max(-(-(len(p) + m) // BLOCK) for p, m in zip(prompts, max_tokens))
+    pool = max(round(ws * args.pool_fraction), largest + 2)
+    cfg = load_model(model).config
+    block_nbytes = ModelRunner.block_nbytes(cfg, EngineConfig(block_size=BLOCK))
+    tier_blocks = round(ws * args.tier_factor)
+    print(f"{name}: {len(prompts)} requests, {total} prompt tokens, working set {ws} "
+          f"blocks; pool {pool} blocks ({pool / ws:.0%}), disk tier {tier_blocks} blocks "
+          f"({tier_blocks * block_nbytes / (1 << 20):.0f} MiB); ideal hit rate "
+          f"{sum(ideal) / total:.1%}", flush=True)
+    w = {**desc, "requests": len(prompts), "prompt_tokens": total,
+         "working_set_blocks": ws, "pool_blocks": pool, "block_bytes": block_nbytes,
+         "disk_tier_blocks": tier_blocks, "ideal_hit_rate": round(sum(ideal) / total, 4)}
+    for label, tier_bytes in (("tiers_off", 0),
+                              ("tiers_on", disk_tier_bytes(tier_blocks, block_nbytes))):
+        print(f"  {label} ...", flush=True)
+        res = run_cluster(model, prompts, max_tokens, pool, tier_bytes, args.threads,
+                          f"{name}/{label}")
+        w[label] = summarize(res, prompts, ideal, follow)
+    off, on = w["tiers_off"], w["tiers_on"]
+    if off["follow_up_ttft_p50_s"] and on["follow_up_ttft_p50_s"]:
+        w["follow_up_ttft_p50_ratio"] = round(off["follow_up_ttft_p50_s"]
+                                              / on["follow_up_ttft_p50_s"], 2)
+    return w
+
+
+def print_table(table) -> None:
     print(f"\n{'workload':11} {'tiers':5} {'hit rate':>9} {'of ideal':>9} {'from disk':>10} "
           f"{'follow-up TTFT p50/p90 ms':>26}")
     for name, w in table:
@@ -265,8 +282,6 @@ def main() -> None:
                   f"{r['cached_tokens_disk']:10d} {ttft:>26}")
         if "follow_up_ttft_p50_ratio" in w:
             print(f"{'':11} follow-up TTFT p50 off/on: {w['follow_up_ttft_p50_ratio']}x")
-    if not args.no_save:
-        print(f"wrote {write_result('tiers', result)}")
 
 
 if __name__ == "__main__":

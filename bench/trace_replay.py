@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from baton.bench.common import machine, write_result
+from baton.bench.common import machine, run_threads, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def ideal_hits(prompts: list[list[int]]) -> list[int]:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(TRACE))
     ap.add_argument("--requests", type=int, default=0, help="first N requests (default: all)")
@@ -86,7 +86,11 @@ def main() -> None:
     ap.add_argument("--round-robin", action="store_true",
                     help="also replay through a round-robin router (another cache salt)")
     ap.add_argument("--no-save", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     with open(args.trace) as f:
         rows = [json.loads(line) for line in f]
@@ -126,7 +130,10 @@ def main() -> None:
         finally:
             for w in workers:
                 w.stop()
+    report(args, prompts, ideal, total, results)
 
+
+def report(args, prompts, ideal, total: int, results: dict) -> None:
     res = {"benchmark": "trace_replay", "machine": machine(), "trace": Path(args.trace).name,
            "requests": len(prompts), "prompt_tokens": total, "block_tokens": BLOCK,
            "scale": "512-token trace blocks -> 16 tokens", "model": "tiny random Llama "
@@ -181,11 +188,7 @@ def replay(router, prompts, ideal, args, salt):
                     print(f"  {salt}: {done[0]}/{len(prompts)} "
                           f"({time.perf_counter() - t0:.0f}s)", flush=True)
 
-    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(worker, args.concurrency)
     if errors:
         raise SystemExit(f"{len(errors)} requests failed; first: {errors[0]}")
     wall = time.perf_counter() - t0

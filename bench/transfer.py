@@ -93,10 +93,9 @@ def bandwidth_main(sizes_mib: list[int], repeats: int) -> dict:
     import random
 
     import torch
+    from baton.engine.runner import alloc_kv_pool
     from baton.transfer.agent import KVAgent, configure_ucx
-    from baton.transfer.handle import KVHandle
     from baton.transfer.reader import KVReader
-    from baton.v1 import worker_pb2
 
     block_nbytes = torch.empty(BLOCK_SHAPE).nbytes
     max_blocks = max(sizes_mib) * MIB // block_nbytes + 1
@@ -115,15 +114,7 @@ def bandwidth_main(sizes_mib: list[int], repeats: int) -> dict:
         [sys.executable, __file__, "--_holder", str(pool_blocks),
          json.dumps([b for _, _, b in plan])], stdout=subprocess.PIPE, text=True)
     try:
-        handles = []
-        for line in proc.stdout:
-            if line.startswith("HANDLE"):
-                handles.append(KVHandle.from_proto(
-                    worker_pb2.KVHandle.FromString(bytes.fromhex(line.split()[1]))))
-            elif line.startswith("HOLDER_READY"):
-                break
-        from baton.engine.runner import alloc_kv_pool
-
+        handles = _read_handles(proc)
         pool = alloc_kv_pool((pool_blocks, *BLOCK_SHAPE), torch.float32)
         agent = KVAgent("bench-reader", pool)
         reader = KVReader(agent, "bench", "bench-reader")
@@ -135,29 +126,50 @@ def bandwidth_main(sizes_mib: list[int], repeats: int) -> dict:
             rows.setdefault((size, layout), []).append(
                 (res.read_s, res.read_s + res.release_s, res.bytes))
         out = {"ucx_tls": os.environ.get("UCX_TLS", "default"), "transports": agent.transports(),
-               "block_nbytes": block_nbytes, "sizes": []}
-        memcpy = {}  # per size, shared by both layouts: this machine's memcpy is noisy
-        for (size, layout), samples in rows.items():
-            samples = samples[1:]  # the first one pays the connection set-up
-            nbytes = samples[0][2]
-            read = statistics.median(s[0] for s in samples)
-            handoff = statistics.median(s[1] for s in samples)
-            if size not in memcpy:
-                memcpy[size] = memcpy_gbps(nbytes, max(15, 2 * repeats))
-            mc = memcpy[size]
-            out["sizes"].append({
-                "size_mib": size, "layout": layout, "bytes": nbytes, "blocks": len(
-                    next(b for s, lay, b in plan if s == size and lay == layout)),
-                "read_gbps": nbytes / read / 1e9, "handoff_gbps": nbytes / handoff / 1e9,
-                "memcpy_gbps": mc, "handoff_vs_memcpy": nbytes / handoff / 1e9 / mc,
-                "read_ms": read * 1e3, "handoff_ms": handoff * 1e3,
-                "release_samples_ms": [(s[1] - s[0]) * 1e3 for s in samples]})
+               "block_nbytes": block_nbytes, "sizes": _size_rows(rows, plan, repeats)}
         reader.close()
         agent.close()
         return out
     finally:
         proc.terminate()
         proc.wait()
+
+
+def _read_handles(proc) -> list:
+    """The handles the holder process printed, up to its ready line."""
+    from baton.transfer.handle import KVHandle
+    from baton.v1 import worker_pb2
+
+    handles = []
+    for line in proc.stdout:
+        if line.startswith("HANDLE"):
+            handles.append(KVHandle.from_proto(
+                worker_pb2.KVHandle.FromString(bytes.fromhex(line.split()[1]))))
+        elif line.startswith("HOLDER_READY"):
+            break
+    return handles
+
+
+def _size_rows(rows: dict, plan: list, repeats: int) -> list[dict]:
+    """Per (size, layout): medians of the read and the hand-off against memcpy."""
+    out = []
+    memcpy = {}  # per size, shared by both layouts: this machine's memcpy is noisy
+    for (size, layout), samples in rows.items():
+        samples = samples[1:]  # the first one pays the connection set-up
+        nbytes = samples[0][2]
+        read = statistics.median(s[0] for s in samples)
+        handoff = statistics.median(s[1] for s in samples)
+        if size not in memcpy:
+            memcpy[size] = memcpy_gbps(nbytes, max(15, 2 * repeats))
+        mc = memcpy[size]
+        out.append({
+            "size_mib": size, "layout": layout, "bytes": nbytes, "blocks": len(
+                next(b for s, lay, b in plan if s == size and lay == layout)),
+            "read_gbps": nbytes / read / 1e9, "handoff_gbps": nbytes / handoff / 1e9,
+            "memcpy_gbps": mc, "handoff_vs_memcpy": nbytes / handoff / 1e9 / mc,
+            "read_ms": read * 1e3, "handoff_ms": handoff * 1e3,
+            "release_samples_ms": [(s[1] - s[0]) * 1e3 for s in samples]})
+    return out
 
 
 # ---- part 2: a 2,000-token prompt between real workers -----------------------------------------
