@@ -18,6 +18,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from baton.services.common import faults
+
 # the engine's dtypes: one declaration for the worker's flag and baton up's
 DTYPES = ["float32", "bfloat16", "float16"]
 
@@ -242,16 +244,11 @@ class WorkerConfig:
     holder: HolderSettings | None = None  # prefill and both
     transfer_timeout: float = 10.0  # decode and both: one hand-off's deadline
     peers: tuple[str, ...] = ()  # decode and both: prefill workers to handshake with first
-    fault_delay_release: float = 0.0  # tests only: hold the lease release this long
-    fault_crash_engine_after: int = 0  # tests only: the engine thread fails after N steps
-    fault_step_delay: float = 0.0  # tests only: every engine step takes at least this long
 
     @classmethod
     def prefill(cls, a: argparse.Namespace) -> WorkerConfig:
         return cls("prefill", EngineSettings.from_args(a), ServerSettings.from_args(a),
-                   HolderSettings.from_args(a),
-                   fault_crash_engine_after=a.fault_crash_engine_after,
-                   fault_step_delay=a.fault_step_delay)
+                   HolderSettings.from_args(a))
 
     @classmethod
     def decode(cls, a: argparse.Namespace) -> WorkerConfig:
@@ -259,8 +256,7 @@ class WorkerConfig:
             raise ValueError(f"--transfer-timeout {a.transfer_timeout}: must be > 0")
         return cls(a.role, EngineSettings.from_args(a), ServerSettings.from_args(a),
                    HolderSettings.from_args(a) if a.role == "both" else None,
-                   a.transfer_timeout, tuple(p for p in a.peers.split(",") if p),
-                   a.fault_delay_release, a.fault_crash_engine_after, a.fault_step_delay)
+                   a.transfer_timeout, tuple(p for p in a.peers.split(",") if p))
 
 
 def worker_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser, object]:
@@ -269,8 +265,5 @@ def worker_parser(prog: str, description: str) -> tuple[argparse.ArgumentParser,
     ap = argparse.ArgumentParser(prog=prog, description=description)
     EngineSettings.add_flags(ap)
     ServerSettings.add_flags(ap)
-    ap.add_argument("--fault-crash-engine-after", type=int, default=0, help=argparse.SUPPRESS)
-    # from the environment too, so a test can slow the workers `baton up` starts
-    ap.add_argument("--fault-step-delay", type=float, help=argparse.SUPPRESS,
-                    default=float(os.environ.get("BATON_FAULT_STEP_DELAY_S", "0")))
+    faults.add_flag(ap)  # tests only, hidden
     return ap, ap.add_argument_group("KV hand-off")

@@ -9,6 +9,7 @@ request, and its two fronts, the gRPC API (``grpc_api``) and the OpenAI-compatib
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -214,13 +215,12 @@ class RouterConfig:
             keys = ApiKeys.load(a.auth_token, a.api_keys_file)
         except OSError as e:
             raise ValueError(f"--api-keys-file: {e}") from None
-        return cls(
-            a.redis_url, a.host, a.advertise_host, a.port, a.http_port, a.routing, weights,
-            a.local_prefill_max_tokens, a.prefill_saturation, a.saturated_local_max_tokens,
-            a.inflight_ttl, a.request_timeout, a.max_retries, a.max_migrations,
-            a.stall_timeout, Limits(a.max_concurrent, a.max_queued, a.max_concurrent_per_key),
-            a.max_prompt_tokens, a.max_tokens, a.startup_timeout, a.drain_timeout, a.log_level,
-            keys, (a.tls_cert, a.tls_key) if a.tls_cert else None, tier_weights)
+        # the flags named as the fields are, taken by name; the rest are parsed above
+        same = {f.name: getattr(a, f.name) for f in dataclasses.fields(cls)
+                if f.name not in ("weights", "tier_weights", "keys", "limits", "tls")}
+        return cls(**same, weights=weights, tier_weights=tier_weights, keys=keys,
+                   limits=Limits(a.max_concurrent, a.max_queued, a.max_concurrent_per_key),
+                   tls=(a.tls_cert, a.tls_key) if a.tls_cert else None)
 
     @property
     def threads(self) -> int:
@@ -270,9 +270,11 @@ def build_orchestrator(cfg: RouterConfig, client, pool: WorkerPool,
                            tier_weights=cfg.tier_weights)
     policy.prompt_hashes([0] * 256, worker.fingerprint, None, 16)  # builds the native hasher
     settings = RouterSettings(
-        tok.model, tok.max_model_len, worker.fingerprint, cfg.max_retries, cfg.max_migrations,
-        cfg.max_prompt_tokens, cfg.max_tokens, cfg.stall_timeout, cfg.request_timeout,
-        cfg.limits)
+        model=tok.model, max_model_len=tok.max_model_len, fingerprint=worker.fingerprint,
+        max_retries=cfg.max_retries, max_migrations=cfg.max_migrations,
+        max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens,
+        stall_timeout_s=cfg.stall_timeout, request_timeout_s=cfg.request_timeout,
+        limits=cfg.limits)
     tokenizer = BatonTokenizer.from_json(json.loads(tok.tokenizer_json))
     return Orchestrator(pool, tokenizer, settings, policy)
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from baton.engine.engine import LLMEngine, RequestOutput
+from baton.services.common.faults import NONE as NO_FAULTS
+from baton.services.common.faults import Faults
 from baton.services.worker.status import EngineDied
 
 log = logging.getLogger("baton.services")
@@ -23,12 +25,12 @@ log = logging.getLogger("baton.services")
 class EngineLoop:
     """``died`` is set when the engine thread stops on an error: the worker then deregisters,
     reports NOT_SERVING and exits non-zero (:func:`baton.services.common.process.serve_forever`).
-    ``fault_crash_after`` (tests only): the thread fails on purpose after that many steps;
-    ``fault_step_delay_s`` (tests only): every step takes at least that long (a slow machine,
-    on any machine)."""
+    ``faults`` (tests only, :mod:`baton.services.common.faults`): the thread fails on purpose
+    after ``crash_engine_after`` steps; every step takes at least ``step_delay`` (a slow
+    machine, on any machine)."""
 
-    def __init__(self, engine: LLMEngine, *, tick_s: float = 0.05, fault_crash_after: int = 0,
-                 fault_step_delay_s: float = 0.0) -> None:
+    def __init__(self, engine: LLMEngine, faults: Faults = NO_FAULTS, *,
+                 tick_s: float = 0.05) -> None:
         # called between steps on the engine thread (a holder's lease sweep, a decode worker's
         # quarantine check); added with add_tick
         self._ticks: list[Callable[[], None]] = []
@@ -40,8 +42,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._error: BaseException | None = None
         self.died = threading.Event()
-        self._fault_crash_after, self._steps = fault_crash_after, 0
-        self._fault_step_delay_s = fault_step_delay_s
+        self._faults, self._steps = faults, 0
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         # threads waiting for KV blocks to be freed (a decode worker's hand-off reservation)
         self._freed = threading.Condition()
@@ -131,11 +132,11 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self.dispatch(self.engine.step())
                     self._steps += 1
-                    if self._fault_step_delay_s:
-                        time.sleep(self._fault_step_delay_s)
-                    if self._steps == self._fault_crash_after:
-                        raise RuntimeError("fault injection: --fault-crash-engine-after "
-                                           f"{self._fault_crash_after}")
+                    if self._faults.step_delay:
+                        time.sleep(self._faults.step_delay)
+                    if self._steps == self._faults.crash_engine_after:
+                        raise RuntimeError("fault injection: crash_engine_after="
+                                           f"{self._faults.crash_engine_after}")
                 for tick in self._ticks:
                     tick()
                 self._note_frees()

@@ -9,11 +9,12 @@ blocks over NIXL. ``python -m baton.services.decode --help``: a decode worker se
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 
 from baton.services.common.config import HolderSettings, WorkerConfig, worker_parser
+from baton.services.common.faults import NONE as NO_FAULTS
+from baton.services.common.faults import Faults
 from baton.services.worker.boot import boot_worker
 from baton.services.worker.decode_role import DecodeService
 from baton.services.worker.engine_loop import EngineLoop
@@ -32,10 +33,11 @@ def prefill_main(argv: list[str] | None = None) -> None:
         "under a lease until a decode worker has read them over NIXL.")
     HolderSettings.add_flags(handoff, full=True)
     try:
-        cfg = WorkerConfig.prefill(ap.parse_args(argv))
+        a = ap.parse_args(argv)
+        cfg, injected = WorkerConfig.prefill(a), Faults.from_args(a)
     except ValueError as e:
         ap.error(str(e))
-    serve_prefill(cfg)
+    serve_prefill(cfg, injected)
 
 
 def decode_main(argv: list[str] | None = None) -> None:
@@ -54,19 +56,18 @@ def decode_main(argv: list[str] | None = None) -> None:
                    help="both: also be a prefill worker (PrefillWorker and KVSource on the same "
                         "engine), for colocated pools (default decode)")
     HolderSettings.add_flags(g, full=False)  # --lease-ttl, for --role both
-    g.add_argument("--fault-delay-release", type=float, default=0.0, help=argparse.SUPPRESS)
     try:
-        cfg = WorkerConfig.decode(ap.parse_args(argv))
+        a = ap.parse_args(argv)
+        cfg, injected = WorkerConfig.decode(a), Faults.from_args(a)
     except ValueError as e:
         ap.error(str(e))
-    serve_decode(cfg)
+    serve_decode(cfg, injected)
 
 
-def serve_prefill(cfg: WorkerConfig) -> None:
+def serve_prefill(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
     """A prefill worker: boot, hold prompts' KV under leases, serve until drained."""
     boot = boot_worker(cfg)
-    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after,
-                      fault_step_delay_s=cfg.fault_step_delay)
+    loop = EngineLoop(boot.engine, faults)
     loop.on_outputs = boot.metrics.observe_outputs
     holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
     loop.start()
@@ -93,14 +94,13 @@ def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
         log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
 
 
-def serve_decode(cfg: WorkerConfig) -> None:
+def serve_decode(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
     """Boot, connect the peers, serve (and prefill too with ``--role both``) until drained."""
     boot = boot_worker(cfg)
     reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
-                      cfg.fault_delay_release)
+                      faults.delay_release)
     connect_peers(reader, cfg)
-    loop = EngineLoop(boot.engine, fault_crash_after=cfg.fault_crash_engine_after,
-                      fault_step_delay_s=cfg.fault_step_delay)
+    loop = EngineLoop(boot.engine, faults)
     loop.on_outputs = boot.metrics.observe_outputs
     services = ["baton.v1.DecodeWorker"]
     holder = None

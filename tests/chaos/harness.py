@@ -71,7 +71,7 @@ def chaos_cluster(start_cluster) -> tuple[Cluster, FaultyProxy]:
             # decode steps of at least 20 ms: on a fast machine a worker otherwise generates a
             # whole answer ahead of its client (the tokens wait in socket buffers), and a worker
             # stopped "mid-stream" has nothing left to stall
-            role_args={"decode": ["--transfer-timeout", "5", "--fault-step-delay", "0.02"],
+            role_args={"decode": ["--transfer-timeout", "5", "--faults", "step_delay=0.02"],
                        "prefill": ["--lease-ttl", "8"]},
             decode_args=lambda c, i: (["--port", str(port), "--advertise-port",
                                        str(proxy.port)] if i == 1 else []),

@@ -172,7 +172,7 @@ def test_decode_sigkill_mid_stream_migrates_without_losing_a_token(cluster, want
 
 def test_decode_sigkill_mid_transfer(cluster, want):
     # a third decode worker that keeps each lease 1 s after its read: a wide transfer window
-    slow = cluster.start_extra("decode", "--fault-delay-release", "1.0")
+    slow = cluster.start_extra("decode", "--faults", "delay_release=1.0")
     # a salt per request: the routing spreads them over all three by load (with one salt a
     # prompt would stay with the worker that first cached it, maybe never the slow one)
     load = Load(cluster, clients=4, max_tokens=MAX_TOKENS, salt_each=True).start()

@@ -26,7 +26,7 @@ def cluster(start_cluster, tiny_llama):
     return start_cluster(
         prefill=1, decode=1,
         worker_args=["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "128"],
-        role_args={"decode": ["--fault-delay-release", "2.0"]},
+        role_args={"decode": ["--faults", "delay_release=2.0"]},
         routers=[["--http-port", "0", "--local-prefill-max-tokens", "0"]])
 
 

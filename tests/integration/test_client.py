@@ -58,7 +58,7 @@ def cluster(tiny_llama, tls_files, tmp_path_factory):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           # every engine step takes 5 ms at least: a 400-token request then
                           # outlasts a 0.5 s deadline on any machine
-                          env={**os.environ, "BATON_FAULT_STEP_DELAY_S": "0.005",
+                          env={**os.environ, "BATON_FAULTS": "step_delay=0.005",
                                # known here, so the test may ask the workers for their pools
                                ENV: SECRET})
     lines = []

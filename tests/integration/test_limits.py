@@ -86,7 +86,7 @@ def test_prefill_refuses_while_its_leased_blocks_wait_and_the_router_goes_local(
     # decode worker holds each lease 1.5 s after reading it (a slow decode side)
     procs = [WorkerProcess("prefill", [*common, "--max-leased-share", "0.125"])]
     try:
-        procs.append(WorkerProcess("decode", [*common, "--fault-delay-release", "1.5"]))
+        procs.append(WorkerProcess("decode", [*common, "--faults", "delay_release=1.5"]))
         procs.append(WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1",
                                               "--local-prefill-max-tokens", "0",
                                               "--prefill-saturation", "0"]))
@@ -123,7 +123,7 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
 
     args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "128"]
     with Cluster(prefill=1, decode=1, worker_args=args,
-                 decode_args=lambda c, i: ["--max-num-seqs", "2", "--fault-step-delay", "0.05"],
+                 decode_args=lambda c, i: ["--max-num-seqs", "2", "--faults", "step_delay=0.05"],
                  routers=[["--http-port", "0", "--max-queued", "1",
                            "--local-prefill-max-tokens", "0"]]) as c:
         stub = api_pb2_grpc.BatonStub(c.router.channel)
@@ -210,7 +210,7 @@ def test_a_hand_off_with_no_room_before_its_deadline_is_resource_exhausted(tiny_
     # steps of at least 50 ms: the long request holds the slot for its whole context (~500
     # tokens), not the second or so a fast machine takes for it
     procs = [WorkerProcess("decode", [*common, "--max-num-seqs", "1",
-                                      "--transfer-timeout", "1", "--fault-step-delay", "0.05"])]
+                                      "--transfer-timeout", "1", "--faults", "step_delay=0.05"])]
     try:
         procs.append(WorkerProcess("router", ["--redis-url", redis.url, "--http-port", "-1"]))
         stub = api_pb2_grpc.BatonStub(procs[-1].channel)

@@ -139,7 +139,7 @@ def test_bad_handles_get_typed_errors_and_the_workers_keep_serving(pair, referen
 def test_lease_expiry_during_the_read_is_detected_and_nothing_is_decoded(reference):
     # The decode worker holds the read 2.5 s before releasing; the lease lasts 1 s. Meanwhile
     # another prompt is prefilled into the freed blocks, so the read really went stale.
-    p = start_pair(["--lease-ttl", "1.0", "--num-blocks", "8"], ["--fault-delay-release", "2.5"])
+    p = start_pair(["--lease-ttl", "1.0", "--num-blocks", "8"], ["--faults", "delay_release=2.5"])
     try:
         params = SamplingParams(max_tokens=8)
         ids = encode(reference, "text", "A" + " tale of two cities" * 12)  # 4 blocks

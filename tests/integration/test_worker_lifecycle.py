@@ -94,7 +94,7 @@ def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, 
 
     args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "128",
             "--registry-ttl", "2"]
-    crash = ["--fault-crash-engine-after", "1"]  # its first step: it surely takes one
+    crash = ["--faults", "crash_engine_after=1"]  # its first step: it surely takes one
     with Cluster(prefill=2 if role == "prefill" else 1, decode=2 if role == "decode" else 1,
                  worker_args=args, routers=[["--local-prefill-max-tokens", "0"]],
                  prefill_args=lambda c, i: crash if role == "prefill" and i == 0 else [],

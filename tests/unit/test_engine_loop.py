@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 from baton.engine.params import SamplingParams
+from baton.services.common.faults import Faults
 from baton.services.worker.engine_loop import EngineLoop
 from baton.services.worker.status import EngineDied
 
@@ -74,7 +75,7 @@ def test_a_call_posted_while_the_engine_dies_fails_instead_of_hanging(tiny_engin
     """Bug: call() checked for a dead engine, then enqueued; an item put after the dying thread
     drained the queue was never completed and its caller (an RPC thread) hung."""
     engine = tiny_engine(num_kv_blocks=8)
-    loop = EngineLoop(engine, fault_crash_after=1)
+    loop = EngineLoop(engine, Faults(crash_engine_after=1))
     loop._calls = _PutAfterDeath(loop)
     loop.start()
     got: list = []

@@ -41,3 +41,23 @@ def test_baton_up_checks_its_ports_before_starting_anything():
     assert r.returncode == 2
     assert r.stderr.strip().startswith(f"error: --http-port {port}: cannot listen on 127.0.0.1:")
     assert r.stdout == ""
+
+
+def test_fault_injection_is_one_hidden_flag_and_refuses_what_it_does_not_know(monkeypatch):
+    from baton.services.common.faults import ENV, Faults
+
+    assert Faults.parse("crash_engine_after=3, step_delay=0.05") == Faults(3, 0.05, 0.0)
+    with pytest.raises(ValueError, match="unknown fault 'explode'"):
+        Faults.parse("explode=1")
+    with pytest.raises(ValueError, match="step_delay='soon' is not a number"):
+        Faults.parse("step_delay=soon")
+    import argparse
+
+    monkeypatch.setenv(ENV, "delay_release=2.5")
+    assert Faults.from_args(argparse.Namespace(faults=None)) == Faults(delay_release=2.5)
+    assert Faults.from_args(argparse.Namespace(faults="step_delay=1")) == Faults(step_delay=1.0)
+    for module in ("baton.services.prefill", "baton.services.decode"):
+        r = run("-m", module, "--help")
+        assert r.returncode == 0 and "--faults" not in r.stdout and "--fault-" not in r.stdout
+    r = run("-m", "baton.services.prefill", "--faults", "explode=1")
+    assert r.returncode == 2 and "unknown fault 'explode'" in r.stderr
