@@ -64,10 +64,11 @@ def _add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+    ap.add_argument("--device", default="auto", type=_device,
                     help="where the workers run: cuda gives each worker its own GPU (the ones "
                          "CUDA_VISIBLE_DEVICES names, else all), round-robin when there are "
-                         "fewer GPUs than workers; auto: cuda when a GPU is visible, else cpu "
+                         "fewer GPUs than workers; cuda:N puts every worker on GPU N, sharing "
+                         "--gpu-memory-utilization; auto: cuda when a GPU is visible, else cpu "
                          "(default auto)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="the share of each GPU's memory the workers on it may use together; "
@@ -86,6 +87,14 @@ def _add_worker_args(ap: argparse.ArgumentParser) -> None:
                     help="torch threads per worker (default: this machine's cores shared out "
                          "among the workers, at least 1 each; several workers with every core "
                          "each spin against each other. Under --ray: torch's own default)")
+
+
+def _device(value: str) -> str:
+    """``--device``: auto, cpu, cuda or cuda:N (the values a worker's --device takes)."""
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:")
+                                            and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: want auto, cpu, cuda or cuda:N")
 
 
 def _add_security_args(ap: argparse.ArgumentParser) -> None:
@@ -351,7 +360,13 @@ class _LocalCluster:
         if a.ray:
             return None  # Ray places the actors (--ray-gpus-per-worker)
         gpus = visible_gpus() if a.device != "cpu" else []
-        if a.device == "cuda" and not gpus:
+        if a.device.startswith("cuda:"):  # every worker on that one GPU
+            want = a.device.split(":", 1)[1]
+            if want not in gpus:
+                raise SystemExit(f"error: --device {a.device}, but the visible GPUs are "
+                                 f"{gpus or 'none'}")
+            gpus = [want]
+        if a.device.startswith("cuda") and not gpus:
             raise SystemExit("error: --device cuda, but no GPU is visible (CUDA_VISIBLE_DEVICES, "
                              "driver, or a CPU-only build of torch)")
         if not gpus:
@@ -394,7 +409,7 @@ class _LocalCluster:
         self.say(f"Ray: {res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
         self.ray_gpus = a.ray_gpus_per_worker
         if self.ray_gpus is None:
-            self.ray_gpus = 1.0 if a.device == "cuda" or (
+            self.ray_gpus = 1.0 if a.device.startswith("cuda") or (
                 a.device == "auto" and res.get("GPU", 0) > 0) else 0.0
         if self.ray_gpus:
             self.say(f"each worker actor asks Ray for {self.ray_gpus:g} GPU(s) and runs on them")

@@ -61,3 +61,14 @@ def test_fault_injection_is_one_hidden_flag_and_refuses_what_it_does_not_know(mo
         assert r.returncode == 0 and "--faults" not in r.stdout and "--fault-" not in r.stdout
     r = run("-m", "baton.services.prefill", "--faults", "explode=1")
     assert r.returncode == 2 and "unknown fault 'explode'" in r.stderr
+
+
+def test_baton_up_takes_the_devices_and_dtypes_a_worker_takes():
+    """baton up reuses the worker's declarations where its copies had drifted (float16,
+    cuda:N were refused)."""
+    from baton.cli.main import parser
+
+    a = parser().parse_args(["up", "--dtype", "float16", "--device", "cuda:1"])
+    assert (a.dtype, a.device) == ("float16", "cuda:1")
+    r = run("-m", "baton.cli.main", "up", "--device", "gpu7")
+    assert r.returncode == 2 and "'gpu7': want auto, cpu, cuda or cuda:N" in r.stderr
