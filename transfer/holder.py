@@ -137,23 +137,28 @@ class _LeaseChannel(socketserver.ThreadingTCPServer):
                  secret: str | None, max_connections: int, greeting_timeout_s: float) -> None:
         self.release, self.greeting = release, greeting(secret)
         self.max_connections, self.greeting_timeout_s = max_connections, greeting_timeout_s
-        self.open_connections = 0
+        self._open: set = set()  # the accepted connections' sockets
         self._count = threading.Lock()
         super().__init__(address, _LeaseLines)
 
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
     def verify_request(self, request, client_address) -> bool:
         with self._count:
-            if self.open_connections >= self.max_connections:
+            if len(self._open) >= self.max_connections:
                 log.warning("lease channel: %d connections open, refusing %s",
-                            self.open_connections, client_address[0])
+                            len(self._open), client_address[0])
                 return False
-            self.open_connections += 1
+            self._open.add(request)
             return True
 
     def close_request(self, request) -> None:
+        """Every connection ends here, refused ones too: only an accepted one frees a place."""
         super().close_request(request)
         with self._count:
-            self.open_connections -= 1
+            self._open.discard(request)
 
 
 class _LeaseLines(socketserver.StreamRequestHandler):

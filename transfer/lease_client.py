@@ -65,7 +65,7 @@ class LeaseClient:
                  connect_timeout_s: float = 1.0) -> None:
         self._secret = secret if secret is not None else cluster_secret.current()
         self._own_channels: dict[str, grpc.Channel] = {}
-        self._channel = channel or self._cached_channel
+        self._channel = channel or self.own_channel
         self._conns: dict[tuple[str, int], _Conn] = {}
         self._unreachable: dict[tuple[str, int], float] = {}  # -> when to try again
         self._lock = threading.Lock()
@@ -85,6 +85,15 @@ class LeaseClient:
                 return answer
             self.fallbacks += 1
         return self._over_grpc(handle, deadline)
+
+    def release_quietly(self, handle, timeout: float) -> None:
+        """Best effort: give a lease back after a failed or abandoned hand-off, so the holder
+        frees its blocks before the lease expires (it would anyway)."""
+        try:
+            self.release(handle, time.monotonic() + timeout)
+        except TransferError as e:
+            log.info("could not give lease %s back to %s: %s", handle.lease_id, handle.address,
+                     e)
 
     def connect(self, address: str, port: int, deadline: float) -> bool:
         """Open (and greet) the lease channel of the holder at ``address`` ahead of its first
@@ -188,7 +197,8 @@ class LeaseClient:
 
     # ---- gRPC ----------------------------------------------------------------------------------
 
-    def _cached_channel(self, address: str) -> grpc.Channel:
+    def own_channel(self, address: str) -> grpc.Channel:
+        """This client's cached channel to ``address`` (carrying its secret)."""
         with self._lock:
             ch = self._own_channels.get(address)
             if ch is None:
@@ -212,15 +222,6 @@ class LeaseClient:
             raise PeerUnavailableError(f"lease release with {handle.address} failed: "
                                        f"{e.code().name}: {e.details()}") from e
         return resp.intact, resp.reason
-
-
-def release_quietly(client: LeaseClient, handle, timeout: float) -> None:
-    """Best effort: give a lease back after a failed or abandoned hand-off, so the holder frees
-    its blocks before the lease expires (it would anyway)."""
-    try:
-        client.release(handle, time.monotonic() + timeout)
-    except TransferError as e:
-        log.info("could not give lease %s back to %s: %s", handle.lease_id, handle.address, e)
 
 
 def _left(deadline: float, address: str) -> float:

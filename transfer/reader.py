@@ -34,7 +34,7 @@ from baton.transfer.errors import (
 )
 from baton.transfer.handle import KVHandle
 from baton.transfer.holder import block_crc32
-from baton.transfer.lease_client import LeaseClient, release_quietly
+from baton.transfer.lease_client import LeaseClient
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("baton.transfer")
@@ -115,7 +115,7 @@ class KVReader:
             # give the lease back early if the holder may still hold it
             if not isinstance(e, LeaseLostError | PeerUnavailableError) and (
                     res.state != TransferState.RELEASING):
-                release_quietly(self.leases, handle, timeout=1.0)
+                self.leases.release_quietly(handle, timeout=1.0)
             res.state, res.error = TransferState.FAILED, e
             raise
         finally:
@@ -243,16 +243,11 @@ class KVReader:
             self._drop(peer)
             raise
 
-    def release_quietly(self, handle: KVHandle, timeout: float = 1.0) -> None:
-        """Give a lease back after a failed pull, so the holder frees its blocks before expiry.
-        Works without a handshake (a refused peer still gets its lease back)."""
-        release_quietly(self.leases, handle, timeout)
-
     def _channel(self, address: str) -> grpc.Channel:
         """The gRPC channel to a holder: the handshake's while it lives (LeaseClient's
         fallback), else a cached one of the lease client's."""
         peer = self._peers.get(address)
-        return peer.channel if peer is not None else self.leases._cached_channel(address)
+        return peer.channel if peer is not None else self.leases.own_channel(address)
 
     def _drop(self, peer: _Peer) -> None:
         with self._lock:

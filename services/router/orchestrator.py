@@ -175,7 +175,6 @@ class _Call:
     cancellation, the router's id for it, what was sent so far, and the workers that failed."""
 
     request: api_pb2.GenerateRequest
-    params: worker_pb2.SamplingParams
     ids: list[int]
     deadline: Deadline
     cancel: Cancellation
@@ -186,6 +185,10 @@ class _Call:
     sent: Sent = field(default_factory=Sent)
     failed: set[str] = field(default_factory=set)
     retries: int = 0
+
+    @property
+    def params(self) -> worker_pb2.SamplingParams:
+        return self.request.params
 
     def attempt(self, metrics) -> Attempt:
         """The next attempt: a new request on the workers (a failed one may still be known
@@ -286,8 +289,8 @@ class Orchestrator:
                                         at=t0)
         status = "CANCELLED"  # unless it ends otherwise: the consumer stopped reading
         try:
-            call = _Call(request, request.params, self.validate(request), deadline, cancel,
-                         rid, t0, span, _PromptHashes(self, request))
+            call = _Call(request, self.validate(request), deadline, cancel, rid, t0, span,
+                         _PromptHashes(self, request))
             for msg in self._admitted(call, caller):
                 if msg.HasField("final"):
                     status = "OK"
@@ -308,8 +311,6 @@ class Orchestrator:
         """The prompt's token ids; raises RequestError (INVALID_ARGUMENT) naming the field."""
         try:
             ids = self._prompt_ids(request)
-            if not request.params.HasField("max_tokens"):  # the fronts resolve it
-                raise InvalidRequestError("params.max_tokens", None, "unset")
             p = params_from_proto(request.params)  # validation: the workers get the proto
             if self.settings.max_tokens and p.max_tokens > self.settings.max_tokens:
                 raise InvalidRequestError("params.max_tokens", p.max_tokens,

@@ -22,7 +22,7 @@ from baton.control.registry import WorkerRecord, WorkerRegistry
 from baton.services.common.protocol import FIELD_METADATA, PEER_METADATA
 from baton.services.router.errors import Status
 from baton.transfer import cluster_secret
-from baton.transfer.lease_client import LeaseClient, release_quietly
+from baton.transfer.lease_client import LeaseClient
 from baton.v1 import worker_pb2, worker_pb2_grpc
 from redis.exceptions import RedisError
 
@@ -225,7 +225,7 @@ class WorkerPool:
         """Give a KV handle's lease back to its holder (frees its blocks now, not at the
         lease's expiry), over the holder's lease channel or gRPC. Best effort: the lease
         expires anyway."""
-        release_quietly(self.leases, handle, timeout=2.0)
+        self.leases.release_quietly(handle, timeout=2.0)
 
     def tokenizer(self, timeout: float) -> tuple[worker_pb2.TokenizerResponse, WorkerRecord]:
         """Ask a registered worker for its tokenizer; waits until one is registered and

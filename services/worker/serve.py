@@ -32,12 +32,7 @@ def prefill_main(argv: list[str] | None = None) -> None:
         "Baton prefill worker: computes prompts' KV and first token, and holds the KV blocks "
         "under a lease until a decode worker has read them over NIXL.")
     HolderSettings.add_flags(handoff, full=True)
-    try:
-        a = ap.parse_args(argv)
-        cfg, injected = WorkerConfig.prefill(a), Faults.from_args(a)
-    except ValueError as e:
-        ap.error(str(e))
-    serve_prefill(cfg, injected)
+    serve_prefill(*_parse(ap, argv, WorkerConfig.prefill))
 
 
 def decode_main(argv: list[str] | None = None) -> None:
@@ -56,12 +51,17 @@ def decode_main(argv: list[str] | None = None) -> None:
                    help="both: also be a prefill worker (PrefillWorker and KVSource on the same "
                         "engine), for colocated pools (default decode)")
     HolderSettings.add_flags(g, full=False)  # --lease-ttl, for --role both
+    serve_decode(*_parse(ap, argv, WorkerConfig.decode))
+
+
+def _parse(ap, argv, config) -> tuple[WorkerConfig, Faults]:
+    """The role's config (``config(args)``) and the faults to inject; a bad flag exits 2
+    naming it."""
     try:
         a = ap.parse_args(argv)
-        cfg, injected = WorkerConfig.decode(a), Faults.from_args(a)
+        return config(a), Faults.from_args(a)
     except ValueError as e:
         ap.error(str(e))
-    serve_decode(cfg, injected)
 
 
 def serve_prefill(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:

@@ -139,6 +139,11 @@ def test_the_listener_is_bounded():
         second = LeaseClient(secret="")
         assert second.release(h.grant("a"), deadline()) == (True, "")
         assert second.fallbacks == 1
+        # a refused connection frees no place: another is refused too
+        third = LeaseClient(secret="")
+        assert third.connect(h.holder.address, h.holder.lease_port, deadline()) is False
+        assert h.holder._lease_server.open_connections == 1
+        third.close()
         assert first.release(h.grant("b"), deadline()) == (True, "")
         assert first.fallbacks == 0
         first.close()
