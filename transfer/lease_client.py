@@ -100,14 +100,15 @@ class LeaseClient:
         release; False if it cannot be reached (releases will go over gRPC)."""
         return self._conn((address.rsplit(":", 1)[0], port), deadline) is not None
 
-    def forget(self, address: str) -> None:
-        """Close the channels to the holder at ``address`` (it restarted or went away)."""
-        host = address.rsplit(":", 1)[0]
+    def forget(self, address: str, port: int) -> None:
+        """Close the lease channel to the holder at ``address`` (it restarted or went away);
+        other holders on the same host keep theirs."""
+        key = (address.rsplit(":", 1)[0], port)
         with self._lock:
-            gone = [k for k in self._conns if k[0] == host]
-            conns = [self._conns.pop(k) for k in gone]
-        for c in conns:
-            c.close()
+            conn = self._conns.pop(key, None)
+            self._unreachable.pop(key, None)
+        if conn is not None:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:

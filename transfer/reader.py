@@ -72,6 +72,7 @@ class _Peer:
     # UCX transports seen once the first READ from this peer set its protocols up; read from
     # UCX's log once per peer, not per hand-off
     transports: str = ""
+    lease_port: int = 0  # its lease channel (transfer/lease_client.py); 0: none
 
 
 class KVReader:
@@ -226,6 +227,7 @@ class KVReader:
             raise PeerUnavailableError(f"handshake with {address}: NIXL did not take the "
                                        f"peer: {e}") from e
         peer.worker_id, peer.incarnation = resp.worker_id, resp.incarnation
+        peer.lease_port = resp.lease_port
         # open the lease channel now rather than on the first release; where it cannot be
         # reached, releases go over gRPC (the LeaseClient decides, each time)
         if resp.lease_port and not self.leases.connect(address, resp.lease_port, deadline):
@@ -255,7 +257,8 @@ class KVReader:
                 del self._peers[peer.address]
         if peer.agent_name:
             self.agent.remove_peer(peer.agent_name)
-        self.leases.forget(peer.address)
+        if peer.lease_port:
+            self.leases.forget(peer.address, peer.lease_port)
         peer.channel.close()
 
     def close(self) -> None:

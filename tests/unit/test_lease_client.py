@@ -174,3 +174,23 @@ def test_a_holder_that_cannot_be_reached_at_all_is_a_typed_error():
             client.release(handle, deadline(5.0))
     finally:
         client.close()
+
+
+def test_forgetting_one_holder_keeps_the_channels_to_others_on_its_host():
+    a, b = Holder(), Holder()
+    client = LeaseClient(secret="")
+    try:
+        for h in (a, b):
+            assert client.connect(h.holder.address, h.holder.lease_port, deadline())
+        kept = client._conns[("127.0.0.1", b.holder.lease_port)]
+        client.forget(a.holder.address, a.holder.lease_port)  # a restarted
+        assert client._conns.get(("127.0.0.1", b.holder.lease_port)) is kept  # b's stays open
+        assert ("127.0.0.1", a.holder.lease_port) not in client._conns
+        assert client.release(b.grant("x"), deadline()) == (True, "")
+        assert client.release(a.grant("y"), deadline()) == (True, "")  # reconnects
+        assert client.fallbacks == 0 and b.freed == ["x"] and a.freed == ["y"]
+        assert len(client._conns) == 2
+    finally:
+        client.close()
+        a.stop()
+        b.stop()
