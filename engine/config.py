@@ -31,7 +31,13 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2)."""
+    """Architecture of a dense decoder: Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3 text.
+
+    Everything that changes the computation is a field here, so the model fingerprint (which
+    peers must match to exchange KV blocks) names it: per-layer sliding windows, q/k norms, the
+    attention scale, RoPE per layer type. Family defaults are the loader's business
+    (``loader._hf_config``); a config field the engine does not compute exactly is refused
+    there, never ignored."""
 
     arch: str
     vocab_size: int
@@ -49,12 +55,41 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # per layer, how many keys a query sees (itself included) where the layer slides a window;
+    # 0: full causal attention. Empty: every layer full.
+    layer_windows: tuple[int, ...] = ()
+    qk_norm: bool = False  # Qwen3, Gemma 3: per-head RMSNorm of q and k before RoPE
+    # Gemma 3: RMSNorm after attention and after the MLP too (before each residual add)
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # silu | gelu_tanh: the MLP's gate activation
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float = 0.0  # 0: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)
+    final_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    # > 0: windowed layers' RoPE base, unscaled (Gemma 3's rope_local_base_freq)
+    local_rope_theta: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} "
+                             "layers")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ValueError(f"hidden_act={self.hidden_act!r}")
+
+    def window(self, layer: int) -> int:
+        """Keys a query of ``layer`` sees, itself included; 0: all before it."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates with the local RoPE base (a windowed Gemma 3 layer)."""
+        return self.local_rope_theta > 0 and self.window(layer) > 0
 
     @property
     def q_size(self) -> int:
@@ -72,6 +107,7 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        d["layer_windows"] = tuple(d.get("layer_windows", ()))
         return cls(**d)
 
 

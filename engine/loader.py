@@ -198,8 +198,12 @@ def _gguf_config(f: dict, arch: str, has_output: bool, vocab: int) -> ModelConfi
     if get("rope.scaling.type") == "linear":
         scaling = RopeScaling("linear", float(get("rope.scaling.factor", 1.0)))
     elif get("rope.scaling.type") not in (None, "none"):
-        raise UnsupportedModelError(f"rope scaling {get('rope.scaling.type')!r} is not supported")
+        raise _refuse(f"{arch}.rope.scaling.type", get("rope.scaling.type"),
+                      "supported: none, linear")
     eos = f.get("tokenizer.ggml.eos_token_id")
+    if get("attention.sliding_window"):
+        raise _refuse(f"{arch}.attention.sliding_window", get("attention.sliding_window"),
+                      f"a sliding window is not served for GGUF architecture {arch!r}")
     return ModelConfig(
         arch=arch, vocab_size=int(get("vocab_size", vocab)), hidden_size=int(hidden),
         intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
@@ -364,38 +368,154 @@ def _fuse(cfg: ModelConfig, get, names: dict[str, str]) -> dict[str, torch.Tenso
 # =================================================================================================
 
 
+# What transformers assumes where a family's config.json leaves a field out (its config classes'
+# defaults; tests/unit/test_families.py checks them against transformers)
+FAMILY_DEFAULTS = {
+    "llama": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+              "max_position_embeddings": 2048},
+    "mistral": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+              "max_position_embeddings": 32768, "max_window_layers": 28},
+    "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+              "max_position_embeddings": 32768, "max_window_layers": 28, "head_dim": 128},
+    "gemma3_text": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                    "max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0,
+                    "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh"},
+}
+HF_ARCHS = set(FAMILY_DEFAULTS)
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _refuse(field: str, value, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"config field {field}={value!r}: {why}; Baton refuses a model "
+                                 "it would not compute exactly")
+
+
 def _hf_config(c: dict) -> ModelConfig:
+    """A Hugging Face config.json -> :class:`ModelConfig`, with transformers' defaults for
+    what it leaves out; anything Baton would not compute as transformers does is refused by
+    name (:class:`UnsupportedModelError`)."""
     arch = c.get("model_type")
+    if arch == "gemma3":
+        raise _refuse("model_type", arch, "the multimodal Gemma 3 checkpoint is not served (its "
+                      "text-only form, model_type gemma3_text, is)")
     if arch not in HF_ARCHS:
         raise UnsupportedModelError(
             f"model_type {arch!r} is not supported (supported: {sorted(HF_ARCHS)})")
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
-    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-    if kind == "default":
-        scaling = RopeScaling()
-    elif kind == "linear":
-        scaling = RopeScaling("linear", float(rope["factor"]))
-    elif kind == "llama3":
-        scaling = RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]),
-                              int(rope["original_max_position_embeddings"]))
-    else:
-        raise UnsupportedModelError(f"rope scaling {kind!r} is not supported")
+    c = {**FAMILY_DEFAULTS[arch], **{k: v for k, v in c.items() if v is not None
+                                     or k in ("sliding_window", "final_logit_softcapping")}}
+    _refuse_unexact(c, arch)
     heads = c["num_attention_heads"]
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    theta, scaling, local_theta = _hf_rope(c, arch)
+    gemma = arch == "gemma3_text"
+    if arch in ("qwen3", "gemma3_text"):
+        raise UnsupportedModelError(f"model_type {arch!r} is not supported yet")
+    if _hf_windows(c, arch):
+        raise _refuse("sliding_window", c["sliding_window"], "the engine does not apply "
+                      "sliding windows yet")
     return ModelConfig(
         arch=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
         num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        max_position=c.get("max_position_embeddings", 2048),
-        rms_norm_eps=c.get("rms_norm_eps", 1e-5), rope_theta=float(theta), rope_scaling=scaling,
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-        bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
+        max_position=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
+        rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(c["tie_word_embeddings"]),
+        qkv_bias=arch == "qwen2", bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
+        layer_windows=_hf_windows(c, arch), qk_norm=arch in ("qwen3", "gemma3_text"),
+        sandwich_norms=gemma, hidden_act=ACTIVATIONS[_activation(c)],
+        embed_scale=float(c["hidden_size"]) ** 0.5 if gemma else 1.0,
+        attn_scale=float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else 0.0,
+        final_softcap=float(c.get("final_logit_softcapping") or 0.0), local_rope_theta=local_theta,
     )
+
+
+def _activation(c: dict) -> str:
+    return c.get("hidden_activation") or c.get("hidden_act") or "silu"
+
+
+def _refuse_unexact(c: dict, arch: str) -> None:
+    """Every config field whose value Baton's engine would not compute as transformers does."""
+    if c.get("quantization_config"):
+        raise _refuse("quantization_config", c["quantization_config"],
+                      "quantized Hugging Face checkpoints are not served (GGUF files are)")
+    if c.get("attn_logit_softcapping"):
+        raise _refuse("attn_logit_softcapping", c["attn_logit_softcapping"],
+                      "attention-score soft-capping is not implemented")
+    if c.get("use_bidirectional_attention"):
+        raise _refuse("use_bidirectional_attention", True, "only causal attention is served")
+    if _activation(c) not in ACTIVATIONS:
+        raise _refuse("hidden_act", _activation(c), f"supported: {sorted(ACTIVATIONS)}")
+    if arch != "qwen2" and c.get("attention_bias"):
+        raise _refuse("attention_bias", True, "biases on q/k/v/o projections are not served "
+                      "(only Qwen2's q/k/v biases are)")
+    if c.get("mlp_bias"):
+        raise _refuse("mlp_bias", True, "MLP biases are not served")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse("partial_rotary_factor", c["partial_rotary_factor"],
+                      "RoPE on part of each head is not implemented")
+    for t in c.get("layer_types") or ():
+        if t not in ("full_attention", "sliding_attention"):
+            raise _refuse("layer_types", t, "supported: full_attention, sliding_attention")
+
+
+def _hf_windows(c: dict, arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it (0: full attention)."""
+    n, window = c["num_hidden_layers"], c.get("sliding_window")
+    if arch == "llama" or not window:
+        return ()
+    if arch == "mistral":  # every layer, whatever layer_types says
+        return (int(window),) * n
+    if arch in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+        return ()  # transformers drops the window
+    types = c.get("layer_types")
+    if not types and arch == "gemma3_text":
+        pattern = int(c["sliding_window_pattern"])
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(n)]
+    elif not types:
+        types = ["sliding_attention" if i >= c["max_window_layers"] else "full_attention"
+                 for i in range(n)]
+    if len(types) != n:
+        raise _refuse("layer_types", types, f"{len(types)} entries for {n} layers")
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
+
+
+def _rope(rope: dict, field: str) -> RopeScaling:
+    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+        return RopeScaling("llama3", float(rope["factor"]), float(rope["low_freq_factor"]),
+                           float(rope["high_freq_factor"]),
+                           int(rope["original_max_position_embeddings"]))
+    raise _refuse(f"{field}.rope_type", kind, "supported: default, linear, llama3")
+
+
+def _hf_rope(c: dict, arch: str) -> tuple[float, RopeScaling, float]:
+    """(rope_theta, scaling, local theta) where a config names them: ``rope_scaling`` (older
+    configs), ``rope_parameters`` (transformers 5), per layer type for Gemma 3."""
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if arch != "gemma3_text":
+        theta = rope.get("rope_theta") or c.get("rope_theta") or 10000.0
+        field = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+        return float(theta), _rope(rope, field), 0.0
+    full, local = rope.get("full_attention"), rope.get("sliding_attention")
+    if full is None:  # an older config: rope_scaling applies to the global layers
+        full = {**rope, "rope_theta": rope.get("rope_theta") or c.get("rope_theta")}
+        local = {"rope_theta": c["rope_local_base_freq"]}
+    if _rope(local or {}, "rope_parameters.sliding_attention").kind != "none":
+        raise _refuse("rope_parameters.sliding_attention", local,
+                      "scaled RoPE on the sliding layers is not implemented")
+    theta = full.get("rope_theta") or c.get("rope_theta") or 1_000_000.0
+    local_theta = (local or {}).get("rope_theta") or c["rope_local_base_freq"]
+    return float(theta), _rope(full, "rope_parameters.full_attention"), float(local_theta)
 
 
 def _load_hf_dir(p: Path) -> LoadedModel:
