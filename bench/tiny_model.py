@@ -1,7 +1,7 @@
-"""Tiny random Llama-family models, built with transformers' config classes (no download): a
-byte-level BPE tokenizer trained on a small corpus and random weights, saved as a Hugging Face
-directory. Benchmarks use them where a real model's compute would drown what they measure; the
-tests use them everywhere. Needs ``transformers`` (the ``dev`` extra).
+"""Tiny random models of every family Baton serves, built with transformers' config classes
+(no download): a byte-level BPE tokenizer trained on a small corpus and random weights, saved
+as a Hugging Face directory. Benchmarks use them where a real model's compute would drown what
+they measure; the tests use them everywhere. Needs ``transformers`` (the ``dev`` extra).
 """
 
 from __future__ import annotations
@@ -37,21 +37,39 @@ def write_tokenizer(path: Path) -> None:
                          "assistant\n{% endif %}"}))
 
 
+# transformers' (config class, model class) for each family Baton serves
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+
+
 def make_hf_model(path: Path, kind: str = "llama", **overrides):
-    """A tiny random Llama/Qwen2 saved as a Hugging Face directory; returns the HF model."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A tiny random model of family ``kind`` (see FAMILIES) saved as a Hugging Face directory;
+    returns the HF model."""
+    import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     write_tokenizer(path)
     common = dict(vocab_size=400, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=0, eos_token_id=1, initializer_range=0.2, rms_norm_eps=1e-5)
+    if kind in ("mistral", "qwen3", "gemma3_text"):
+        common["head_dim"] = common["hidden_size"] // common["num_attention_heads"]
+    if kind == "mistral":
+        common["sliding_window"] = None  # windowed only where a test asks
     common.update(overrides)
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[kind])
     torch.manual_seed(0)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**common))
+    model = model_cls(config_cls(**common))
+    if kind == "gemma3_text":  # its norms start at 0 (a multiplier of 1): make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
     model.eval()
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -283,6 +283,11 @@ def _convert_gguf(p: Path) -> LoadedModel:
     return LoadedModel(name, str(p), cfg, weights, tokenizer, weights_id, quantized)
 
 
+def _offset_norms(weights: dict[str, torch.Tensor], fn) -> dict[str, torch.Tensor]:
+    """Every norm weight through ``fn``: the multiplier the engine's RMSNorm applies."""
+    return {k: fn(v) if k == "norm" or k.endswith("_norm") else v for k, v in weights.items()}
+
+
 # block types a float32 engine reads directly (kernels/cpu_linear.QUANT_TYPES)
 KEPT_BLOCKS = {"Q8_0", "Q4_0", "Q4_1"}
 
@@ -318,16 +323,35 @@ GGUF_NAMES = {
     "o": "blk.{i}.attn_output.weight", "mlp_norm": "blk.{i}.ffn_norm.weight",
     "gate": "blk.{i}.ffn_gate.weight", "up": "blk.{i}.ffn_up.weight",
     "down": "blk.{i}.ffn_down.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight",
+    "post_mlp_norm": "blk.{i}.post_ffw_norm.weight",
 }
+_HF_LAYER = "model.layers.{i}."
 HF_NAMES = {
     "embed": "model.embed_tokens.weight", "norm": "model.norm.weight", "lm_head": "lm_head.weight",
-    "rope_freqs": "",  "attn_norm": "model.layers.{i}.input_layernorm.weight",
-    "q": "model.layers.{i}.self_attn.q_proj.{s}", "k": "model.layers.{i}.self_attn.k_proj.{s}",
-    "v": "model.layers.{i}.self_attn.v_proj.{s}", "o": "model.layers.{i}.self_attn.o_proj.weight",
-    "mlp_norm": "model.layers.{i}.post_attention_layernorm.weight",
-    "gate": "model.layers.{i}.mlp.gate_proj.weight", "up": "model.layers.{i}.mlp.up_proj.weight",
-    "down": "model.layers.{i}.mlp.down_proj.weight",
+    "rope_freqs": "",  "attn_norm": _HF_LAYER + "input_layernorm.weight",
+    "q": _HF_LAYER + "self_attn.q_proj.{s}", "k": _HF_LAYER + "self_attn.k_proj.{s}",
+    "v": _HF_LAYER + "self_attn.v_proj.{s}", "o": _HF_LAYER + "self_attn.o_proj.weight",
+    "mlp_norm": _HF_LAYER + "post_attention_layernorm.weight",
+    "gate": _HF_LAYER + "mlp.gate_proj.weight", "up": _HF_LAYER + "mlp.up_proj.weight",
+    "down": _HF_LAYER + "mlp.down_proj.weight",
+    "q_norm": _HF_LAYER + "self_attn.q_norm.weight",
+    "k_norm": _HF_LAYER + "self_attn.k_norm.weight",
+    "post_attn_norm": "", "post_mlp_norm": "",
 }
+# Gemma 3 names its four norms per layer differently
+HF_GEMMA_NAMES = {
+    **HF_NAMES, "mlp_norm": _HF_LAYER + "pre_feedforward_layernorm.weight",
+    "post_attn_norm": _HF_LAYER + "post_attention_layernorm.weight",
+    "post_mlp_norm": _HF_LAYER + "post_feedforward_layernorm.weight",
+}
+
+
+def _norm_names(cfg: ModelConfig) -> tuple[str, ...]:
+    """The optional per-layer norms ``cfg`` has."""
+    return ((("q_norm", "k_norm") if cfg.qk_norm else ())
+            + (("post_attn_norm", "post_mlp_norm") if cfg.sandwich_norms else ()))
 
 
 def _fuse(cfg: ModelConfig, get, names: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -354,6 +378,8 @@ def _fuse(cfg: ModelConfig, get, names: dict[str, str]) -> dict[str, torch.Tenso
             out[pre + "qkv_bias"] = torch.cat([need(n[x].format(s="bias")) for x in "qkv"])
         out[pre + "o"] = need(n["o"])
         out[pre + "mlp_norm"] = need(n["mlp_norm"])
+        for norm in _norm_names(cfg):
+            out[pre + norm] = need(n[norm])
         out[pre + "gate_up"] = torch.cat([need(n["gate"]), need(n["up"])], dim=0)
         out[pre + "down"] = need(n["down"])
     expect = (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
@@ -412,11 +438,6 @@ def _hf_config(c: dict) -> ModelConfig:
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     theta, scaling, local_theta = _hf_rope(c, arch)
     gemma = arch == "gemma3_text"
-    if arch in ("qwen3", "gemma3_text"):
-        raise UnsupportedModelError(f"model_type {arch!r} is not supported yet")
-    if _hf_windows(c, arch):
-        raise _refuse("sliding_window", c["sliding_window"], "the engine does not apply "
-                      "sliding windows yet")
     return ModelConfig(
         arch=arch, vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
@@ -538,7 +559,10 @@ def _load_hf_dir(p: Path) -> LoadedModel:
                       disable=None):
         tensors.update(load_file(fpath))
         h.update(_sha256_file(fpath).encode())
-    weights = _fuse(cfg, tensors.get, HF_NAMES)
+    names = HF_GEMMA_NAMES if cfg.arch == "gemma3_text" else HF_NAMES
+    weights = _fuse(cfg, tensors.get, names)
+    if cfg.arch == "gemma3_text":  # Gemma's RMSNorm multiplies by 1 + w, in float32
+        weights = _offset_norms(weights, lambda w: 1.0 + w.float())
     log(f"loaded {p.name} ({len(tensors)} tensors) in {time.perf_counter() - t0:.1f}s")
     tokenizer = BatonTokenizer.from_hf_dir(p, cfg.eos_token_ids)
     return LoadedModel(p.name, str(p), cfg, weights, tokenizer, h.hexdigest())

@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+"""A dense decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3 text) over a paged KV cache.
 
 The forward pass takes the flattened tokens of a whole batch (any mix of prefill chunks and single
 decode tokens), so every matmul runs once per layer for the batch; only attention is per group.
@@ -8,6 +8,7 @@ Weights are plain tensors, fused per layer: ``qkv`` = [q; k; v] and ``gate_up`` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import mmap
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from baton.engine.config import ModelConfig
+from baton.engine.config import ModelConfig, RopeScaling
 from baton.kernels import cpu_attention, cpu_fused, cpu_linear
 from baton.kernels.paged_attention import (
     decode_attention,
@@ -104,6 +105,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def qk_norm(qk: torch.Tensor, layer, num_heads: int, eps: float) -> torch.Tensor:
+    """Qwen3's and Gemma 3's per-head RMSNorm of the query heads and the key heads of ``qk``
+    ([T, Hq + Hkv, D]), before RoPE: a new tensor."""
+    return torch.cat((rms_norm(qk[:, :num_heads], layer.q_norm, eps),
+                      rms_norm(qk[:, num_heads:], layer.k_norm, eps)), dim=1)
+
+
+def gate_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for ``gate_up`` = [gate | up] (a fresh tensor, reused in place): SiLU
+    (Llama, Qwen, Mistral) or tanh-approximated GeLU (Gemma 3)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return F.silu(gate, inplace=True).mul_(up)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -295,6 +312,10 @@ class Layer:
         self.qkv = lin("qkv", w.get("qkv_bias"))  # [q_size + 2 * kv_size, hidden]
         self.o = lin("o")  # [hidden, q_size]
         self.mlp_norm = w["mlp_norm"]
+        # Qwen3, Gemma 3: per-head norms of q and k ([head_dim]); Gemma 3: norms of the
+        # attention's and the MLP's outputs before each residual add ([hidden])
+        self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
+        self.post_attn_norm, self.post_mlp_norm = w.get("post_attn_norm"), w.get("post_mlp_norm")
         self.gate_up = lin("gate_up")  # [2 * intermediate, hidden]
         self.down = lin("down")  # [hidden, intermediate]
 
@@ -332,9 +353,43 @@ class LlamaModel:
         small_dtype = (storage_dtype or dtype) if small_linear else None
         self.gemm_dtype = gemm_dtype or dtype
         self._init_linears(cfg, weights, quantized or {}, small_dtype)
-        self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
-        self.scale = cfg.head_dim**-0.5
+        self._init_rope(cfg, weights, dtype)
         self._choose_cpu_kernels(cfg, dtype, attention_backend)
+
+    def _init_rope(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                   dtype: torch.dtype) -> None:
+        """cos/sin tables: the global ones, and (Gemma 3) the windowed layers' own base; the
+        attention scale; the embedding scale in the embedding's dtype (as transformers rounds
+        it)."""
+        self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
+        self.rope = [(self.cos, self.sin)] * cfg.num_layers
+        if cfg.local_rope_theta:
+            local = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta,
+                                        rope_scaling=RopeScaling())
+            tables = rope_tables(local, None, dtype, self.device)
+            self.rope = [tables if cfg.local_rope(i) else self.rope[i]
+                         for i in range(cfg.num_layers)]
+        self.scale = cfg.scale
+        self.embed_scale = (None if cfg.embed_scale == 1.0 else
+                            torch.tensor(cfg.embed_scale, dtype=self.embed.dtype,
+                                         device=self.device))
+        # the native fused paths compute a Llama layer; a layer with q/k norms, sandwich norms,
+        # GeLU or a second RoPE base takes the general forward
+        self.llama_layers = not (cfg.qk_norm or cfg.sandwich_norms or cfg.hidden_act != "silu"
+                                 or cfg.local_rope_theta)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: [T, hidden] (float32 on CPU)."""
+        h = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        return h if self.device.type != "cpu" else h.float()
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the final-normed rows ``h``, soft-capped where the model is."""
+        logits = self.lm_head(h).float()
+        cap = self.cfg.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def _init_linears(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                       quantized: dict, small_dtype: torch.dtype | None) -> None:
@@ -369,7 +424,8 @@ class LlamaModel:
         # bf16 GEMMs on prepacked weights with a float32 residual: everything between them in
         # native one-pass kernels, bf16 in and out (see kernels/cpu_fused.py)
         self.fused_bf16 = (
-            dtype == torch.float32 and gemm == torch.bfloat16 and attention_backend != "torch"
+            self.llama_layers and dtype == torch.float32 and gemm == torch.bfloat16
+            and attention_backend != "torch"
             and cfg.head_dim <= cpu_fused.MAX_HEAD_DIM and cpu_fused.load() is not None
             and all(lin.packed is not None
                     and (lin.small is None or isinstance(lin.small, cpu_linear.QuantWeight))
@@ -378,7 +434,8 @@ class LlamaModel:
                     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)))
         # float32 GEMMs: RMSNorm, RoPE and SiLU-and-multiply each in one native pass
         self.fused_f32 = (
-            dtype == torch.float32 and gemm == torch.float32 and attention_backend != "torch"
+            self.llama_layers and dtype == torch.float32 and gemm == torch.float32
+            and attention_backend != "torch"
             and cfg.head_dim <= cpu_fused.MAX_HEAD_DIM and cpu_fused.load_f32() is not None)
 
     def _init_triton(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
@@ -405,8 +462,7 @@ class LlamaModel:
                    if k.startswith(f"layers.{i}.")}, None, dtype, pack=False)
             for i in range(cfg.num_layers)
         ]
-        self.cos, self.sin = rope_tables(cfg, weights.get("rope_freqs"), dtype, self.device)
-        self.scale = cfg.head_dim**-0.5
+        self._init_rope(cfg, weights, dtype)
 
     @torch.inference_mode()
     def forward(
@@ -420,26 +476,35 @@ class LlamaModel:
             return self._forward_fused_bf16(input_ids, positions, meta, kv, logits_rows)
         if self.fused_f32:
             return self._forward_fused_f32(input_ids, positions, meta, kv, logits_rows)
-        cfg = self.cfg
-        h = F.embedding(input_ids, self.embed).float()  # [T, hidden]: the residual, added in place
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        h = self._embed(input_ids)  # [T, hidden]: the residual, added in place
+        rows = {id(c): (c[positions].unsqueeze(1), s[positions].unsqueeze(1))
+                for c, s in self.rope}
         t = h.shape[0]
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+            x = rms_norm(h, layer.attn_norm, eps)
             qkv = layer.qkv(x)
             qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+            qk = qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                qk = qk_norm(qk, layer, cfg.num_heads, eps)
             # q and k heads rotate together: one set of rotary ops per layer instead of two
-            qk = apply_rope(qk.view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk = apply_rope(qk, *rows[id(self.rope[i][0])])
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             store_kv(kv, i, meta.slot_blocks, meta.slot_offsets, k, v)
-            o = self._attention(q, k, v, meta, kv, i)
-            layer.o.add_to(h, o.reshape(t, cfg.q_size))  # h is this forward's own tensor
-            x = rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)  # views of a fresh tensor
-            layer.down.add_to(h, F.silu(gate, inplace=True).mul_(up))
-        h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+            o = self._attention(q, k, v, meta, kv, i).reshape(t, cfg.q_size)
+            if layer.post_attn_norm is None:
+                layer.o.add_to(h, o)  # h is this forward's own tensor
+            else:
+                h.add_(rms_norm(layer.o(o), layer.post_attn_norm, eps))
+            x = rms_norm(h, layer.mlp_norm, eps)
+            act = gate_mul(layer.gate_up(x), cfg.hidden_act)
+            if layer.post_mlp_norm is None:
+                layer.down.add_to(h, act)
+            else:
+                h.add_(rms_norm(layer.down(act), layer.post_mlp_norm, eps))
+        return self._logits(rms_norm(h[logits_rows], self.norm, eps))
 
     def _forward_fused_f32(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -449,7 +514,7 @@ class LlamaModel:
         one-pass kernels (RoPE bit for bit torch's; the other two within float32 rounding). A
         1,000-token prefill on a 2-vCPU Zen 4 spent ~8% of its time in those torch ops."""
         cfg = self.cfg
-        h = F.embedding(input_ids, self.embed).float()
+        h = self._embed(input_ids)
         t, rotated = h.shape[0], cfg.num_heads + cfg.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = cpu_fused.rms_norm_f32(h, layer.attn_norm, cfg.rms_norm_eps)
@@ -461,8 +526,7 @@ class LlamaModel:
             layer.o.add_to(h, o.reshape(t, cfg.q_size))
             x = cpu_fused.rms_norm_f32(h, layer.mlp_norm, cfg.rms_norm_eps)
             layer.down.add_to(h, cpu_fused.silu_mul_f32(layer.gate_up(x)))
-        h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+        return self._logits(rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps))
 
     def _forward_fused_bf16(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -474,7 +538,7 @@ class LlamaModel:
         prefill on one thread of a 2-vCPU AMX Xeon: 0.73 -> 0.39 s, where before the copies and
         elementwise ops took longer than the GEMMs."""
         cfg = self.cfg
-        h = F.embedding(input_ids, self.embed).float()
+        h = self._embed(input_ids)
         t, rotated = h.shape[0], cfg.num_heads + cfg.num_kv_heads
         for i, layer in enumerate(self.layers):
             x = cpu_fused.rms_norm_bf16(h, layer.attn_norm, cfg.rms_norm_eps)
@@ -487,8 +551,7 @@ class LlamaModel:
             h.add_(layer.o.product(o.reshape(t, cfg.q_size)))
             x = cpu_fused.rms_norm_bf16(h, layer.mlp_norm, cfg.rms_norm_eps)
             h.add_(layer.down.product(cpu_fused.silu_mul_bf16(layer.gate_up.product(x))))
-        h = rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+        return self._logits(rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps))
 
     def _forward_triton(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -498,38 +561,47 @@ class LlamaModel:
         add+RMSNorm, gate/up GEMM, silu*mul, down GEMM (the residual add is folded into the
         next norm). No value is read back to the host, so decode can run in a CUDA graph."""
         cfg, fused, eps = self.cfg, self._fused, self.cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream (in place)
-        t = h.shape[0]
+        h = self._embed(input_ids)  # [T, hidden], the residual stream (in place)
+        t, qk_cols = h.shape[0], cfg.q_size + cfg.kv_size
         x = fused.add_rms_norm(h, None, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            q = fused.rope_store_kv(layer.qkv(x), positions, self.cos, self.sin, kv, i,
-                                    meta.slot_blocks, meta.slot_offsets, cfg.num_heads)
-            o = self._attention_triton(q, meta, kv, i)
-            x = fused.add_rms_norm(h, layer.o(o.view(t, cfg.q_size)), layer.mlp_norm, eps)
-            mlp = layer.down(fused.silu_mul(layer.gate_up(x)))
+            qkv = layer.qkv(x)
+            if layer.q_norm is not None:  # in place, before the rotation
+                heads = qkv[:, :qk_cols].view(t, -1, cfg.head_dim)
+                heads.copy_(qk_norm(heads, layer, cfg.num_heads, eps))
+            q = fused.rope_store_kv(qkv, positions, *self.rope[i], kv, i, meta.slot_blocks,
+                                    meta.slot_offsets, cfg.num_heads)
+            o = layer.o(self._attention_triton(q, meta, kv, i).view(t, cfg.q_size))
+            if layer.post_attn_norm is not None:
+                o = fused.add_rms_norm(o, None, layer.post_attn_norm, eps)
+            x = fused.add_rms_norm(h, o, layer.mlp_norm, eps)
+            gate_up = layer.gate_up(x)
+            mlp = layer.down(fused.silu_mul(gate_up) if cfg.hidden_act == "silu"
+                             else gate_mul(gate_up, cfg.hidden_act))
+            if layer.post_mlp_norm is not None:
+                mlp = fused.add_rms_norm(mlp, None, layer.post_mlp_norm, eps)
             if i + 1 < len(self.layers):
                 x = fused.add_rms_norm(h, mlp, self.layers[i + 1].attn_norm, eps)
             else:
                 h += mlp
-        h = fused.add_rms_norm(h[logits_rows], None, self.norm, eps)
-        return self.lm_head(h).float()
+        return self._logits(fused.add_rms_norm(h[logits_rows], None, self.norm, eps))
 
     def _attention_triton(self, q: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
                           layer: int) -> torch.Tensor:
-        tri = self._tri
+        tri, window = self._tri, self.cfg.window(layer)
         if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
             return tri.decode_attention(q, kv, layer, meta.decode_block_tables,
                                         meta.decode_context_lens, self.scale,
-                                        meta.decode_splits)
+                                        meta.decode_splits, window=window)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[meta.decode_rows] = tri.decode_attention(
                 q[meta.decode_rows], kv, layer, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale, meta.decode_splits)
+                meta.decode_context_lens, self.scale, meta.decode_splits, window=window)
         if meta.prefill_starts is not None:
             tri.prefill_attention(q, kv, layer, meta.prefill_block_tables, meta.prefill_starts,
                                   meta.prefill_lens, meta.prefill_past, meta.max_prefill_len,
-                                  self.scale, out=out)
+                                  self.scale, out=out, window=window)
         return out
 
     def _attention(
@@ -539,14 +611,16 @@ class LlamaModel:
         """Attention of every row of ``q``: float32, or bf16 on the fused path, where the result
         is bf16 too and ``q_float`` holds the same queries unrounded for decode attention."""
         qd = q if q_float is None else q_float
+        window = self.cfg.window(layer)  # 0, or a sliding-window layer's keys per query
         if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
             return self.decode_attention(qd, kv, layer, meta.decode_block_tables,
-                                         meta.decode_context_lens, self.scale).to(q.dtype)
+                                         meta.decode_context_lens, self.scale,
+                                         window).to(q.dtype)
         out = torch.empty(q.shape, dtype=q.dtype)  # contiguous: the prefill kernel writes rows
         if meta.num_decodes:
             out[meta.decode_rows] = self.decode_attention(
                 qd[meta.decode_rows], kv, layer, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale).to(q.dtype)
+                meta.decode_context_lens, self.scale, window).to(q.dtype)
         for p in meta.prefills:
             rows = slice(p.start, p.start + p.n)
             if p.num_past == 0:  # nothing cached before: attend to the fresh keys directly
@@ -555,7 +629,7 @@ class LlamaModel:
                 ks, vs = gather_kv(kv, layer, p.block_table, self.gemm_dtype)
                 ks, vs = ks[: p.num_past + p.n], vs[: p.num_past + p.n]
             pd = self.gemm_dtype  # bf16 where the GEMMs are: 2.6x faster on AMX
-            args = (q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past, self.scale)
+            args = (q[rows].to(pd), ks.to(pd), vs.to(pd), p.num_past, self.scale, window)
             if self.prefill_native:  # writes the rows of out in its dtype
                 cpu_attention.prefill_attention(*args, out=out[rows])
             else:  # the assignment widens a bf16 result to float32 in the one copy it makes

@@ -27,15 +27,16 @@ def load() -> ctypes.CDLL | None:
     dll.paged_decode_attention.restype = ctypes.c_int
     dll.paged_decode_attention.argtypes = (
         [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 8
-        + [ctypes.c_float, ctypes.c_int])
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     return dll
 
 
 def decode_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, window: int = 0,
 ) -> torch.Tensor:
-    """Same contract as the torch reference: q [B, Hq, D] float32 -> [B, Hq, D]."""
+    """Same contract as the torch reference (``window`` included): q [B, Hq, D] float32 ->
+    [B, Hq, D]."""
     dll = load()
     assert dll is not None
     nb, num_layers, two, bs, hkv, d = kv.shape
@@ -51,7 +52,7 @@ def decode_attention(
     rc = dll.paged_decode_attention(
         out.data_ptr(), q.data_ptr(), kv.data_ptr(), int(kv.dtype == torch.bfloat16),
         bt.data_ptr(), lens.data_ptr(), b, bt.shape[1], layer, num_layers, bs, hkv, hq // hkv, d,
-        scale, torch.get_num_threads())
+        scale, window, torch.get_num_threads())
     assert rc == 0, f"unsupported shape for the native kernel: group={hq // hkv} dim={d} bs={bs}"
     return out
 
@@ -65,13 +66,13 @@ def load_prefill() -> ctypes.CDLL | None:
     dll.prefill_attention_supported.argtypes = [ctypes.c_int, ctypes.c_int]
     dll.prefill_attention.restype = ctypes.c_int
     dll.prefill_attention.argtypes = (
-        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int])
+        [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     return dll
 
 
 def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether :func:`prefill_attention` runs ``dtype`` inputs of ``head_dim`` on this CPU (it
-    needs AVX-512, and AVX512-BF16 for bf16; head_dim 64 or 128)."""
+    needs AVX-512, and AVX512-BF16 for bf16; head_dim 64, 128 or 256)."""
     dll = load_prefill()
     return (dll is not None and dtype in (torch.float32, torch.bfloat16)
             and bool(dll.prefill_attention_supported(int(dtype == torch.bfloat16), head_dim)))
@@ -79,10 +80,11 @@ def prefill_supported(dtype: torch.dtype, head_dim: int) -> bool:
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float,
-    out: torch.Tensor | None = None,
+    window: int = 0, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as the torch reference (:func:`baton.kernels.paged_attention.
-    prefill_attention`): q [n, Hq, D], k and v [num_past + n, Hkv, D], all bf16 or all float32.
+    prefill_attention`, ``window`` included): q [n, Hq, D], k and v [num_past + n, Hkv, D], all
+    bf16 or all float32.
     Writes ``out`` (a contiguous [n, Hq, D], float32 or bf16; default: q's dtype) and returns it."""
     dll = load_prefill()
     assert dll is not None
@@ -98,7 +100,7 @@ def prefill_attention(
     assert out.dtype in (torch.float32, torch.bfloat16), out.dtype
     rc = dll.prefill_attention(
         out.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), int(q.dtype == torch.bfloat16),
-        int(out.dtype == torch.bfloat16), n, num_past, hkv, hq // hkv, d, scale,
+        int(out.dtype == torch.bfloat16), n, num_past, hkv, hq // hkv, d, scale, window,
         torch.get_num_threads())
     if rc == 3:
         raise MemoryError(f"prefill attention: no memory to pack {num_past + n} keys")

@@ -46,20 +46,26 @@ def gather_kv(
 
 def decode_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence.
 
     q: [B, Hq, D]; block_tables: [B, max_blocks] (padding entries may be any valid id);
-    context_lens: [B] (keys per sequence, including the query's own). Returns [B, Hq, D].
+    context_lens: [B] (keys per sequence, including the query's own). ``window`` > 0: the query
+    sees only the last ``window`` keys (itself included), as transformers' sliding window does.
+    Returns [B, Hq, D].
     """
     k, v = gather_kv(kv, layer, block_tables, q.dtype)  # [B, L, Hkv, D]
     if q.shape[0] == 1:  # one sequence: cut to its length, no mask needed
         n = int(context_lens[0])
-        k, v, mask = k[:, :n], v[:, :n], None
+        lo = max(n - window, 0) if window else 0
+        k, v, mask = k[:, lo:n], v[:, lo:n], None
     else:
         # key j is visible to sequence b iff j < context_lens[b] (hides padding and stale slots)
-        mask = torch.arange(k.shape[1]).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+        j = torch.arange(k.shape[1]).unsqueeze(0)
+        mask = j < context_lens.unsqueeze(1)  # [B, L]
+        if window:
+            mask &= j >= (context_lens - window).unsqueeze(1)
         mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale,
@@ -69,7 +75,8 @@ def decode_attention(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_past: int, scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of ``n`` new queries over ``num_past`` cached keys plus the ``n`` new ones.
 
@@ -78,7 +85,11 @@ def prefill_attention(
 
         keys:   |<---- num_past (cached) ---->|<------ n (new) ------>|
         query i:  all visible                  visible up to column i
+
+    ``window`` > 0: query i sees only keys ``num_past + i - window + 1 .. num_past + i``.
     """
+    if window and num_past + q.shape[0] > window:
+        return _windowed(q, k, v, num_past, scale, window)
     n, hq = q.shape[0], q.shape[1]
     group = hq // k.shape[1]
     # 4-d inputs with the KV heads expanded take PyTorch's flash kernel on CPU; 3-d or
@@ -93,6 +104,19 @@ def prefill_attention(
     else:
         mask = torch.ones(n, num_past + n, dtype=torch.bool).tril(diagonal=num_past)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def _windowed(q, k, v, num_past: int, scale: float, window: int) -> torch.Tensor:
+    """:func:`prefill_attention` with a sliding window: one call with an explicit mask."""
+    n, group = q.shape[0], q.shape[1] // k.shape[1]
+    pos = torch.arange(num_past, num_past + n).unsqueeze(1)
+    j = torch.arange(num_past + n).unsqueeze(0)
+    mask = (j <= pos) & (j > pos - window)
+    qt = q.transpose(0, 1).unsqueeze(0)
+    kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
 
 

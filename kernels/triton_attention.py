@@ -104,7 +104,7 @@ def _load_kv_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
-    scale, num_splits,
+    scale, num_splits, window,
     stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
@@ -112,13 +112,15 @@ def _decode_kernel(
 ):
     """Program (b, kv head, split): the GROUP query heads sharing one KV head, over one split of
     the sequence's keys. With DIRECT (one split) it writes the output; otherwise the partial
-    accumulator with its running max and sum, which ``_reduce_kernel`` merges."""
+    accumulator with its running max and sum, which ``_reduce_kernel`` merges. ``window`` > 0:
+    only the sequence's last ``window`` keys are split and read (a sliding-window layer)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    per = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per
+    lo = tl.maximum(ctx - window, 0) if window > 0 else ctx * 0
+    per = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per
     end = tl.minimum(start + per, ctx)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -160,12 +162,15 @@ def _online_softmax(acc, l_i, m_i, s, v, PRECISION: tl.constexpr, BASE2: tl.cons
     """One tile's scores ``s`` (keys not seen: -inf) and values ``v`` into the running softmax:
     the new (acc, l_i, m_i). BASE2: the scores carry log2(e), so exp2 stands for exp."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    # a row that has seen no key yet (all -inf: a tile before its sliding window) subtracts 0,
+    # not -inf: its p and alpha are then 0, not NaN
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     if BASE2:
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
     else:
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_sub)
+        p = tl.exp(s - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, l_i, m_new
@@ -251,11 +256,13 @@ def decode_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Paged decode attention. q: [B, Hq, D]; block_tables: [B, max_blocks] (int32/int64,
     entries past a sequence's blocks may be anything valid); context_lens: [B] (keys per sequence
     including the query's own; 0 for a padding row, whose output is zeros). Returns [B, Hq, D].
-    ``num_splits`` (see :func:`decode_splits`) is fixed by the caller, never read off the data."""
+    ``num_splits`` (see :func:`decode_splits`) is fixed by the caller, never read off the data.
+    ``window`` > 0: each query sees its sequence's last ``window`` keys only."""
     bs, hkv, d = _check_decode_args(q, kv, layer, block_tables, context_lens, num_splits)
     b, hq, _ = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -273,7 +280,7 @@ def decode_attention(
         pacc = torch.empty((b, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
         pml = torch.empty((b, hq, num_splits, 2), dtype=torch.float32, device=q.device)
     _decode_kernel[(b, hkv, num_splits)](
-        q, kc, vc, block_tables, context_lens, out, pacc, pml, scale, num_splits,
+        q, kc, vc, block_tables, context_lens, out, pacc, pml, scale, num_splits, window,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
@@ -297,25 +304,29 @@ def decode_attention(
 @triton.jit
 def _prefill_tile(
     acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, kvh,
-    stride_cb, stride_ct, stride_ch,
+    stride_cb, stride_ct, stride_ch, window,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One tile of keys [n0, n0 + BLOCK_N) into the running softmax (base 2: q carries log2 e).
-    MASKED: the causal edge and the tail past ``last``; otherwise every key is visible."""
+    MASKED: the causal edge, the tail past ``last`` and (``window`` > 0) the keys before each
+    row's sliding window; otherwise every key is visible."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     valid = offs_n < last
     k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh,
                          stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N)
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if MASKED:
-        sc = tl.where((offs_n[None, :] <= pos[:, None]) & valid[None, :], sc, float("-inf"))
+        seen = (offs_n[None, :] <= pos[:, None]) & valid[None, :]
+        if window > 0:
+            seen = seen & (offs_n[None, :] > pos[:, None] - window)
+        sc = tl.where(seen, sc, float("-inf"))
     return _online_softmax(acc, l_i, m_i, sc, v, PRECISION, True)
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, qlen_ptr, past_ptr, out_ptr, scale,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, qlen_ptr, past_ptr, out_ptr, scale, window,
     stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -323,8 +334,9 @@ def _prefill_kernel(
     """Program (query tile, sequence, query head). Query i of a sequence sits at position
     ``num_past + i`` and sees keys ``0 .. num_past + i``, all read from the paged cache (the new
     keys were stored before the call). Keys wholly before the tile's first query take a loop
-    without masks; the causal edge a second, masked one. The last tiles (the most keys) start
-    first."""
+    without masks; the causal edge a second, masked one. With ``window`` > 0 (a sliding-window
+    layer) the tile reads only keys from its first row's window on, all through the masked
+    loop. The last tiles (the most keys) start first."""
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     s, h = tl.program_id(1), tl.program_id(2)
     q_len = tl.load(qlen_ptr + s)
@@ -341,20 +353,24 @@ def _prefill_kernel(
         pos = past + offs_m  # each query's position
         last = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # keys [0, last) matter to the tile
         full = (past + tile * BLOCK_M) // BLOCK_N * BLOCK_N  # keys [0, full) visible to all rows
+        first = full * 0  # the first key any row of the tile sees
+        if window > 0:
+            first = tl.maximum(past + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+            full = first
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
         bt_row = bt_ptr + s * stride_btb
-        for n0 in range(0, full, BLOCK_N):
+        for n0 in range(first, full, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(
                 acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, h // GROUP,
-                stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, False,
-                PRECISION)
+                stride_cb, stride_ct, stride_ch, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N,
+                False, PRECISION)
         for n0 in range(full, last, BLOCK_N):
             acc, l_i, m_i = _prefill_tile(
                 acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, h // GROUP,
-                stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N, True,
-                PRECISION)
+                stride_cb, stride_ct, stride_ch, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N,
+                True, PRECISION)
         _store_out(acc, l_i, m_i,
                       out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh,
                       out_ptr, out_ptr, offs_d, rmask, mmask, True)
@@ -378,14 +394,15 @@ def prefill_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
     q_starts: torch.Tensor, q_lens: torch.Tensor, num_past: torch.Tensor, max_q_len: int,
     scale: float, out: torch.Tensor | None = None,
-    launch: tuple[int, int, int, int] | None = None,
+    launch: tuple[int, int, int, int] | None = None, window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of several sequences' new query chunks over their cached and new keys.
 
     q: [T, Hq, D] (the batch's rows); sequence s owns rows ``q_starts[s] .. + q_lens[s]`` and has
     ``num_past[s]`` keys cached before them; block_tables: [S, max_blocks] covering ``num_past +
     q_len`` keys, the new ones already stored. ``max_q_len`` (host int) sizes the grid. Rows of
-    ``out`` that belong to no sequence are left as they were."""
+    ``out`` that belong to no sequence are left as they were. ``window`` > 0: query i sees only
+    keys ``num_past + i - window + 1 ..`` (a sliding-window layer)."""
     bs, hkv, d = _check_kv(kv, layer)
     t, hq, dq = q.shape
     assert dq == d and hq % hkv == 0, f"q {tuple(q.shape)} does not fit {hkv} KV heads of dim {d}"
@@ -403,7 +420,7 @@ def prefill_attention(
     block_m, block_n, warps, stages = launch or default
     grid = (triton.cdiv(max_q_len, block_m), n, hq)
     _prefill_kernel[grid](
-        q, kc, vc, block_tables, q_starts, q_lens, num_past, out, scale,
+        q, kc, vc, block_tables, q_starts, q_lens, num_past, out, scale, window,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_M=block_m,

@@ -7,6 +7,8 @@
  * Work item = (sequence, kv head): all `group` query heads sharing a KV head are processed
  * together so every key/value row is read once. Softmax is online, rescaled once per block.
  * Threads split the work items; the kernel is memory-bound (each KV byte is read once).
+ * window > 0: a sequence's query sees only its last `window` keys (a sliding-window layer): the
+ * blocks before them are skipped and the keys before them in the first block masked.
  */
 #include <math.h>
 #include <omp.h>
@@ -20,7 +22,7 @@
 typedef struct {
     float *out; const float *q; const void *kv; const int64_t *bt; const int64_t *lens;
     int is_bf16, max_blocks, layer, num_layers, bs, hkv, group, dim; float scale;
-    int begin, end;
+    int window, begin, end;
 } Args;
 
 static inline float load(const void *base, int64_t i, int is_bf16) {
@@ -63,10 +65,11 @@ static inline __attribute__((always_inline)) void item_impl(const Args *a, int i
     {
         const int b = item / H, h = item % H;
         const int64_t n = a->lens[b];
+        const int64_t lo = a->window > 0 && n > a->window ? n - a->window : 0;  /* first key */
         const float *qb = a->q + ((int64_t)b * H * G + (int64_t)h * G) * D;
         float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP][MAX_DIM], s[MAX_GROUP][MAX_BS];
         for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; memset(acc[g], 0, D * 4); }
-        for (int64_t start = 0; start < n; start += BS) {
+        for (int64_t start = lo / BS * BS; start < n; start += BS) {
             const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
             const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
             const int cnt = (int)((n - start) < BS ? (n - start) : BS);  /* partial last block */
@@ -82,6 +85,8 @@ static inline __attribute__((always_inline)) void item_impl(const Args *a, int i
                     s[g][t] = dot * a->scale;
                 }
             }
+            for (int g = 0; g < G; g++)  /* keys before the window */
+                for (int t = 0; t < lo - start; t++) s[g][t] = -INFINITY;
             for (int g = 0; g < G; g++) {
                 float mx = m[g];
                 for (int t = 0; t < cnt; t++) mx = s[g][t] > mx ? s[g][t] : mx;
@@ -153,6 +158,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
     const int64_t block = (int64_t)a->num_layers * 2 * kv_part;
     const int b = item / H, h = item % H;
     const int64_t n = a->lens[b];
+        const int64_t lo = a->window > 0 && n > a->window ? n - a->window : 0;  /* first key */
     const float *qb = a->q + ((int64_t)b * H * G + (int64_t)h * G) * D;
     __m512 q[4][4], acc[4][4];
     float m[4], l[4], s[4][MAX_BS];
@@ -164,7 +170,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
             acc[g][j] = _mm512_setzero_ps();
         }
     }
-    for (int64_t start = 0; start < n; start += BS) {
+    for (int64_t start = lo / BS * BS; start < n; start += BS) {
         const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
         const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
         const int cnt = (int)((n - start) < BS ? (n - start) : BS);
@@ -199,6 +205,8 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
             for (int g = 0; g < G; g++)  /* s has room: t0 + 16 <= MAX_BS */
                 _mm512_storeu_ps(&s[g][t0], _mm512_mul_ps(hsum16(dv[g]), scale));
         }
+        for (int g = 0; g < G; g++)  /* keys before the window */
+            for (int t = 0; t < lo - start; t++) s[g][t] = -INFINITY;
         for (int g = 0; g < G; g++) {
             float mx = m[g];
             float *sg = s[g];
@@ -274,13 +282,13 @@ static void item_d(const Args *a, int item) {
 int paged_decode_attention(float *out, const float *q, const void *kv, int is_bf16,
                            const int64_t *block_tables, const int64_t *context_lens, int B,
                            int max_blocks, int layer, int num_layers, int bs, int hkv, int group,
-                           int dim, float scale, int num_threads) {
+                           int dim, float scale, int window, int num_threads) {
     if (group > MAX_GROUP || dim > MAX_DIM || bs > MAX_BS) return -1;
     const int items = B * hkv;
     int nt = num_threads < 1 ? 1 : num_threads;
     if (nt > items) nt = items;
     const Args a = {out, q, kv, block_tables, context_lens, is_bf16, max_blocks, layer,
-                    num_layers, bs, hkv, group, dim, scale, 0, items};
+                    num_layers, bs, hkv, group, dim, scale, window, 0, items};
     if (B >= 2 * nt) {
         /* sequences differ in length: hand them out one at a time, all KV heads of a sequence
          * to one thread in a row (a block's K or V rows interleave the heads: the next head's

@@ -3,7 +3,8 @@
  * q:   [n, num_kv_heads * group, D]            (bfloat16 or float32)
  * k,v: [num_past + n, num_kv_heads, D]        (same dtype as q)
  * out: [n, num_kv_heads * group, D]            (float32 or bfloat16)
- * Query i sits at position num_past + i and sees keys 0 .. num_past + i.
+ * Query i sits at position num_past + i and sees keys 0 .. num_past + i; with window > 0 (a
+ * sliding-window layer) only the last `window` of them: num_past + i - window + 1 .. num_past + i.
  *
  * Work item = (kv head, tile of ROWS query rows). A row is (query i, head g of the group), so the
  * `group` query heads sharing a KV head share every key and value they load. Per 32-key block:
@@ -30,12 +31,12 @@
 
 #define KB 32    /* keys per block: two vectors of 16 */
 #define ROWS 12  /* query rows per tile: 24 score accumulators */
-#define MAX_D 128
+#define MAX_D 256
 #define LAZY 8.0f /* see the online softmax */
 
 typedef struct {
     const void *q, *k, *v; void *out; const void *kp, *vp;
-    int n, num_past, hkv, group, out_bf16; float scale;
+    int n, num_past, hkv, group, out_bf16, window; float scale;
     int64_t nkb;  /* key blocks */
 } Args;
 
@@ -102,12 +103,13 @@ static inline __attribute__((always_inline)) void tile_impl(const Args *a, int h
     const int G = a->group, HQ = a->hkv * G;
     const int64_t blk_elems = (int64_t)KB * D;
     const void *qrow[ROWS];
-    int limit[ROWS];  /* last visible key of each row */
+    int limit[ROWS], first[ROWS];  /* last and first visible key of each row */
     for (int r = 0; r < ROWS; r++) {
         const int rr = r0 + (r < nrows ? r : nrows - 1);  /* tail rows repeat the last one */
         const int i = rr / G, g = rr % G;
         qrow[r] = (const char *)a->q + ((int64_t)i * HQ + h * G + g) * D * (bf16 ? 2 : 4);
         limit[r] = a->num_past + i;
+        first[r] = a->window > 0 && limit[r] >= a->window ? limit[r] - a->window + 1 : 0;
     }
     const int last_key = limit[ROWS - 1];
     const int64_t nblocks = last_key / KB + 1;
@@ -123,7 +125,7 @@ static inline __attribute__((always_inline)) void tile_impl(const Args *a, int h
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512 vscale = _mm512_set1_ps(a->scale * 1.44269504088896341f);  /* log2 e */
 
-    for (int64_t b = 0; b < nblocks; b++) {
+    for (int64_t b = first[0] / KB; b < nblocks; b++) {  /* row 0's window starts first */
         /* S = Q K^T for 32 keys */
         __m512 s[ROWS][2];
         for (int r = 0; r < ROWS; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
@@ -161,8 +163,10 @@ static inline __attribute__((always_inline)) void tile_impl(const Args *a, int h
         const int nk = last_key - key0 + 1 < KB ? last_key - key0 + 1 : KB;  /* keys to read */
         for (int r = 0; r < ROWS; r++) {
             const __m512i lim = _mm512_set1_epi32(limit[r] - key0);
-            const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, lim);
-            const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), lim);
+            const __m512i fst = _mm512_set1_epi32(first[r] - key0);
+            const __m512i lane16 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+            const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, lim) & _mm512_cmpge_epi32_mask(lane, fst);
+            const __mmask16 v1 = _mm512_cmple_epi32_mask(lane16, lim) & _mm512_cmpge_epi32_mask(lane16, fst);
             const __m512 ninf = _mm512_set1_ps(-INFINITY);
             const __m512 x0 = _mm512_mask_mul_ps(ninf, v0, s[r][0], vscale);
             const __m512 x1 = _mm512_mask_mul_ps(ninf, v1, s[r][1], vscale);
@@ -198,7 +202,7 @@ static inline __attribute__((always_inline)) void tile_impl(const Args *a, int h
             _mm512_store_ps(lv[r], _mm512_add_ps(_mm512_load_ps(lv[r]), sum));
         }
         /* O += P V, a few rows at a time so their accumulators stay in registers */
-#define RO (D <= 64 ? 6 : 3)
+#define RO (D <= 64 ? 6 : D <= 128 ? 3 : 1)
         for (int r0_ = 0; r0_ < ROWS; r0_ += RO) {
             const int rn = RO;  /* divides ROWS: a constant trip count keeps acc in registers */
             __m512 acc[6][MAX_D / 16];  /* fixed sizes: arrays sized by D would be VLAs on the stack */
@@ -255,6 +259,8 @@ static inline __attribute__((always_inline)) void tile_impl(const Args *a, int h
 static void tile(const Args *a, int h, int r0, int nrows, int D, int bf16) {
     if (D == 64) {
         if (bf16) tile_impl(a, h, r0, nrows, 64, 1); else tile_impl(a, h, r0, nrows, 64, 0);
+    } else if (D == 256) {
+        if (bf16) tile_impl(a, h, r0, nrows, 256, 1); else tile_impl(a, h, r0, nrows, 256, 0);
     } else {
         if (bf16) tile_impl(a, h, r0, nrows, 128, 1); else tile_impl(a, h, r0, nrows, 128, 0);
     }
@@ -264,7 +270,7 @@ static void tile(const Args *a, int h, int r0, int nrows, int D, int bf16) {
 /* Whether this build runs the kernel for bf16 (1) or float32 (0) inputs of head_dim ``dim``. */
 int prefill_attention_supported(int bf16, int dim) {
     (void)bf16;
-    if (dim != 64 && dim != 128) return 0;
+    if (dim != 64 && dim != 128 && dim != 256) return 0;
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
     return 1;
@@ -279,7 +285,7 @@ int prefill_attention_supported(int bf16, int dim) {
 /* Returns 0 on success; 1: unsupported (see prefill_attention_supported); 3: out of memory. */
 int prefill_attention(void *out, const void *q, const void *k, const void *v, int bf16,
                       int out_bf16, int n, int num_past, int hkv, int group, int dim, float scale,
-                      int nthreads) {
+                      int window, int nthreads) {
     if (!prefill_attention_supported(bf16, dim)) return 1;
 #if defined(__AVX512F__)
     const int64_t L = (int64_t)num_past + n, nkb = (L + KB - 1) / KB;
@@ -288,7 +294,7 @@ int prefill_attention(void *out, const void *q, const void *k, const void *v, in
     void *kp = aligned_alloc(64, bytes);
     void *vp = bf16 ? aligned_alloc(64, bytes) : NULL;
     if (kp == NULL || (bf16 && vp == NULL)) { free(kp); free(vp); return 3; }
-    Args a = {q, k, v, out, kp, vp, n, num_past, hkv, group, out_bf16, scale, nkb};
+    Args a = {q, k, v, out, kp, vp, n, num_past, hkv, group, out_bf16, window, scale, nkb};
     const int rows = n * group, tiles = (rows + ROWS - 1) / ROWS, items = hkv * tiles;
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
@@ -306,7 +312,7 @@ int prefill_attention(void *out, const void *q, const void *k, const void *v, in
     return 0;
 #else
     (void)out; (void)q; (void)k; (void)v; (void)out_bf16; (void)n; (void)num_past; (void)hkv;
-    (void)group; (void)scale; (void)nthreads;
+    (void)group; (void)scale; (void)window; (void)nthreads;
     return 1;
 #endif
 }

@@ -344,3 +344,71 @@ def test_a_kernel_cached_for_another_cpu_is_built_again_not_loaded(tmp_path, mon
     assert theirs.startswith(f"block_hash-{native.isa_tag(other)}-")
     assert native.isa_tag(frozenset({"avx512f", "avx2"})) == "avx512"
     assert native.isa_tag(frozenset({"avx2", "fma"})) == "avx2"
+
+
+def _windowed_loop(q, k, v, num_past: int, scale: float, window: int) -> torch.Tensor:
+    """Query i (position num_past + i) over keys num_past + i - window + 1 .. num_past + i, one
+    query at a time in float64: transformers' sliding window (kv_idx > q_idx - window)."""
+    n, hq = q.shape[:2]
+    group = hq // k.shape[1]
+    out = torch.empty(n, hq, q.shape[2], dtype=torch.float64)
+    for i in range(n):
+        pos = num_past + i
+        lo = max(pos - window + 1, 0)
+        ks = k[lo: pos + 1].double().repeat_interleave(group, dim=1)
+        vs = v[lo: pos + 1].double().repeat_interleave(group, dim=1)
+        w = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), ks) * scale, dim=-1)
+        out[i] = torch.einsum("hl,lhd->hd", w, vs)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, num_past, hkv, group, d, window", [
+    (40, 0, 2, 3, 64, 7), (13, 50, 1, 5, 64, 20), (70, 31, 3, 1, 128, 33), (9, 3, 2, 2, 64, 40),
+    (50, 10, 1, 3, 256, 16), (37, 70, 2, 3, 64, 1)])
+def test_prefill_attention_with_a_sliding_window(dtype, n, num_past, hkv, group, d, window):
+    # windows shorter and longer than the prompt, not multiples of the kernel's 32-key blocks,
+    # over cached keys; head_dim 256 (Gemma 3) in the native kernel too
+    from baton.kernels.paged_attention import prefill_attention
+
+    g = torch.Generator().manual_seed(n * 7 + window)
+    q = torch.randn(n, hkv * group, d, generator=g).to(dtype)
+    k, v = (torch.randn(num_past + n, hkv, d, generator=g).to(dtype) for _ in range(2))
+    want = _windowed_loop(q, k, v, num_past, d ** -0.5, window)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ref = prefill_attention(q.double(), k.double(), v.double(), num_past, d ** -0.5, window)
+    torch.testing.assert_close(ref, want, atol=1e-6, rtol=1e-6)
+    if not cpu_attention.prefill_supported(dtype, d):
+        pytest.skip(f"this CPU cannot run the native prefill kernel for {dtype}, head_dim {d}")
+    got = cpu_attention.prefill_attention(q, k, v, num_past, d ** -0.5, window)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs, hkv, group, d, window", [
+    (4, 3, 3, 16, 6), (4, 2, 2, 64, 9), (16, 2, 1, 64, 3), (8, 1, 4, 64, 17), (4, 1, 2, 256, 5),
+    (32, 2, 3, 64, 40)])
+def test_paged_decode_attention_with_a_sliding_window(kv_dtype, bs, hkv, group, d, window):
+    # each sequence's query sees its last `window` keys: blocks before them skipped, the keys
+    # before them in the first block masked (windows not multiples of the block size)
+    g = torch.Generator().manual_seed(window)
+    nb = 40
+    kv = torch.randn(nb, 1, 2, bs, hkv, d, generator=g).to(kv_dtype)
+    lens = torch.tensor([1, 5, window, window + 1, 30, 61])
+    width = -(-int(lens.max()) // bs)
+    tables = torch.stack([torch.randperm(nb, generator=g)[:width] for _ in lens])
+    q = torch.randn(len(lens), hkv * group, d, generator=g)
+    scale = d ** -0.5
+    for b, n in enumerate(lens.tolist()):  # the reference against one query at a time
+        keys = kv[tables[b], 0].transpose(1, 2).reshape(-1, 2, hkv, d)[:n].float()
+        want = _windowed_loop(q[b: b + 1], keys[:, 0], keys[:, 1], n - 1, scale, window)
+        got = decode_attention(q[b: b + 1], kv, 0, tables[b: b + 1], lens[b: b + 1], scale,
+                               window)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    want = decode_attention(q, kv, 0, tables, lens, scale, window)  # masked batch form
+    for b in range(len(lens)):
+        one = decode_attention(q[b: b + 1], kv, 0, tables[b: b + 1], lens[b: b + 1], scale,
+                               window)
+        torch.testing.assert_close(want[b: b + 1], one, atol=1e-5, rtol=1e-5)
+    got = cpu_attention.decode_attention(q, kv, 0, tables, lens, scale, window)
+    torch.testing.assert_close(got, want.float(), atol=2e-5, rtol=1e-4)

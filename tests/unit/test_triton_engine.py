@@ -77,3 +77,25 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = graph_batch_sizes(64)
     assert sizes[-1] == 64 and all(any(s >= n for s in sizes) for n in range(1, 65))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu test covers CUDA")
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "gemma3_text"])
+def test_interpreted_triton_forward_serves_every_family(tmp_path, kind):
+    # q/k norms (Qwen3), sliding windows shorter than the prompt (Mistral), and Gemma 3's
+    # sandwich norms, GeLU, second RoPE base, attention scale and soft-capped logits in the
+    # Triton forward: HF's greedy tokens, with chunked prefills over cached keys
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.engine.loader import load_model
+
+    from ..conftest import make_hf_model
+    from .test_families import PROMPT, SHAPES, hf_greedy
+
+    hf = make_hf_model(tmp_path, kind, **SHAPES[kind])
+    engine = LLMEngine(load_model(tmp_path), EngineConfig(
+        block_size=4, num_kv_blocks=200, attention_backend="triton", max_num_batched_tokens=16))
+    assert engine.attention_backend == "triton"
+    got = engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert got.token_ids == hf_greedy(hf, PROMPT, 8)
+    engine.check_integrity()

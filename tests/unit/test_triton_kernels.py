@@ -60,7 +60,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}
         (8, 1, 64, 32, [200], 7),                 # MQA, one sequence, many splits
     ],
 )
-def test_decode_attention_matches_reference(device, hq, hkv, d, bs, lens, splits):
+@pytest.mark.parametrize("window", [0, 13])  # 13: a sliding window shorter than most contexts
+def test_decode_attention_matches_reference(device, hq, hkv, d, bs, lens, splits, window):
     gen = torch.Generator().manual_seed(hash((hq, d, bs, splits)) % 1000)
     dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
     for dtype in dtypes:
@@ -70,9 +71,10 @@ def test_decode_attention_matches_reference(device, hq, hkv, d, bs, lens, splits
         tables = random_tables(lens, bs, nblocks, gen, device)
         ctx = torch.tensor(lens, dtype=torch.int32, device=device)
         want = ref.decode_attention(q.cpu().float(), kv.cpu().float(), 1, tables.cpu().long(),
-                                    ctx.cpu().long(), d**-0.5)
+                                    ctx.cpu().long(), d**-0.5, window)
         out = torch.full_like(q, float("nan"))
-        got = tri.decode_attention(q, kv, 1, tables, ctx, d**-0.5, num_splits=splits, out=out)
+        got = tri.decode_attention(q, kv, 1, tables, ctx, d**-0.5, num_splits=splits, out=out,
+                                   window=window)
         assert not got.isnan().any(), "an output element was never written"
         assert rel_err(got.cpu(), want) < TOL[dtype], (dtype, rel_err(got.cpu(), want))
 
@@ -102,7 +104,8 @@ def test_decode_attention_padding_rows_are_zero(device):
         (6, 6, 48, 4, [(3, 9)]),
     ],
 )
-def test_prefill_attention_matches_reference(device, hq, hkv, d, bs, chunks):
+@pytest.mark.parametrize("window", [0, 20])  # 20: a tile's rows start their windows apart
+def test_prefill_attention_matches_reference(device, hq, hkv, d, bs, chunks, window):
     gen = torch.Generator().manual_seed(len(chunks) * 7 + d)
     dtypes = [torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
     for dtype in dtypes:
@@ -121,11 +124,11 @@ def test_prefill_attention_matches_reference(device, hq, hkv, d, bs, chunks):
             q, kv, 2, tables, torch.tensor(starts, dtype=torch.int32, device=device),
             torch.tensor([n for _, n in chunks], dtype=torch.int32, device=device),
             torch.tensor([p for p, _ in chunks], dtype=torch.int32, device=device),
-            max(n for _, n in chunks), d**-0.5, out=out)
+            max(n for _, n in chunks), d**-0.5, out=out, window=window)
         for (past, n), s, table in zip(chunks, starts, tables.cpu().long()):
             k, v = ref.gather_kv(kv.cpu().float(), 2, table, torch.float32)
             want = ref.prefill_attention(q[s:s + n].cpu().float(), k[:past + n], v[:past + n],
-                                         past, d**-0.5)
+                                         past, d**-0.5, window)
             got = out[s:s + n].cpu()
             assert not got.isnan().any()
             assert rel_err(got, want) < TOL[dtype], (dtype, past, n, rel_err(got, want))
