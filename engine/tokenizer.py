@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 import jinja2.sandbox
 from baton.engine.errors import InvalidRequestError, UnsupportedModelError
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _CONTROL, _USER_DEFINED = 3, 4
@@ -84,30 +84,24 @@ class BatonTokenizer:
     @classmethod
     def from_gguf_fields(cls, f: dict) -> BatonTokenizer:
         kind = f.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        arch = f.get("general.architecture")
+        if kind == "llama" and arch == "gemma3":
+            tk = _gemma_sentencepiece(f)
+        elif kind == "gpt2":
+            tk = _byte_level_bpe(f)
+        else:
             raise UnsupportedModelError(
-                f"GGUF tokenizer.ggml.model={kind!r} is not supported (only byte-level BPE, 'gpt2')"
-            )
+                f"GGUF tokenizer.ggml.model={kind!r} (architecture {arch!r}) is not supported: "
+                "byte-level BPE ('gpt2') for any architecture, SentencePiece ('llama') for gemma3")
         tokens: list[str] = list(f["tokenizer.ggml.tokens"])
         types = list(f.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-        merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"]]
-        tk = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                  ignore_merges=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if f.get("tokenizer.ggml.pre") in ("smollm", "qwen2", "llama-bpe", "llama3"):
-            # these pre-tokenizers split digits apart before the byte-level regex (llama.cpp)
-            digits = pre_tokenizers.Digits(
-                individual_digits=f.get("tokenizer.ggml.pre") == "smollm")
-            tk.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
-        else:
-            tk.pre_tokenizer = byte_level
-        tk.decoder = decoders.ByteLevel()
+        vocab = tk.get_vocab()
         tk.add_special_tokens(
             [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
              if ty == _CONTROL])
         tk.add_tokens(
             [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
-             if ty == _USER_DEFINED])
+             if ty == _USER_DEFINED and t in vocab])
         eos = f.get("tokenizer.ggml.eos_token_id")
         eos_ids = [eos] if eos is not None else []
         eot = f.get("tokenizer.ggml.eot_token_id")
@@ -115,7 +109,6 @@ class BatonTokenizer:
             eos_ids.append(eot)
         return cls(tk, f.get("tokenizer.ggml.bos_token_id"), eos_ids,
                    f.get("tokenizer.chat_template"), bool(f.get("tokenizer.ggml.add_bos_token")))
-
     @classmethod
     def from_hf_dir(cls, path: Path, eos_token_ids: Sequence[int]) -> BatonTokenizer:
         tk = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -134,6 +127,57 @@ class BatonTokenizer:
             template = tmpl_file.read_text()
         eos = list(eos_token_ids) or [i for i in [token_id("eos_token")] if i is not None]
         return cls(tk, token_id("bos_token"), eos, template, bool(cfg.get("add_bos_token", False)))
+
+
+def _byte_level_bpe(f: dict) -> Tokenizer:
+    """GGUF ``gpt2`` tokenizers: byte-level BPE with the file's merges."""
+    tokens: list[str] = list(f["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in f["tokenizer.ggml.merges"]]
+    tk = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, ignore_merges=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if f.get("tokenizer.ggml.pre") in ("smollm", "qwen2", "llama-bpe", "llama3"):
+        # these pre-tokenizers split digits apart before the byte-level regex (llama.cpp)
+        digits = pre_tokenizers.Digits(individual_digits=f.get("tokenizer.ggml.pre") == "smollm")
+        tk.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    else:
+        tk.pre_tokenizer = byte_level
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _gemma_sentencepiece(f: dict) -> Tokenizer:
+    """Gemma's SentencePiece vocabulary from GGUF metadata, as transformers builds it from the
+    same file (``from_pretrained(gguf_file=...)``): BPE with byte fallback over spaces spelled
+    "▁", merges recovered from the vocabulary. Two Gemma quirks: a token of spaces is
+    stored with real spaces (respelled "▁"), and the file's order of tokens, not their
+    scores, is the merge priority."""
+    tokens = ["▁" * len(t) if " " in t and not t.strip() else t
+              for t in f["tokenizer.ggml.tokens"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = f.get("tokenizer.ggml.unknown_token_id")
+    tk = Tokenizer(models.BPE(vocab, _merges_by_rank(tokens, vocab), fuse_unk=True,
+                              unk_token=tokens[unk] if unk is not None else "<unk>",
+                              byte_fallback=True))
+    tk.normalizer = normalizers.Replace(" ", "▁")
+    tk.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse()])
+    return tk
+
+
+def _merges_by_rank(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens of the vocabulary, as a merge ranked by the
+    token's place in the file (earlier: applied first); a token's own splits with the longer
+    left part first (then the longer right one, then the parts' ids)."""
+    rank = {t: -i for i, t in enumerate(tokens)}  # the last of a repeated token wins
+    merges = []
+    for token, score in rank.items():
+        pairs = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        merges.extend((left, right, score) for left, right in pairs)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 class IncrementalDetokenizer:

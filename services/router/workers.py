@@ -27,6 +27,9 @@ from baton.v1 import worker_pb2, worker_pb2_grpc
 from redis.exceptions import RedisError
 
 log = logging.getLogger("baton.services.router")
+# A worker's replies can be large: a Gemma 3 tokenizer (262,144 pieces and their merges) is
+# 21 MB of JSON, past gRPC's default 4 MB
+WORKER_REPLY_LIMIT = 256 << 20
 
 
 class WorkerError(Exception):
@@ -176,7 +179,8 @@ class WorkerPool:
                 # less per request): gRPC never released such a call once it was cancelled,
                 # ~18 KB of the router's memory per client that went away mid-stream
                 # (bench/soak.py: +48% in 20,000 requests)
-                ch = self._channels[address] = cluster_secret.channel(address)
+                ch = self._channels[address] = cluster_secret.channel(
+                    address, [("grpc.max_receive_message_length", WORKER_REPLY_LIMIT)])
             return ch
 
     def stub(self, cls, address: str):
