@@ -697,8 +697,9 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
 def stream_safetensors(path: Path, header: tuple[int, dict], fuser: _Fuser) -> str:
     """Every tensor of one shard from its memory map into the fused weights (those ``fuser``
     wants), one at a time, hashing the file as it goes by: its SHA-256 (the header, then the
-    tensors' bytes in file order, which is the whole file). The map is closed before the next
-    shard, so at most one shard's pages are resident beside the weights."""
+    tensors' bytes in file order, which is the whole file). Each tensor's pages leave the map
+    once it is copied (MADV_DONTNEED), so about one tensor of the file is resident beside the
+    weights at a time."""
     start, meta = header
     entries = sorted((v["data_offsets"][0], k, v) for k, v in meta.items()
                      if k != "__metadata__")
@@ -709,7 +710,7 @@ def stream_safetensors(path: Path, header: tuple[int, dict], fuser: _Fuser) -> s
     try:
         if hasattr(mmap, "MADV_SEQUENTIAL"):
             mm.madvise(mmap.MADV_SEQUENTIAL)
-        pos = start
+        pos, dropped = start, start // mmap.PAGESIZE * mmap.PAGESIZE
         for begin, name, info in entries:
             a, b = start + begin, start + info["data_offsets"][1]
             if a != pos:
@@ -722,6 +723,10 @@ def stream_safetensors(path: Path, header: tuple[int, dict], fuser: _Fuser) -> s
                     fuser.put(name, t.view(info["shape"]))
                     del t
             pos = b
+            end = b // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > dropped and hasattr(mmap, "MADV_DONTNEED"):  # read and copied: let go
+                mm.madvise(mmap.MADV_DONTNEED, dropped, end - dropped)
+                dropped = end
         if pos != len(mm):
             h.update(mm[pos:])
     finally:
