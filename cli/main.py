@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from baton.engine.families import MODEL_HELP
+
 
 def _generate(a: argparse.Namespace) -> int:
     from baton.engine.config import EngineConfig
@@ -174,7 +176,7 @@ def _report_request(a: argparse.Namespace, text: str, ids: list[int], final) -> 
 
 
 def _sampling_args(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: SmolLM2-135M)")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from baton.engine.families import MODEL_HELP
 from baton.services.common.config import DTYPES
 from baton.transfer import cluster_secret
 
@@ -61,7 +62,7 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
 
 def _add_worker_args(ap: argparse.ArgumentParser) -> None:
     """What every worker gets: its model, dtype, pool, device and tiers."""
-    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: SmolLM2)")
+    ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
     ap.add_argument("--device", default="auto", type=_device,

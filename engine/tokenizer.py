@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,31 +45,37 @@ class BatonTokenizer:
         return self.tk.id_to_token(token_id) or ""
 
     # ---- chat ---------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: Sequence[dict],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                            **template_kwargs) -> str:
+        """The prompt the model's chat template makes of ``messages``, as transformers renders
+        it; ``template_kwargs`` are the template's own variables (Qwen3's ``enable_thinking``:
+        what OpenAI-style ``chat_template_kwargs`` carry)."""
         if not self.chat_template:
             raise InvalidRequestError("messages", "...", "this model has no chat template")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidRequestError(f"messages[{i}]", m, "needs 'role' and 'content'")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
 
         def raise_exception(msg: str) -> None:
             raise InvalidRequestError("messages", "...", f"chat template: {msg}")
 
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
                                                                    indent=indent)
         bos = self.token_to_str(self.bos_token_id) if self.bos_token_id is not None else ""
         eos = self.token_to_str(self.eos_token_ids[0]) if self.eos_token_ids else ""
         return env.from_string(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=bos, eos_token=eos,
+            **template_kwargs, messages=list(messages),
+            add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
         )
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], **template_kwargs) -> list[int]:
         # the template already writes any BOS it wants (Hugging Face does the same)
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, **template_kwargs),
+                           add_special_tokens=False)
 
     # ---- construction -------------------------------------------------------------------------
     def to_json(self) -> dict:

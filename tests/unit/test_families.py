@@ -173,3 +173,76 @@ def test_greedy_tokens_equal_transformers(family, backend):
     assert again[1].token_ids == hf_greedy(hf, PROMPT[:40] + [11, 12, 13] * 10, 12)
     assert_matches_hf(engine, hf, PROMPT, n=6)
     engine.check_integrity()
+
+
+# A chat template with what Qwen3's uses: a namespace, a reversed walk of the messages, string
+# tests and methods, tool calls, and ``enable_thinking`` from the caller's template arguments
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=messages|length - 1) %}"
+    "{%- for m in messages[::-1] %}{%- if m.role == 'user' and m.content is string"
+    " and not m.content.startswith('<tool_response>') %}"
+    "{%- set ns.last_user = (messages|length - 1) - loop.index0 %}{%- break %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and '</think>' in m.content %}"
+    "{{- m.content.split('</think>')[-1].lstrip('\\n') }}{%- else %}{{- m.content }}{%- endif %}"
+    "{%- if m.tool_calls %}{%- for c in m.tool_calls %}"
+    "{{- '\\n<tool_call>' + (c.function.arguments | tojson) + '</tool_call>' }}"
+    "{%- endfor %}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def test_qwen3_style_chat_template_renders_as_transformers_does(tmp_path):
+    from baton.engine.tokenizer import BatonTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    make_hf_model(tmp_path, "qwen3", **SHAPES["qwen3"])
+    tok = BatonTokenizer.from_hf_dir(tmp_path, (1,))
+    tok.chat_template = THINKING_TEMPLATE
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add 2 and 3."},
+        {"role": "assistant", "content": "<think>\nsum\n</think>\n\ncalling",
+         "tool_calls": [{"function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "content": "<tool_response>5</tool_response>"},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        want = hf.apply_chat_template(messages, chat_template=THINKING_TEMPLATE, tokenize=False,
+                                      add_generation_prompt=True, **kwargs)
+        assert tok.apply_chat_template(messages, **kwargs) == want, kwargs
+    assert tok.apply_chat_template(messages, enable_thinking=False).endswith(
+        "<think>\n\n</think>\n\n")
+    assert "<think>" not in tok.apply_chat_template(messages, enable_thinking=True)
+
+
+def test_the_fingerprint_names_what_changes_the_kv_cache():
+    # peers exchange raw KV blocks only under one fingerprint: windows per layer, head layout,
+    # q/k norms, RoPE bases and the KV dtype each change it
+    import dataclasses
+
+    from baton.engine.config import ModelConfig, model_fingerprint
+
+    base = ModelConfig(arch="mistral", vocab_size=400, hidden_size=96, intermediate_size=128,
+                       num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
+                       max_position=512, layer_windows=(19, 19, 19))
+    variants = [dataclasses.replace(base, layer_windows=(19, 0, 19)),
+                dataclasses.replace(base, layer_windows=()),
+                dataclasses.replace(base, num_kv_heads=3),
+                dataclasses.replace(base, head_dim=32),
+                dataclasses.replace(base, qk_norm=True),
+                dataclasses.replace(base, local_rope_theta=10000.0)]
+    prints = {model_fingerprint(c, "w", "float32", 16) for c in [base, *variants]}
+    prints.add(model_fingerprint(base, "w", "bfloat16", 16))
+    assert len(prints) == len(variants) + 2
+    assert ModelConfig.from_json(base.to_json()) == base
+
+
+def test_help_names_every_family_the_loader_takes():
+    from baton.engine.families import MODEL_HELP
+    from baton.engine.loader import GGUF_ARCHS, HF_ARCHS
+
+    assert all(arch in MODEL_HELP for arch in HF_ARCHS | GGUF_ARCHS)
