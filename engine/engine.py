@@ -128,6 +128,15 @@ def placement(cfg: EngineConfig) -> Placement:
     return Placement(compute, cfg.device, None if storage == compute else storage)
 
 
+def placed_weights(model: LoadedModel, cfg: EngineConfig) -> dict:
+    """``model``'s weights as an engine of ``cfg`` keeps them: as they are when the loader
+    already wrote them there, else converted (a copy)."""
+    if model.placement == placement(cfg):
+        return model.weights
+    storage, compute = cfg.torch_dtype, cfg.compute_dtype
+    return {k: v.to(storage).to(compute).to(cfg.device) for k, v in model.weights.items()}
+
+
 class LLMEngine:
     def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None) -> None:
         self.cfg = cfg = cfg or EngineConfig()
@@ -143,11 +152,7 @@ class LLMEngine:
         if cfg.device != "cpu":
             check_cuda_device(cfg.device)
             device_memory = DeviceMemory(cfg.device)
-        if model.placement == placement(cfg):  # loaded where it runs: nothing to convert
-            weights = model.weights
-        else:
-            weights = {k: v.to(storage).to(compute).to(cfg.device)
-                       for k, v in model.weights.items()}
+        weights = placed_weights(model, cfg)
         # GGUF blocks hold the float32 weights exactly, and the bf16 ones once each weight is
         # rounded to bf16 as it is read (the model decides which products read them)
         blocks = (cfg.device == "cpu" and compute == torch.float32

@@ -256,6 +256,18 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _unpermute_all(cfg: ModelConfig, raw: dict, blocks: dict) -> None:
+    """Every layer's Q and K rows (weights, biases, their GGUF blocks) back to HF order."""
+    for i in range(cfg.num_layers):
+        for name, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
+            for suffix in ("weight", "bias"):
+                key = f"blk.{i}.{name}.{suffix}"
+                if key in raw:
+                    raw[key] = _unpermute_qk(raw[key], heads)
+                if key in blocks:  # the same rows, each a run of blocks
+                    blocks[key] = (blocks[key][0], _unpermute_qk(blocks[key][1], heads))
+
+
 def _read_gguf_tensors(reader, name: str) -> tuple[dict, dict]:
     """Every tensor dequantized to float32 (by the gguf package's arithmetic), and the
     Q8_0/Q4_0/Q4_1 matrices also as stored: (raw by GGUF name, (type, block rows) by name)."""
@@ -301,14 +313,7 @@ def _convert_gguf(p: Path) -> LoadedModel:
     raw, blocks = _read_gguf_tensors(reader, p.name)
     num_tensors = len(raw)
     if arch in ("llama", "mistral"):  # convert_hf_to_gguf permutes Q/K rows for these
-        for i in range(cfg.num_layers):
-            for name, heads in (("attn_q", cfg.num_heads), ("attn_k", cfg.num_kv_heads)):
-                for suffix in ("weight", "bias"):
-                    key = f"blk.{i}.{name}.{suffix}"
-                    if key in raw:
-                        raw[key] = _unpermute_qk(raw[key], heads)
-                    if key in blocks:  # the same rows, each a run of blocks
-                        blocks[key] = (blocks[key][0], _unpermute_qk(blocks[key][1], heads))
+        _unpermute_all(cfg, raw, blocks)
     weights = _fuse(cfg, raw, GGUF_NAMES)
     if cfg.arch == "gemma3_text":
         # llama.cpp stores Gemma's norm weights with the 1 already added: the multiplier as it

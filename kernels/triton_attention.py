@@ -352,11 +352,7 @@ def _prefill_kernel(
                        offs_d, rmask, scale * 1.4426950408889634)
         pos = past + offs_m  # each query's position
         last = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # keys [0, last) matter to the tile
-        full = (past + tile * BLOCK_M) // BLOCK_N * BLOCK_N  # keys [0, full) visible to all rows
-        first = full * 0  # the first key any row of the tile sees
-        if window > 0:
-            first = tl.maximum(past + tile * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
-            full = first
+        first, full = _prefill_span(past + tile * BLOCK_M, window, BLOCK_N)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -374,6 +370,19 @@ def _prefill_kernel(
         _store_out(acc, l_i, m_i,
                       out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh,
                       out_ptr, out_ptr, offs_d, rmask, mmask, True)
+
+
+@triton.jit
+def _prefill_span(pos0, window, BLOCK_N: tl.constexpr):
+    """(first, full) for a tile whose first query sits at ``pos0``: keys before ``first`` are
+    seen by no row (a sliding window's start, rounded down to a tile of keys), keys in
+    [first, full) by every row (none with a window: all go through the masked loop)."""
+    full = pos0 // BLOCK_N * BLOCK_N
+    first = full * 0
+    if window > 0:
+        first = tl.maximum(pos0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        full = first
+    return first, full
 
 
 @triton.jit

@@ -99,3 +99,23 @@ def test_interpreted_triton_forward_serves_every_family(tmp_path, kind):
     got = engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert got.token_ids == hf_greedy(hf, PROMPT, 8)
     engine.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
+def test_every_family_on_cuda_gives_transformers_tokens(tmp_path, kind):
+    # loaded straight onto the device (the loader's placement), float32, windows shorter than
+    # the prompt: HF's greedy tokens
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
+    from ..conftest import make_hf_model
+    from .test_families import PROMPT, SHAPES, hf_greedy
+
+    hf = make_hf_model(tmp_path, kind, **SHAPES[kind])
+    engine = LLMEngine.from_path(str(tmp_path), EngineConfig(
+        device="cuda", block_size=16, num_kv_blocks=64, max_num_batched_tokens=32))
+    assert engine.model_info.placement.device == "cuda"
+    assert engine.model.embed.device.type == "cuda"
+    got = engine.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert got.token_ids == hf_greedy(hf, PROMPT, 8)
