@@ -22,7 +22,7 @@ def permute(w, n_head):  # what llama.cpp's convert_hf_to_gguf does to q/k rows
         w.shape)
 
 
-def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None):
+def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None, fields=None):
     cfg = hf.config
     tok = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -43,6 +43,8 @@ def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None):
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
+    for key, value in (fields or {}).items():  # extra metadata: (key, int or str)
+        (w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
     sd = {k: v.float().numpy() for k, v in hf.state_dict().items()}
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
              "output_norm.weight", "lm_head.weight": "output.weight"}
@@ -125,6 +127,18 @@ def test_unsupported_architecture(tiny_llama, tmp_path, cache):
     hf_dir, hf = tiny_llama
     write_gguf(tmp_path / "m.gguf", hf_dir, hf, arch="mamba")
     with pytest.raises(UnsupportedModelError, match="architecture 'mamba'"):
+        load_model(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("arch, field, value", [
+    ("mistral", "mistral.attention.sliding_window", 8),  # a window a GGUF mistral would not get
+    ("llama", "llama.rope.scaling.type", "yarn"),
+])
+def test_gguf_metadata_baton_would_not_compute_exactly_is_refused_by_name(
+        tiny_llama, tmp_path, cache, arch, field, value):
+    hf_dir, hf = tiny_llama
+    write_gguf(tmp_path / "m.gguf", hf_dir, hf, arch=arch, fields={field: value})
+    with pytest.raises(UnsupportedModelError, match=field.replace(".", r"\.")):
         load_model(tmp_path / "m.gguf")
 
 
