@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
+from tests.support.families import PROMPT, SHAPES, hf_greedy
+
 from ..conftest import make_hf_model
-from ..unit.test_families import PROMPT, SHAPES, hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,8 @@ import pytest
 from baton.engine.errors import UnsupportedModelError
 from baton.engine.loader import FAMILY_DEFAULTS, _hf_windows, check_model, load_model
 
+from tests.support.families import PROMPT, SHAPES, assert_matches_hf, hf_greedy
+
 from ..conftest import make_hf_model
 
 
@@ -106,40 +108,12 @@ def test_family_defaults_are_transformers_defaults():
                 assert getattr(hf, key) == value, (family, key)
 
 
-# One tiny random checkpoint per family at irregular shapes: odd head counts, GQA ratios that
-# are not powers of two, head sizes the native kernels take (16, 64) and do not (24), windows
-# shorter than the prompt on some layers
-SHAPES = {
-    "llama": dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1),
-    "qwen2": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
-                  use_sliding_window=True, sliding_window=21, max_window_layers=1),
-    "qwen3": dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=24,
-                  tie_word_embeddings=True),
-    "mistral": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
-                    sliding_window=19),
-    "gemma3_text": dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=1,
-                        head_dim=64, sliding_window=17, sliding_window_pattern=2,
-                        query_pre_attn_scalar=48, final_logit_softcapping=3.0,
-                        rope_theta=40000.0, rope_local_base_freq=5000.0),
-}
-PROMPT = [(7 * i + 3) % 380 + 10 for i in range(70)]  # several windows, many 4-token blocks
-
-
 @pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
     kind = request.param
     path = tmp_path_factory.mktemp(kind)
     hf = make_hf_model(path, kind, **SHAPES[kind])
     return kind, path, hf
-
-
-def hf_greedy(hf, prompt, n):
-    import torch
-
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                          min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.mark.parametrize("family", sorted(SHAPES), indirect=True)
@@ -151,8 +125,6 @@ def test_greedy_tokens_equal_transformers(family, backend):
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
     from baton.engine.params import SamplingParams
-
-    from .test_model_reference import assert_matches_hf
 
     kind, path, hf = family
     model = load_model(path)

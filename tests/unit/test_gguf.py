@@ -14,7 +14,8 @@ from baton.engine.params import SamplingParams
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from .test_model_reference import PROMPT, assert_matches_hf
+from tests.support.families import REFERENCE_PROMPT as PROMPT
+from tests.support.families import assert_matches_hf
 
 
 def permute(w, n_head):  # what llama.cpp's convert_hf_to_gguf does to q/k rows

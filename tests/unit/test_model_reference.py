@@ -7,29 +7,11 @@ from baton.engine.engine import LLMEngine
 from baton.engine.loader import load_model
 from baton.engine.params import SamplingParams
 
+from tests.support.families import REFERENCE_PROMPT, assert_matches_hf, hf_logprobs
+
 from ..conftest import make_hf_model
 
-PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 311, 12, 13]
-
-
-def hf_logprobs(hf, ids):
-    with torch.no_grad():
-        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-
-def assert_matches_hf(engine, hf, prompt, n=10):
-    """Teacher-forced: every step's top-3 logprobs equal HF's at the same position, and the
-    greedy choice is HF's argmax wherever HF's top two are not a near-tie."""
-    c = engine.generate([prompt], SamplingParams(max_tokens=n, logprobs=3, ignore_eos=True))[0]
-    assert len(c.token_ids) == n
-    ref = hf_logprobs(hf, prompt + c.token_ids)
-    for i, lp in enumerate(c.logprobs):
-        row = ref[len(prompt) - 1 + i]
-        top2 = row.topk(2).values
-        if top2[0] - top2[1] > 1e-4:
-            assert lp.token_id == int(row.argmax()), f"step {i}"
-        for tok, val in lp.top:
-            assert abs(float(row[tok]) - val) < 1e-4, (i, tok, float(row[tok]), val)
+PROMPT = REFERENCE_PROMPT
 
 
 def assert_fused_path_matches(engine, flag: str, tol: float) -> None:

@@ -89,8 +89,9 @@ def test_interpreted_triton_forward_serves_every_family(tmp_path, kind):
     from baton.engine.engine import LLMEngine
     from baton.engine.loader import load_model
 
+    from tests.support.families import PROMPT, SHAPES, hf_greedy
+
     from ..conftest import make_hf_model
-    from .test_families import PROMPT, SHAPES, hf_greedy
 
     hf = make_hf_model(tmp_path, kind, **SHAPES[kind])
     engine = LLMEngine(load_model(tmp_path), EngineConfig(
@@ -109,8 +110,9 @@ def test_every_family_on_cuda_gives_transformers_tokens(tmp_path, kind):
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
 
+    from tests.support.families import PROMPT, SHAPES, hf_greedy
+
     from ..conftest import make_hf_model
-    from .test_families import PROMPT, SHAPES, hf_greedy
 
     hf = make_hf_model(tmp_path, kind, **SHAPES[kind])
     engine = LLMEngine.from_path(str(tmp_path), EngineConfig(
