@@ -223,6 +223,8 @@ class LLMEngine:
     def from_path(cls, path: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
         """Load ``path`` straight into this engine's dtype and device (one tensor at a time)."""
         cfg = cfg or EngineConfig()
+        if cfg.device != "cpu":  # before any weight goes there: a clear error, not torch's
+            check_cuda_device(cfg.device)
         return cls(load_model(path, place=placement(cfg)), cfg)
 
     @property
