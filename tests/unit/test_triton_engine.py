@@ -79,6 +79,7 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
     assert sizes[-1] == 64 and all(any(s >= n for s in sizes) for n in range(1, 65))
 
 
+@pytest.mark.slow  # ~11 s under the interpreter: the fast lane keeps the kernels' own tests
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu test covers CUDA")
 @pytest.mark.parametrize("kind", ["qwen3", "mistral", "gemma3_text"])
 def test_interpreted_triton_forward_serves_every_family(tmp_path, kind):
