@@ -118,7 +118,7 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + b)
-    lo = tl.maximum(ctx - window, 0) if window > 0 else ctx * 0
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the first key it sees
     per = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
     start = lo + split * per
     end = tl.minimum(start + per, ctx)
