@@ -44,6 +44,8 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -57,9 +59,9 @@ def make_hf_model(path: Path, kind: str = "llama", **overrides):
     common = dict(vocab_size=400, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=0, eos_token_id=1, initializer_range=0.2, rms_norm_eps=1e-5)
-    if kind in ("mistral", "qwen3", "gemma3_text"):
+    if kind in ("mistral", "qwen3", "gemma3_text", "mixtral", "qwen3_moe"):
         common["head_dim"] = common["hidden_size"] // common["num_attention_heads"]
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         common["sliding_window"] = None  # windowed only where a test asks
     common.update(overrides)
     config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[kind])

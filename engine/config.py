@@ -67,6 +67,14 @@ class ModelConfig:
     final_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
     # > 0: windowed layers' RoPE base, unscaled (Gemma 3's rope_local_base_freq)
     local_rope_theta: float = 0.0
+    # mixture of experts (Mixtral, Qwen3-MoE): the layers whose MLP is ``num_experts`` experts
+    # of ``moe_intermediate_size``, ``experts_per_token`` of them per token, chosen by softmax
+    # over a router's logits and their weights renormalised to sum to 1 with ``norm_topk_prob``
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -78,6 +86,9 @@ class ModelConfig:
                              "layers")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"hidden_act={self.hidden_act!r}")
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
 
     def window(self, layer: int) -> int:
         """Keys a query of ``layer`` sees, itself included; 0: all before it."""
@@ -108,6 +119,7 @@ class ModelConfig:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d["eos_token_ids"])
         d["layer_windows"] = tuple(d.get("layer_windows", ()))
+        d["moe_layers"] = tuple(d.get("moe_layers", ()))
         return cls(**d)
 
 

@@ -217,6 +217,9 @@ def _gguf_config(f: dict, arch: str, has_output: bool, vocab: int) -> ModelConfi
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if get(key):
             raise _refuse(f"{arch}.{key}", get(key), "soft-capping from GGUF is not served")
+    if get("expert_count"):  # a Mixtral GGUF says llama: its *_exps tensors are experts
+        raise _refuse(f"{arch}.expert_count", get("expert_count"), "mixtures of experts from "
+                      "GGUF are not served yet (Hugging Face Mixtral and Qwen3-MoE folders are)")
     return ModelConfig(
         **_gguf_family(f, arch, int(get("block_count")), int(hidden)),
         vocab_size=int(get("vocab_size", vocab)), hidden_size=int(hidden),
@@ -384,6 +387,15 @@ HF_NAMES = {
     "k_norm": _HF_LAYER + "self_attn.k_norm.weight",
     "post_attn_norm": "", "post_mlp_norm": "",
 }
+# where each family keeps its experts (Hub layout: one module per expert)
+HF_MOE_NAMES = {
+    "mixtral": {"router": _HF_LAYER + "block_sparse_moe.gate.weight",
+                "experts": _HF_LAYER + "block_sparse_moe.experts.{e}.", "expert_gate": "w1.weight",
+                "expert_up": "w3.weight", "expert_down": "w2.weight"},
+    "qwen3_moe": {"router": _HF_LAYER + "mlp.gate.weight",
+                  "experts": _HF_LAYER + "mlp.experts.{e}.", "expert_gate": "gate_proj.weight",
+                  "expert_up": "up_proj.weight", "expert_down": "down_proj.weight"},
+}
 # Gemma 3 names its four norms per layer differently
 HF_GEMMA_NAMES = {
     **HF_NAMES, "mlp_norm": _HF_LAYER + "pre_feedforward_layernorm.weight",
@@ -418,8 +430,8 @@ def _layout(cfg: ModelConfig, names: dict[str, str]) -> dict[str, list[str]]:
     if not cfg.tie_embeddings:
         out["lm_head"] = [names["lm_head"]]
     for i in range(cfg.num_layers):
-        n = {k: v.format(i=i, s="{s}") for k, v in names.items()}
-        w = {k: v.format(s="weight") for k, v in n.items()}
+        n = {k: v.format(i=i, s="{s}", e="{e}") for k, v in names.items()}
+        w = {k: v.format(s="weight", e="{e}") for k, v in n.items()}
         pre = f"layers.{i}."
         out[pre + "attn_norm"] = [w["attn_norm"]]
         out[pre + "qkv"] = [w["q"], w["k"], w["v"]]
@@ -429,9 +441,27 @@ def _layout(cfg: ModelConfig, names: dict[str, str]) -> dict[str, list[str]]:
         out[pre + "mlp_norm"] = [w["mlp_norm"]]
         for norm in _norm_names(cfg):
             out[pre + norm] = [w[norm]]
-        out[pre + "gate_up"] = [w["gate"], w["up"]]
-        out[pre + "down"] = [w["down"]]
+        if cfg.is_moe(i):
+            out.update(_expert_layout(cfg, names, i))
+        else:
+            out[pre + "gate_up"] = [w["gate"], w["up"]]
+            out[pre + "down"] = [w["down"]]
     return out
+
+
+def _expert_layout(cfg: ModelConfig, names: dict[str, str], i: int) -> dict[str, list[str]]:
+    """A MoE layer's router and its experts stacked: ``experts_gate_up`` [E * 2I, H] (each
+    expert's gate rows, then its up rows) and ``experts_down`` [E * H, I], in expert order;
+    the model views them as [E, 2I, H] and [E, H, I]."""
+    ex = names["experts"].format(i=i, e="{e}")
+    pre = f"layers.{i}."
+    return {
+        pre + "router": [names["router"].format(i=i)],
+        pre + "experts_gate_up": [ex.format(e=e) + p for e in range(cfg.num_experts)
+                                  for p in (names["expert_gate"], names["expert_up"])],
+        pre + "experts_down": [ex.format(e=e) + names["expert_down"]
+                               for e in range(cfg.num_experts)],
+    }
 
 
 class _Fuser:
@@ -516,6 +546,13 @@ FAMILY_DEFAULTS = {
               "max_position_embeddings": 32768, "max_window_layers": 28},
     "qwen3": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
               "max_position_embeddings": 32768, "max_window_layers": 28, "head_dim": 128},
+    "mixtral": {"rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+                "max_position_embeddings": 131072, "num_local_experts": 8,
+                "num_experts_per_tok": 2},
+    "qwen3_moe": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                  "max_position_embeddings": 32768, "max_window_layers": 28, "head_dim": 128,
+                  "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "moe_intermediate_size": 768},
     "gemma3_text": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True,
                     "max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256,
                     "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0,
@@ -557,12 +594,31 @@ def _hf_config(c: dict) -> ModelConfig:
         max_position=c["max_position_embeddings"], rms_norm_eps=c["rms_norm_eps"],
         rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(c["tie_word_embeddings"]),
         qkv_bias=arch == "qwen2", bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
-        layer_windows=_hf_windows(c, arch), qk_norm=arch in ("qwen3", "gemma3_text"),
+        layer_windows=_hf_windows(c, arch), qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3_text"),
         sandwich_norms=gemma, hidden_act=ACTIVATIONS[_activation(c)],
         embed_scale=float(c["hidden_size"]) ** 0.5 if gemma else 1.0,
         attn_scale=float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else 0.0,
         final_softcap=float(c.get("final_logit_softcapping") or 0.0), local_rope_theta=local_theta,
+        **_hf_moe(c, arch),
     )
+
+
+def _hf_moe(c: dict, arch: str) -> dict:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config (none for the others)."""
+    if arch not in ("mixtral", "qwen3_moe"):
+        return {}
+    experts = c.get("num_local_experts") or c.get("num_experts")
+    n = c["num_hidden_layers"]
+    if arch == "mixtral":
+        return {"moe_layers": tuple(range(n)), "num_experts": int(experts),
+                "experts_per_token": int(c["num_experts_per_tok"]),
+                "moe_intermediate_size": int(c["intermediate_size"]), "norm_topk_prob": True}
+    dense = set(c.get("mlp_only_layers") or ())
+    step = int(c["decoder_sparse_step"])
+    return {"moe_layers": tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0),
+            "num_experts": int(experts), "experts_per_token": int(c["num_experts_per_tok"]),
+            "moe_intermediate_size": int(c["moe_intermediate_size"]),
+            "norm_topk_prob": bool(c["norm_topk_prob"])}
 
 
 def _activation(c: dict) -> str:
@@ -599,9 +655,9 @@ def _hf_windows(c: dict, arch: str) -> tuple[int, ...]:
     n, window = c["num_hidden_layers"], c.get("sliding_window")
     if arch == "llama" or not window:
         return ()
-    if arch == "mistral":  # every layer, whatever layer_types says
+    if arch in ("mistral", "mixtral"):  # every layer, whatever layer_types says
         return (int(window),) * n
-    if arch in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
         return ()  # transformers drops the window
     types = c.get("layer_types")
     if not types and arch == "gemma3_text":
@@ -668,7 +724,8 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     shapes = {k: tuple(v["shape"]) for _, h in headers for k, v in h.items()
               if k != "__metadata__"}
     gemma = cfg.arch == "gemma3_text"
-    fuser = _Fuser(cfg, HF_GEMMA_NAMES if gemma else HF_NAMES, shapes, place)
+    names = {**(HF_GEMMA_NAMES if gemma else HF_NAMES), **HF_MOE_NAMES.get(cfg.arch, {})}
+    fuser = _Fuser(cfg, names, shapes, place)
     h = hashlib.sha256()
     for fpath, header in tqdm(list(zip(files, headers, strict=True)), desc=f"loading {p.name}",
                               unit="file", file=sys.stderr, leave=False, disable=None):

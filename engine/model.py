@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from baton.engine.config import ModelConfig, RopeScaling
+from baton.engine.errors import UnsupportedModelError
 from baton.kernels import cpu_attention, cpu_fused, cpu_linear
 from baton.kernels.paged_attention import (
     decode_attention,
@@ -121,6 +122,32 @@ def gate_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
         return F.silu(gate, inplace=True).mul_(up)
     return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+def moe(x: torch.Tensor, layer, cfg: ModelConfig) -> torch.Tensor:
+    """A mixture-of-experts MLP on the normed rows ``x`` [T, hidden]: each row's
+    ``experts_per_token`` experts by softmax over the router's logits (in float32), their
+    weights renormalised with ``norm_topk_prob``; the (row, expert) pairs sorted by expert so
+    that each expert hit multiplies its rows in one GEMM pair on the stacked weights, the
+    weighted results added into each row in expert order (as transformers adds them)."""
+    k = cfg.experts_per_token
+    probs = torch.softmax(F.linear(x, layer.router).float(), dim=-1)
+    weights, experts = probs.topk(k, dim=-1)  # [T, k]
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat, weights = experts.reshape(-1), weights.reshape(-1)
+    order = flat.argsort(stable=True)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=cfg.num_experts).tolist()):
+        if n:
+            pairs = order[start:start + n]
+            start += n
+            rows = pairs // k
+            act = gate_mul(F.linear(x[rows], layer.experts_gate_up[e]), cfg.hidden_act)
+            y = F.linear(act, layer.experts_down[e])
+            out.index_add_(0, rows, y * weights[pairs, None].to(y.dtype))
+    return out
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -316,6 +343,15 @@ class Layer:
         # attention's and the MLP's outputs before each residual add ([hidden])
         self.q_norm, self.k_norm = w.get("q_norm"), w.get("k_norm")
         self.post_attn_norm, self.post_mlp_norm = w.get("post_attn_norm"), w.get("post_mlp_norm")
+        # a mixture-of-experts layer: the router [E, hidden] and the experts stacked,
+        # [E, 2 * moe_intermediate, hidden] (gate rows, then up rows) and [E, hidden, moe_int.]
+        self.router = w.get("router")
+        if self.router is not None:
+            e = self.router.shape[0]
+            self.experts_gate_up = w["experts_gate_up"].view(e, -1, self.router.shape[1])
+            self.experts_down = w["experts_down"].view(e, self.router.shape[1], -1)
+            self.gate_up = self.down = None
+            return
         self.gate_up = lin("gate_up")  # [2 * intermediate, hidden]
         self.down = lin("down")  # [hidden, intermediate]
 
@@ -376,7 +412,7 @@ class LlamaModel:
         # the native fused paths compute a Llama layer; a layer with q/k norms, sandwich norms,
         # GeLU or a second RoPE base takes the general forward
         self.llama_layers = not (cfg.qk_norm or cfg.sandwich_norms or cfg.hidden_act != "silu"
-                                 or cfg.local_rope_theta)
+                                 or cfg.local_rope_theta or cfg.moe_layers)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The residual stream's start: [T, hidden] (float32 on CPU)."""
@@ -449,6 +485,10 @@ class LlamaModel:
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("attention_backend='triton' needs a CUDA device (or "
                                "TRITON_INTERPRET=1 to interpret the kernels on CPU)")
+        if cfg.moe_layers:
+            raise UnsupportedModelError(
+                f"{cfg.arch}: num_experts={cfg.num_experts} (a mixture of experts) runs on CPU "
+                "only so far; the CUDA engine has no grouped-expert kernel yet")
         from baton.kernels import triton_attention, triton_fused
 
         self._tri, self._fused = triton_attention, triton_fused
@@ -499,6 +539,9 @@ class LlamaModel:
             else:
                 h.add_(rms_norm(layer.o(o), layer.post_attn_norm, eps))
             x = rms_norm(h, layer.mlp_norm, eps)
+            if layer.router is not None:
+                h.add_(moe(x, layer, cfg))
+                continue
             act = gate_mul(layer.gate_up(x), cfg.hidden_act)
             if layer.post_mlp_norm is None:
                 layer.down.add_to(h, act)

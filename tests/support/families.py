@@ -22,6 +22,13 @@ SHAPES = {
                         head_dim=64, sliding_window=17, sliding_window_pattern=2,
                         query_pre_attn_scalar=48, final_logit_softcapping=3.0,
                         rope_theta=40000.0, rope_local_base_freq=5000.0),
+    # mixtures of experts: odd expert counts, at least 4x top-k; a window under the prompt
+    # (Mixtral), a dense layer among the MoE ones and unnormalised top-k weights (Qwen3-MoE)
+    "mixtral": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
+                    num_local_experts=9, num_experts_per_tok=2, sliding_window=23),
+    "qwen3_moe": dict(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, head_dim=24,
+                      num_experts=11, num_experts_per_tok=2, moe_intermediate_size=40,
+                      mlp_only_layers=[1], norm_topk_prob=False),
 }
 PROMPT = [(7 * i + 3) % 380 + 10 for i in range(70)]  # several windows, many 4-token blocks
 REFERENCE_PROMPT = [5, 17, 42, 99, 3, 250, 7, 8, 9, 10, 311, 12, 13]  # a short one

@@ -218,3 +218,27 @@ def test_help_names_every_family_the_loader_takes():
     from baton.engine.loader import GGUF_ARCHS, HF_ARCHS
 
     assert all(arch in MODEL_HELP for arch in HF_ARCHS | GGUF_ARCHS)
+
+
+@pytest.mark.parametrize("kind, expert_key, moe_layers", [
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.8.w3.weight", (0, 1, 2)),
+    ("qwen3_moe", "model.layers.2.mlp.experts.10.gate_proj.weight", (0, 2)),
+])
+def test_moe_checkpoints_load_from_the_hub_layout(tmp_path, kind, expert_key, moe_layers):
+    # transformers 5 holds experts fused in memory but saves one module per expert, as the Hub
+    # has them; Baton stacks them at load. Qwen3-MoE's mlp_only_layers stay dense
+    from safetensors import safe_open
+
+    make_hf_model(tmp_path, kind, **SHAPES[kind])
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert expert_key in keys and not any("gate_up_proj" in k for k in keys)
+    model = load_model(tmp_path)
+    cfg = model.config
+    assert cfg.moe_layers == moe_layers and cfg.num_experts in (9, 11)
+    assert cfg.experts_per_token == 2 and cfg.norm_topk_prob == (kind == "mixtral")
+    e, i = cfg.num_experts, cfg.moe_intermediate_size
+    assert model.weights["layers.0.experts_gate_up"].shape == (e * 2 * i, cfg.hidden_size)
+    assert model.weights["layers.0.router"].shape == (e, cfg.hidden_size)
+    if kind == "qwen3_moe":
+        assert "layers.1.gate_up" in model.weights and "layers.1.router" not in model.weights

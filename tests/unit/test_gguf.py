@@ -134,6 +134,7 @@ def test_unsupported_architecture(tiny_llama, tmp_path, cache):
 @pytest.mark.parametrize("arch, field, value", [
     ("mistral", "mistral.attention.sliding_window", 8),  # a window a GGUF mistral would not get
     ("llama", "llama.rope.scaling.type", "yarn"),
+    ("llama", "llama.expert_count", 8),  # a Mixtral file: not to be taken for a dense llama
 ])
 def test_gguf_metadata_baton_would_not_compute_exactly_is_refused_by_name(
         tiny_llama, tmp_path, cache, arch, field, value):
