@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from baton.engine.config import ModelConfig, RopeScaling
-from baton.engine.errors import UnsupportedModelError
 from baton.kernels import cpu_attention, cpu_fused, cpu_linear
 from baton.kernels.paged_attention import (
     decode_attention,
@@ -485,13 +484,9 @@ class LlamaModel:
         if self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("attention_backend='triton' needs a CUDA device (or "
                                "TRITON_INTERPRET=1 to interpret the kernels on CPU)")
-        if cfg.moe_layers:
-            raise UnsupportedModelError(
-                f"{cfg.arch}: num_experts={cfg.num_experts} (a mixture of experts) runs on CPU "
-                "only so far; the CUDA engine has no grouped-expert kernel yet")
-        from baton.kernels import triton_attention, triton_fused
+        from baton.kernels import triton_attention, triton_fused, triton_moe
 
-        self._tri, self._fused = triton_attention, triton_fused
+        self._tri, self._fused, self._moe = triton_attention, triton_fused, triton_moe
         self.attention_backend = "triton"
         self.dtype = self.gemm_dtype = dtype
         self.embed = weights["embed"]
@@ -618,9 +613,7 @@ class LlamaModel:
             if layer.post_attn_norm is not None:
                 o = fused.add_rms_norm(o, None, layer.post_attn_norm, eps)
             x = fused.add_rms_norm(h, o, layer.mlp_norm, eps)
-            gate_up = layer.gate_up(x)
-            mlp = layer.down(fused.silu_mul(gate_up) if cfg.hidden_act == "silu"
-                             else gate_mul(gate_up, cfg.hidden_act))
+            mlp = self._mlp_triton(x, layer)
             if layer.post_mlp_norm is not None:
                 mlp = fused.add_rms_norm(mlp, None, layer.post_mlp_norm, eps)
             if i + 1 < len(self.layers):
@@ -628,6 +621,18 @@ class LlamaModel:
             else:
                 h += mlp
         return self._logits(fused.add_rms_norm(h[logits_rows], None, self.norm, eps))
+
+    def _mlp_triton(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """The MLP of the normed rows ``x`` on CUDA: SwiGLU's fused kernel, GeLU in torch, or
+        the experts in one grouped Triton GEMM per projection."""
+        cfg = self.cfg
+        if layer.router is not None:
+            return self._moe.moe(x, layer.router, layer.experts_gate_up, layer.experts_down,
+                                 cfg.experts_per_token, cfg.norm_topk_prob,
+                                 lambda g: gate_mul(g, cfg.hidden_act))
+        gate_up = layer.gate_up(x)
+        return layer.down(self._fused.silu_mul(gate_up) if cfg.hidden_act == "silu"
+                          else gate_mul(gate_up, cfg.hidden_act))
 
     def _attention_triton(self, q: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
                           layer: int) -> torch.Tensor:

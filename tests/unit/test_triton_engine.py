@@ -81,11 +81,12 @@ def test_graph_batch_sizes_cover_every_batch_up_to_the_limit():
 
 @pytest.mark.slow  # ~11 s under the interpreter: the fast lane keeps the kernels' own tests
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gpu test covers CUDA")
-@pytest.mark.parametrize("kind", ["qwen3", "mistral", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "gemma3_text", "mixtral", "qwen3_moe"])
 def test_interpreted_triton_forward_serves_every_family(tmp_path, kind):
     # q/k norms (Qwen3), sliding windows shorter than the prompt (Mistral), and Gemma 3's
-    # sandwich norms, GeLU, second RoPE base, attention scale and soft-capped logits in the
-    # Triton forward: HF's greedy tokens, with chunked prefills over cached keys
+    # sandwich norms, GeLU, second RoPE base, attention scale and soft-capped logits, and the
+    # mixtures of experts' grouped GEMMs (Mixtral, Qwen3-MoE) in the Triton forward: HF's
+    # greedy tokens, with chunked prefills over cached keys
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
     from baton.engine.loader import load_model
@@ -104,7 +105,8 @@ def test_interpreted_triton_forward_serves_every_family(tmp_path, kind):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "gemma3_text",
+                                  "mixtral", "qwen3_moe"])
 def test_every_family_on_cuda_gives_transformers_tokens(tmp_path, kind):
     # loaded straight onto the device (the loader's placement), float32, windows shorter than
     # the prompt: HF's greedy tokens
