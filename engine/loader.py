@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from baton.engine import fp8
 from baton.engine.config import ModelConfig, RopeScaling, model_fingerprint
 from baton.engine.errors import ModelLoadError, UnsupportedModelError
 from baton.engine.tokenizer import BatonTokenizer
@@ -479,6 +480,8 @@ class _Fuser:
                 if n not in shapes:
                     raise UnsupportedModelError(f"missing tensor {n!r}")
         self.place = place
+        self.fp8: fp8.Fp8Scheme | None = None  # an FP8 checkpoint's scheme, and
+        self.scales: dict[str, torch.Tensor] = {}  # its weights' scales, by weight name
         self.where: dict[str, tuple[str, int, int]] = {}  # source -> (fused, first row, end)
         self.out: dict[str, torch.Tensor] = {}
         for fused, parts in layout.items():
@@ -495,6 +498,11 @@ class _Fuser:
 
     def put(self, name: str, t: torch.Tensor) -> None:
         fused, a, b = self.where[name]
+        if t.dtype == torch.float8_e4m3fn:  # an FP8 checkpoint's weight, with its scale
+            if self.fp8 is None or name not in self.scales:
+                raise UnsupportedModelError(f"FP8 tensor {name!r} without a quantization_config "
+                                            "and a scale for it")
+            t = fp8.dequantize(t, self.scales[name], self.fp8)
         self.place.put(self.out[fused][a:b], t)
         self.pending.discard(name)
 
@@ -550,8 +558,8 @@ FAMILY_DEFAULTS = {
                 "max_position_embeddings": 131072, "num_local_experts": 8,
                 "num_experts_per_tok": 2},
     "qwen3_moe": {"rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-                  "max_position_embeddings": 32768, "max_window_layers": 28, "head_dim": 128,
-                  "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": False,
+                  "max_position_embeddings": 32768, "num_experts": 128,
+                  "num_experts_per_tok": 8, "norm_topk_prob": False,
                   "decoder_sparse_step": 1, "moe_intermediate_size": 768},
     "gemma3_text": {"rms_norm_eps": 1e-6, "tie_word_embeddings": True,
                     "max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256,
@@ -628,8 +636,7 @@ def _activation(c: dict) -> str:
 def _refuse_unexact(c: dict, arch: str) -> None:
     """Every config field whose value Baton's engine would not compute as transformers does."""
     if c.get("quantization_config"):
-        raise _refuse("quantization_config", c["quantization_config"],
-                      "quantized Hugging Face checkpoints are not served (GGUF files are)")
+        fp8.scheme(c["quantization_config"])  # FP8 is read (dequantized); the rest refused
     if c.get("attn_logit_softcapping"):
         raise _refuse("attn_logit_softcapping", c["attn_logit_softcapping"],
                       "attention-score soft-capping is not implemented")
@@ -659,6 +666,8 @@ def _hf_windows(c: dict, arch: str) -> tuple[int, ...]:
         return (int(window),) * n
     if arch in ("qwen2", "qwen3", "qwen3_moe") and not c.get("use_sliding_window", False):
         return ()  # transformers drops the window
+    if arch == "qwen3_moe":  # one mask for every layer
+        return (int(window),) * n
     types = c.get("layer_types")
     if not types and arch == "gemma3_text":
         pattern = int(c["sliding_window_pattern"])
@@ -726,6 +735,11 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     gemma = cfg.arch == "gemma3_text"
     names = {**(HF_GEMMA_NAMES if gemma else HF_NAMES), **HF_MOE_NAMES.get(cfg.arch, {})}
     fuser = _Fuser(cfg, names, shapes, place)
+    qc = json.loads((p / "config.json").read_text()).get("quantization_config")
+    if qc:
+        fuser.fp8, fuser.scales = fp8.scheme(qc), _fp8_scales(files, headers)
+        log(f"{p.name}: FP8 weights, {fuser.fp8.describe()}, dequantized to "
+            f"{str(place.dtype).removeprefix('torch.')} as they load (no FP8 matmul here)")
     h = hashlib.sha256()
     for fpath, header in tqdm(list(zip(files, headers, strict=True)), desc=f"loading {p.name}",
                               unit="file", file=sys.stderr, leave=False, disable=None):
@@ -738,7 +752,22 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     return LoadedModel(p.name, str(p), cfg, weights, tokenizer, h.hexdigest(), placement=place)
 
 
+def _fp8_scales(files: list[Path], headers: list) -> dict[str, torch.Tensor]:
+    """Every FP8 weight's scale (small tensors, read first), by the weight's name."""
+    from safetensors import safe_open
+
+    scales = {}
+    for f, (_, meta) in zip(files, headers, strict=True):
+        names = [k for k in meta if k.endswith(fp8.SCALE_SUFFIXES)]
+        if names:
+            with safe_open(str(f), "pt") as st:
+                for k in names:
+                    scales[k.rsplit(".", 1)[0] + ".weight"] = st.get_tensor(k)
+    return scales
+
+
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn,
                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}

@@ -42,7 +42,7 @@ def llama_dir(tmp_path_factory):
 
 REFUSED = {
     "quantization_config": lambda c: c.update(quantization_config={
-        "quant_method": "fp8", "weight_block_size": [128, 128]}),
+        "quant_method": "awq", "bits": 4, "group_size": 128}),
     "rope_parameters.rope_type": lambda c: c.update(rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}),
     "rope_scaling.rope_type": lambda c: c.update(rope_scaling={"rope_type": "dynamic",
@@ -95,7 +95,8 @@ def test_family_defaults_are_transformers_defaults():
     import transformers
 
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-               "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig"}
+               "qwen3": "Qwen3Config", "gemma3_text": "Gemma3TextConfig",
+               "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
     for family, defaults in FAMILY_DEFAULTS.items():
         hf = getattr(transformers, classes[family])(num_hidden_layers=2, hidden_size=64,
                                                     num_attention_heads=4)
