@@ -218,9 +218,9 @@ def _gguf_config(f: dict, arch: str, has_output: bool, vocab: int) -> ModelConfi
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if get(key):
             raise _refuse(f"{arch}.{key}", get(key), "soft-capping from GGUF is not served")
-    if get("expert_count"):  # a Mixtral GGUF says llama: its *_exps tensors are experts
+    if get("expert_count") and arch != "llama":
         raise _refuse(f"{arch}.expert_count", get("expert_count"), "mixtures of experts from "
-                      "GGUF are not served yet (Hugging Face Mixtral and Qwen3-MoE folders are)")
+                      "GGUF are served for Mixtral (architecture llama) only")
     return ModelConfig(
         **_gguf_family(f, arch, int(get("block_count")), int(hidden)),
         vocab_size=int(get("vocab_size", vocab)), hidden_size=int(hidden),
@@ -242,6 +242,12 @@ def _gguf_family(f: dict, arch: str, layers: int, hidden: int) -> dict:
     five layers of six, local RoPE base 10,000, query_pre_attn_scalar 256)."""
     if arch == "qwen3":
         return {"arch": "qwen3", "qk_norm": True}
+    if arch == "llama" and f.get("llama.expert_count"):  # Mixtral: llama.cpp calls it llama
+        return {"arch": "mixtral", "moe_layers": tuple(range(layers)),
+                "num_experts": int(f["llama.expert_count"]),
+                "experts_per_token": int(f["llama.expert_used_count"]),
+                "moe_intermediate_size": int(f["llama.feed_forward_length"]),
+                "norm_topk_prob": True}
     if arch != "gemma3":
         return {"arch": arch}
     d = FAMILY_DEFAULTS["gemma3_text"]
@@ -258,6 +264,29 @@ def _unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (interleaved rotary pairs -> rotate-half halves)."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+# a Mixtral GGUF's router, and its experts as _stack_gguf_experts leaves them
+GGUF_MOE_NAMES = {"router": "blk.{i}.ffn_gate_inp.weight",
+                  "experts_gate_up": "blk.{i}.experts_gate_up",
+                  "experts_down": "blk.{i}.experts_down"}
+
+
+def _stack_gguf_experts(cfg: ModelConfig, raw: dict) -> None:
+    """llama.cpp keeps a layer's experts as three 3-D tensors, ``ffn_{gate,up,down}_exps`` [E, I,
+    H], [E, I, H], [E, H, I]: joined into the engine's stacked layout (each expert's gate rows,
+    then its up rows), the sources dropped."""
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise UnsupportedModelError(f"missing tensor {name!r}")
+        return raw.pop(name)
+
+    for i in range(cfg.num_layers):
+        gate, up = take(f"blk.{i}.ffn_gate_exps.weight"), take(f"blk.{i}.ffn_up_exps.weight")
+        down = take(f"blk.{i}.ffn_down_exps.weight")
+        raw[f"blk.{i}.experts_gate_up"] = torch.cat([gate, up], dim=1).reshape(
+            -1, gate.shape[-1])
+        raw[f"blk.{i}.experts_down"] = down.reshape(-1, down.shape[-1])
 
 
 def _unpermute_all(cfg: ModelConfig, raw: dict, blocks: dict) -> None:
@@ -318,7 +347,11 @@ def _convert_gguf(p: Path) -> LoadedModel:
     num_tensors = len(raw)
     if arch in ("llama", "mistral"):  # convert_hf_to_gguf permutes Q/K rows for these
         _unpermute_all(cfg, raw, blocks)
-    weights = _fuse(cfg, raw, GGUF_NAMES)
+    names = GGUF_NAMES
+    if cfg.moe_layers:
+        _stack_gguf_experts(cfg, raw)
+        names = {**GGUF_NAMES, **GGUF_MOE_NAMES}
+    weights = _fuse(cfg, raw, names)
     if cfg.arch == "gemma3_text":
         # llama.cpp stores Gemma's norm weights with the 1 already added: the multiplier as it
         # is. transformers subtracts it at load and adds it back as it computes; both in
@@ -454,8 +487,11 @@ def _expert_layout(cfg: ModelConfig, names: dict[str, str], i: int) -> dict[str,
     """A MoE layer's router and its experts stacked: ``experts_gate_up`` [E * 2I, H] (each
     expert's gate rows, then its up rows) and ``experts_down`` [E * H, I], in expert order;
     the model views them as [E, 2I, H] and [E, H, I]."""
-    ex = names["experts"].format(i=i, e="{e}")
     pre = f"layers.{i}."
+    if "experts_gate_up" in names:  # stacked in the file already (GGUF)
+        return {pre + k: [names[k].format(i=i)]
+                for k in ("router", "experts_gate_up", "experts_down")}
+    ex = names["experts"].format(i=i, e="{e}")
     return {
         pre + "router": [names["router"].format(i=i)],
         pre + "experts_gate_up": [ex.format(e=e) + p for e in range(cfg.num_experts)

@@ -37,7 +37,8 @@ def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None, f
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(float((getattr(cfg, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0)))
     w.add_tokenizer_model("gpt2")
     w.add_token_list([t for t, _ in vocab])
     w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
@@ -54,7 +55,15 @@ def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None, f
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "input_layernorm":
              "attn_norm", "post_attention_layernorm": "ffn_norm"}
     expected = {}
+    experts = getattr(cfg, "num_local_experts", 0)
+    if experts:  # Mixtral, as llama.cpp writes it: architecture llama, experts as 3-D tensors
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        sd = mixtral_as_gguf(sd, cfg.intermediate_size)
     for k, arr in sd.items():
+        if k.startswith("blk."):
+            w.add_tensor(k, arr.astype(np.float32))
+            continue
         if k in names:
             name = names[k]
         else:
@@ -78,6 +87,26 @@ def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None, f
     w.write_tensors_to_file()
     w.close()
     return expected
+
+
+def mixtral_as_gguf(sd: dict, inter: int) -> dict:
+    """transformers' in-memory Mixtral tensors renamed to llama.cpp's: the router as
+    ``ffn_gate_inp``, the fused experts split into ``ffn_{gate,up,down}_exps`` [E, I, H] /
+    [E, H, I]."""
+    out = {}
+    for k, arr in sd.items():
+        if ".mlp." not in k:
+            out[k] = arr
+            continue
+        i = k.split(".")[2]
+        if k.endswith("mlp.gate.weight"):
+            out[f"blk.{i}.ffn_gate_inp.weight"] = arr
+        elif k.endswith("gate_up_proj"):
+            out[f"blk.{i}.ffn_gate_exps.weight"] = np.ascontiguousarray(arr[:, :inter])
+            out[f"blk.{i}.ffn_up_exps.weight"] = np.ascontiguousarray(arr[:, inter:])
+        else:
+            out[f"blk.{i}.ffn_down_exps.weight"] = arr
+    return out
 
 
 @pytest.fixture
@@ -134,7 +163,7 @@ def test_unsupported_architecture(tiny_llama, tmp_path, cache):
 @pytest.mark.parametrize("arch, field, value", [
     ("mistral", "mistral.attention.sliding_window", 8),  # a window a GGUF mistral would not get
     ("llama", "llama.rope.scaling.type", "yarn"),
-    ("llama", "llama.expert_count", 8),  # a Mixtral file: not to be taken for a dense llama
+    ("qwen2", "qwen2.expert_count", 8),  # experts of an architecture Baton reads dense only
 ])
 def test_gguf_metadata_baton_would_not_compute_exactly_is_refused_by_name(
         tiny_llama, tmp_path, cache, arch, field, value):
@@ -272,3 +301,19 @@ def test_a_bf16_engine_reads_the_blocks_rounded_to_its_weights(tiny_llama, tmp_p
     plain = LLMEngine(replace(model, quantized={}), cfg)
     assert plain.model.layers[0].qkv.small is None
     assert_same_generations(half, plain, tol=5e-3, same_top=False)
+
+
+def test_a_mixtral_gguf_is_served_as_a_mixture_of_experts(tmp_path, cache):
+    # llama.cpp writes Mixtral as architecture llama with expert_count and *_exps tensors: read
+    # as a mixture of experts (not a dense llama missing its MLP), HF's tokens
+    from tests.support.families import SHAPES
+
+    from ..conftest import make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", "mixtral", **{**SHAPES["mixtral"], "sliding_window": None})
+    write_gguf(tmp_path / "m.gguf", tmp_path / "hf", hf)
+    model = load_model(tmp_path / "m.gguf")
+    cfg = model.config
+    assert cfg.arch == "mixtral" and cfg.num_experts == 9 and cfg.experts_per_token == 2
+    assert cfg.moe_layers == (0, 1, 2)
+    assert_matches_hf(LLMEngine(model, EngineConfig(block_size=4, num_kv_blocks=64)), hf, PROMPT)
