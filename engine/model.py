@@ -356,8 +356,8 @@ class Layer:
 
 
 class LlamaModel:
-    """Inference-only decoder. ``weights`` uses Baton's fused names (see
-    ``loader.fuse_weights``)."""
+    """Inference-only decoder of every family the loader reads (the name is historical).
+    ``weights`` uses Baton's fused names (``loader._layout``)."""
 
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
