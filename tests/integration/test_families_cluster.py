@@ -1,9 +1,9 @@
 """Every model family (mixtures of experts included) through a real cluster (redis-server,
 prefill and decode workers and a router as processes on loopback, KV over NIXL): greedy tokens
 equal transformers' on the remote path, the local path and with prefix-cache hits, one cluster
-start per family, on prompts longer than the sliding windows; and, for windowed families
-(Mistral, Mixtral), on the migrated path too: a decode worker dies mid-stream and another
-finishes the request from the tokens already sent."""
+start per family, on prompts longer than the sliding windows; and, for Mistral, Mixtral and
+Qwen3-MoE, on the migrated path too: a decode worker dies mid-stream and another finishes the
+request from the tokens already sent."""
 
 from __future__ import annotations
 
@@ -62,11 +62,11 @@ def test_remote_local_and_cached_paths_give_transformers_tokens(family):
     c.assert_quiet()
 
 
-@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
-def test_a_windowed_family_on_the_migrated_path(start_cluster, tmp_path, kind):
+@pytest.mark.parametrize("kind", ["mistral", "mixtral", "qwen3_moe"])
+def test_the_migrated_path(start_cluster, tmp_path, kind):
     # decode worker 0's engine fails after 6 steps: the request streaming there moves to decode
-    # worker 1, which recomputes the prompt and the tokens sent so far (past the window) and
-    # finishes it
+    # worker 1, which recomputes the prompt and the tokens sent so far (past the window, for
+    # Mistral and Mixtral; through the experts, for the mixtures) and finishes it
     hf = make_hf_model(tmp_path, kind, **SHAPES[kind])
     crash = ["--faults", "crash_engine_after=6"]
     c = start_cluster(prefill=1, decode=2, worker_args=["--model", str(tmp_path), *ARGS],
