@@ -123,17 +123,24 @@ def gate_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh").mul_(up)
 
 
-def moe(x: torch.Tensor, layer, cfg: ModelConfig) -> torch.Tensor:
-    """A mixture-of-experts MLP on the normed rows ``x`` [T, hidden]: each row's
-    ``experts_per_token`` experts by softmax over the router's logits (in float32), their
-    weights renormalised with ``norm_topk_prob``; the (row, expert) pairs sorted by expert so
-    that each expert hit multiplies its rows in one GEMM pair on the stacked weights, the
-    weighted results added into each row in expert order (as transformers adds them)."""
-    k = cfg.experts_per_token
-    probs = torch.softmax(F.linear(x, layer.router).float(), dim=-1)
-    weights, experts = probs.topk(k, dim=-1)  # [T, k]
+def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each [T, experts_per_token]: every row's experts by softmax over the
+    router's logits (in float32), their weights renormalised with ``norm_topk_prob``."""
+    probs = torch.softmax(F.linear(x, router).float(), dim=-1)
+    weights, experts = probs.topk(cfg.experts_per_token, dim=-1)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def moe(x: torch.Tensor, layer, cfg: ModelConfig) -> torch.Tensor:
+    """A mixture-of-experts MLP on the normed rows ``x`` [T, hidden] (the CPU engine's, and the
+    reference of ``kernels/triton_moe.py``): the (row, expert) pairs of :func:`route` sorted by
+    expert so that each expert hit multiplies its rows in one GEMM pair on the stacked weights,
+    the weighted results added into each row in expert order (as transformers adds them)."""
+    k = cfg.experts_per_token
+    weights, experts = route(x, layer.router, cfg)
     flat, weights = experts.reshape(-1), weights.reshape(-1)
     order = flat.argsort(stable=True)
     out = torch.zeros_like(x)
@@ -627,9 +634,8 @@ class LlamaModel:
         the experts in one grouped Triton GEMM per projection."""
         cfg = self.cfg
         if layer.router is not None:
-            return self._moe.moe(x, layer.router, layer.experts_gate_up, layer.experts_down,
-                                 cfg.experts_per_token, cfg.norm_topk_prob,
-                                 lambda g: gate_mul(g, cfg.hidden_act))
+            return self._moe.moe(x, *route(x, layer.router, cfg), layer.experts_gate_up,
+                                 layer.experts_down, lambda g: gate_mul(g, cfg.hidden_act))
         gate_up = layer.gate_up(x)
         return layer.down(self._fused.silu_mul(gate_up) if cfg.hidden_act == "silu"
                           else gate_mul(gate_up, cfg.hidden_act))

@@ -88,8 +88,6 @@ def prefill_attention(
 
     ``window`` > 0: query i sees only keys ``num_past + i - window + 1 .. num_past + i``.
     """
-    if window and num_past + q.shape[0] > window:
-        return _windowed(q, k, v, num_past, scale, window)
     n, hq = q.shape[0], q.shape[1]
     group = hq // k.shape[1]
     # 4-d inputs with the KV heads expanded take PyTorch's flash kernel on CPU; 3-d or
@@ -97,26 +95,18 @@ def prefill_attention(
     qt = q.transpose(0, 1).unsqueeze(0)
     kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
     vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    if num_past == 0:
+    if window and num_past + n > window:  # the window cuts in: one call, an explicit mask
+        pos = torch.arange(num_past, num_past + n).unsqueeze(1)
+        j = torch.arange(num_past + n).unsqueeze(0)
+        mask = (j <= pos) & (j > pos - window)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    elif num_past == 0:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
     elif _flash_lse is not None:
         out = _past_then_causal(qt, kt, vt, num_past, scale)
     else:
         mask = torch.ones(n, num_past + n, dtype=torch.bool).tril(diagonal=num_past)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return out[0].transpose(0, 1)
-
-
-def _windowed(q, k, v, num_past: int, scale: float, window: int) -> torch.Tensor:
-    """:func:`prefill_attention` with a sliding window: one call with an explicit mask."""
-    n, group = q.shape[0], q.shape[1] // k.shape[1]
-    pos = torch.arange(num_past, num_past + n).unsqueeze(1)
-    j = torch.arange(num_past + n).unsqueeze(0)
-    mask = (j <= pos) & (j > pos - window)
-    qt = q.transpose(0, 1).unsqueeze(0)
-    kt = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    vt = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
 
 

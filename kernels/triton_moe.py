@@ -97,17 +97,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor,
     return c
 
 
-def moe(x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-        top_k: int, norm_topk_prob: bool, act) -> torch.Tensor:
-    """The MoE MLP of rows ``x`` [T, H]: router [E, H], gate_up [E, 2I, H], down [E, H, I];
+def moe(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+        down: torch.Tensor, act) -> torch.Tensor:
+    """The MoE MLP of rows ``x`` [T, H] routed to ``experts`` [T, k] with ``weights`` [T, k]
+    (``baton.engine.model.route``): gate_up [E, 2I, H], down [E, H, I];
     ``act(gate_up_rows)`` -> act(gate) * up. Returns [T, H] in x's dtype."""
-    t = x.shape[0]
-    probs = torch.softmax((x @ router.t()).float(), dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    t, top_k = experts.shape
     flat = experts.reshape(-1)
-    pairs, tiles = align(flat, router.shape[0])
+    pairs, tiles = align(flat, gate_up.shape[0])
     h = grouped_gemm(x, gate_up, pairs, tiles, flat.shape[0], top_k)  # [T * k, 2I]
     y = grouped_gemm(act(h).contiguous(), down, pairs, tiles, flat.shape[0], 1,
                      scale=weights.reshape(-1).contiguous())  # [T * k, H]

@@ -224,7 +224,7 @@ def test_grouped_expert_moe_matches_the_torch_reference(device, t, e, k, h, i, n
     from types import SimpleNamespace
 
     from baton.engine.config import ModelConfig
-    from baton.engine.model import gate_mul, moe
+    from baton.engine.model import gate_mul, moe, route
     from baton.kernels import triton_moe
 
     gen = torch.Generator().manual_seed(t * 100 + e)
@@ -238,7 +238,8 @@ def test_grouped_expert_moe_matches_the_torch_reference(device, t, e, k, h, i, n
                       moe_intermediate_size=i, norm_topk_prob=norm)
     layer = SimpleNamespace(router=router, experts_gate_up=gate_up, experts_down=down)
     want = moe(x, layer, cfg)
-    got = triton_moe.moe(*(v.to(device) for v in (x, router, gate_up, down)), k, norm,
+    weights, experts = route(x, router, cfg)
+    got = triton_moe.moe(*(v.to(device) for v in (x, weights, experts, gate_up, down)),
                          lambda g: gate_mul(g, "silu"))
     assert got.shape == want.shape
     assert rel_err(got.cpu(), want) < 1e-5, rel_err(got.cpu(), want)
