@@ -154,12 +154,13 @@ def _load_gguf(p: Path, use_cache: bool, place: Placement) -> LoadedModel:
         t0 = time.perf_counter()
         meta = json.loads(meta_file.read_text())
         header = safetensors_header(weights_file)
-        fuser = _Stored(header[1], place)
+        shapes = {k: tuple(v["shape"]) for k, v in header[1].items() if k != "__metadata__"}
+        fuser = _Fuser({k: [k] for k in shapes}, shapes, place)  # stored fused already
         stream_safetensors(weights_file, header, fuser)
         blocks = load_file(quant_file) if meta["quantized"] else {}
         log(f"loaded {p.name} from cache {cache} in {time.perf_counter() - t0:.1f}s")
         return LoadedModel(meta["name"], str(p), ModelConfig.from_json(meta["config"]),
-                           fuser.out, BatonTokenizer.from_json(meta["tokenizer"]),
+                           fuser.result(), BatonTokenizer.from_json(meta["tokenizer"]),
                            meta["weights_id"],
                            {k: (q, blocks[k]) for k, q in meta["quantized"].items()}, place)
     model = _convert_gguf(p)
@@ -506,11 +507,10 @@ class _Fuser:
     device, and each source tensor is copied into its rows as it is read (no ``torch.cat``, no
     second copy of the model on the host)."""
 
-    def __init__(self, cfg: ModelConfig, names: dict[str, str], shapes: dict[str, tuple],
+    def __init__(self, layout: dict[str, list[str]], shapes: dict[str, tuple],
                  place: Placement) -> None:
-        layout = _layout(cfg, names)
-        if names["rope_freqs"] and names["rope_freqs"] in shapes:
-            layout["rope_freqs"] = [names["rope_freqs"]]
+        """``layout``: each fused weight's sources (:func:`_layout`); ``shapes``: every source
+        tensor's shape."""
         for parts in layout.values():
             for n in parts:
                 if n not in shapes:
@@ -542,36 +542,35 @@ class _Fuser:
         self.place.put(self.out[fused][a:b], t)
         self.pending.discard(name)
 
-    def result(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    def result(self) -> dict[str, torch.Tensor]:
         assert not self.pending, sorted(self.pending)[:5]
-        expect = (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
-        got = tuple(self.out["layers.0.qkv"].shape)
-        if got != expect:
-            raise UnsupportedModelError(f"layer 0 qkv has shape {got}, config implies {expect}")
         return self.out
 
 
-class _Stored(_Fuser):
-    """Weights stored already fused (the converted-GGUF cache), each placed as it is read."""
-
-    def __init__(self, meta: dict, place: Placement) -> None:
-        self.place = place
-        self.out = {k: torch.empty(v["shape"], dtype=place.dtype, device=place.device)
-                    for k, v in meta.items() if k != "__metadata__"}
-        self.where = {k: (k, 0, v.shape[0] if v.dim() else 1) for k, v in self.out.items()}
-        self.pending = set(self.where)
+def _model_fuser(cfg: ModelConfig, names: dict[str, str], shapes: dict[str, tuple],
+                 place: Placement) -> _Fuser:
+    """A :class:`_Fuser` for a model's source tensors named as ``names`` says."""
+    layout = _layout(cfg, names)
+    if names["rope_freqs"] and names["rope_freqs"] in shapes:
+        layout["rope_freqs"] = [names["rope_freqs"]]
+    fuser = _Fuser(layout, shapes, place)  # checks every source is there
+    expect = (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    got = tuple(fuser.out["layers.0.qkv"].shape)
+    if got != expect:
+        raise UnsupportedModelError(f"layer 0 qkv has shape {got}, config implies {expect}")
+    return fuser
 
 
 def _fuse(cfg: ModelConfig, tensors: dict[str, torch.Tensor], names: dict[str, str],
           place: Placement | None = None) -> dict[str, torch.Tensor]:
     """Tensors held in memory (a converted GGUF file) -> Baton's fused weights; each source is
     dropped from ``tensors`` once copied, so the two never both hold the whole model."""
-    fuser = _Fuser(cfg, names, {k: tuple(v.shape) for k, v in tensors.items()},
-                   place or Placement())
+    fuser = _model_fuser(cfg, names, {k: tuple(v.shape) for k, v in tensors.items()},
+                         place or Placement())
     for name in list(tensors):
         if fuser.wants(name):
             fuser.put(name, tensors.pop(name))
-    return fuser.result(cfg)
+    return fuser.result()
 
 
 # =================================================================================================
@@ -753,7 +752,8 @@ def _hf_rope(c: dict, arch: str) -> tuple[float, RopeScaling, float]:
 
 def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     t0 = time.perf_counter()
-    cfg = _hf_config(json.loads((p / "config.json").read_text()))
+    raw_cfg = json.loads((p / "config.json").read_text())
+    cfg = _hf_config(raw_cfg)
     gen = p / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
@@ -770,8 +770,8 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
               if k != "__metadata__"}
     gemma = cfg.arch == "gemma3_text"
     names = {**(HF_GEMMA_NAMES if gemma else HF_NAMES), **HF_MOE_NAMES.get(cfg.arch, {})}
-    fuser = _Fuser(cfg, names, shapes, place)
-    qc = json.loads((p / "config.json").read_text()).get("quantization_config")
+    fuser = _model_fuser(cfg, names, shapes, place)
+    qc = raw_cfg.get("quantization_config")
     if qc:
         fuser.fp8, fuser.scales = fp8.scheme(qc), _fp8_scales(files, headers)
         log(f"{p.name}: FP8 weights, {fuser.fp8.describe()}, dequantized to "
@@ -780,7 +780,7 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     for fpath, header in tqdm(list(zip(files, headers, strict=True)), desc=f"loading {p.name}",
                               unit="file", file=sys.stderr, leave=False, disable=None):
         h.update(stream_safetensors(fpath, header, fuser).encode())
-    weights = fuser.result(cfg)
+    weights = fuser.result()
     if gemma:  # Gemma's RMSNorm multiplies by 1 + w, in float32
         weights = _offset_norms(weights, lambda w: (1.0 + w.float()).to(w.dtype))
     log(f"loaded {p.name} ({len(shapes)} tensors) in {time.perf_counter() - t0:.1f}s")
