@@ -8,8 +8,8 @@ request from the tokens already sent."""
 from __future__ import annotations
 
 import pytest
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
+from tests.support.api import generate_ids
 from tests.support.families import PROMPT, SHAPES, hf_greedy
 
 from ..conftest import make_hf_model
@@ -23,15 +23,7 @@ ARGS = ["--block-size", "4", "--num-blocks", "256"]
 
 
 def generate(router, ids, max_tokens=NEW):
-    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
-                                                                   ignore_eos=True))
-    req.token_ids.ids.extend(ids)
-    out, final = [], None
-    for msg in api_pb2_grpc.BatonStub(router.channel).Generate(req, timeout=120):
-        if msg.HasField("delta"):
-            out += msg.delta.token_ids
-        else:
-            final = msg.final
+    out, final = generate_ids(router, ids, max_tokens, timeout=120)
     assert final is not None and final.finish_reason == "length", final
     return out, final
 

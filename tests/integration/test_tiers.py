@@ -12,8 +12,8 @@ import time
 import pytest
 import redis
 from baton.control.prefix_index import index_key
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
+from tests.support.api import generate_ids
 from tests.support.observe import documented_metrics, scrape
 
 pytestmark = pytest.mark.slow
@@ -28,16 +28,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def generate(router, ids, max_tokens=6):
-    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
-                                                                   ignore_eos=True))
-    req.token_ids.ids.extend(ids)
-    out, final = [], None
-    for msg in api_pb2_grpc.BatonStub(router.channel).Generate(req, timeout=60):
-        if msg.HasField("delta"):
-            out += msg.delta.token_ids
-        else:
-            final = msg.final
-    return out, final
+    return generate_ids(router, ids, max_tokens)
 
 
 def wait_until(cond, what: str, timeout: float = 60.0) -> None:
