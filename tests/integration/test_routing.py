@@ -19,6 +19,7 @@ from baton.control.redis_server import EmbeddedRedis
 from baton.control.registry import WorkerRegistry
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
 
+from tests.support.api import generate_ids
 from tests.support.observe import documented_metrics, scrape, tokens
 from tests.support.pair import eventually
 
@@ -41,17 +42,7 @@ def cluster(start_cluster, tiny_llama):
 
 
 def generate(router, ids, max_tokens=4, salt=None, timeout=60.0):
-    params = worker_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    if salt is not None:
-        params.cache_salt = salt
-    req = api_pb2.GenerateRequest(params=params)
-    req.token_ids.ids.extend(ids)
-    out, final = [], None
-    for msg in api_pb2_grpc.BatonStub(router.channel).Generate(req, timeout=timeout):
-        if msg.HasField("delta"):
-            out += msg.delta.token_ids
-        else:
-            final = msg.final
+    out, final = generate_ids(router, ids, max_tokens, timeout, salt)
     assert final is not None and final.finish_reason == "length"
     return out, final
 
