@@ -237,6 +237,9 @@ def _gguf_config(f: dict, arch: str, has_output: bool, vocab: int) -> ModelConfi
     )
 
 
+GEMMA3_27B_LAYERS = 62  # the one Gemma 3 size whose attention scale is not head_dim ** -0.5
+
+
 def _gguf_family(f: dict, arch: str, layers: int, hidden: int) -> dict:
     """The ModelConfig fields a GGUF architecture implies beyond the Llama layout, with the
     defaults transformers' GGUF loader takes for what the file does not say (Gemma 3: windows on
@@ -252,6 +255,10 @@ def _gguf_family(f: dict, arch: str, layers: int, hidden: int) -> dict:
     if arch != "gemma3":
         return {"arch": arch}
     d = FAMILY_DEFAULTS["gemma3_text"]
+    if layers == GEMMA3_27B_LAYERS:  # its query_pre_attn_scalar is 168, which GGUF does not say
+        raise _refuse("gemma3.block_count", layers, "Gemma 3 27B scales attention by "
+                      "query_pre_attn_scalar=168, which its GGUF file does not record (a reader "
+                      "would assume 256); serve its Hugging Face folder instead")
     window = int(f.get("gemma3.attention.sliding_window") or d["sliding_window"])
     pattern = d["sliding_window_pattern"]
     return {"arch": "gemma3_text", "qk_norm": True, "sandwich_norms": True,

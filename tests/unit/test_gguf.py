@@ -30,7 +30,8 @@ def write_gguf(path, hf_dir, hf, qtype=Q.F32, arch="llama", raw_override=None, f
     specials = {t["content"] for t in tok["added_tokens"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
+    if f"{arch}.block_count" not in (fields or {}):
+        w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -164,6 +165,7 @@ def test_unsupported_architecture(tiny_llama, tmp_path, cache):
     ("mistral", "mistral.attention.sliding_window", 8),  # a window a GGUF mistral would not get
     ("llama", "llama.rope.scaling.type", "yarn"),
     ("qwen2", "qwen2.expert_count", 8),  # experts of an architecture Baton reads dense only
+    ("gemma3", "gemma3.block_count", 62),  # Gemma 3 27B: its attention scale is not in GGUF
 ])
 def test_gguf_metadata_baton_would_not_compute_exactly_is_refused_by_name(
         tiny_llama, tmp_path, cache, arch, field, value):
