@@ -14,20 +14,23 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from baton.kernels import triton_fp8
 
 BLOCK_M = 16  # pairs per tile: decode batches are small, prefill tiles fill up
 
 
 @triton.jit
 def _grouped_gemm(
-    a_ptr, w_ptr, c_ptr, pair_ptr, expert_ptr, scale_ptr, n_pairs, N, K, a_row_div,
-    stride_a, stride_we, stride_wn, stride_c,
-    SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    a_ptr, w_ptr, c_ptr, pair_ptr, expert_ptr, scale_ptr, as_ptr, ws_ptr, n_pairs, N, K,
+    a_row_div, G, stride_a, stride_we, stride_wn, stride_c,
+    SCALE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (tile, n-block): rows ``pair // a_row_div`` of ``a`` times expert ``e``'s
     [N, K] weight, into rows ``pair`` of ``c`` (times the pair's routing weight with SCALE).
-    Tiles past the last expert's (expert -1) and padding rows (pair == n_pairs) do nothing."""
+    Tiles past the last expert's (expert -1) and padding rows (pair == n_pairs) do nothing.
+    With FP8, ``a`` and the weights are FP8 with float32 scales per row and group of GROUP
+    columns (``as`` [rows, G], ``ws`` [E, N, G]; see :mod:`baton.kernels.triton_fp8`)."""
     tile = tl.program_id(0)
     e = tl.load(expert_ptr + tile)
     if e >= 0:
@@ -45,7 +48,14 @@ def _grouped_gemm(
                         mask=valid[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
                         mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+            if FP8:
+                g = k0 // GROUP
+                sa = tl.load(as_ptr + rows * G + g, mask=valid, other=0.0)
+                sw = tl.load(ws_ptr + e.to(tl.int64) * N * G + offs_n * G + g, mask=nmask,
+                             other=0.0)
+                acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]
+            else:
+                acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
         if SCALE:
             acc *= tl.load(scale_ptr + pairs, mask=valid, other=0.0)[:, None]
         out = c_ptr + tl.where(valid, pairs, 0).to(tl.int64)[:, None] * stride_c + offs_n[None, :]
@@ -79,33 +89,54 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor,
                  tile_experts: torch.Tensor, n_pairs: int, a_row_div: int,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: torch.Tensor | None = None, fp8: tuple | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """[n_pairs, N]: row ``p`` is ``a[p // a_row_div] @ w[expert of p].T`` (times
-    ``scale[p]``). a: [*, K]; w: [E, N, K]."""
+    ``scale[p]``). a: [*, K]; w: [E, N, K]. ``fp8``: (a's scales [*, G], w's [E, N, G], group)
+    for FP8 ``a`` and ``w``, the result in ``out_dtype``."""
     e, n, k = w.shape
     assert a.shape[1] == k and a.stride(1) == 1 and w.stride(2) == 1
-    c = torch.empty((n_pairs, n), dtype=a.dtype, device=a.device)
+    c = torch.empty((n_pairs, n), dtype=out_dtype or a.dtype, device=a.device)
     block_n = min(64, triton.next_power_of_2(n))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
+    a_scale, w_scale, g, span = c, c, 1, k
+    if fp8 is not None:
+        a_scale, w_scale, group = fp8
+        g = w_scale.shape[-1]
+        span = k if g == 1 else group
+        block_k = max(16, min(64, span if g > 1 else triton.next_power_of_2(k)))
     grid = (tile_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm[grid](
-        a, w, c, pairs, tile_experts, scale if scale is not None else c, n_pairs, n, k,
-        a_row_div, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        a, w, c, pairs, tile_experts, scale if scale is not None else c, a_scale, w_scale,
+        n_pairs, n, k, a_row_div, g, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        SCALE=scale is not None, FP8=fp8 is not None, GROUP=max(span, block_k),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
     )
     return c
 
 
 def moe(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-        down: torch.Tensor, act) -> torch.Tensor:
+        down: torch.Tensor, act, fp8: tuple | None = None) -> torch.Tensor:
     """The MoE MLP of rows ``x`` [T, H] routed to ``experts`` [T, k] with ``weights`` [T, k]
     (``baton.engine.model.route``): gate_up [E, 2I, H], down [E, H, I];
-    ``act(gate_up_rows)`` -> act(gate) * up. Returns [T, H] in x's dtype."""
+    ``act(gate_up_rows)`` -> act(gate) * up. ``fp8``: (gate_up's scales [E, 2I, G], down's
+    [E, H, G'], group) for FP8 experts, each input quantized per row and group. Returns [T, H]
+    in x's dtype."""
     t, top_k = experts.shape
     flat = experts.reshape(-1)
     pairs, tiles = align(flat, gate_up.shape[0])
-    h = grouped_gemm(x, gate_up, pairs, tiles, flat.shape[0], top_k)  # [T * k, 2I]
-    y = grouped_gemm(act(h).contiguous(), down, pairs, tiles, flat.shape[0], 1,
-                     scale=weights.reshape(-1).contiguous())  # [T * k, H]
+    routed = weights.reshape(-1).contiguous()
+    if fp8 is None:
+        h = grouped_gemm(x, gate_up, pairs, tiles, flat.shape[0], top_k)  # [T * k, 2I]
+        y = grouped_gemm(act(h).contiguous(), down, pairs, tiles, flat.shape[0], 1,
+                         scale=routed)  # [T * k, H]
+        return y.view(t, top_k, -1).sum(dim=1)
+    gate_up_scale, down_scale, group = fp8
+    xq, xs = triton_fp8.quantize(x, group)
+    h = grouped_gemm(xq, gate_up, pairs, tiles, flat.shape[0], top_k,
+                     fp8=(xs, gate_up_scale, group), out_dtype=x.dtype)
+    hq, hs = triton_fp8.quantize(act(h).contiguous(), group)
+    y = grouped_gemm(hq, down, pairs, tiles, flat.shape[0], 1, scale=routed,
+                     fp8=(hs, down_scale, group), out_dtype=x.dtype)
     return y.view(t, top_k, -1).sum(dim=1)

@@ -22,12 +22,9 @@ from baton.kernels import paged_attention as ref  # noqa: E402
 from baton.kernels import triton_attention as tri  # noqa: E402
 from baton.kernels import triton_fused as fused  # noqa: E402
 
+from tests.support.kernels import rel_err  # noqa: E402
+
 DEVICES = ["cpu"] if not torch.cuda.is_available() else ["cuda"]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def make_cache(num_blocks, layers, bs, hkv, d, dtype, device, gen):
