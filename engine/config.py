@@ -16,6 +16,7 @@ from baton.engine.errors import InvalidRequestError
 KV_LAYOUT = "block-major:[num_blocks,num_layers,2,block_size,num_kv_heads,head_dim]"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,9 @@ class EngineConfig:
     kv_host_tier_bytes: int = 0
     kv_disk_tier_bytes: int = 0
     kv_disk_tier_dir: str | None = None
+    # auto: the KV cache in ``dtype``; fp8: float8_e4m3fn with per-layer scales, read by the
+    # Triton attention kernels (a CUDA device, or the interpreter in tests)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -193,6 +197,19 @@ class EngineConfig:
                                       "a disk tier needs a directory")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError("kv_cache_dtype", self.kv_cache_dtype,
+                                      f"must be one of {sorted(KV_CACHE_DTYPES)}")
+        if self.kv_cache_dtype == "fp8" and self.device == "cpu" and (
+                self.attention_backend != "triton"):
+            raise InvalidRequestError("kv_cache_dtype", "fp8", "an FP8 KV cache is read by the "
+                                      "Triton attention kernels: it needs a CUDA device (the "
+                                      "CPU kernels read float32 or bfloat16 KV)")
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
 
     @property
     def device_kind(self) -> str:
@@ -235,7 +252,8 @@ def device_kind(device: str) -> str:
 
 
 def model_fingerprint(cfg: ModelConfig, weights_id: str, dtype: str, block_size: int,
-                      device: str = "cpu") -> str:
+                      device: str = "cpu", *, fp8_matmul: bool = False,
+                      kv_dtype: str = "auto") -> str:
     """Identity of (architecture, weights, dtype, block size, KV layout, device kind): peers
     must match it to exchange raw KV blocks.
 
@@ -244,10 +262,16 @@ def model_fingerprint(cfg: ModelConfig, weights_id: str, dtype: str, block_size:
     dtype, on CUDA they are in the dtype, and the kernels round differently. A CPU pool and a GPU
     pool therefore never exchange blocks: a reader refuses the holder's handshake
     (FAILED_PRECONDITION) and the router serves such a pair by the local path. Which GPU a pool
-    is on does not matter (blocks move between GPUs as bytes)."""
-    blob = json.dumps(
-        {"model": cfg.to_json(), "weights": weights_id, "dtype": dtype, "block_size": block_size,
-         "kv_layout": KV_LAYOUT, "device": device_kind(device)},
-        sort_keys=True,
-    )
+    is on does not matter (blocks move between GPUs as bytes).
+
+    FP8 matmuls (an FP8 checkpoint on a GPU that has them) compute other KV than the same
+    checkpoint dequantized, and an FP8 KV cache holds other bytes than a bf16 one: each is in it
+    where it is on (absent otherwise, so the fingerprints of other engines stay as they were)."""
+    ident = {"model": cfg.to_json(), "weights": weights_id, "dtype": dtype,
+             "block_size": block_size, "kv_layout": KV_LAYOUT, "device": device_kind(device)}
+    if fp8_matmul:
+        ident["matmul"] = "fp8"
+    if kv_dtype != "auto":
+        ident["kv_dtype"] = kv_dtype
+    blob = json.dumps(ident, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

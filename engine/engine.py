@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from baton.engine import fp8
 from baton.engine.block_hash import namespace_for
 from baton.engine.config import EngineConfig
 from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
@@ -123,18 +124,39 @@ class _TextState:
 
 def placement(cfg: EngineConfig) -> Placement:
     """Where an engine of ``cfg`` keeps its weights: the compute dtype on its device, each value
-    rounded to the storage dtype."""
+    rounded to the storage dtype; an FP8 checkpoint's linear weights FP8 where this engine has
+    FP8 matmuls (a GPU with FP8 tensor cores, or the Triton kernels interpreted on CPU)."""
     storage, compute = cfg.torch_dtype, cfg.compute_dtype
-    return Placement(compute, cfg.device, None if storage == compute else storage)
+    return Placement(compute, cfg.device, None if storage == compute else storage,
+                     fp8=fp8_matmul_available(cfg))
+
+
+def fp8_matmul_available(cfg: EngineConfig) -> bool:
+    """Whether an engine of ``cfg`` runs FP8 matmuls: Triton's FP8 dot needs sm_89 or newer."""
+    if cfg.device == "cpu":
+        return cfg.attention_backend == "triton"
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(cfg.device) >= (8, 9)
 
 
 def placed_weights(model: LoadedModel, cfg: EngineConfig) -> dict:
     """``model``'s weights as an engine of ``cfg`` keeps them: as they are when the loader
-    already wrote them there, else converted (a copy)."""
+    already wrote them there, else converted (a copy; FP8 weights dequantized)."""
     if model.placement == placement(cfg):
         return model.weights
     storage, compute = cfg.torch_dtype, cfg.compute_dtype
-    return {k: v.to(storage).to(compute).to(cfg.device) for k, v in model.weights.items()}
+    out = {}
+    for k, v in model.weights.items():
+        if k.endswith(".scale") and k[:-len(".scale")] in model.weights:
+            continue
+        if v.dtype == torch.float8_e4m3fn:
+            v = fp8.dequantize_rows(v, model.weights[k + ".scale"], model.fp8_group)
+        out[k] = v.to(storage).to(compute).to(cfg.device)
+    return out
+
+
+def fp8_group(model: LoadedModel, cfg: EngineConfig) -> int | None:
+    """The FP8 matmul's scale group an engine of ``cfg`` runs ``model`` with (None: none)."""
+    return model.fp8_group if model.placement == placement(cfg) else None
 
 
 class LLMEngine:
@@ -146,7 +168,10 @@ class LLMEngine:
         self.model_config = mc = model.config
         self.tokenizer = model.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
-        self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size, cfg.device)
+        self.fp8_group = fp8_group(model, cfg)
+        self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size, cfg.device,
+                                             fp8_matmul=self.fp8_group is not None,
+                                             kv_dtype=cfg.kv_cache_dtype)
         storage, compute = cfg.torch_dtype, cfg.compute_dtype
         device_memory = None
         if cfg.device != "cpu":
@@ -158,7 +183,8 @@ class LLMEngine:
         blocks = (cfg.device == "cpu" and compute == torch.float32
                   and storage in (torch.float32, torch.bfloat16))
         self.model = LlamaModel(mc, weights, compute, cfg.attention_backend, storage,
-                                cfg.gemm_dtype, model.quantized if blocks else None)
+                                cfg.gemm_dtype, model.quantized if blocks else None,
+                                fp8_group=self.fp8_group)
         self.attention_backend = self.model.attention_backend
         self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
         # on CUDA without --num-blocks: the device's share after the weights (gpu_memory)

@@ -6,10 +6,14 @@
   ``weight_scale`` per output channel ([N, 1]) or per tensor; an ``input_scale`` for static
   activation quantization may be present.
 
-The engine dequantizes them to its compute dtype as they are loaded (``weight * scale`` in
-float32, block by block), and says so: the values are the checkpoint's, the arithmetic is the
-engine's (no FP8 matmul, activations unquantized). Anything else in a ``quantization_config`` is
-refused by name.
+On a GPU with FP8 tensor cores (sm_89+), and under Triton's interpreter in the tests, the
+weights stay FP8 with their scales as per-row group scales (:func:`expand_scale`) and every
+linear layer is an FP8 matmul with activations quantized per token (and per 128-column group for
+block scales): ``baton.kernels.triton_fp8``. Elsewhere (CPU, older GPUs) the engine dequantizes
+them to its compute dtype as they are loaded (``weight * scale`` in float32, block by block), and
+says so: the values are the checkpoint's, the arithmetic is the engine's (activations
+unquantized). A static ``input_scale`` is not used: activations are always scaled dynamically.
+Anything else in a ``quantization_config`` is refused by name.
 """
 
 from __future__ import annotations
@@ -94,3 +98,28 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, s: Fp8Scheme) -> torch.Tens
     else:
         scale = scale.reshape(())
     return out * scale
+
+
+def groups(k: int, group: int) -> int:
+    """Scale columns of a K-column weight in groups of ``group`` columns (0: one, per row)."""
+    return 1 if not group or group >= k else -(-k // group)
+
+
+def expand_scale(scale: torch.Tensor, rows: int, k: int, block: tuple[int, int] | None
+                 ) -> torch.Tensor:
+    """A checkpoint's scale for a [rows, K] weight as float32 [rows, G] per-row group scales:
+    a block scale [ceil(rows / bn), ceil(K / bk)] repeated over its rows, a per-channel one
+    [rows, 1] as it is, a per-tensor one on every row. Fused weights stack their parts' rows."""
+    scale = scale.float()
+    if block is not None:
+        return scale.repeat_interleave(block[0], 0)[:rows].reshape(rows, groups(k, block[1]))
+    if scale.numel() == 1:
+        return scale.reshape(1, 1).expand(rows, 1).contiguous()
+    return scale.reshape(rows, 1)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 values of an FP8 weight [..., N, K] kept with per-row group scales [..., N, G]."""
+    k = q.shape[-1]
+    cols = torch.arange(k, device=q.device) // (k if scale.shape[-1] == 1 else group)
+    return q.float() * scale[..., cols]

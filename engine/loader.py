@@ -59,9 +59,14 @@ class LoadedModel:
     quantized: dict[str, tuple[str, torch.Tensor]] = dc_field(default_factory=dict)
     # where the weights were written as they were read (None: float32 on the host)
     placement: Placement | None = None
+    # an FP8 checkpoint kept FP8 for an FP8 matmul (``Placement.fp8``): the scales' column
+    # group (0: per row), each kept weight ``name`` with float32 scales ``name.scale`` [N, G]
+    fp8_group: int | None = None
 
-    def fingerprint(self, dtype: str, block_size: int, device: str = "cpu") -> str:
-        return model_fingerprint(self.config, self.weights_id, dtype, block_size, device)
+    def fingerprint(self, dtype: str, block_size: int, device: str = "cpu", *,
+                    fp8_matmul: bool = False, kv_dtype: str = "auto") -> str:
+        return model_fingerprint(self.config, self.weights_id, dtype, block_size, device,
+                                 fp8_matmul=fp8_matmul, kv_dtype=kv_dtype)
 
 
 def log(msg: str) -> None:
@@ -461,6 +466,7 @@ class Placement:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     round_to: torch.dtype | None = None
+    fp8: bool = False  # an FP8 checkpoint's linear weights stay FP8 (an FP8 matmul reads them)
 
     def put(self, dest: torch.Tensor, t: torch.Tensor) -> None:
         dest.copy_(t if self.round_to is None else t.to(self.round_to))
@@ -509,6 +515,11 @@ def _expert_layout(cfg: ModelConfig, names: dict[str, str], i: int) -> dict[str,
     }
 
 
+# the fused linear weights an FP8 checkpoint keeps FP8 on a GPU (embeddings, norms and routers
+# are dequantized)
+FP8_LINEARS = {"qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down"}
+
+
 class _Fuser:
     """Fused weights built in place: each destination is allocated once, at its final dtype and
     device, and each source tensor is copied into its rows as it is read (no ``torch.cat``, no
@@ -539,12 +550,39 @@ class _Fuser:
     def wants(self, name: str) -> bool:
         return name in self.where
 
+    def keep_fp8(self, sources: set[str]) -> int | None:
+        """Keep FP8 the fused linear weights whose every source is in ``sources`` (the
+        checkpoint's FP8 tensors), each with float32 per-row group scales ``name.scale``.
+        Returns the scales' column group (0: per row), or None where the kernels' tiles do not
+        fit the checkpoint's blocks (then everything is dequantized)."""
+        block = self.fp8.block
+        group = block[1] if block else 0
+        if group and (group < 16 or group & (group - 1)):
+            return None
+        parts: dict[str, list[str]] = {}
+        for src, (fused, _, _) in self.where.items():
+            parts.setdefault(fused, []).append(src)
+        for fused, srcs in parts.items():
+            if fused.rsplit(".", 1)[-1] in FP8_LINEARS and set(srcs) <= sources:
+                rows, k = self.out[fused].shape
+                self.out[fused] = torch.empty((rows, k), dtype=torch.float8_e4m3fn,
+                                              device=self.place.device)
+                self.out[fused + ".scale"] = torch.empty((rows, fp8.groups(k, group)),
+                                                         device=self.place.device)
+        return group
+
     def put(self, name: str, t: torch.Tensor) -> None:
         fused, a, b = self.where[name]
         if t.dtype == torch.float8_e4m3fn:  # an FP8 checkpoint's weight, with its scale
             if self.fp8 is None or name not in self.scales:
                 raise UnsupportedModelError(f"FP8 tensor {name!r} without a quantization_config "
                                             "and a scale for it")
+            if self.out[fused].dtype == torch.float8_e4m3fn:  # kept for an FP8 matmul
+                self.out[fused][a:b].copy_(t)
+                self.out[fused + ".scale"][a:b].copy_(fp8.expand_scale(
+                    self.scales[name], b - a, t.shape[1], self.fp8.block))
+                self.pending.discard(name)
+                return
             t = fp8.dequantize(t, self.scales[name], self.fp8)
         self.place.put(self.out[fused][a:b], t)
         self.pending.discard(name)
@@ -778,11 +816,7 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     gemma = cfg.arch == "gemma3_text"
     names = {**(HF_GEMMA_NAMES if gemma else HF_NAMES), **HF_MOE_NAMES.get(cfg.arch, {})}
     fuser = _model_fuser(cfg, names, shapes, place)
-    qc = raw_cfg.get("quantization_config")
-    if qc:
-        fuser.fp8, fuser.scales = fp8.scheme(qc), _fp8_scales(files, headers)
-        log(f"{p.name}: FP8 weights, {fuser.fp8.describe()}, dequantized to "
-            f"{str(place.dtype).removeprefix('torch.')} as they load (no FP8 matmul here)")
+    fp8_group = _fp8_setup(p.name, raw_cfg.get("quantization_config"), fuser, files, headers)
     h = hashlib.sha256()
     for fpath, header in tqdm(list(zip(files, headers, strict=True)), desc=f"loading {p.name}",
                               unit="file", file=sys.stderr, leave=False, disable=None):
@@ -792,7 +826,31 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
         weights = _offset_norms(weights, lambda w: (1.0 + w.float()).to(w.dtype))
     log(f"loaded {p.name} ({len(shapes)} tensors) in {time.perf_counter() - t0:.1f}s")
     tokenizer = BatonTokenizer.from_hf_dir(p, cfg.eos_token_ids)
-    return LoadedModel(p.name, str(p), cfg, weights, tokenizer, h.hexdigest(), placement=place)
+    return LoadedModel(p.name, str(p), cfg, weights, tokenizer, h.hexdigest(), placement=place,
+                       fp8_group=fp8_group)
+
+
+def _fp8_setup(label: str, qc: dict | None, fuser: _Fuser, files: list[Path], headers: list
+               ) -> int | None:
+    """An FP8 checkpoint's scheme and scales into ``fuser``, its linear weights kept FP8 where
+    the placement asks (returns the scales' column group) or dequantized as they load (None)."""
+    if not qc:
+        return None
+    fuser.fp8, fuser.scales = fp8.scheme(qc), _fp8_scales(files, headers)
+    dtype = str(fuser.place.dtype).removeprefix("torch.")
+    group = None
+    if fuser.place.fp8:
+        group = fuser.keep_fp8({k for _, h in headers for k, v in h.items()
+                                if k != "__metadata__" and v["dtype"] == "F8_E4M3"})
+    if group is not None:
+        log(f"{label}: FP8 weights, {fuser.fp8.describe()}: FP8 matmuls, activations scaled "
+            f"per token{f' and {group} columns' if group else ''}")
+    else:
+        why = ("its block width is not a power of two >= 16" if fuser.place.fp8
+               else "no FP8 matmul on this device")
+        log(f"{label}: FP8 weights, {fuser.fp8.describe()}, dequantized to {dtype} as they "
+            f"load ({why})")
+    return group
 
 
 def _fp8_scales(files: list[Path], headers: list) -> dict[str, torch.Tensor]:

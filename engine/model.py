@@ -332,12 +332,32 @@ def make_linear(t: torch.Tensor, bias: torch.Tensor | None, small_dtype: torch.d
                   packed)
 
 
+class Fp8Linear:
+    """``y = x @ W.T + bias`` for an FP8 weight kept with per-row group scales (an FP8
+    checkpoint on a GPU): ``x`` quantized per token (and group) as it arrives, one FP8 matmul
+    (``baton.kernels.triton_fp8``), the result in x's dtype."""
+
+    __slots__ = ("w", "scale", "group", "bias", "matmul")
+
+    def __init__(self, w: torch.Tensor, scale: torch.Tensor, group: int,
+                 bias: torch.Tensor | None) -> None:
+        from baton.kernels import triton_fp8
+
+        self.w, self.scale, self.group, self.bias = w, scale, group, bias
+        self.matmul = triton_fp8.matmul
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.w, self.scale, self.group, self.bias)
+
+
 class Layer:
     def __init__(self, w: dict[str, torch.Tensor], small_dtype: torch.dtype | None,
                  gemm_dtype: torch.dtype,
                  blocks: dict[str, tuple[str, torch.Tensor]] | None = None,
-                 pack: bool = True) -> None:
+                 pack: bool = True, fp8_group: int | None = None) -> None:
         def lin(name, bias=None):
+            if name + ".scale" in w:  # kept FP8 (only where the engine has FP8 matmuls)
+                return Fp8Linear(w[name], w[name + ".scale"], fp8_group, bias)
             return make_linear(w[name], bias, small_dtype, gemm_dtype,
                                blocks=(blocks or {}).get(name), pack=pack)
 
@@ -357,6 +377,10 @@ class Layer:
             self.experts_gate_up = w["experts_gate_up"].view(e, -1, self.router.shape[1])
             self.experts_down = w["experts_down"].view(e, self.router.shape[1], -1)
             self.gate_up = self.down = None
+            # FP8 experts: their per-row group scales, [E, 2I, G] and [E, hidden, G']
+            self.experts_fp8 = None if "experts_gate_up.scale" not in w else (
+                w["experts_gate_up.scale"].view(e, self.experts_gate_up.shape[1], -1),
+                w["experts_down.scale"].view(e, self.router.shape[1], -1), fp8_group)
             return
         self.gate_up = lin("gate_up")  # [2 * intermediate, hidden]
         self.down = lin("down")  # [hidden, intermediate]
@@ -371,18 +395,23 @@ class LlamaModel:
         attention_backend: str = "auto", storage_dtype: torch.dtype | None = None,
         gemm_dtype: torch.dtype | None = None,
         quantized: dict[str, tuple[str, torch.Tensor]] | None = None,
+        fp8_group: int | None = None,
     ):
         """``weights`` are in the compute ``dtype``; ``storage_dtype`` (default: the same) is the
         precision they were rounded to, which the native small-M linear kernel reads;
         ``gemm_dtype`` (default: ``dtype``) the precision of BLAS matrix products. ``quantized``
         (``LoadedModel.quantized``): GGUF blocks whose values are exactly the float32 weights
         (before any rounding to ``storage_dtype``), which small batches read instead: as they
-        are in a float32 engine, each weight rounded to bf16 in one with bf16 GEMMs."""
+        are in a float32 engine, each weight rounded to bf16 in one with bf16 GEMMs.
+        ``fp8_group``: an FP8 checkpoint's linear weights are kept FP8 (``name.scale`` beside
+        each), with scales per row and this many columns (0: per row); Triton path only."""
         self.cfg = cfg
         self.device = weights["embed"].device
         if self.device.type == "cuda" or attention_backend == "triton":
-            self._init_triton(cfg, weights, dtype, attention_backend)
+            self._init_triton(cfg, weights, dtype, attention_backend, fp8_group)
             return
+        if fp8_group is not None:
+            raise RuntimeError("FP8 weights need the Triton path (a CUDA device)")
         native = dtype == torch.float32 and cpu_attention.load() is not None
         if attention_backend == "native" and not native:
             raise RuntimeError("attention_backend='native' needs float32 compute and a C compiler")
@@ -481,7 +510,8 @@ class LlamaModel:
             and cfg.head_dim <= cpu_fused.MAX_HEAD_DIM and cpu_fused.load_f32() is not None)
 
     def _init_triton(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                     dtype: torch.dtype, attention_backend: str) -> None:
+                     dtype: torch.dtype, attention_backend: str,
+                     fp8_group: int | None = None) -> None:
         """On CUDA every matrix product is cuBLAS in ``dtype`` and everything else is a Triton
         kernel; the torch reference kernels stay on CPU, where the tests compare against them.
         On CPU this path runs only under Triton's interpreter (``TRITON_INTERPRET=1``, tests)."""
@@ -501,7 +531,8 @@ class LlamaModel:
         self.norm = weights["norm"]
         self.layers = [
             Layer({k.split(".", 2)[2]: v for k, v in weights.items()
-                   if k.startswith(f"layers.{i}.")}, None, dtype, pack=False)
+                   if k.startswith(f"layers.{i}.")}, None, dtype, pack=False,
+                  fp8_group=fp8_group)
             for i in range(cfg.num_layers)
         ]
         self._init_rope(cfg, weights, dtype)
@@ -635,7 +666,8 @@ class LlamaModel:
         cfg = self.cfg
         if layer.router is not None:
             return self._moe.moe(x, *route(x, layer.router, cfg), layer.experts_gate_up,
-                                 layer.experts_down, lambda g: gate_mul(g, cfg.hidden_act))
+                                 layer.experts_down, lambda g: gate_mul(g, cfg.hidden_act),
+                                 fp8=layer.experts_fp8)
         gate_up = layer.gate_up(x)
         return layer.down(self._fused.silu_mul(gate_up) if cfg.hidden_act == "silu"
                           else gate_mul(gate_up, cfg.hidden_act))

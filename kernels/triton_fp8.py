@@ -4,7 +4,8 @@ as they arrive.
 A weight is float8_e4m3fn [N, K] with float32 scales [N, G]: one per output row and group of
 ``group`` columns (``G = ceil(K / group)``). Every checkpoint layout is a case of it, so fused
 matrices (q, k and v stacked) keep each part's own scales: a 128x128 block scale is repeated on
-its block's rows, a per-channel scale is its row's (G = 1), a per-tensor one every row's.
+its block's rows, a per-channel scale is its row's (G = 1), a per-tensor one every row's
+(``baton.engine.fp8.expand_scale``).
 
 Activations are quantized dynamically, per row and the same column groups (amax / 448, so no
 value clips), and the product is the sum over groups of ``(a_q . w_q) * a_scale * w_scale``: one
@@ -21,6 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from baton.engine.fp8 import groups
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -91,11 +93,6 @@ def _matmul(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, bias_ptr, M, N, K, G, stride_c,
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     out = c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :]
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-def groups(k: int, group: int) -> int:
-    """Scale columns of a K-column weight in groups of ``group`` (0: one group, per row)."""
-    return 1 if not group or group >= k else -(-k // group)
 
 
 def usable_group(group: int) -> bool:
@@ -174,17 +171,3 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group: int,
     xq = (xf / xs[:, cols]).to(FP8).float() * xs[:, cols]
     y = xq @ (w.float() * scale[:, cols]).T
     return y if bias is None else y + bias.float()
-
-
-def expand_scale(scale: torch.Tensor, rows: int, k: int, block: tuple[int, int] | None
-                 ) -> torch.Tensor:
-    """A checkpoint's scale for a [rows, K] weight as [rows, G] per-row group scales: a block
-    scale [ceil(rows / bn), ceil(K / bk)] repeated over its rows, a per-channel one [rows, 1]
-    as it is, a per-tensor one on every row."""
-    scale = scale.float()
-    if block is not None:
-        bk = block[1]
-        return scale.repeat_interleave(block[0], 0)[:rows].reshape(rows, groups(k, bk))
-    if scale.numel() == 1:
-        return scale.reshape(1, 1).expand(rows, 1).contiguous()
-    return scale.reshape(rows, 1)

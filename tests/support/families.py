@@ -4,6 +4,8 @@ transformers in float32."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from baton.engine.params import SamplingParams
 
@@ -59,3 +61,55 @@ def assert_matches_hf(engine, hf, prompt, n=10):
             assert lp.token_id == int(row.argmax()), f"step {i}"
         for tok, val in lp.top:
             assert abs(float(row[tok]) - val) < 1e-4, (i, tok, float(row[tok]), val)
+
+
+def logprob_gap(engine, hf, prompt, n=8, reference=contextlib.nullcontext):
+    """Teacher-forced on the engine's own greedy tokens: the largest difference between the
+    engine's top-3 logprobs and HF's at the same positions, HF run inside ``reference()``."""
+    c = engine.generate([prompt], SamplingParams(max_tokens=n, logprobs=3, ignore_eos=True))[0]
+    with reference():
+        ref = hf_logprobs(hf, prompt + c.token_ids)
+    return max(abs(float(ref[len(prompt) - 1 + i][tok]) - val)
+               for i, lp in enumerate(c.logprobs) for tok, val in lp.top)
+
+
+def fp8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` [..., K] rounded as an FP8 matmul quantizes its input: e4m3 per row and group of
+    ``group`` columns (0: per row), scale amax / 448, back in x's dtype."""
+    k = x.shape[-1]
+    span = k if not group or group >= k else group
+    rows = x.reshape(-1, k).float()
+    cols = torch.arange(k) // span
+    amax = torch.zeros(rows.shape[0], int(cols[-1]) + 1).scatter_reduce_(
+        1, cols.expand(rows.shape[0], k), rows.abs(), "amax")
+    s = (amax.clamp_min(1e-12) / 448.0)[:, cols]
+    return ((rows / s).to(torch.float8_e4m3fn).float() * s).reshape(x.shape).to(x.dtype)
+
+
+@contextlib.contextmanager
+def fp8_activations(hf, group: int):
+    """transformers' model with every linear input quantized as Baton's FP8 matmuls do (all
+    but the head's and the routers', which Baton keeps in the compute dtype): the exact
+    reference of an FP8 engine. Patches ``torch.nn.functional.linear`` (nn.Linear and
+    transformers' fused experts both call it) while the block runs."""
+    import torch.nn.functional as F
+
+    exact = {id(p) for n, p in hf.named_parameters()
+             if n.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))}
+    exact.add(id(hf.get_output_embeddings().weight))  # tied: named as the embedding
+    plain = F.linear
+
+    def linear(x, w, bias=None):
+        return plain(x if id(w) in exact else fp8_rows(x, group), w, bias)
+
+    configs = {id(m.config): m.config for m in hf.modules() if hasattr(m, "config")}
+    saved = {k: getattr(c, "_experts_implementation", None) for k, c in configs.items()}
+    for c in configs.values():  # the experts' loop that calls F.linear, not a fused kernel
+        c._experts_implementation = "eager"
+    F.linear = linear
+    try:
+        yield hf
+    finally:
+        F.linear = plain
+        for k, c in configs.items():
+            c._experts_implementation = saved[k]

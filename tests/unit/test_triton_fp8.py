@@ -29,7 +29,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def quantized_weight(n: int, k: int, group: int, gen: torch.Generator, dim0: int = 0):
     """(FP8 [*, n, k], scales [*, n, G], the float32 weight) quantized per row and group."""
     w = torch.randn(*((dim0,) if dim0 else ()), n, k, generator=gen) * 0.3
-    g = f.groups(k, group)
+    g = checkpoint_fp8.groups(k, group)
     cols = torch.arange(k) // (k if g == 1 else group)
     flat = w.reshape(-1, k)
     s = torch.zeros(flat.shape[0], g).scatter_reduce_(
@@ -96,9 +96,12 @@ def test_checkpoint_scales_expand_to_the_dequantized_weight(strategy, block):
         else (1,)
     scale = torch.rand(grid, generator=gen) + 0.1
     s = checkpoint_fp8.Fp8Scheme("x", strategy, block)
-    rows = f.expand_scale(scale, n, k, block)
+    rows = checkpoint_fp8.expand_scale(scale, n, k, block)
     cols = torch.arange(k) // (block[1] if block else k)
     assert torch.equal(q.float() * rows[:, cols], checkpoint_fp8.dequantize(q, scale, s))
+    group = block[1] if block else 0
+    assert torch.equal(checkpoint_fp8.dequantize_rows(q, rows, group),
+                       checkpoint_fp8.dequantize(q, scale, s))
 
 
 @pytest.mark.parametrize("t, e, top_k, h, i, group", [
