@@ -75,6 +75,9 @@ def _add_worker_args(ap: argparse.ArgumentParser) -> None:
                     help="the share of each GPU's memory the workers on it may use together; "
                          "k workers sharing a GPU get a k-th each, stated at start (default "
                          "0.9)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="every worker's KV cache: auto (the --dtype) or fp8 (e4m3 with "
+                         "per-layer scales: twice the blocks of bf16; GPU only) (default auto)")
     ap.add_argument("--kv-host-tier-gb", type=float, default=None,
                     help="GPU workers: pinned host memory per worker for the blocks its KV pool "
                          "evicts (default 4; 0: off)")
@@ -154,6 +157,7 @@ class UpConfig:
     device: str
     gpu_memory_utilization: float
     threads: int | None
+    kv_cache_dtype: str
     kv_host_tier_gb: float | None
     kv_disk_tier_gb: float
     local_prefill_max_tokens: int
@@ -198,6 +202,9 @@ def _check(a: UpConfig) -> str:
         return f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]"
     if a.kv_disk_tier_gb < 0 or (a.kv_host_tier_gb or 0) < 0:
         return "--kv-host-tier-gb and --kv-disk-tier-gb must be >= 0"
+    if a.kv_cache_dtype == "fp8" and not a.ray and (a.device == "cpu" or not visible_gpus()):
+        return ("--kv-cache-dtype fp8: an FP8 KV cache is read by the Triton attention "
+                "kernels and needs GPU workers (no GPU is visible, or --device cpu)")
     if a.scaling is not None:
         try:
             a.policies()
@@ -330,7 +337,7 @@ class _LocalCluster:
         # every process gets the URL (a password in it included) and the cluster secret in its
         # environment, never in argv, where `ps` shows them to every user of the host
         self.env = {"BATON_REDIS_URL": url, cluster_secret.ENV: self.secret}
-        self.common = ["--dtype", a.dtype]
+        self.common = ["--dtype", a.dtype, "--kv-cache-dtype", a.kv_cache_dtype]
         self.placement = self._place()
         self.next_slot = a.colocated or a.prefill + a.decode
         threads = a.threads

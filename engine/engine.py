@@ -148,6 +148,9 @@ def placed_weights(model: LoadedModel, cfg: EngineConfig) -> dict:
     for k, v in model.weights.items():
         if k.endswith(".scale") and k[:-len(".scale")] in model.weights:
             continue
+        if k.endswith(".kv_scale"):  # float32 as read: peers must divide by the same
+            out[k] = v
+            continue
         if v.dtype == torch.float8_e4m3fn:
             v = fp8.dequantize_rows(v, model.weights[k + ".scale"], model.fp8_group)
         out[k] = v.to(storage).to(compute).to(cfg.device)
@@ -213,6 +216,8 @@ class LLMEngine:
         cfg, kv = self.cfg, self.runner.kv
         if not cfg.enable_prefix_caching or not (cfg.kv_host_tier_bytes or cfg.kv_disk_tier_bytes):
             return None
+        if kv.dtype == torch.float8_e4m3fn:  # the tiers move bytes (torch has no FP8 gathers
+            kv = kv.view(torch.uint8)       # on CPU), one per element: the same blocks
         shape, events = kv.shape[1:], self.kv.pool.events
         tiers: list = []
         if cfg.kv_host_tier_bytes:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from baton.engine.errors import UnsupportedModelError
+from baton.kernels.fp8_layout import groups
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
 
@@ -98,11 +99,6 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, s: Fp8Scheme) -> torch.Tens
     else:
         scale = scale.reshape(())
     return out * scale
-
-
-def groups(k: int, group: int) -> int:
-    """Scale columns of a K-column weight in groups of ``group`` columns (0: one, per row)."""
-    return 1 if not group or group >= k else -(-k // group)
 
 
 def expand_scale(scale: torch.Tensor, rows: int, k: int, block: tuple[int, int] | None

@@ -821,7 +821,7 @@ def _load_hf_dir(p: Path, place: Placement) -> LoadedModel:
     for fpath, header in tqdm(list(zip(files, headers, strict=True)), desc=f"loading {p.name}",
                               unit="file", file=sys.stderr, leave=False, disable=None):
         h.update(stream_safetensors(fpath, header, fuser).encode())
-    weights = fuser.result()
+    weights = {**fuser.result(), **_kv_cache_scales(cfg, files, headers)}
     if gemma:  # Gemma's RMSNorm multiplies by 1 + w, in float32
         weights = _offset_norms(weights, lambda w: (1.0 + w.float()).to(w.dtype))
     log(f"loaded {p.name} ({len(shapes)} tensors) in {time.perf_counter() - t0:.1f}s")
@@ -851,6 +851,28 @@ def _fp8_setup(label: str, qc: dict | None, fuser: _Fuser, files: list[Path], he
         log(f"{label}: FP8 weights, {fuser.fp8.describe()}, dequantized to {dtype} as they "
             f"load ({why})")
     return group
+
+
+def _kv_cache_scales(cfg: ModelConfig, files: list[Path], headers: list
+                     ) -> dict[str, torch.Tensor]:
+    """A checkpoint's FP8 KV-cache scales (compressed-tensors' ``self_attn.k_scale`` and
+    ``v_scale``) as ``layers.i.kv_scale`` [2], where every layer has both; an FP8 KV cache
+    divides keys and values by them (without them, by 1)."""
+    from safetensors import safe_open
+
+    want = {f"model.layers.{i}.self_attn.{kv}_scale": (i, j)
+            for i in range(cfg.num_layers) for j, kv in enumerate("kv")}
+    found: dict[int, list] = {}
+    for f, (_, meta) in zip(files, headers, strict=True):
+        names = [k for k in meta if k in want]
+        if names:
+            with safe_open(str(f), "pt") as st:
+                for k in names:
+                    i, j = want[k]
+                    found.setdefault(i, [None, None])[j] = float(st.get_tensor(k).float().max())
+    if len(found) != cfg.num_layers or any(None in v for v in found.values()):
+        return {}
+    return {f"layers.{i}.kv_scale": torch.tensor(v) for i, v in found.items()}
 
 
 def _fp8_scales(files: list[Path], headers: list) -> dict[str, torch.Tensor]:

@@ -536,6 +536,11 @@ class LlamaModel:
             for i in range(cfg.num_layers)
         ]
         self._init_rope(cfg, weights, dtype)
+        # an FP8 KV cache's per-layer (key, value) scales: the checkpoint's where it has them
+        # (``layers.i.kv_scale``), else 1 (keys and values within FP8's +-448 as they are)
+        self.kv_scales = torch.stack([
+            weights.get(f"layers.{i}.kv_scale", torch.ones(2)).float().to(self.device)
+            for i in range(cfg.num_layers)]).contiguous()
 
     @torch.inference_mode()
     def forward(
@@ -646,7 +651,7 @@ class LlamaModel:
                 heads = qkv[:, :qk_cols].view(t, -1, cfg.head_dim)
                 heads.copy_(qk_norm(heads, layer, cfg.num_heads, eps))
             q = fused.rope_store_kv(qkv, positions, *self.rope[i], kv, i, meta.slot_blocks,
-                                    meta.slot_offsets, cfg.num_heads)
+                                    meta.slot_offsets, cfg.num_heads, kv_scales=self.kv_scales)
             o = layer.o(self._attention_triton(q, meta, kv, i).view(t, cfg.q_size))
             if layer.post_attn_norm is not None:
                 o = fused.add_rms_norm(o, None, layer.post_attn_norm, eps)
@@ -674,20 +679,21 @@ class LlamaModel:
 
     def _attention_triton(self, q: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
                           layer: int) -> torch.Tensor:
-        tri, window = self._tri, self.cfg.window(layer)
+        tri, window, scales = self._tri, self.cfg.window(layer), self.kv_scales
         if meta.num_decodes and meta.decode_rows is None:  # pure decode batch
             return tri.decode_attention(q, kv, layer, meta.decode_block_tables,
                                         meta.decode_context_lens, self.scale,
-                                        meta.decode_splits, window=window)
+                                        meta.decode_splits, window=window, kv_scales=scales)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[meta.decode_rows] = tri.decode_attention(
                 q[meta.decode_rows], kv, layer, meta.decode_block_tables,
-                meta.decode_context_lens, self.scale, meta.decode_splits, window=window)
+                meta.decode_context_lens, self.scale, meta.decode_splits, window=window,
+                kv_scales=scales)
         if meta.prefill_starts is not None:
             tri.prefill_attention(q, kv, layer, meta.prefill_block_tables, meta.prefill_starts,
                                   meta.prefill_lens, meta.prefill_past, meta.max_prefill_len,
-                                  self.scale, out=out, window=window)
+                                  self.scale, out=out, window=window, kv_scales=scales)
         return out
 
     def _attention(

@@ -47,7 +47,7 @@ class ModelRunner:
         self.cfg = cfg
         mc = model.cfg
         self.kv = alloc_kv_pool((num_blocks, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads,
-                                 mc.head_dim), cfg.torch_dtype, cfg.device)
+                                 mc.head_dim), cfg.kv_dtype, cfg.device)
         self.generators: dict[str, torch.Generator] = {}
         self.device = self.kv.device
         self.triton = model.attention_backend == "triton"
@@ -67,7 +67,7 @@ class ModelRunner:
 
     @staticmethod
     def block_nbytes(model_cfg, cfg: EngineConfig) -> int:
-        elem = torch.empty((), dtype=cfg.torch_dtype).element_size()
+        elem = torch.empty((), dtype=cfg.kv_dtype).element_size()
         return (model_cfg.num_layers * 2 * cfg.block_size * model_cfg.num_kv_heads
                 * model_cfg.head_dim * elem)
 

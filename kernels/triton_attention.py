@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+FP8 = torch.float8_e4m3fn
+
 
 def _check_kv(kv: torch.Tensor, layer: int) -> tuple[int, int, int]:
     assert kv.dim() == 6 and kv.shape[2] == 2, f"kv must be [N, L, 2, bs, H, D], got {kv.shape}"
@@ -27,6 +29,15 @@ def _check_kv(kv: torch.Tensor, layer: int) -> tuple[int, int, int]:
     _, _, _, bs, h, d = kv.shape
     assert bs & (bs - 1) == 0, f"block size {bs} must be a power of two"
     return bs, h, d
+
+
+def _layer_scales(kv: torch.Tensor, kv_scales: torch.Tensor | None, layer: int,
+                  dummy: torch.Tensor) -> tuple[bool, torch.Tensor]:
+    """(whether ``kv`` is an FP8 cache, its layer's scales [2] or any tensor if not)."""
+    if kv.dtype != FP8:
+        return False, dummy
+    assert kv_scales is not None and kv_scales.dtype == torch.float32, "FP8 KV needs its scales"
+    return True, kv_scales[layer]
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -87,9 +98,11 @@ def store_kv(
 def _load_kv_tile(
     kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh, stride_cb, stride_ct, stride_ch,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DT: tl.constexpr,
 ):
     """Keys and values [BLOCK_N, D_PAD] of KV head ``kvh`` at sequence positions ``offs_n``,
-    gathered through the sequence's block table ``bt_row`` (invalid rows: zeros)."""
+    gathered through the sequence's block table ``bt_row`` (invalid rows: zeros), in the
+    queries' dtype ``DT`` (an FP8 cache's values unscaled: the callers fold the scales in)."""
     blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     rows = blk * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + kvh * stride_ch
     if HEAD_DIM == D_PAD:  # a row mask only: the loads stay 16 bytes wide along D
@@ -98,17 +111,25 @@ def _load_kv_tile(
         kvmask = valid[:, None] & dmask[None, :]
     k = tl.load(kc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
     v = tl.load(vc_ptr + rows[:, None] + offs_d[None, :], mask=kvmask, other=0.0)
-    return k, v
+    return k.to(DT), v.to(DT)
+
+
+@triton.jit
+def _kv_scales(kvs_ptr, KV_FP8: tl.constexpr):
+    """(key scale, value scale) of an FP8 cache's layer; 1 for any other cache."""
+    if KV_FP8:
+        return tl.load(kvs_ptr), tl.load(kvs_ptr + 1)
+    return 1.0, 1.0
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, out_ptr, pacc_ptr, pml_ptr, kvs_ptr,
     scale, num_splits, window,
     stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Program (b, kv head, split): the GROUP query heads sharing one KV head, over one split of
     the sequence's keys. With DIRECT (one split) it writes the output; otherwise the partial
@@ -128,8 +149,9 @@ def _decode_kernel(
     gmask = offs_g < GROUP
     dmask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
+    k_scale, v_scale = _kv_scales(kvs_ptr, KV_FP8)
     q = _load_rows(q_ptr + b * stride_qb + heads[:, None] * stride_qh, offs_d,
-                   gmask[:, None] & dmask[None, :], scale)
+                   gmask[:, None] & dmask[None, :], scale * k_scale)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -140,8 +162,10 @@ def _decode_kernel(
         valid = offs_n < end
         k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh,
                              stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE,
-                             BLOCK_N)
+                             BLOCK_N, q_ptr.dtype.element_ty)
         acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k, v, valid, PRECISION)
+    if KV_FP8:
+        acc = acc * v_scale
     # partials: pacc [B, Hq, S, D_PAD] and pml [B, Hq, S, 2] (max, sum), float32
     base = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
     _store_out(acc, l_i, m_i, out_ptr + b * stride_ob + heads[:, None] * stride_oh,
@@ -245,7 +269,7 @@ def _check_decode_args(q, kv, layer, block_tables, context_lens, num_splits):
     b, hq, dq = q.shape
     assert dq == d and hq % hkv == 0, f"q {tuple(q.shape)} does not fit {hkv} KV heads of dim {d}"
     assert q.stride(2) == 1, "q's head dim must be contiguous"
-    assert q.dtype == kv.dtype, f"q is {q.dtype}, the KV cache {kv.dtype}"
+    assert q.dtype == kv.dtype or kv.dtype == FP8, f"q is {q.dtype}, the KV cache {kv.dtype}"
     assert block_tables.dim() == 2 and block_tables.shape[0] == b and block_tables.stride(1) == 1
     assert context_lens.shape == (b,)
     assert num_splits >= 1
@@ -256,13 +280,14 @@ def decode_attention(
     q: torch.Tensor, kv: torch.Tensor, layer: int, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, num_splits: int = 1, out: torch.Tensor | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    window: int = 0,
+    window: int = 0, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention. q: [B, Hq, D]; block_tables: [B, max_blocks] (int32/int64,
     entries past a sequence's blocks may be anything valid); context_lens: [B] (keys per sequence
     including the query's own; 0 for a padding row, whose output is zeros). Returns [B, Hq, D].
     ``num_splits`` (see :func:`decode_splits`) is fixed by the caller, never read off the data.
-    ``window`` > 0: each query sees its sequence's last ``window`` keys only."""
+    ``window`` > 0: each query sees its sequence's last ``window`` keys only. An FP8 cache
+    (``kv_scales`` [L, 2], float32) holds keys and values divided by its layer's scales."""
     bs, hkv, d = _check_decode_args(q, kv, layer, block_tables, context_lens, num_splits)
     b, hq, _ = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -279,13 +304,14 @@ def decode_attention(
     else:
         pacc = torch.empty((b, hq, num_splits, d_pad), dtype=torch.float32, device=q.device)
         pml = torch.empty((b, hq, num_splits, 2), dtype=torch.float32, device=q.device)
+    fp8, kvs = _layer_scales(kv, kv_scales, layer, out)
     _decode_kernel[(b, hkv, num_splits)](
-        q, kc, vc, block_tables, context_lens, out, pacc, pml, scale, num_splits, window,
+        q, kc, vc, block_tables, context_lens, out, pacc, pml, kvs, scale, num_splits, window,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n or launch[0], DIRECT=direct,
-        PRECISION=_dot_precision(q.dtype), num_warps=num_warps or launch[1],
+        PRECISION=_dot_precision(q.dtype), KV_FP8=fp8, num_warps=num_warps or launch[1],
         num_stages=num_stages or launch[2],
     )
     if not direct:
@@ -314,7 +340,8 @@ def _prefill_tile(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     valid = offs_n < last
     k, v = _load_kv_tile(kc_ptr, vc_ptr, bt_row, offs_n, valid, offs_d, dmask, kvh,
-                         stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N)
+                         stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N,
+                         q.dtype)
     sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         seen = (offs_n[None, :] <= pos[:, None]) & valid[None, :]
@@ -326,10 +353,11 @@ def _prefill_tile(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, qlen_ptr, past_ptr, out_ptr, scale, window,
-    stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, qstart_ptr, qlen_ptr, past_ptr, out_ptr, kvs_ptr, scale,
+    window, stride_qt, stride_qh, stride_cb, stride_ct, stride_ch, stride_btb, stride_ot,
+    stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Program (query tile, sequence, query head). Query i of a sequence sits at position
     ``num_past + i`` and sees keys ``0 .. num_past + i``, all read from the paged cache (the new
@@ -348,8 +376,9 @@ def _prefill_kernel(
         mmask = offs_m < q_len
         dmask = offs_d < HEAD_DIM
         rmask = mmask[:, None] & dmask[None, :]
+        k_scale, v_scale = _kv_scales(kvs_ptr, KV_FP8)
         q = _load_rows(q_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh,
-                       offs_d, rmask, scale * 1.4426950408889634)
+                       offs_d, rmask, scale * k_scale * 1.4426950408889634)
         pos = past + offs_m  # each query's position
         last = past + tl.minimum((tile + 1) * BLOCK_M, q_len)  # keys [0, last) matter to the tile
         first, full = _prefill_span(past + tile * BLOCK_M, window, BLOCK_N)
@@ -367,6 +396,8 @@ def _prefill_kernel(
                 acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, h // GROUP,
                 stride_cb, stride_ct, stride_ch, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N,
                 True, PRECISION)
+        if KV_FP8:
+            acc = acc * v_scale
         _store_out(acc, l_i, m_i,
                       out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh,
                       out_ptr, out_ptr, offs_d, rmask, mmask, True)
@@ -404,6 +435,7 @@ def prefill_attention(
     q_starts: torch.Tensor, q_lens: torch.Tensor, num_past: torch.Tensor, max_q_len: int,
     scale: float, out: torch.Tensor | None = None,
     launch: tuple[int, int, int, int] | None = None, window: int = 0,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of several sequences' new query chunks over their cached and new keys.
 
@@ -411,11 +443,13 @@ def prefill_attention(
     ``num_past[s]`` keys cached before them; block_tables: [S, max_blocks] covering ``num_past +
     q_len`` keys, the new ones already stored. ``max_q_len`` (host int) sizes the grid. Rows of
     ``out`` that belong to no sequence are left as they were. ``window`` > 0: query i sees only
-    keys ``num_past + i - window + 1 ..`` (a sliding-window layer)."""
+    keys ``num_past + i - window + 1 ..`` (a sliding-window layer). An FP8 cache
+    (``kv_scales`` [L, 2], float32) holds keys and values divided by its layer's scales."""
     bs, hkv, d = _check_kv(kv, layer)
     t, hq, dq = q.shape
     assert dq == d and hq % hkv == 0, f"q {tuple(q.shape)} does not fit {hkv} KV heads of dim {d}"
-    assert q.stride(2) == 1 and q.dtype == kv.dtype, f"q must be {kv.dtype} with contiguous heads"
+    assert q.stride(2) == 1 and (q.dtype == kv.dtype or kv.dtype == FP8), \
+        f"q must be {kv.dtype} with contiguous heads"
     n = q_starts.shape[0]
     assert q_lens.shape == num_past.shape == (n,) and block_tables.shape[0] == n
     assert block_tables.stride(1) == 1
@@ -428,11 +462,13 @@ def prefill_attention(
     default = PREFILL_LAUNCH_F32 if q.dtype == torch.float32 else PREFILL_LAUNCH
     block_m, block_n, warps, stages = launch or default
     grid = (triton.cdiv(max_q_len, block_m), n, hq)
+    fp8, kvs = _layer_scales(kv, kv_scales, layer, out)
     _prefill_kernel[grid](
-        q, kc, vc, block_tables, q_starts, q_lens, num_past, out, scale, window,
+        q, kc, vc, block_tables, q_starts, q_lens, num_past, out, kvs, scale, window,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=hq // hkv, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=bs, BLOCK_M=block_m,
-        BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        BLOCK_N=block_n, PRECISION=_dot_precision(q.dtype), KV_FP8=fp8, num_warps=warps,
+        num_stages=stages,
     )
     return out

@@ -5,7 +5,7 @@ A weight is float8_e4m3fn [N, K] with float32 scales [N, G]: one per output row 
 ``group`` columns (``G = ceil(K / group)``). Every checkpoint layout is a case of it, so fused
 matrices (q, k and v stacked) keep each part's own scales: a 128x128 block scale is repeated on
 its block's rows, a per-channel scale is its row's (G = 1), a per-tensor one every row's
-(``baton.engine.fp8.expand_scale``).
+(``baton.engine.fp8.expand_scale`` writes them so).
 
 Activations are quantized dynamically, per row and the same column groups (amax / 448, so no
 value clips), and the product is the sum over groups of ``(a_q . w_q) * a_scale * w_scale``: one
@@ -22,7 +22,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from baton.engine.fp8 import groups
+from baton.kernels.fp8_layout import groups
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from baton.kernels import triton_fp8
+from baton.kernels.triton_fp8 import to_fp8
 
 
 @triton.jit
@@ -58,12 +60,14 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 @triton.jit
 def _rope_store_kernel(
-    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, blk_ptr, off_ptr,
+    qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, blk_ptr, off_ptr, kvs_ptr,
     stride_qkv, stride_cs, stride_q, stride_cb, stride_co,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-    HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, KV_FP8: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
-    """Program t: token t's row of qkv = [q heads | k heads | v heads], each head D = 2 * HALF."""
+    """Program t: token t's row of qkv = [q heads | k heads | v heads], each head D = 2 * HALF.
+    KV_FP8: keys and values are stored divided by the layer's scales (``kvs`` [2]) as FP8."""
     t = tl.program_id(0).to(tl.int64)
     d = 2 * HALF
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -92,26 +96,41 @@ def _rope_store_kernel(
         k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
         k2 = tl.load(kb + HALF, mask=mk, other=0.0).to(tl.float32)
         ko = kc_ptr + slot + hk[:, None] * d + offs[None, :]
-        tl.store(ko, (k1 * cos[None, :] - k2 * sin[None, :]).to(kc_ptr.dtype.element_ty),
-                 mask=mk)
-        tl.store(ko + HALF, (k2 * cos[None, :] + k1 * sin[None, :]).to(kc_ptr.dtype.element_ty),
-                 mask=mk)
+        ks, vs = 1.0, 1.0
+        if KV_FP8:
+            ks, vs = tl.load(kvs_ptr), tl.load(kvs_ptr + 1)
+        dt = kc_ptr.dtype.element_ty
+        tl.store(ko, _kv_value(k1 * cos[None, :] - k2 * sin[None, :], ks, dt, KV_FP8,
+                               INTERPRETED), mask=mk)
+        tl.store(ko + HALF, _kv_value(k2 * cos[None, :] + k1 * sin[None, :], ks, dt, KV_FP8,
+                                      INTERPRETED), mask=mk)
         vb = row + (HQ + HKV) * d + hk[:, None] * d + offs[None, :]
         vo = vc_ptr + slot + hk[:, None] * d + offs[None, :]
-        tl.store(vo, tl.load(vb, mask=mk, other=0.0).to(vc_ptr.dtype.element_ty), mask=mk)
-        tl.store(vo + HALF, tl.load(vb + HALF, mask=mk, other=0.0).to(vc_ptr.dtype.element_ty),
-                 mask=mk)
+        for half in range(2):
+            v = tl.load(vb + half * HALF, mask=mk, other=0.0).to(tl.float32)
+            tl.store(vo + half * HALF, _kv_value(v, vs, dt, KV_FP8, INTERPRETED), mask=mk)
+
+
+@triton.jit
+def _kv_value(x, scale, dtype: tl.constexpr, KV_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A float32 key or value as the cache stores it: in its dtype, or FP8 of ``x / scale``
+    (clamped to FP8's range: a value beyond it saturates, never becomes NaN)."""
+    if KV_FP8:
+        y = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
+        return to_fp8(y, dtype, INTERPRETED)
+    return x.to(dtype)
 
 
 def rope_store_kv(
     qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv: torch.Tensor, layer: int, block_ids: torch.Tensor, offsets: torch.Tensor,
-    num_heads: int, out: torch.Tensor | None = None,
+    num_heads: int, out: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the query and key heads of ``qkv`` ([T, (Hq + 2 Hkv) * D]) at ``positions`` ([T]),
     store the rotated keys and the values at (``block_ids``, ``offsets``) of layer ``layer`` in
     the KV cache (block id < 0: skip), and return the rotated queries [T, Hq, D].
-    cos, sin: [max_position, D], each row's two halves equal (rotate-half convention)."""
+    cos, sin: [max_position, D], each row's two halves equal (rotate-half convention).
+    An FP8 cache stores keys and values divided by ``kv_scales[layer]`` (float32 [L, 2])."""
     assert kv.dim() == 6 and kv.is_contiguous()
     _, _, _, _, hkv, d = kv.shape
     t = qkv.shape[0]
@@ -123,12 +142,16 @@ def rope_store_kv(
     assert out.shape == (t, num_heads, d) and out.is_contiguous()
     if t:
         kc, vc = kv[:, layer, 0], kv[:, layer, 1]
+        fp8 = kv.dtype == triton_fp8.FP8
+        assert not fp8 or kv_scales is not None, "an FP8 KV cache needs its scales"
         _rope_store_kernel[(t,)](
             qkv, positions, cos, sin, out, kc, vc, block_ids, offsets,
+            kv_scales[layer] if fp8 else out,
             qkv.stride(0), cos.stride(0), out.stride(0), kc.stride(0), kc.stride(1),
             HQ=num_heads, HKV=hkv, HQ_PAD=triton.next_power_of_2(num_heads),
             HKV_PAD=triton.next_power_of_2(hkv), HALF=d // 2,
-            HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4,
+            HALF_PAD=triton.next_power_of_2(d // 2), KV_FP8=fp8,
+            INTERPRETED=triton_fp8.INTERPRETED, num_warps=4,
         )
     return out
 

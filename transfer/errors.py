@@ -12,10 +12,21 @@ class TransferError(BatonError):
 class FingerprintMismatchError(TransferError):
     """Holder and reader run different models, dtypes, block sizes or KV layouts."""
 
-    def __init__(self, ours: str, theirs: str, peer: str) -> None:
+    def __init__(self, ours: str, theirs: str, peer: str, detail: str = "") -> None:
         self.ours, self.theirs, self.peer = ours, theirs, peer
-        super().__init__(f"peer {peer} has model fingerprint {theirs[:16]}..., "
+        super().__init__(detail or f"peer {peer} has model fingerprint {theirs[:16]}..., "
                          f"this worker {ours[:16]}...: refusing to exchange KV")
+
+
+def kv_dtype_name(kv) -> str:
+    """A KV pool's element type as the handshake names it: ``bfloat16``, ``float8_e4m3fn``."""
+    return str(kv.dtype).removeprefix("torch.")
+
+
+def kv_dtype_mismatch(holder: str, holder_dtype: str, reader: str, reader_dtype: str) -> str:
+    return (f"KV cache dtype mismatch: holder {holder} stores {holder_dtype}, reader {reader} "
+            f"{reader_dtype}; blocks of one cannot be read as the other (start both pools "
+            "with the same --kv-cache-dtype)")
 
 
 class LeaseLostError(TransferError):

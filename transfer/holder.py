@@ -26,6 +26,7 @@ import grpc
 import torch
 from baton.transfer import cluster_secret
 from baton.transfer.agent import KVAgent
+from baton.transfer.errors import kv_dtype_mismatch, kv_dtype_name
 from baton.transfer.handle import KVHandle
 from baton.transfer.lease import LeaseTable
 from baton.transfer.lease_client import greeting
@@ -108,6 +109,12 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
     # ---- KVSource RPCs ---------------------------------------------------------------------------
 
     def Handshake(self, request, context):
+        ours = kv_dtype_name(self.agent.kv)
+        if request.kv_dtype and request.kv_dtype != ours:  # named before the fingerprint, which
+            # differs too but says nothing a person can act on
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          kv_dtype_mismatch(self.worker_id, ours, request.reader_id,
+                                            request.kv_dtype))
         if request.fingerprint != self.fingerprint:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"model fingerprint mismatch: holder {self.worker_id} has "
@@ -119,7 +126,7 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
             agent_metadata=self.agent.metadata(), kv_base_address=self.agent.base,
             block_nbytes=self.agent.block_nbytes, num_blocks=self.agent.num_blocks,
             transports=self.agent.transports(), lease_port=self.lease_port,
-            kv_mem_type=self.agent.mem_type, kv_device_id=self.agent.device_id)
+            kv_mem_type=self.agent.mem_type, kv_device_id=self.agent.device_id, kv_dtype=ours)
 
     def ReleaseLease(self, request, context):
         intact, reason = self.release(request.lease_id, request.incarnation)

@@ -31,6 +31,8 @@ from baton.transfer.errors import (
     PeerUnavailableError,
     TransferDeadlineError,
     TransferError,
+    kv_dtype_mismatch,
+    kv_dtype_name,
 )
 from baton.transfer.handle import KVHandle
 from baton.transfer.holder import block_crc32
@@ -204,11 +206,17 @@ class KVReader:
         channel = cluster_secret.channel(address)
         peer = _Peer(address, channel, worker_pb2_grpc.KVSourceStub(channel))
         try:
+            ours = kv_dtype_name(self.agent.kv)
             resp = peer.stub.Handshake(
                 worker_pb2.HandshakeRequest(fingerprint=self.fingerprint,
-                                            reader_id=self.reader_id),
+                                            reader_id=self.reader_id, kv_dtype=ours),
                 timeout=_left(deadline, address, "handshake"))
-            if resp.fingerprint != self.fingerprint:  # belt and braces: the holder checks too
+            # belt and braces: the holder checks both too
+            if resp.kv_dtype and resp.kv_dtype != ours:
+                raise FingerprintMismatchError(self.fingerprint, resp.fingerprint, address,
+                                               kv_dtype_mismatch(address, resp.kv_dtype,
+                                                                 self.reader_id, ours))
+            if resp.fingerprint != self.fingerprint:
                 raise FingerprintMismatchError(self.fingerprint, resp.fingerprint, address)
             peer.agent_name = self.agent.add_peer(resp.agent_metadata, resp.kv_base_address,
                                                   resp.block_nbytes, resp.num_blocks,
@@ -216,8 +224,9 @@ class KVReader:
                                                   resp.kv_device_id)
         except grpc.RpcError as e:
             channel.close()
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise FingerprintMismatchError(self.fingerprint, "?", address) from e
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the holder's words
+                raise FingerprintMismatchError(self.fingerprint, "?", address,
+                                               f"{address} refused: {e.details()}") from e
             raise _rpc_error(e, address, "handshake") from e
         except TransferError:
             channel.close()

@@ -39,6 +39,7 @@ class EngineSettings:
     kv_host_tier_gb: float | None = None  # None: 4 GiB under a GPU pool, none under a CPU pool
     kv_disk_tier_gb: float = 0.0
     kv_disk_tier_dir: str | None = None  # None: <cache dir>/kv-tier/<worker name>
+    kv_cache_dtype: str = "auto"  # auto (the --dtype) | fp8 (GPU)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -74,6 +75,12 @@ class EngineSettings:
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--threads", type=int, default=None,
                        help="torch threads (default: torch's)")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                       help="the KV cache's element type: auto (the --dtype) or fp8 (e4m3 with "
+                            "per-layer scales, the checkpoint's where it has them, else 1: half "
+                            "a bf16 cache's bytes, so twice the blocks; GPU only). Part of the "
+                            "model fingerprint: prefill and decode pools must agree, a worker "
+                            "of the other kind is refused naming both (default auto)")
         g.add_argument("--kv-staging", default="auto", choices=["auto", "always", "never"],
                        help="hand-offs of a GPU pool: auto reads VRAM to VRAM over NIXL and "
                             "stages through a pinned host copy of the pool only where NIXL "
@@ -108,7 +115,7 @@ class EngineSettings:
     def from_args(cls, a: argparse.Namespace) -> EngineSettings:
         return cls(a.model, a.dtype, a.num_blocks, a.block_size, a.max_num_seqs, a.threads,
                    a.device, a.gpu_memory_utilization, a.kv_staging, a.kv_host_tier_gb,
-                   a.kv_disk_tier_gb, a.kv_disk_tier_dir)
+                   a.kv_disk_tier_gb, a.kv_disk_tier_dir, a.kv_cache_dtype)
 
     def resolved_device(self) -> str:
         """``--device`` with auto decided: cuda when this process sees a GPU, else cpu."""
@@ -130,6 +137,10 @@ class EngineSettings:
             raise ValueError(f"--kv-host-tier-gb {host_gb}: a CPU worker's KV pool is host "
                              "memory already; give the pool that memory (--num-blocks) and use "
                              "--kv-disk-tier-gb for the tier below it")
+        if device == "cpu" and self.kv_cache_dtype == "fp8":
+            raise ValueError("--kv-cache-dtype fp8: an FP8 KV cache is read by the Triton "
+                             "attention kernels and needs a GPU (--device cuda); the CPU "
+                             "kernels read float32 or bfloat16 KV")
         if host_gb is None:
             host_gb = 4.0 if device != "cpu" else 0.0
         disk_dir = self.kv_disk_tier_dir
@@ -146,7 +157,7 @@ class EngineSettings:
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             kv_host_tier_bytes=int(host_gb * (1 << 30)),
                             kv_disk_tier_bytes=int(self.kv_disk_tier_gb * (1 << 30)),
-                            kv_disk_tier_dir=disk_dir)
+                            kv_disk_tier_dir=disk_dir, kv_cache_dtype=self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)

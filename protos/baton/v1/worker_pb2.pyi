@@ -185,15 +185,17 @@ class TransferStats(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., blocks_read: _Optional[int] = ..., blocks_local: _Optional[int] = ..., handshake_s: _Optional[float] = ..., read_s: _Optional[float] = ..., release_s: _Optional[float] = ..., transports: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("fingerprint", "reader_id")
+    __slots__ = ("fingerprint", "reader_id", "kv_dtype")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     READER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     reader_id: str
-    def __init__(self, fingerprint: _Optional[str] = ..., reader_id: _Optional[str] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, fingerprint: _Optional[str] = ..., reader_id: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports", "lease_port", "kv_mem_type", "kv_device_id")
+    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports", "lease_port", "kv_mem_type", "kv_device_id", "kv_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,7 @@ class HandshakeResponse(_message.Message):
     LEASE_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     fingerprint: str
@@ -216,7 +219,8 @@ class HandshakeResponse(_message.Message):
     lease_port: int
     kv_mem_type: str
     kv_device_id: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ..., lease_port: _Optional[int] = ..., kv_mem_type: _Optional[str] = ..., kv_device_id: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ..., lease_port: _Optional[int] = ..., kv_mem_type: _Optional[str] = ..., kv_device_id: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "incarnation")
