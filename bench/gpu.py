@@ -20,6 +20,11 @@ Then, on a Llama-3-8B-shaped model with random bf16 weights (nothing can be down
             bandwidth utilisation of the KV it reads, and its time against torch's
             scaled_dot_product_attention on the same keys and values laid out contiguously.
 
+And the mixture-of-experts and FP8 rows (bench/gpu_moe_fp8.py): a Qwen3-30B-A3B-shaped model
+cut to 6 layers in bf16 and FP8 (decode at batch 1 and 64 over the bytes actually read, the
+experts of the batch's routing; prefill over the matmul rate of its dtype), and the 8B-shaped
+model with FP8 weights. ``--smoke`` runs those parts on CPU, tiny, under Triton's interpreter.
+
 Times are medians of CUDA-event-timed repeats after warm-up; inputs rotate over buffers larger
 than L2 where one set would fit in it. Writes ``gpu-<UTC time>.json`` (device, driver, versions,
 every figure) to --out (default bench/results) and prints a table.
@@ -40,6 +45,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from baton.bench import gpu_moe_fp8 as moe_fp8
 from baton.bench.common import RESULTS, machine
 
 
@@ -586,19 +592,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="a results JSON of an earlier run on the same device to add this run's "
                          "parts to (the combined file is written anew)")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels, smollm2, "
-                                               "model, attention")
+                                               "model, attention, moe, fp8")
+    ap.add_argument("--moe-batches", default="1,64")
+    ap.add_argument("--fp8-batches", default="1,32")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the moe and fp8 parts only, tiny, on CPU under Triton's interpreter "
+                         "(CI: the code runs; the figures mean nothing)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench/gpu.py needs a CUDA device", file=sys.stderr)
+    if a.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before anything imports Triton's kernels
+    elif not torch.cuda.is_available():
+        print("bench/gpu.py needs a CUDA device (or --smoke)", file=sys.stderr)
         return 2
     skip = set(filter(None, a.skip.split(",")))
+    if a.smoke:
+        skip |= {"kernels", "smollm2", "attention", "model"}
     torch.backends.cuda.matmul.allow_tf32 = False
-    res = {"device": device_info(), "host": machine(),
-           "started": dt.datetime.now(dt.UTC).isoformat()}
+    res = {"device": {"gpu": "none (smoke)"} if a.smoke else device_info(), "host": machine(),
+           "started": dt.datetime.now(dt.UTC).isoformat(), "smoke": a.smoke}
     if a.into:
         earlier = json.loads(Path(a.into).read_text())
         if earlier["device"].get("gpu") != res["device"].get("gpu"):
@@ -607,11 +622,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         res = {**earlier, "added": res["started"]}  # its ceilings stay: its figures use them
     log(f"device: {res['device']}")
+    setup = moe_fp8.Setup("cpu" if a.smoke else "cuda", a.smoke)
     if "ceilings" not in res:
-        res["ceilings"] = ceilings()
+        res["ceilings"] = moe_fp8.smoke_ceilings(setup) if a.smoke else ceilings()
+    if "matmul_fp8_flops" not in res["ceilings"] and not {"moe", "fp8"} <= skip:
+        res["ceilings"]["matmul_fp8_flops"] = moe_fp8.matmul_fp8_flops(setup)
     log(f"ceilings: copy {res['ceilings']['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
         f"{res['ceilings']['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s")
     run_parts(a, res, skip)
+    run_moe_fp8(a, res, skip, setup)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
@@ -643,10 +662,27 @@ def run_parts(a, res: dict, skip: set[str]) -> None:
                                    [int(x) for x in a.prefills.split(",")], 1024)
 
 
+def run_moe_fp8(a, res: dict, skip: set[str], setup) -> None:
+    """The mixture-of-experts and FP8 parts not in ``skip``, into ``res``."""
+    ctx, prefill = (32, 32) if a.smoke else (1024, 2048)
+    if a.smoke:  # the same rows, smaller: batch 64 under the interpreter takes minutes
+        a.moe_batches, a.fp8_batches = "1,4", "1,4"
+    if "moe" not in skip:
+        log("moe: the Qwen3-30B-A3B-shaped model, bf16 and FP8")
+        res["moe"] = moe_fp8.bench_moe(res["ceilings"], setup,
+                                       [int(x) for x in a.moe_batches.split(",")], prefill, ctx)
+    if "fp8" not in skip:
+        log("fp8: the Llama-3-8B-shaped model with FP8 weights")
+        res["fp8_dense"] = moe_fp8.bench_dense_fp8(
+            res["ceilings"], setup, [int(x) for x in a.fp8_batches.split(",")], prefill, ctx)
+
+
 def print_table(res: dict) -> None:
     c = res["ceilings"]
+    fp8 = (f" | fp8 matmul {c['matmul_fp8_flops'] / 1e12:.0f} TFLOP/s"
+           if "matmul_fp8_flops" in c else "")
     print(f"\n{res['device'].get('gpu')} | copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s | "
-          f"bf16 matmul {c['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s")
+          f"bf16 matmul {c['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s{fp8}")
     for r in res.get("kernel_checks", []):
         print(f"check {r['kernel']:8s} {r['dtype']:15s} {r['heads']:10s} rel_err "
               f"{r['rel_err']:.2e} {'ok' if r['ok'] else 'FAIL'}")
@@ -668,6 +704,8 @@ def print_table(res: dict) -> None:
         print(f"attn    ctx {r['context']:6d} batch {r['batch']:3d}: {r['us']:8.1f} us "
               f"{r['bandwidth_util']:6.1%} of copy bw, SDPA {r['sdpa_us']:8.1f} us "
               f"(x{r['speedup_vs_sdpa']:.2f}), err {r['rel_err']:.1e}")
+    for line in moe_fp8.table(res):
+        print(line)
 
 
 if __name__ == "__main__":

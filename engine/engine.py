@@ -157,6 +157,14 @@ def placed_weights(model: LoadedModel, cfg: EngineConfig) -> dict:
     return out
 
 
+def engine_fingerprint(model: LoadedModel, cfg: EngineConfig) -> str:
+    """The fingerprint of ``model`` as an engine of ``cfg`` runs it: its FP8 matmuls and KV
+    cache dtype included."""
+    return model.fingerprint(cfg.dtype, cfg.block_size, cfg.device,
+                             fp8_matmul=fp8_group(model, cfg) is not None,
+                             kv_dtype=cfg.kv_cache_dtype)
+
+
 def fp8_group(model: LoadedModel, cfg: EngineConfig) -> int | None:
     """The FP8 matmul's scale group an engine of ``cfg`` runs ``model`` with (None: none)."""
     return model.fp8_group if model.placement == placement(cfg) else None
@@ -172,9 +180,7 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.fp8_group = fp8_group(model, cfg)
-        self.fingerprint = model.fingerprint(cfg.dtype, cfg.block_size, cfg.device,
-                                             fp8_matmul=self.fp8_group is not None,
-                                             kv_dtype=cfg.kv_cache_dtype)
+        self.fingerprint = engine_fingerprint(model, cfg)
         storage, compute = cfg.torch_dtype, cfg.compute_dtype
         device_memory = None
         if cfg.device != "cpu":

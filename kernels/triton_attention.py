@@ -146,8 +146,7 @@ def _decode_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, D_PAD)
-    gmask = offs_g < GROUP
-    dmask = offs_d < HEAD_DIM
+    gmask, dmask = offs_g < GROUP, offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
     k_scale, v_scale = _kv_scales(kvs_ptr, KV_FP8)
     q = _load_rows(q_ptr + b * stride_qb + heads[:, None] * stride_qh, offs_d,
@@ -164,11 +163,9 @@ def _decode_kernel(
                              stride_cb, stride_ct, stride_ch, HEAD_DIM, D_PAD, BLOCK_SIZE,
                              BLOCK_N, q_ptr.dtype.element_ty)
         acc, l_i, m_i = _decode_tile(acc, l_i, m_i, q, k, v, valid, PRECISION)
-    if KV_FP8:
-        acc = acc * v_scale
     # partials: pacc [B, Hq, S, D_PAD] and pml [B, Hq, S, 2] (max, sum), float32
     base = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
-    _store_out(acc, l_i, m_i, out_ptr + b * stride_ob + heads[:, None] * stride_oh,
+    _store_out(acc * v_scale, l_i, m_i, out_ptr + b * stride_ob + heads[:, None] * stride_oh,
                   pacc_ptr + base[:, None] * D_PAD, pml_ptr + base * 2, offs_d,
                   gmask[:, None] & dmask[None, :], gmask, DIRECT)
 
@@ -369,12 +366,10 @@ def _prefill_kernel(
     s, h = tl.program_id(1), tl.program_id(2)
     q_len = tl.load(qlen_ptr + s)
     if tile * BLOCK_M < q_len:
-        q0 = tl.load(qstart_ptr + s)
-        past = tl.load(past_ptr + s)
+        q0, past = tl.load(qstart_ptr + s), tl.load(past_ptr + s)
         offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D_PAD)
-        mmask = offs_m < q_len
-        dmask = offs_d < HEAD_DIM
+        mmask, dmask = offs_m < q_len, offs_d < HEAD_DIM
         rmask = mmask[:, None] & dmask[None, :]
         k_scale, v_scale = _kv_scales(kvs_ptr, KV_FP8)
         q = _load_rows(q_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh,
@@ -396,9 +391,7 @@ def _prefill_kernel(
                 acc, l_i, m_i, q, kc_ptr, vc_ptr, bt_row, n0, last, pos, offs_d, dmask, h // GROUP,
                 stride_cb, stride_ct, stride_ch, window, HEAD_DIM, D_PAD, BLOCK_SIZE, BLOCK_N,
                 True, PRECISION)
-        if KV_FP8:
-            acc = acc * v_scale
-        _store_out(acc, l_i, m_i,
+        _store_out(acc * v_scale, l_i, m_i,
                       out_ptr + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh,
                       out_ptr, out_ptr, offs_d, rmask, mmask, True)
 

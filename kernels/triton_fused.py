@@ -90,25 +90,33 @@ def _rope_store_kernel(
     blk = tl.load(blk_ptr + t).to(tl.int64)
     if blk >= 0:  # negative: a padding row of a CUDA-graph batch, nothing to store
         slot = blk * stride_cb + tl.load(off_ptr + t).to(tl.int64) * stride_co
-        hk = tl.arange(0, HKV_PAD)
-        mk = (hk < HKV)[:, None] & cmask[None, :]
-        kb = row + HQ * d + hk[:, None] * d + offs[None, :]
-        k1 = tl.load(kb, mask=mk, other=0.0).to(tl.float32)
-        k2 = tl.load(kb + HALF, mask=mk, other=0.0).to(tl.float32)
-        ko = kc_ptr + slot + hk[:, None] * d + offs[None, :]
-        ks, vs = 1.0, 1.0
-        if KV_FP8:
-            ks, vs = tl.load(kvs_ptr), tl.load(kvs_ptr + 1)
-        dt = kc_ptr.dtype.element_ty
-        tl.store(ko, _kv_value(k1 * cos[None, :] - k2 * sin[None, :], ks, dt, KV_FP8,
-                               INTERPRETED), mask=mk)
-        tl.store(ko + HALF, _kv_value(k2 * cos[None, :] + k1 * sin[None, :], ks, dt, KV_FP8,
-                                      INTERPRETED), mask=mk)
-        vb = row + (HQ + HKV) * d + hk[:, None] * d + offs[None, :]
-        vo = vc_ptr + slot + hk[:, None] * d + offs[None, :]
-        for half in range(2):
-            v = tl.load(vb + half * HALF, mask=mk, other=0.0).to(tl.float32)
-            tl.store(vo + half * HALF, _kv_value(v, vs, dt, KV_FP8, INTERPRETED), mask=mk)
+        _store_kv_row(row + HQ * d, cos, sin, offs, cmask, kc_ptr + slot, vc_ptr + slot, kvs_ptr,
+                      HKV, HKV_PAD, HALF, KV_FP8, INTERPRETED)
+
+
+@triton.jit
+def _store_kv_row(src, cos, sin, offs, cmask, ko_ptr, vo_ptr, kvs_ptr, HKV: tl.constexpr,
+                  HKV_PAD: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr,
+                  INTERPRETED: tl.constexpr):
+    """One token's keys (rotated) and values from ``src`` = [k heads | v heads] into its slot:
+    in the cache's dtype, or divided by the layer's scales as FP8 (KV_FP8)."""
+    d = 2 * HALF
+    hk = tl.arange(0, HKV_PAD)
+    mk = (hk < HKV)[:, None] & cmask[None, :]
+    at = hk[:, None] * d + offs[None, :]
+    k1 = tl.load(src + at, mask=mk, other=0.0).to(tl.float32)
+    k2 = tl.load(src + at + HALF, mask=mk, other=0.0).to(tl.float32)
+    ks, vs = 1.0, 1.0
+    if KV_FP8:
+        ks, vs = tl.load(kvs_ptr), tl.load(kvs_ptr + 1)
+    dt = ko_ptr.dtype.element_ty
+    tl.store(ko_ptr + at, _kv_value(k1 * cos[None, :] - k2 * sin[None, :], ks, dt, KV_FP8,
+                                    INTERPRETED), mask=mk)
+    tl.store(ko_ptr + at + HALF, _kv_value(k2 * cos[None, :] + k1 * sin[None, :], ks, dt,
+                                           KV_FP8, INTERPRETED), mask=mk)
+    for half in range(2):
+        v = tl.load(src + HKV * d + at + half * HALF, mask=mk, other=0.0).to(tl.float32)
+        tl.store(vo_ptr + at + half * HALF, _kv_value(v, vs, dt, KV_FP8, INTERPRETED), mask=mk)
 
 
 @triton.jit

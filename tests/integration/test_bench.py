@@ -31,3 +31,29 @@ def test_compare_runs_both_setups_on_the_same_workload(tiny_llama, tmp_path):
         assert run["tpot_s"]["n"] == 5
     assert res["args"]["prefill"] == 1 and res["args"]["colocated"] == 2
     assert "baton-colocated" in out.stdout and "baton-disaggregated" in out.stdout
+
+
+def test_gpu_bench_moe_and_fp8_rows_run_in_smoke_mode(tmp_path):
+    # bench/gpu.py's MoE and FP8 parts on CPU under Triton's interpreter, tiny: every row is
+    # there, the experts counted are the step's own routing, FP8 reads fewer bytes than bf16
+    out = subprocess.run([sys.executable, "-m", "baton.bench.gpu", "--smoke", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (path,) = tmp_path.glob("gpu-*.json")
+    res = json.loads(path.read_text())
+    assert res["smoke"] is True and res["ceilings"]["matmul_fp8_flops"] > 0
+    moe = res["moe"]
+    for name in ("bf16", "fp8"):
+        assert [d["batch"] for d in moe[name]["decode"]] == [1, 4]
+        for d in moe[name]["decode"]:
+            assert d["logits_finite"] and len(d["experts_read_per_layer"]) == 2
+            # top-4 of 16 experts: at least 4 distinct per layer, more for a batch of 4
+            assert all(4 <= n <= min(16, 4 * d["batch"]) for n in d["experts_read_per_layer"])
+        assert moe[name]["prefill"][0]["tokens"] == 32
+    one_bf16, one_fp8 = moe["bf16"]["decode"][0], moe["fp8"]["decode"][0]
+    if one_bf16["experts_read_per_layer"] == one_fp8["experts_read_per_layer"]:
+        assert one_fp8["weight_bytes"] < one_bf16["weight_bytes"]
+    for check in (moe["check"], res["fp8_dense"]["check"]):
+        assert check["logits_rel_err"] < 0.05 and check["top1_agrees"]
+    assert [d["batch"] for d in res["fp8_dense"]["decode"]] == [1, 4]
+    assert "moe    fp8   decode batch   4" in out.stdout
