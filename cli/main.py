@@ -349,9 +349,9 @@ def _piece(name: str, args: list[str]) -> int:
                   file=sys.stderr)
             return 2
         if known.role == "prefill":
-            from baton.services.worker.serve import main as run
+            from baton.services.worker.serve import prefill_main as run
         else:  # decode, or both: the decode server that also serves as a prefill worker
-            from baton.services.worker.decode_role import main as run
+            from baton.services.worker.serve import decode_main as run
 
             rest = ["--role", known.role, *rest]
         args = rest

@@ -22,6 +22,20 @@ def test_a_worker_with_a_missing_model_says_so_in_one_line(module):
     assert "Traceback" not in r.stderr
 
 
+def test_baton_worker_runs_each_role():
+    # `baton worker --role R` is the worker the docs show: it starts that role's entry point
+    # (bug: it imported a `main` the worker modules no longer had, for every role); a CPU worker
+    # asked for an FP8 KV cache says why it cannot in one line
+    for role in ("prefill", "decode", "both"):
+        r = run("-m", "baton.cli.main", "worker", "--role", role, "--help")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "--kv-cache-dtype {auto,fp8}" in r.stdout and "--model" in r.stdout
+    r = run("-m", "baton.cli.main", "worker", "--role", "decode", "--device", "cpu",
+            "--kv-cache-dtype", "fp8")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "--kv-cache-dtype fp8" in r.stderr.strip().splitlines()[-1]
+
+
 def test_baton_up_checks_the_model_before_starting_anything(tmp_path):
     r = run("-m", "baton.cli.main", "up", "--model", "/no/such/path")
     assert r.returncode == 2
