@@ -518,6 +518,9 @@ def _expert_layout(cfg: ModelConfig, names: dict[str, str], i: int) -> dict[str,
 # the fused linear weights an FP8 checkpoint keeps FP8 on a GPU (embeddings, norms and routers
 # are dequantized)
 FP8_LINEARS = {"qkv", "o", "gate_up", "down", "experts_gate_up", "experts_down"}
+# the narrowest block the FP8 kernels' K tiles fit in (kernels/triton_fp8.MIN_BLOCK_K): an FP8
+# tensor-core dot takes 32 columns and more
+FP8_MIN_GROUP = 32
 
 
 class _Fuser:
@@ -557,7 +560,7 @@ class _Fuser:
         fit the checkpoint's blocks (then everything is dequantized)."""
         block = self.fp8.block
         group = block[1] if block else 0
-        if group and (group < 16 or group & (group - 1)):
+        if group and (group < FP8_MIN_GROUP or group & (group - 1)):
             return None
         parts: dict[str, list[str]] = {}
         for src, (fused, _, _) in self.where.items():
@@ -846,7 +849,7 @@ def _fp8_setup(label: str, qc: dict | None, fuser: _Fuser, files: list[Path], he
         log(f"{label}: FP8 weights, {fuser.fp8.describe()}: FP8 matmuls, activations scaled "
             f"per token{f' and {group} columns' if group else ''}")
     else:
-        why = ("its block width is not a power of two >= 16" if fuser.place.fp8
+        why = (f"its block width is not a power of two >= {FP8_MIN_GROUP}" if fuser.place.fp8
                else "no FP8 matmul on this device")
         log(f"{label}: FP8 weights, {fuser.fp8.describe()}, dequantized to {dtype} as they "
             f"load ({why})")

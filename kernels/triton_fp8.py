@@ -28,6 +28,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK_M, BLOCK_N = 32, 64
 MAX_BLOCK_K = 128
+MIN_BLOCK_K = 32  # an FP8 tensor-core dot takes K tiles of 32 and more (sm_90)
 # Triton's interpreter converts float32 to FP8 without carrying a rounded-up mantissa into the
 # exponent (124.3 -> 64, not 128; Triton 3.9): interpreted kernels round to the FP8 grid in
 # float32 first, which it converts exactly. Compiled kernels convert in hardware.
@@ -95,12 +96,6 @@ def _matmul(a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, bias_ptr, M, N, K, G, stride_c,
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def usable_group(group: int) -> bool:
-    """Whether the kernel's tiles fit groups of ``group`` columns (0: per row): a power of two
-    of at least 16, so a K tile never straddles two groups."""
-    return group == 0 or (group >= 16 and group & (group - 1) == 0)
-
-
 def quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 [M, K], float32 scales [M, G]) of the rows of ``x`` [M, K], per ``group`` columns
     (0: per row)."""
@@ -129,7 +124,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group: int,
     span = k if g == 1 else group
     c = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        block_k = max(16, min(MAX_BLOCK_K, span if g > 1 else triton.next_power_of_2(k)))
+        block_k = max(MIN_BLOCK_K, min(MAX_BLOCK_K, span if g > 1 else
+                                       triton.next_power_of_2(k)))
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
         _matmul[grid](xq, xs, w, scale, c, bias if bias is not None else c, m, n, k, g,
                       c.stride(0), GROUP=max(span, block_k), HAS_BIAS=bias is not None,

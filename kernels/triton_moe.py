@@ -104,7 +104,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor,
         a_scale, w_scale, group = fp8
         g = w_scale.shape[-1]
         span = k if g == 1 else group
-        block_k = max(16, min(64, span if g > 1 else triton.next_power_of_2(k)))
+        block_k = max(triton_fp8.MIN_BLOCK_K, min(64, span if g > 1 else
+                                                  triton.next_power_of_2(k)))
     grid = (tile_experts.shape[0], triton.cdiv(n, block_n))
     _grouped_gemm[grid](
         a, w, c, pairs, tile_experts, scale if scale is not None else c, a_scale, w_scale,

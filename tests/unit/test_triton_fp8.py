@@ -43,7 +43,7 @@ def quantized_weight(n: int, k: int, group: int, gen: torch.Generator, dim0: int
     (5, 37, 70, 0),       # nothing a multiple of 16
     (3, 72, 200, 64),     # K 200 in groups of 64: a partial last group
     (33, 130, 256, 128),  # a prefill tile and a partial one, the official 128-column blocks
-    (4, 24, 48, 16),
+    (4, 24, 48, 32),
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_matmul_matches_the_reference(m, n, k, group, bias):
@@ -106,7 +106,7 @@ def test_checkpoint_scales_expand_to_the_dequantized_weight(strategy, block):
 
 @pytest.mark.parametrize("t, e, top_k, h, i, group", [
     (1, 9, 2, 48, 40, 0),      # a decode row, per-row scales
-    (37, 11, 3, 64, 48, 16),   # a prefill chunk, an odd expert count, column groups
+    (37, 11, 3, 64, 48, 32),   # a prefill chunk, an odd expert count, column groups
     (6, 5, 1, 80, 24, 32),     # top-1, hidden not a multiple of the group
 ])
 def test_fp8_grouped_expert_moe_matches_the_reference(t, e, top_k, h, i, group):
@@ -129,3 +129,9 @@ def test_fp8_grouped_expert_moe_matches_the_reference(t, e, top_k, h, i, group):
     got = triton_moe.moe(*dev[:5], lambda g: gate_mul(g, "silu"), fp8=(*dev[5:], group)).cpu()
     assert got.dtype == x.dtype
     assert rel_err(got, want) < 1e-4, rel_err(got, want)
+
+
+def test_the_loaders_narrowest_block_is_the_kernels_narrowest_tile():
+    from baton.engine.loader import FP8_MIN_GROUP
+
+    assert FP8_MIN_GROUP == f.MIN_BLOCK_K == 32
