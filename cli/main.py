@@ -18,7 +18,8 @@ def _generate(a: argparse.Namespace) -> int:
     from baton.engine.params import SamplingParams
 
     try:
-        engine = LLMEngine.from_path(a.model, EngineConfig(dtype=a.dtype, device=a.device))
+        engine = LLMEngine.from_path(a.model, EngineConfig(dtype=a.dtype, device=a.device,
+                                                           kv_cache_dtype=a.kv_cache_dtype))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
                                 top_p=a.top_p, top_k=a.top_k, seed=a.seed)
         if a.chat:
@@ -193,6 +194,8 @@ def _add_generate(sub) -> None:
     g.add_argument("--device", default="cpu",
                    help="cpu (default) or cuda[:N]: on CUDA the engine runs Triton kernels and "
                         "replays CUDA graphs for decode steps")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's element type: auto (the --dtype) or fp8 (CUDA only)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object with text, token_ids, prompt_token_ids")
     g.set_defaults(func=_generate)
