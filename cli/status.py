@@ -21,7 +21,9 @@ from baton.control.cluster_state import (
     find_redis_url,
     summarize,
     up_restarts,
+    up_router_health,
 )
+from baton.control.redis_client import redact
 from baton.control.registry import WorkerRegistry
 
 # ---- rendering -----------------------------------------------------------------------------------
@@ -148,15 +150,14 @@ def _registry(a: argparse.Namespace) -> tuple | None:
         print("error: no cluster found: pass --redis-url (or set BATON_REDIS_URL), or start one "
               "with `baton up`", file=sys.stderr)
         return None
-    import redis
+    from baton.control.redis_client import connect
 
     ctx = None
     if a.tls_ca:
         import ssl
 
         ctx = ssl.create_default_context(cafile=a.tls_ca)
-    return WorkerRegistry(redis.Redis.from_url(url, socket_timeout=3,
-                                               socket_connect_timeout=3)), url, ctx
+    return WorkerRegistry(connect(url, socket_timeout=3)), url, ctx
 
 
 def status(a: argparse.Namespace) -> int:
@@ -168,11 +169,35 @@ def status(a: argparse.Namespace) -> int:
     try:
         summary = summarize(collect(*found))
     except (RedisError, OSError) as e:
-        print(f"error: Redis at {found[1]} did not answer: {e}", file=sys.stderr)
-        return 1
+        return _redis_down(found[1], e, a.json)
     summary["restarts"] = up_restarts(found[1])
     print(json.dumps(summary, indent=1) if a.json else render(summary))
     return 0
+
+
+def _redis_down(url: str, e: Exception, as_json: bool) -> int:
+    """Redis does not answer: say so, with what the local ``baton up``'s router still sees
+    (the workers that answer it, how long it has been without Redis, its restarts)."""
+    health = up_router_health(url)
+    restarts = up_restarts(url)
+    if as_json:
+        print(json.dumps({"redis": {"url": redact(url), "reachable": False, "error": str(e)},
+                          "router_health": health, "restarts": restarts}, indent=1))
+        return 1
+    print(f"Redis at {redact(url)}: DOWN ({e})")
+    if health is None:
+        print("no router of a local `baton up` answered either", file=sys.stderr)
+        return 1
+    down = health.get("registry", {}).get("unreachable_for_s")
+    print(f"router: {health.get('status')}" + (f", without Redis for {down:.0f}s"
+                                               if down is not None else "")
+          + f"; workers answering it: {health.get('workers', {})}")
+    for reason in health.get("reasons", []):
+        print(f"  {reason}")
+    for r in restarts or ():
+        if r["what"] == "redis-server":
+            print(f"baton up has restarted redis-server {r['restarts']} time(s)")
+    return 1
 
 
 def top(a: argparse.Namespace) -> int:

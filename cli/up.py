@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from baton.control.redis_client import redact
 from baton.engine.families import MODEL_HELP
 from baton.services.common.config import DTYPES
 from baton.transfer import cluster_secret
@@ -318,7 +319,7 @@ class _LocalCluster:
         self.a = a
         self.t0 = time.monotonic()
         self.redis = self.state = self.scaler = None
-        self.url = ""
+        self.url = self.url_redacted = ""
         try:  # one per cluster unless the environment names one (to call the workers yourself)
             self.secret = cluster_secret.current() or secrets.token_urlsafe(32)
         except ValueError as e:
@@ -327,6 +328,7 @@ class _LocalCluster:
         self.slots: list[_Slot] = []  # one per entry of procs
         self.ray_local = a.ray == "local"
         self.kw = {"log_dir": a.log_dir or tempfile.mkdtemp(prefix="baton-up-")}
+        self.redis_slot = _Slot("redis-server", self._restart_redis)  # its restarts
 
     def say(self, msg: str) -> None:
         print(f"[baton up {time.monotonic() - self.t0:5.1f}s] {msg}", flush=True)
@@ -403,6 +405,9 @@ class _LocalCluster:
         if router is not None:
             restarts = [{"what": s.what, "worker_id": p.worker_id if p else None,
                          "restarts": s.restarts} for p, s in zip(self.procs, self.slots)]
+            if self.redis is not None or self.redis_slot.restarts:  # ours, not --redis-url's
+                restarts.insert(0, {"what": "redis-server", "worker_id": self.url_redacted,
+                                    "restarts": self.redis_slot.restarts})
             self.state = _leave_address(self.url, router, restarts)
 
     def _start_ray(self) -> str:
@@ -428,10 +433,45 @@ class _LocalCluster:
         from baton.control.redis_server import EmbeddedRedis
 
         if self.a.redis_url is not None:
+            self.url_redacted = redact(self.a.redis_url)
             return self.a.redis_url
         self.redis = EmbeddedRedis(host).start()
+        self.url_redacted = redact(self.redis.url)
         self.say(f"redis-server on {self.redis.url}")
         return self.redis.url
+
+    def _restart_redis(self):
+        """The embedded redis-server again, on the same address (and password): workers and
+        routers keep their URL, re-register within a heartbeat and republish what they hold."""
+        from baton.control.redis_server import EmbeddedRedis
+
+        old = self.redis
+        old.stop()  # it exited: this removes its directory
+        self.redis = EmbeddedRedis(old.host, old.port, old.password).start()
+        return self.redis
+
+    def _supervise_redis(self, stop: threading.Event) -> None:
+        """Start the embedded redis-server again if it exited (backoff as for the workers)."""
+        r, s = self.redis, self.redis_slot
+        if r is None or stop.is_set():
+            return
+        now = time.monotonic()
+        if s.due is None and r.proc is not None and r.proc.poll() is not None:
+            s.restarts += 1
+            s.due = now + min(s.backoff(), 2.0)  # everything waits on it: retry soon
+            self.say(f"redis-server exited ({r.proc.returncode}); starting it again on "
+                     f"{self.url_redacted} (restart {s.restarts}); workers and routers "
+                     "re-register and republish when it answers")
+        elif s.due is not None and now >= s.due:
+            try:
+                self._restart_redis()
+            except Exception as e:  # RedisStartError, a port taken meanwhile: try again
+                s.due = time.monotonic() + 2.0
+                self.say(f"redis-server did not start ({e}); trying again in 2s")
+                return
+            s.due = None
+            self.say(f"redis-server back on {self.url_redacted} (restart {s.restarts}), empty")
+            self._leave_state()
 
     def spawn(self, role: str, args: list[str], slot: int | None = None):
         """Start a ``role`` worker; ``slot``: its place in start order, which picks its GPU
@@ -527,6 +567,7 @@ class _LocalCluster:
 
     def _supervise(self, stop: threading.Event) -> None:
         """Note the processes that exited and start again those whose backoff is over."""
+        self._supervise_redis(stop)
         now = time.monotonic()
         for i, (p, s) in enumerate(zip(self.procs, self.slots)):
             if p is not None and p.proc.poll() is not None:

@@ -42,6 +42,26 @@ def up_restarts(redis_url: str) -> list[dict] | None:
     return state.get("restarts") if state and state.get("redis_url") == redis_url else None
 
 
+def up_router_health(redis_url: str, timeout: float = 3.0) -> dict | None:
+    """The ``/health`` of the router of a local ``baton up`` on ``redis_url`` (its view: workers
+    that answer, how long Redis has been unreachable), or None without one that answers."""
+    state = _running_up()
+    if not state or state.get("redis_url") != redis_url or not state.get("http"):
+        return None
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(f"http://{state['http']}/health", timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:  # 503: degraded, the body says why
+        try:
+            return json.loads(e.read())
+        except ValueError:
+            return None
+    except (OSError, ValueError):
+        return None
+
+
 def find_redis_url() -> str | None:
     """$BATON_REDIS_URL, else the Redis of a local ``baton up`` that is still running."""
     if os.environ.get("BATON_REDIS_URL"):

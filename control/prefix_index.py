@@ -16,7 +16,8 @@ prefix cache gains and loses, and a publisher thread sends the net change every 
 in one pipeline, refreshing the TTL (``--registry-ttl``) each time. A worker that dies stops
 refreshing, so its entries vanish within the TTL, as its registry entry does; a restarted worker
 has a new incarnation and so a new, empty set; a draining worker deletes its keys. If Redis goes
-away the publisher keeps its own copy of the set and rewrites it whole when Redis is back.
+away the publisher keeps its own copy of the set and rewrites it whole when Redis is back; a Redis
+that comes back empty between two flushes (its set's PEXPIRE finds no key) gets it whole too.
 
 Routers read all three in one round trip (:meth:`PrefixIndex.signals`, one Lua script): for a
 prompt's chain of block hashes, how many leading blocks each candidate holds, plus its queue, KV
@@ -87,7 +88,7 @@ class IndexPublisher:
         self.keys = {t: index_key(worker_id, incarnation, t) for t in ("pool", *TIERS)}
         # what the index should say, per place (pool, host, disk): resent whole after an outage
         self.held_by: dict[str, set[bytes]] = {t: set() for t in self.keys}
-        self.num_flushes = self.num_errors = 0
+        self.num_flushes = self.num_errors = self.num_resends = 0
         self._dirty = True  # the first flush writes the (empty) set and its TTL
         self._last_load: tuple | None = None
         self._refreshed = 0.0
@@ -124,6 +125,7 @@ class IndexPublisher:
             return
         ttl_ms = int(self.ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=self._dirty)
+        checked = []  # pipeline positions of the PEXPIREs of sets that should exist
         for place, key in self.keys.items():
             stored, evicted = changes[place]
             if self._dirty:  # rewrite the whole set (first flush, after an outage, a clear)
@@ -137,14 +139,22 @@ class IndexPublisher:
                 if evicted:
                     pipe.srem(key, *evicted)
             if place == "pool" or self.held_by[place] or evicted:
+                if self.held_by[place] and not self._dirty:
+                    checked.append(len(pipe))
                 pipe.pexpire(key, ttl_ms)
         pipe.set(self.load_key, " ".join(map(str, (self.incarnation, *load))), px=ttl_ms)
-        pipe.execute()
+        replies = pipe.execute()
         if self._dirty and self.num_errors:
             log.info("prefix index: Redis is back; resent %d block hashes",
                      sum(map(len, self.held_by.values())))
         self._dirty, self._last_load, self._refreshed = False, load, now
         self.num_flushes += 1
+        if any(not replies[i] for i in checked):  # a set that should be there is gone: a
+            # Redis that came back empty (restart, failover) without our connection noticing
+            self._dirty = True
+            self.num_resends += 1
+            log.warning("prefix index: Redis lost this worker's block set (restarted empty?); "
+                        "resending it whole")
 
     def _drain_events(self) -> dict[str, tuple[set[bytes], set[bytes]]]:
         """The engine's events since the last flush, applied to ``held_by``: per place (pool,
@@ -445,8 +455,12 @@ class PrefixIndex:
 
     def _came_back(self) -> None:
         if not self.available:
-            log.info("prefix index available again: cache-aware routing resumed")
+            log.info("prefix index available again: cache-aware routing resumed; re-arming "
+                     "this router's in-flight counts")
             self.available = True
+            with self._lock:  # a Redis back empty has lost them: write them again now
+                for c in self._claims.values():
+                    self._ops.put(("rearm", c))
 
 
 def _now_ms() -> int:

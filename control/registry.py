@@ -82,9 +82,9 @@ class WorkerRegistry:
 
     @classmethod
     def from_url(cls, url: str, ttl_s: float = 10.0) -> WorkerRegistry:
-        import redis
+        from baton.control.redis_client import connect
 
-        return cls(redis.Redis.from_url(url, socket_timeout=5), ttl_s)
+        return cls(connect(url, socket_timeout=5), ttl_s)
 
     def put(self, record: WorkerRecord | RouterRecord) -> None:
         self.redis.set(record.key, json.dumps(asdict(record)), px=int(self.ttl_s * 1000))
@@ -109,25 +109,46 @@ class WorkerRegistry:
 
 
 class Registration:
-    """A worker's own entry: put at start, renewed by a heartbeat thread, removed on drain."""
+    """A worker's own entry: put at start, renewed by a heartbeat thread, removed on drain.
+
+    Redis being away never stops the process: at start it serves unregistered and the heartbeat
+    registers it when Redis answers; a Redis that comes back empty (restarted without
+    persistence, or a failover to a replica that had not caught up) has the entry again within
+    a heartbeat (a third of the TTL). ``down_since`` is when the heartbeat last started failing
+    (None while it succeeds)."""
 
     def __init__(self, registry: WorkerRegistry, record: WorkerRecord | RouterRecord) -> None:
         self.registry, self.record = registry, record
+        self.down_since: float | None = None
+        self.num_failures = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="registry-heartbeat",
                                         daemon=True)
 
     def start(self) -> Registration:
-        self.registry.put(self.record)
+        self._put()
         self._thread.start()
         return self
 
     def _beat(self) -> None:
         while not self._stop.wait(self.registry.ttl_s / 3):
-            try:
-                self.registry.put(self.record)
-            except (RedisError, OSError) as e:  # Redis away for a moment: the TTL decides
-                log.warning("registry heartbeat for %s failed: %s", self.record.key, e)
+            self._put()
+
+    def _put(self) -> None:
+        try:
+            self.registry.put(self.record)
+        except (RedisError, OSError) as e:  # Redis away: serve on, register when it is back
+            self.num_failures += 1
+            if self.down_since is None:
+                self.down_since = time.time()
+                log.warning("Redis unreachable (%s): %s is not in the registry until it "
+                            "answers (retrying every %.1fs)", e, self.record.key,
+                            self.registry.ttl_s / 3)
+            return
+        if self.down_since is not None:
+            log.info("Redis answers again: %s registered (after %.0fs without)",
+                     self.record.key, time.time() - self.down_since)
+            self.down_since = None
 
     def withdraw(self) -> None:
         """Stop the heartbeat and delete the entry (first step of a drain)."""

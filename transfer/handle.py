@@ -21,6 +21,7 @@ class KVHandle:
     expires_at: float  # unix seconds
     block_crc32: tuple[int, ...] = ()  # only when the holder computes checksums
     lease_port: int = 0  # the holder's lease channel on its host (0: release over gRPC only)
+    kv_dtype: str = ""  # the holder's KV element type ("" from older holders)
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.expires_at - (time.time() if now is None else now)
@@ -32,9 +33,10 @@ class KVHandle:
             worker_id=self.worker_id, incarnation=self.incarnation, address=self.address,
             lease_id=self.lease_id, block_ids=self.block_ids, num_tokens=self.num_tokens,
             fingerprint=self.fingerprint, expires_at=self.expires_at,
-            block_crc32=self.block_crc32, lease_port=self.lease_port)
+            block_crc32=self.block_crc32, lease_port=self.lease_port, kv_dtype=self.kv_dtype)
 
     @classmethod
     def from_proto(cls, m) -> KVHandle:
         return cls(m.worker_id, m.incarnation, m.address, m.lease_id, tuple(m.block_ids),
-                   m.num_tokens, m.fingerprint, m.expires_at, tuple(m.block_crc32), m.lease_port)
+                   m.num_tokens, m.fingerprint, m.expires_at, tuple(m.block_crc32), m.lease_port,
+                   m.kv_dtype)

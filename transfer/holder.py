@@ -65,7 +65,7 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
         crc = block_crc32(self.agent.kv, block_ids) if self.checksums else ()
         return KVHandle(self.worker_id, self.incarnation, self.address, lease.lease_id,
                         tuple(block_ids), num_tokens, self.fingerprint, lease.expires_at, crc,
-                        self.lease_port)
+                        self.lease_port, kv_dtype_name(self.agent.kv))
 
     def sweep(self) -> int:
         """Free the blocks of every expired lease; returns how many ended."""

@@ -128,6 +128,11 @@ class KVReader:
     def _read_and_release(self, handle: KVHandle, local_block_ids: tuple[int, ...],
                           num_local: int, deadline: float, res: PullResult) -> None:
         """:meth:`pull`'s steps, recorded in ``res`` (its state says how far it got)."""
+        ours = kv_dtype_name(self.agent.kv)
+        if handle.kv_dtype and handle.kv_dtype != ours:  # said as such: both element types
+            raise FingerprintMismatchError(
+                self.fingerprint, handle.fingerprint, handle.worker_id,
+                kv_dtype_mismatch(handle.worker_id, handle.kv_dtype, self.reader_id, ours))
         if handle.fingerprint != self.fingerprint:
             raise FingerprintMismatchError(self.fingerprint, handle.fingerprint,
                                            handle.worker_id)

@@ -309,10 +309,10 @@ class OpenAIFront:
              "max_model_len": m.max_model_len}]})
 
     async def health(self, request: Request) -> Response:
-        counts = self.orch.pool.role_counts()
-        ok = counts.get("decode", 0) + counts.get("both", 0) > 0
-        return _json({"status": "ok" if ok else "no decode worker", "workers": counts},
-                            status_code=200 if ok else 503)
+        """200 while the router can serve, 503 with the reasons while it cannot: workers
+        that answer, not registry entries (``baton.services.router.liveness``)."""
+        ok, body = self.orch.health()
+        return _json(body, status_code=200 if ok else 503)
 
     async def scrape(self, request: Request) -> Response:
         self.metrics.workers.clear()

@@ -38,6 +38,7 @@ from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common import tracing
 from baton.services.common.metrics import RouterMetrics
 from baton.services.common.protocol import params_from_proto
+from baton.services.router import liveness
 from baton.services.router.errors import RequestError, Status
 from baton.services.router.limits import (
     Admission,
@@ -249,6 +250,7 @@ class Orchestrator:
     def __init__(self, pool: WorkerPool, tokenizer: BatonTokenizer, settings: RouterSettings,
                  policy: RoutingPolicy | None = None) -> None:
         self.pool, self.tokenizer, self.settings = pool, tokenizer, settings
+        self.liveness: liveness.Liveness | None = None  # the workers that answer (/health)
         self.policy = policy or RoutingPolicy(pool, None)
         self.admission = Admission(settings.limits)
         self.decode_queue = DecodeQueue(settings.limits.max_queued)
@@ -266,6 +268,15 @@ class Orchestrator:
         if client_seconds is None or client_seconds > limit:
             client_seconds = limit
         return Deadline.after(client_seconds)
+
+    def health(self) -> tuple[bool, dict]:
+        """(whether this router can serve, what ``/health`` says): from the workers that
+        answer its probes (``liveness``, set by the router's main), else from the registry."""
+        if self.liveness is not None:
+            return liveness.report(self.pool, self.liveness)
+        counts = self.pool.role_counts()
+        ok = counts.get("decode", 0) + counts.get("both", 0) > 0
+        return ok, {"status": "ok" if ok else "degraded", "workers": counts}
 
     def model_card(self) -> api_pb2.ModelCard:
         s = self.settings

@@ -30,6 +30,7 @@ from baton.services.common.process import (
 )
 from baton.services.router.grpc_api import RouterServicer, TokenAuth
 from baton.services.router.limits import ApiKeys, Limits
+from baton.services.router.liveness import Liveness
 from baton.services.router.orchestrator import Orchestrator, RouterSettings
 from baton.services.router.routing import (
     DEFAULT_TIER_WEIGHTS,
@@ -314,10 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.error(str(e))
     setup_logging(cfg.log_level)
-    import redis
+    from baton.control.redis_client import connect
 
     # short timeouts: a Redis that hangs must not stall routing (the index degrades instead)
-    client = redis.Redis.from_url(cfg.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    client = connect(cfg.redis_url, socket_timeout=0.5)
     pool = WorkerPool(WorkerRegistry(client))
     server, port = grpc_server(cfg)
     router_id = f"router-{cfg.host}-{port}-{new_incarnation()}"
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     orchestrator = build_orchestrator(cfg, client, pool, router_id)
     api_pb2_grpc.add_BatonServicer_to_server(RouterServicer(orchestrator), server)
     health = add_standard_services(server, ["baton.v1.Baton"])
+    # NOT_SERVING (and /health 503) while no worker of a role answers its probes
+    orchestrator.liveness = Liveness(pool, health=health, services=("", "baton.v1.Baton")).start()
     server.start()
     address = f"{cfg.host}:{port}"
     log.info("router serving %s on %s", orchestrator.model, address)

@@ -113,6 +113,7 @@ class WorkerPool:
         self._stubs: dict[tuple, object] = {}
         self._inflight: dict[str, int] = {}
         self._registry_ok = True
+        self._registry_down_since = 0.0
         self._lock = threading.Lock()
         # set once the router knows its model (pin_fingerprint): workers with another model
         # fingerprint (weights, dtype, block size, device kind) are left out, each named once
@@ -142,12 +143,21 @@ class WorkerPool:
             if self._registry_ok:
                 log.warning("worker registry unreadable (%s); using the %d workers "
                             "last seen", e, len(self._workers))
+                self._registry_down_since = time.time()
             self._registry_ok = False
         else:
             if not self._registry_ok:
-                log.info("worker registry readable again")
+                log.info("worker registry readable again (after %.0fs)",
+                         time.time() - self._registry_down_since)
             self._registry_ok = True
         self._read_at = time.monotonic()
+
+    def registry_state(self) -> dict:
+        """Whether the last registry read worked; if not, since when (seconds) it has not."""
+        if self._registry_ok:
+            return {"reachable": True}
+        return {"reachable": False,
+                "unreachable_for_s": round(time.time() - self._registry_down_since, 1)}
 
     def _ours(self, workers: list[WorkerRecord]) -> list[WorkerRecord]:
         if self.fingerprint is None:

@@ -33,10 +33,10 @@ def publish_index(cfg: ServerSettings, engine, worker_id: str, incarnation: str)
     ``--redis-url``), with the registry's TTL; returns the running IndexPublisher."""
     if not cfg.redis_url or engine.kv_events is None:
         return None
-    import redis
     from baton.control.prefix_index import IndexPublisher
+    from baton.control.redis_client import connect
 
-    client = redis.Redis.from_url(cfg.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = connect(cfg.redis_url, socket_timeout=2)
     def load() -> tuple[int, int, int, int]:  # plain counter reads, safe off the engine thread
         s = engine.stats()
         return s.waiting, s.running, s.free_blocks, s.total_blocks

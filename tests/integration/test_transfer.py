@@ -224,7 +224,11 @@ def test_killed_stalled_and_restarted_prefill_worker(reference, tmp_path):
 
 
 def test_mismatched_peers_refuse_each_other(pair, reference):
+    # another model fingerprint (block size); another KV dtype, named as such (both ends')
     with pytest.raises(WorkerStartError, match="fingerprint"):
+        WorkerProcess("decode", ["--num-blocks", "64", "--block-size", "8",
+                                 "--peers", pair.prefill.address])
+    with pytest.raises(WorkerStartError, match="KV cache dtype mismatch.*float32.*bfloat16"):
         WorkerProcess("decode", ["--num-blocks", "64", "--dtype", "bfloat16",
                                  "--peers", pair.prefill.address])
     other = WorkerProcess("decode", ["--num-blocks", "64", "--dtype", "bfloat16"])
@@ -238,7 +242,7 @@ def test_mismatched_peers_refuse_each_other(pair, reference):
                 request_id="mismatch", prompt_token_ids=ids, first_token_id=pre.first_token_id,
                 params=params_to_proto(params), handle=pre.handle), timeout=30))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "fingerprint" in e.value.details()
+        assert "KV cache dtype mismatch" in e.value.details()
         info = other.info(check_integrity=True)
         assert info.integrity_ok and info.num_free_blocks == info.num_blocks
     finally:

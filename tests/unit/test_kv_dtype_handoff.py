@@ -77,3 +77,17 @@ def test_a_plain_stub_gets_failed_precondition_naming_both(pair):
         resp = worker_pb2_grpc.KVSourceStub(ch).Handshake(
             worker_pb2.HandshakeRequest(fingerprint="fp", reader_id="x", kv_dtype=mine))
         assert resp.kv_dtype == mine
+
+
+def test_a_handle_of_another_kv_dtype_is_refused_before_any_read(pair):
+    # the handle says the holder's dtype: the reader refuses it before the handshake
+    holder, agent = pair
+    reader = KVReader(agent, "fp", "r")
+    try:
+        handle = holder.grant("req", (1, 2), 8)
+        assert handle.kv_dtype == str(holder.agent.kv.dtype).removeprefix("torch.")
+        with pytest.raises(FingerprintMismatchError) as err:
+            reader.pull(handle, (3, 4), 0, time.monotonic() + 30)
+        assert names_both(str(err.value)) and reader.num_peers == 0
+    finally:
+        reader.close()

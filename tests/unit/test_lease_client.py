@@ -8,6 +8,7 @@ import socket
 import time
 
 import pytest
+import torch
 from baton.services.common.process import make_server
 from baton.transfer.errors import PeerUnavailableError
 from baton.transfer.holder import KVHolder
@@ -44,7 +45,7 @@ class Holder:
 
 
 class _NoAgent:
-    kv = None
+    kv = torch.empty(0)  # no pool: only its element type is asked (for the handle)
 
     def stage_out(self, block_ids) -> None:
         pass

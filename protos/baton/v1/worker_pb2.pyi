@@ -49,7 +49,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "address", "lease_id", "block_ids", "num_tokens", "fingerprint", "expires_at", "block_crc32", "lease_port")
+    __slots__ = ("worker_id", "incarnation", "address", "lease_id", "block_ids", "num_tokens", "fingerprint", "expires_at", "block_crc32", "lease_port", "kv_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class KVHandle(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_CRC32_FIELD_NUMBER: _ClassVar[int]
     LEASE_PORT_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     address: str
@@ -70,7 +71,8 @@ class KVHandle(_message.Message):
     expires_at: float
     block_crc32: _containers.RepeatedScalarFieldContainer[int]
     lease_port: int
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., expires_at: _Optional[float] = ..., block_crc32: _Optional[_Iterable[int]] = ..., lease_port: _Optional[int] = ...) -> None: ...
+    kv_dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., expires_at: _Optional[float] = ..., block_crc32: _Optional[_Iterable[int]] = ..., lease_port: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
