@@ -17,7 +17,8 @@ in one pipeline, refreshing the TTL (``--registry-ttl``) each time. A worker tha
 refreshing, so its entries vanish within the TTL, as its registry entry does; a restarted worker
 has a new incarnation and so a new, empty set; a draining worker deletes its keys. If Redis goes
 away the publisher keeps its own copy of the set and rewrites it whole when Redis is back; a Redis
-that comes back empty between two flushes (its set's PEXPIRE finds no key) gets it whole too.
+that comes back empty between two flushes (an EXISTS ahead of the writes finds no set that
+should be there) gets it whole too.
 
 Routers read all three in one round trip (:meth:`PrefixIndex.signals`, one Lua script): for a
 prompt's chain of block hashes, how many leading blocks each candidate holds, plus its queue, KV
@@ -125,9 +126,12 @@ class IndexPublisher:
             return
         ttl_ms = int(self.ttl_s * 1000)
         pipe = self.redis.pipeline(transaction=self._dirty)
-        checked = []  # pipeline positions of the PEXPIREs of sets that should exist
+        checked = []  # pipeline positions of EXISTS on sets that should be there already
         for place, key in self.keys.items():
             stored, evicted = changes[place]
+            if not self._dirty and len(self.held_by[place]) > len(stored):
+                checked.append(len(pipe))
+                pipe.exists(key)
             if self._dirty:  # rewrite the whole set (first flush, after an outage, a clear)
                 pipe.delete(key)
                 held = list(self.held_by[place])
@@ -139,8 +143,6 @@ class IndexPublisher:
                 if evicted:
                     pipe.srem(key, *evicted)
             if place == "pool" or self.held_by[place] or evicted:
-                if self.held_by[place] and not self._dirty:
-                    checked.append(len(pipe))
                 pipe.pexpire(key, ttl_ms)
         pipe.set(self.load_key, " ".join(map(str, (self.incarnation, *load))), px=ttl_ms)
         replies = pipe.execute()
@@ -149,7 +151,7 @@ class IndexPublisher:
                      sum(map(len, self.held_by.values())))
         self._dirty, self._last_load, self._refreshed = False, load, now
         self.num_flushes += 1
-        if any(not replies[i] for i in checked):  # a set that should be there is gone: a
+        if any(not replies[i] for i in checked):  # a set that should be there was gone: a
             # Redis that came back empty (restart, failover) without our connection noticing
             self._dirty = True
             self.num_resends += 1

@@ -78,11 +78,13 @@ class Liveness:
             n = self.rounds
             self._round_done.wait_for(lambda: self.rounds > n, timeout)
 
+    def answers(self, worker) -> bool:
+        """Whether ``worker`` answered SERVING within ``fresh_s``."""
+        return time.monotonic() - self.answered_at.get(worker.worker_id, -1e9) <= self.fresh_s
+
     def answering(self) -> list:
         """The pool's workers that answered SERVING within ``fresh_s``."""
-        now = time.monotonic()
-        return [w for w in self.pool.workers()
-                if now - self.answered_at.get(w.worker_id, -1e9) <= self.fresh_s]
+        return [w for w in self.pool.workers() if self.answers(w)]
 
     def _set_health(self) -> None:
         if self.health is None:

@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     health = add_standard_services(server, ["baton.v1.Baton"])
     # NOT_SERVING (and /health 503) while no worker of a role answers its probes
     orchestrator.liveness = Liveness(pool, health=health, services=("", "baton.v1.Baton")).start()
+    pool.still_answering = orchestrator.liveness.answers
     server.start()
     address = f"{cfg.host}:{port}"
     log.info("router serving %s on %s", orchestrator.model, address)

@@ -114,6 +114,10 @@ class WorkerPool:
         self._inflight: dict[str, int] = {}
         self._registry_ok = True
         self._registry_down_since = 0.0
+        # set by the router's main (its Liveness): keep workers the registry stopped listing
+        # while they answer (see _kept)
+        self.still_answering = None
+        self._unlisted: set[str] = set()
         self._lock = threading.Lock()
         # set once the router knows its model (pin_fingerprint): workers with another model
         # fingerprint (weights, dtype, block size, device kind) are left out, each named once
@@ -138,7 +142,7 @@ class WorkerPool:
 
     def _reread(self) -> None:
         try:
-            self._workers = self._ours(self.registry.workers())
+            self._workers = self._kept(self._ours(self.registry.workers()))
         except (RedisError, OSError) as e:  # keep routing to the workers last seen
             if self._registry_ok:
                 log.warning("worker registry unreadable (%s); using the %d workers "
@@ -151,6 +155,24 @@ class WorkerPool:
                          time.time() - self._registry_down_since)
             self._registry_ok = True
         self._read_at = time.monotonic()
+
+    def _kept(self, listed: list[WorkerRecord]) -> list[WorkerRecord]:
+        """``listed`` plus the workers known before that the registry no longer lists but that
+        still answer (``still_answering``): a Redis that came back empty (or a worker whose
+        heartbeat cannot reach it) must not make a router forget live workers. A draining
+        worker answers NOT_SERVING, so it is not kept."""
+        if self.still_answering is None:
+            return listed
+        ids = {w.worker_id for w in listed}
+        kept = [w for w in self._workers if w.worker_id not in ids and self.still_answering(w)]
+        for w in kept:
+            if w.worker_id not in self._unlisted:
+                self._unlisted.add(w.worker_id)
+                log.warning("worker %s is not in the registry but answers: still routing to "
+                            "it (Redis restarted empty, or its heartbeat cannot reach Redis)",
+                            w.worker_id)
+        self._unlisted &= {w.worker_id for w in kept}
+        return listed + kept
 
     def registry_state(self) -> dict:
         """Whether the last registry read worked; if not, since when (seconds) it has not."""

@@ -69,6 +69,17 @@ class Up:
                     "".join(self.lines[-30:])
                 self.changed.wait(1)
 
+    def redis_pid(self) -> int:
+        """The redis-server ``baton up`` runs (the one now, after any restart)."""
+        for pid in descendants(self.proc.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"redis-server" in cmd.split(b"\0")[0]:
+                return pid
+        raise AssertionError("no redis-server under baton up")
+
     def pid_of(self, role: str) -> int:
         for pid in descendants(self.proc.pid):
             try:

@@ -107,6 +107,24 @@ def test_publisher_thread_resends_everything_after_an_outage(tmp_path):
         server.stop()
 
 
+def test_a_redis_that_came_back_empty_between_flushes_gets_the_whole_set(client):
+    # no connection error seen (FLUSHALL: a restart the client reconnected through, a failover
+    # to a replica that had not caught up): the set's PEXPIRE finds no key, so the next flush
+    # writes it whole
+    prompt = hash_blocks(list(range(40)), 4, NS)
+    pub, events, _ = publisher(client, "a")
+    events.extend((STORED, h) for h in prompt[:6])
+    pub.flush()
+    key = index_key("a", "i1")
+    assert client.scard(key) == 6
+    client.flushall()
+    events.extend((STORED, h) for h in prompt[6:8])
+    pub.flush()  # writes the two new ones; its PEXPIRE finds the set was gone
+    assert pub.num_resends == 1 and client.scard(key) == 2
+    pub.flush()
+    assert client.smembers(key) == set(prompt[:8]) and client.pttl(key) > 0
+
+
 def test_inflight_counts_are_shared_released_and_expire(client):
     w = [rec("a"), rec("b")]
     r1, r2 = PrefixIndex(client, "r1", inflight_ttl_s=1.0), PrefixIndex(client, "r2")

@@ -98,3 +98,30 @@ def test_a_router_pool_reads_the_registry_on_first_use_however_long_its_refresh(
     assert [w.worker_id for w in pool.workers()] == ["d0"]  # cached until refresh_s
     assert pool.forget()
     assert [w.worker_id for w in pool.workers()] == ["d0", "d1"]
+
+
+def test_a_registration_made_while_redis_is_down_lands_when_it_answers():
+    # a worker starts while Redis is down: start() does not raise, the heartbeat registers it
+    # as soon as Redis answers, and registers it again after Redis comes back empty
+    from tests.support.processes import free_port
+
+    port = free_port()
+    registry = WorkerRegistry.from_url(f"redis://127.0.0.1:{port}/0", ttl_s=1.0)
+    reg = Registration(registry, WorkerRecord("w", "decode", "127.0.0.1:1", "fp", "i")).start()
+    assert reg.down_since is not None and reg.num_failures == 1
+    server = EmbeddedRedis(port=port).start()
+    try:
+        _until(lambda: [w.worker_id for w in registry.workers()] == ["w"])
+        assert reg.down_since is None
+        registry.redis.flushall()  # back empty
+        _until(lambda: [w.worker_id for w in registry.workers()] == ["w"])
+    finally:
+        reg.withdraw()
+        server.stop()
+
+
+def _until(check, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end
+        time.sleep(0.05)
