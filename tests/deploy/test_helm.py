@@ -368,44 +368,103 @@ def test_secrets_reach_every_pod_in_its_environment_and_never_in_argv(helm):
     assert env["BATON_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-cluster"
 
 
-def test_the_redis_containers_command_requires_the_password_and_hides_it(helm, tmp_path):
-    """The Redis container's shell command, run here with the local redis-server: clients
-    without the password are refused, with it they are served, and `ps` never shows it."""
+def run_redis_container(c: dict, tmp_path: Path, password: str, data: Path | None = None):
+    """The Redis container's shell command ``c``, run here with the local redis-server on a
+    free loopback port (``/data`` -> ``data``); (process, client) once it answers."""
     import socket
     import time
 
     import redis
     from baton.control.redis_server import redis_server_binary
 
+    assert c["command"] == ["sh", "-c"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    conf = tmp_path / f"conf-{port}"
+    conf.mkdir()
+    script = (c["args"][0].replace("/run/redis", str(conf)).replace("--port 6379",
+              f"--port {port} --bind 127.0.0.1"))
+    if data is not None:
+        script = script.replace("--dir /data", f"--dir {data}")
+    bindir = tmp_path / "bin"
+    if not bindir.exists():
+        bindir.mkdir()
+        (bindir / "redis-server").symlink_to(redis_server_binary())
+    proc = subprocess.Popen(["sh", "-c", script], env={
+        "PATH": f"{bindir}:{os.environ['PATH']}", "REDIS_PASSWORD": password})
+    client = redis.Redis(port=port, password=password)
+    for _ in range(600):  # up to a minute for a slow machine; fails only on a hang
+        try:
+            client.ping()
+            return proc, client
+        except redis.ConnectionError:
+            assert proc.poll() is None, "redis-server exited"
+            time.sleep(0.1)
+    raise AssertionError("the container's redis-server never answered")
+
+
+def test_the_redis_containers_command_requires_the_password_and_hides_it(helm, tmp_path):
+    """The Redis container's shell command, run here with the local redis-server: clients
+    without the password are refused, with it they are served, and `ps` never shows it."""
+    import redis
+
     docs = render(helm, None)
     c = by_kind(docs, "Deployment")["rel-baton-redis"]["spec"]["template"]["spec"][
         "containers"][0]
-    assert c["command"] == ["sh", "-c"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = (c["args"][0].replace("/run/redis", str(tmp_path)).replace("--port 6379",
-              f"--port {port} --bind 127.0.0.1"))
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "redis-server").symlink_to(redis_server_binary())
     password = "Pw" + os.urandom(12).hex()
-    proc = subprocess.Popen(["sh", "-c", script], env={
-        "PATH": f"{bindir}:{os.environ['PATH']}", "REDIS_PASSWORD": password})
+    proc, client = run_redis_container(c, tmp_path, password)
     try:
-        client = redis.Redis(port=port, password=password)
-        for _ in range(600):  # up to a minute for a slow machine; fails only on a hang
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert proc.poll() is None, "redis-server exited"
-                time.sleep(0.1)
         assert client.set("k", "v")
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis(port=port).get("k")
+            redis.Redis(port=client.connection_pool.connection_kwargs["port"]).get("k")
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
         assert password not in ps
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_redis_persistence_keeps_its_append_only_file_on_a_claim(helm, tmp_path):
+    """With persistence the in-chart Redis writes an AOF to a PersistentVolumeClaim: its
+    command, run here on a local directory, comes back from a SIGKILL with what it held."""
+    import time
+
+    docs = render(helm, None, "redis.persistence.enabled=true", "redis.persistence.size=5Gi",
+                  "redis.persistence.storageClass=fast")
+    pvc = by_kind(docs, "PersistentVolumeClaim")["rel-baton-redis-data"]
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert pvc["spec"]["storageClassName"] == "fast"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    spec = by_kind(docs, "Deployment")["rel-baton-redis"]["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    assert {"name": "data", "mountPath": "/data"} in c["volumeMounts"]
+    assert {"name": "data", "persistentVolumeClaim": {"claimName": "rel-baton-redis-data"}} \
+        in spec["volumes"]
+    assert "--appendonly yes" in c["args"][0]
+    assert "PersistentVolumeClaim" not in {d["kind"] for d in render(helm, None)}
+    data = tmp_path / "data"
+    data.mkdir()
+    password = "Pw" + os.urandom(12).hex()
+    proc, client = run_redis_container(c, tmp_path, password, data)
+    client.set("baton:worker:w", "entry")
+    for _ in range(100):  # fsync every second: until the AOF has it
+        if any(b"baton:worker:w" in f.read_bytes() for f in data.rglob("*") if f.is_file()):
+            break
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait(30)
+    proc, client = run_redis_container(c, tmp_path, password, data)
+    try:
+        assert client.get("baton:worker:w") == b"entry"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_an_external_redis_behind_sentinel_is_taken(helm):
+    docs = render(helm, None, "redis.enabled=false",
+                  "redis.external.url=redis+sentinel://s-0:26379\\,s-1:26379/baton")
+    assert "rel-baton-redis" not in by_kind(docs, "Deployment")
+    env = worker_env(by_kind(docs, "Deployment")["rel-baton-decode"])
+    assert env["BATON_REDIS_URL"]["value"] == "redis+sentinel://s-0:26379,s-1:26379/baton"
