@@ -92,6 +92,21 @@ def test_redis_then_the_decode_worker_killed_under_load(tiny_llama, tmp_path):
         want = {tuple(p): generate_ids(up.router, p, NEW)[0] for p in PROMPTS}
         load = Load(up.router, want)
         until(lambda: load.done >= 4, "requests before the fault")
+        # a Redis that hangs (SIGSTOP): the router serves on from its last view and says its
+        # view is stale; `baton status` says Redis is down and what the router still sees
+        pid = up.redis_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            code, body = until(lambda: (lambda r: r if not r[1]["registry"]["reachable"]
+                                        else None)(health(up.router.http_address)),
+                               "the router noticing Redis is unreachable")
+            assert code == 200 and "warnings" in body  # workers answer: still serving
+            status = subprocess.run(["baton", "status", "--redis-url", up.redis_url],
+                                    capture_output=True, text=True, timeout=60)
+            assert status.returncode == 1 and ": DOWN" in status.stdout, status
+            assert "without Redis for" in status.stdout
+        finally:
+            os.kill(pid, signal.SIGCONT)
         mark = len(up.lines)
         os.kill(up.redis_pid(), signal.SIGKILL)
         up.wait_line(r"redis-server exited", "baton up noticing Redis died", mark)
@@ -123,6 +138,8 @@ def test_redis_then_the_decode_worker_killed_under_load(tiny_llama, tmp_path):
         status = subprocess.run(["baton", "status", "--redis-url", up.redis_url, "--json"],
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
+        restarts = {r["what"]: r["restarts"] for r in json.loads(status.stdout)["restarts"]}
+        assert restarts["redis-server"] == 1 and restarts["decode worker"] == 1
         up.assert_quiet(workers=2)
     finally:
         assert up.stop() == 0
@@ -166,8 +183,20 @@ def test_health_says_degraded_while_no_decode_worker_answers(start_cluster, tiny
                        "degraded with the decode worker dead", timeout=20)
     assert body["status"] == "degraded" and "no decode worker answered" in body["reasons"][0]
     assert body["workers"].get("decode", 0) == 0
+    until(lambda: _grpc_health(c.router) == "NOT_SERVING", "the gRPC health not serving")
     c.decode[0] = c.start_worker("decode")
     until(lambda: health(http)[0] == 200, "healthy again with a new decode worker")
+    until(lambda: _grpc_health(c.router) == "SERVING", "the gRPC health serving again")
+
+
+def _grpc_health(router) -> str:
+    """The router's gRPC health (a plain generated stub, as a load balancer asks)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(router.address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="baton.v1.Baton"), timeout=10)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
 def test_an_empty_redis_is_repopulated(start_cluster, tiny_llama):
