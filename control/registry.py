@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, AuthorizationError, RedisError
 
 log = logging.getLogger("baton.control")
 
@@ -126,7 +126,9 @@ class Registration:
                                         daemon=True)
 
     def start(self) -> Registration:
-        self._put()
+        """Register (or, with Redis away, start the heartbeat that will). Credentials Redis
+        refuses are a configuration error, not an outage: AuthenticationError is raised."""
+        self._put(first=True)
         self._thread.start()
         return self
 
@@ -134,9 +136,14 @@ class Registration:
         while not self._stop.wait(self.registry.ttl_s / 3):
             self._put()
 
-    def _put(self) -> None:
+    def _put(self, first: bool = False) -> None:
         try:
             self.registry.put(self.record)
+        except (AuthenticationError, AuthorizationError):
+            if first:
+                raise
+            self.num_failures += 1
+            log.error("Redis refuses %s's credentials", self.record.key)
         except (RedisError, OSError) as e:  # Redis away: serve on, register when it is back
             self.num_failures += 1
             if self.down_since is None:

@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import grpc
@@ -116,7 +116,7 @@ class WorkerPool:
         self._registry_down_since = 0.0
         # set by the router's main (its Liveness): keep workers the registry stopped listing
         # while they answer (see _kept)
-        self.still_answering = None
+        self.still_answering: Callable[[WorkerRecord], bool] | None = None
         self._unlisted: set[str] = set()
         self._lock = threading.Lock()
         # set once the router knows its model (pin_fingerprint): workers with another model

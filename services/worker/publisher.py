@@ -23,8 +23,18 @@ def register(cfg: ServerSettings, role: str, worker_id: str, address: str,
     record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model,
                           block_size=block_size, metrics_address=metrics_address,
                           max_num_seqs=max_num_seqs)
-    reg = Registration(registry, record).start()
-    log.info("registered as %s (%s) in Redis", worker_id, role)
+    from redis.exceptions import AuthenticationError, AuthorizationError
+
+    try:
+        reg = Registration(registry, record).start()
+    except (AuthenticationError, AuthorizationError) as e:  # a wrong password is no outage
+        from baton.control.redis_client import redact
+
+        raise SystemExit(f"error: Redis at {redact(cfg.redis_url)} refused this worker's "
+                         f"credentials (auth: {e}); check the password in --redis-url or "
+                         "BATON_REDIS_URL") from None
+    if reg.down_since is None:
+        log.info("registered as %s (%s) in Redis", worker_id, role)
     return reg
 
 

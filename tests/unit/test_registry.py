@@ -125,3 +125,16 @@ def _until(check, timeout: float = 10.0) -> None:
     while not check():
         assert time.monotonic() < end
         time.sleep(0.05)
+
+
+def test_credentials_redis_refuses_are_an_error_not_an_outage():
+    from redis.exceptions import AuthenticationError
+
+    server = EmbeddedRedis(password="right-pw").start()
+    try:
+        wrong = WorkerRegistry.from_url(server.url.replace(":right-pw@", ""), ttl_s=1.0)
+        reg = Registration(wrong, WorkerRecord("w", "decode", "127.0.0.1:1", "fp", "i"))
+        with pytest.raises(AuthenticationError):
+            reg.start()
+    finally:
+        server.stop()
