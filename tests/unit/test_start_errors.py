@@ -22,6 +22,7 @@ def test_a_worker_with_a_missing_model_says_so_in_one_line(module):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # four processes, ~6 s: the fast lane keeps the in-process checks
 def test_baton_worker_runs_each_role():
     # `baton worker --role R` is the worker the docs show: it starts that role's entry point
     # (bug: it imported a `main` the worker modules no longer had, for every role); a CPU worker
