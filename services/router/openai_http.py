@@ -210,11 +210,25 @@ def _chat(req, msgs) -> None:
     for i, m in enumerate(msgs):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = [c.get("text", "") for c in content if isinstance(c, dict)]
-            content = "".join(parts) if all(isinstance(t, str) for t in parts) else None
+            content = _text_parts(content, i)
         if not isinstance(content, str) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "each message needs a role and text content")
         req.chat.messages.add(role=m["role"], content=content)
+
+
+def _text_parts(parts: list, i: int) -> str | None:
+    """A message's content parts joined, when every part is text (None if one is malformed).
+    A part of another type (an image, audio, a file) is refused naming it: the model would
+    answer without it, wrong in silence."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise _bad(f"messages[{i}].content[{j}].type",
+                       f"content part type {kind!r} is not served: Baton's models read text "
+                       "only (send the part as text, or leave it out)")
+        texts.append(part.get("text"))
+    return "".join(texts) if all(isinstance(t, str) for t in texts) else None
 
 
 def _prompt(req, prompt) -> None:
@@ -392,7 +406,9 @@ class _Answer:
 
     def __init__(self, kind: str, orch: Orchestrator, req, body: dict) -> None:
         self.kind, self.tokenizer = kind, orch.tokenizer
-        self.id, self.created, self.model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), \
+        # as OpenAI names them: chatcmpl-... for chat, cmpl-... for completions
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), \
             orch.model
         self.want_lp = req.params.HasField("logprobs")
         self.want_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -275,6 +275,15 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
     r = client.chat.completions.create(model=model, messages=hi, max_tokens=2,
                                        presence_penalty=0, frequency_penalty=0)
     assert r.choices[0].finish_reason  # the defaults are no use of them: served
+    assert r.id.startswith("chatcmpl-")  # OpenAI's ids: chatcmpl-... for chat
+    # an image part would be answered without the image: refused naming the part
+    seen = [{"role": "user", "content": [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=seen, max_tokens=2)
+    assert e.value.status_code == 400 and e.value.param == "messages[0].content[1].type"
+    assert "image_url" in e.value.message
     base = f"http://{cluster.router.http_address}"
     with urllib.request.urlopen(base + "/health", timeout=10) as h:
         assert json.loads(h.read())["status"] == "ok"

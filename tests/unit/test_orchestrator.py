@@ -145,13 +145,25 @@ def test_each_front_maps_a_request_error_once():
     assert _error(RequestError(Status.DATA_LOSS, "bad")).status_code == 500
 
 
+def test_chat_text_parts_are_joined():
+    from baton.services.router.openai_http import generate_request
+
+    req = generate_request("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}]})
+    assert req.chat.messages[0].content == "Hello, world"
+
+
 def test_the_openai_body_errors_name_the_field():
     from baton.services.router.openai_http import generate_request
 
     cases = [({"prompt": "hi", "temperature": "hot"}, "temperature"),
              ({"prompt": "hi", "n": 2}, "n"), ({"prompt": 5}, "prompt"),
              ({"messages": [{"role": "user"}]}, "messages[0]"), ([1, 2], "body"),
-             ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens")]
+             ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens"),
+             ({"messages": [{"role": "user", "content": [
+                 {"type": "text", "text": "hi"},
+                 {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+              "messages[0].content[1].type")]
     for body, field in cases:
         kind = "chat" if isinstance(body, dict) and "messages" in body else "text"
         with pytest.raises(RequestError) as e:
