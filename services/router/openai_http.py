@@ -65,6 +65,9 @@ class HttpMetrics:
                             "HTTP request start to its first token.", registry=r)
         self.workers = Gauge("baton_workers", "Registered workers by role.", ["role"],
                              registry=r)
+        self.unknown = Counter("baton_http_unknown_fields", "Request fields the front did not "
+                               "know and ignored (--unknown-fields ignore).", ["field"],
+                               registry=r)
 
     def record(self, api: str, final=None, error: RequestError | None = None) -> None:
         if error is not None:
@@ -107,7 +110,8 @@ _NUMBERS = (("temperature", (int, float), "a number"), ("top_p", (int, float), "
 
 
 # what a request that sets neither max_tokens nor max_completion_tokens gets, per endpoint
-# (the completions API's documented default; chat keeps the same until its own default lands)
+# (the completions API's documented default; chat keeps the same until its own default lands:
+# to EOS or the context needs the context to fit the worker's pool, which it need not today)
 DEFAULT_MAX_TOKENS = {"text": 16, "chat": 16}
 
 
@@ -175,10 +179,37 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple[str, ...], Callable[[object], bool], str
     "prediction": (("chat",), lambda v: v is None, "null"),
     "reasoning_effort": (("chat",), lambda v: v is None, "null"),
     "web_search_options": (("chat",), lambda v: v is None, "null"),
+    "verbosity": (("chat",), lambda v: v is None, "null"),
+    "moderation": (("chat",), lambda v: v is None, "null"),
     "echo": (("text",), lambda v: v is None or v is False, "false"),
     "suffix": (("text",), lambda v: v is None or v == "", '""'),
     "best_of": (("text",), lambda v: v is None or v == 1, "1"),
 }
+
+
+# the fields Baton reads, per API (vLLM's top_k, ignore_eos and chat_template_kwargs too)
+_SERVED = {
+    "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+             "seed", "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
+             "top_k", "ignore_eos", "chat_template_kwargs"},
+    "text": {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+             "stream_options", "n", "logprobs", "top_k", "ignore_eos"},
+}
+# fields that describe the caller or ask a hosted service for something Baton has no part of
+# (storage, tiers, cache retention): accepted and not acted on
+CALLER_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                 "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
+                 "parallel_tool_calls"}
+# what the router does with a field it does not know (--unknown-fields): refuse it, as OpenAI
+# does ("Unrecognized request argument supplied"), or ignore it (logged once, counted)
+UNKNOWN_FIELDS = ("refuse", "ignore")
+
+
+def known_fields(kind: str) -> set[str]:
+    """Every field of a ``kind`` request this router knows: served, accepted as the caller's,
+    or refused as not implemented."""
+    return (_SERVED[kind] | CALLER_FIELDS
+            | {k for k, (kinds, _, _) in _NOT_IMPLEMENTED.items() if kind in kinds})
 
 
 def _refuse_unimplemented(kind: str, body: dict) -> None:
@@ -188,17 +219,31 @@ def _refuse_unimplemented(kind: str, body: dict) -> None:
                             f"{default}); got {json.dumps(body[key])[:100]}")
 
 
-def generate_request(kind: str, body: dict) -> api_pb2.GenerateRequest:
+def unknown_fields(kind: str, body: dict) -> list[str]:
+    """The fields of ``body`` a ``kind`` request does not have, in order."""
+    known = known_fields(kind)
+    return [k for k in body if k not in known]
+
+
+def generate_request(kind: str, body: dict, unknown: str = "refuse") -> api_pb2.GenerateRequest:
     """The gRPC API's request for an OpenAI ``kind`` ("chat" or "text") body; raises
     RequestError (INVALID_ARGUMENT) naming the offending field, a field Baton does not implement
-    included."""
+    included, and (``unknown="refuse"``) a field no such request has."""
     if not isinstance(body, dict):
         raise _bad("body", "the body must be a JSON object")
+    extra = unknown_fields(kind, body)
+    if extra and unknown == "refuse":
+        raise _bad(extra[0], f"Unrecognized request argument supplied: {extra[0]} (the router "
+                             "refuses fields it does not know; `--unknown-fields ignore` "
+                             "ignores them)")
     _refuse_unimplemented(kind, body)
     req = api_pb2.GenerateRequest(model=_typed(body, "model", str, "a string") or "",
                                   params=_params(body, kind))
     if kind == "chat":
         _chat(req, body.get("messages"))
+        kwargs = _typed(body, "chat_template_kwargs", dict, "an object")
+        if kwargs:
+            req.chat.template_kwargs_json = json.dumps(kwargs)
     else:
         _prompt(req, body.get("prompt"))
     return req
@@ -302,8 +347,10 @@ class OpenAIFront:
     """The routes, bound to one orchestrator; :meth:`app` is the ASGI app."""
 
     def __init__(self, orchestrator: Orchestrator, keys: ApiKeys | None = None,
-                 threads: int = 1024) -> None:
-        self.orch, self.keys = orchestrator, keys or ApiKeys()
+                 threads: int = 1024, unknown_fields: str = "refuse") -> None:
+        assert unknown_fields in UNKNOWN_FIELDS, unknown_fields
+        self.orch, self.keys, self.unknown = orchestrator, keys or ApiKeys(), unknown_fields
+        self._ignored: set[str] = set()
         self.metrics = HttpMetrics(orchestrator.metrics.registry)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="http-request")
 
@@ -334,6 +381,16 @@ class OpenAIFront:
             self.metrics.workers.labels(role).set(n)
         return Response(self.orch.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def _note_ignored(self, kind: str, body: dict) -> None:
+        """Count (and log once per field) what ``--unknown-fields ignore`` let through."""
+        for key in unknown_fields(kind, body):
+            key = key[:64]
+            if key not in self._ignored and len(self._ignored) < 256:  # bounded labels
+                self._ignored.add(key)
+                log.warning("ignoring the unknown request field %r (--unknown-fields ignore)",
+                            key)
+            self.metrics.unknown.labels(key if key in self._ignored else "(other)").inc()
+
     async def completions(self, request: Request) -> Response:
         return await self._generate("text", request)
 
@@ -343,7 +400,9 @@ class OpenAIFront:
     async def _generate(self, kind: str, request: Request) -> Response:
         try:
             body = json.loads(await request.body() or b"{}")
-            req = generate_request(kind, body)
+            req = generate_request(kind, body, self.unknown)
+            if self.unknown == "ignore":
+                self._note_ignored(kind, body)
         except (ValueError, RecursionError) as e:
             return _error(_bad("body", f"the body is not JSON: {e}"))
         except RequestError as e:
@@ -587,7 +646,10 @@ class HttpServer:
 
 
 def serve_http(orchestrator: Orchestrator, host: str, port: int, keys: ApiKeys | None = None,
-               tls: tuple[str, str] | None = None, threads: int = 1024) -> HttpServer:
+               tls: tuple[str, str] | None = None, threads: int = 1024,
+               unknown_fields: str = "refuse") -> HttpServer:
     """Start the HTTP front on its own thread; returns the server (``port`` is the bound one).
-    ``tls``: (certificate file, key file) to serve HTTPS."""
-    return HttpServer(OpenAIFront(orchestrator, keys, threads), host, port, tls).start()
+    ``tls``: (certificate file, key file) to serve HTTPS; ``unknown_fields``: refuse or ignore
+    request fields the front does not know."""
+    return HttpServer(OpenAIFront(orchestrator, keys, threads, unknown_fields), host, port,
+                      tls).start()

@@ -25,6 +25,7 @@ worker. Imports no torch.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 import time
@@ -211,6 +212,30 @@ class _Call:
         """A wait (admission, the decode queue) that ended without a place."""
         status = Status.CANCELLED if self.cancel.cancelled else Status.DEADLINE_EXCEEDED
         return RequestError(status, f"{type(e).__name__}: {e}")
+
+
+# the chat template's variables Baton sets itself
+_TEMPLATE_OWN = {"messages", "add_generation_prompt", "bos_token", "eos_token",
+                 "raise_exception", "strftime_now"}
+
+
+def _template_kwargs(chat) -> dict:
+    """A chat request's template variables (``chat_template_kwargs``), checked: a JSON object
+    whose keys are not the ones the template gets from Baton."""
+    if not chat.template_kwargs_json:
+        return {}
+    try:
+        kwargs = json.loads(chat.template_kwargs_json)
+    except ValueError as e:
+        raise InvalidRequestError("chat_template_kwargs", chat.template_kwargs_json[:100],
+                                  f"not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs", kwargs, "must be a JSON object")
+    for key in kwargs:
+        if key in _TEMPLATE_OWN or not key.isidentifier():
+            raise InvalidRequestError(f"chat_template_kwargs.{key}", kwargs[key],
+                                      "is set by Baton, or not a template variable name")
+    return kwargs
 
 
 def resolve_max_tokens(request: api_pb2.GenerateRequest, default: int) -> None:
@@ -569,7 +594,8 @@ class Orchestrator:
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "chat":
-            ids = self.tokenizer.encode_chat(_chat_messages(request.chat.messages))
+            ids = self.tokenizer.encode_chat(_chat_messages(request.chat.messages),
+                                             **_template_kwargs(request.chat))
         else:
             raise InvalidRequestError("input", None, "give text, token_ids or chat")
         if not ids:

@@ -148,6 +148,11 @@ def _limit_flags(g) -> None:
                    help="longest prompt accepted (0: the model's context length)")
     g.add_argument("--max-tokens", type=int, default=0,
                    help="largest max_tokens accepted (0: no limit beyond the context)")
+    g.add_argument("--unknown-fields", default="refuse", choices=["refuse", "ignore"],
+                   help="an OpenAI request field the router does not know: refuse (400 naming "
+                        "it, as OpenAI does), or ignore (logged once per field and counted in "
+                        "baton_http_unknown_fields_total), for clients written against other "
+                        "servers' extensions (default refuse)")
 
 
 def _security_flags(g) -> None:
@@ -196,6 +201,7 @@ class RouterConfig:
     keys: ApiKeys
     tls: tuple[str, str] | None  # (certificate file, key file)
     tier_weights: dict | None = None  # None: DEFAULT_TIER_WEIGHTS
+    unknown_fields: str = "refuse"  # refuse | ignore (the OpenAI front)
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> RouterConfig:
@@ -301,7 +307,7 @@ def http_front(cfg: RouterConfig, orchestrator: Orchestrator) -> str:
     from baton.services.router.openai_http import serve_http
 
     http = serve_http(orchestrator, cfg.host, cfg.http_port, keys=cfg.keys, tls=cfg.tls,
-                      threads=cfg.threads)
+                      threads=cfg.threads, unknown_fields=cfg.unknown_fields)
     address = f"{cfg.host}:{http.port}"
     log.info("OpenAI-compatible HTTP on %s://%s/v1", "https" if cfg.tls else "http", address)
     print(f"BATON_HTTP {address}", flush=True)

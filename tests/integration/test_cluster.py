@@ -284,6 +284,16 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
         client.chat.completions.create(model=model, messages=seen, max_tokens=2)
     assert e.value.status_code == 400 and e.value.param == "messages[0].content[1].type"
     assert "image_url" in e.value.message
+    # a field no OpenAI request has is refused as OpenAI refuses it; the caller's own fields and
+    # the chat template's variables are taken
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=hi, max_tokens=2,
+                                       extra_body={"guided_json": {"type": "object"}})
+    assert e.value.param == "guided_json" and "Unrecognized request argument" in e.value.message
+    r = client.chat.completions.create(
+        model=model, messages=hi, max_tokens=2, store=False, prompt_cache_key="k",
+        safety_identifier="s", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].finish_reason
     base = f"http://{cluster.router.http_address}"
     with urllib.request.urlopen(base + "/health", timeout=10) as h:
         assert json.loads(h.read())["status"] == "ok"

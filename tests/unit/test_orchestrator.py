@@ -210,3 +210,62 @@ def test_an_unimplemented_openai_field_is_refused_naming_it(kind, field, used, u
     assert "not implemented" in e.value.message
     generate_request(kind, {**base, field: unused})  # its default is no use of it: served
     generate_request(kind, {**base, "user": "u-1", "metadata": {"k": "v"}})  # who is asking
+
+
+def test_every_openai_request_field_is_known():
+    # the field list is the official client's request types: each field is served, accepted
+    # as the caller's, or refused as not implemented; none is "unrecognized"
+    import typing
+
+    from baton.services.router.openai_http import known_fields
+    from openai.types import completion_create_params as text
+    from openai.types.chat import completion_create_params as chat
+
+    for kind, params in (("chat", chat.CompletionCreateParamsBase),
+                         ("text", text.CompletionCreateParamsBase)):
+        fields = set(typing.get_type_hints(params)) | {"stream"}
+        assert fields <= known_fields(kind), (kind, sorted(fields - known_fields(kind)))
+
+
+def test_an_unknown_field_is_refused_unless_the_router_ignores_them():
+    from baton.services.router.openai_http import generate_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}
+    with pytest.raises(RequestError) as e:
+        generate_request("chat", body)
+    assert e.value.status is Status.INVALID_ARGUMENT and e.value.field == "guided_json"
+    assert "Unrecognized request argument supplied: guided_json" in e.value.message
+    assert generate_request("chat", body, "ignore").chat.messages[0].content == "hi"
+    with pytest.raises(RequestError) as e:  # a chat field sent to completions
+        generate_request("text", {"prompt": "hi", "messages": []})
+    assert e.value.field == "messages"
+    # what describes the caller, or asks a hosted service for something: accepted, a no-op
+    generate_request("chat", {**body, "guided_json": None} | {
+        "store": True, "service_tier": "auto", "prompt_cache_key": "k", "user": "u",
+        "safety_identifier": "s", "metadata": {"a": "b"}, "parallel_tool_calls": True},
+        "ignore")
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_llama):
+    from baton.engine.tokenizer import BatonTokenizer
+    from baton.services.router.openai_http import generate_request
+
+    tok = BatonTokenizer.from_hf_dir(tiny_llama[0], (1,))
+    tok.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}/no_think "
+                         "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    orch = Orchestrator.__new__(Orchestrator)
+    orch.settings, orch.tokenizer = RouterSettings("m", 100, "fp"), tok
+    msgs = [{"role": "user", "content": "hi there"}]
+    plain = orch._prompt_ids(generate_request("chat", {"messages": msgs}))
+    off = orch._prompt_ids(generate_request("chat", {
+        "messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}))
+    assert off == tok.encode_chat(msgs, enable_thinking=False) and off != plain
+    for kwargs, field in (({"messages": []}, "chat_template_kwargs.messages"),
+                          ({"not a name": 1}, "chat_template_kwargs.not a name")):
+        with pytest.raises(RequestError) as e:
+            orch.validate(generate_request("chat", {"messages": msgs,
+                                                    "chat_template_kwargs": kwargs}))
+        assert e.value.field == field
+    with pytest.raises(RequestError) as e:
+        generate_request("chat", {"messages": msgs, "chat_template_kwargs": [1]})
+    assert e.value.field == "chat_template_kwargs"

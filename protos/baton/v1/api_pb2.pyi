@@ -16,10 +16,12 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "template_kwargs_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    template_kwargs_json: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., template_kwargs_json: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
