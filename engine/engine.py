@@ -341,6 +341,9 @@ class LLMEngine:
         if rid in self.requests:
             raise DuplicateRequestError("request_id", rid, "already in use")
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        if params.fit_pool:  # an upper bound: as many as the pool holds beside the prompt
+            max_tokens = max(1, min(max_tokens, self.num_blocks * self.cfg.block_size
+                                    - len(ids)))
         need_tokens = len(ids) + (1 if prefill_only else max_tokens)
         need = self.kv.blocks_needed(need_tokens)
         if need > self.num_blocks:

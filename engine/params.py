@@ -27,6 +27,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     cache_salt: str | None = None
+    # max_tokens is an upper bound the engine lowers to what its KV pool holds beside the
+    # prompt (a chat completion without max_tokens: to EOS, the context or the pool)
+    fit_pool: bool = False
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 

@@ -29,14 +29,14 @@ def params_from_proto(m) -> SamplingParams:
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
-        logprobs=m.logprobs if m.HasField("logprobs") else None)
+        logprobs=m.logprobs if m.HasField("logprobs") else None, fit_pool=m.fit_pool)
 
 
 def params_to_proto(p: SamplingParams):
     return worker_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        cache_salt=p.cache_salt, logprobs=p.logprobs)
+        cache_salt=p.cache_salt, logprobs=p.logprobs, fit_pool=p.fit_pool)
 
 
 def logprob_to_proto(lp):

@@ -109,14 +109,17 @@ _NUMBERS = (("temperature", (int, float), "a number"), ("top_p", (int, float), "
             ("seed", int, "an integer"), ("top_k", int, "an integer"))
 
 
-# what a request that sets neither max_tokens nor max_completion_tokens gets, per endpoint
-# (the completions API's documented default; chat keeps the same until its own default lands:
-# to EOS or the context needs the context to fit the worker's pool, which it need not today)
-DEFAULT_MAX_TOKENS = {"text": 16, "chat": 16}
+# what a request that sets neither max_tokens nor max_completion_tokens gets, per endpoint: the
+# completions API's documented 16; chat none (None): the router runs it to EOS, to the context
+# less the prompt (at most --max-tokens), or to what the worker's KV pool holds, as OpenAI and
+# vLLM run chat to EOS or the context
+DEFAULT_MAX_TOKENS = {"text": 16, "chat": None}
 
 
 def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
-    p = worker_pb2.SamplingParams(max_tokens=DEFAULT_MAX_TOKENS[kind])
+    p = worker_pb2.SamplingParams()
+    if DEFAULT_MAX_TOKENS[kind] is not None:
+        p.max_tokens = DEFAULT_MAX_TOKENS[kind]
     for key in ("max_completion_tokens", "max_tokens"):
         value = _typed(body, key, int, "an integer")
         if value is not None:

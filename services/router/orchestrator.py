@@ -347,6 +347,10 @@ class Orchestrator:
         """The prompt's token ids; raises RequestError (INVALID_ARGUMENT) naming the field."""
         try:
             ids = self._prompt_ids(request)
+            if not request.params.HasField("max_tokens"):  # a chat to EOS or the context
+                room, cap = self.settings.max_model_len - len(ids), self.settings.max_tokens
+                request.params.max_tokens = max(1, min(room, cap) if cap else room)
+                request.params.fit_pool = True  # and each worker to what its pool holds
             p = params_from_proto(request.params)  # validation: the workers get the proto
             if self.settings.max_tokens and p.max_tokens > self.settings.max_tokens:
                 raise InvalidRequestError("params.max_tokens", p.max_tokens,

@@ -276,6 +276,13 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
                                        presence_penalty=0, frequency_penalty=0)
     assert r.choices[0].finish_reason  # the defaults are no use of them: served
     assert r.id.startswith("chatcmpl-")  # OpenAI's ids: chatcmpl-... for chat
+    # no max_tokens: a chat runs to EOS (or the context, or the worker's pool), not 16 tokens
+    kind, text = PROMPTS[0]
+    want = expected(engine, kind, text, max_tokens=4096)
+    r = client.chat.completions.create(model=model, messages=[{"role": "user",
+                                                                "content": text}],
+                                       temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
     # an image part would be answered without the image: refused naming the part
     seen = [{"role": "user", "content": [
         {"type": "text", "text": "What is in this picture?"},

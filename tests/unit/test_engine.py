@@ -155,6 +155,12 @@ def test_bad_requests_are_rejected_and_engine_keeps_serving(tiny_engine):
     assert list(got) == [good.request_id]
     assert len(first[0].new_token_ids + got[good.request_id]) == 12
     eng.check_integrity()
+    # unless max_tokens is only an upper bound (a chat without max_tokens): lowered to the pool
+    fitted = eng.add_request(params=SamplingParams(max_tokens=40, fit_pool=True,
+                                                   ignore_eos=True), prompt_token_ids=[9] * 30)
+    assert fitted.max_tokens == 64 - 30
+    assert len(drain(eng)[fitted.request_id]) == 34
+    eng.check_integrity()
 
 
 def test_seed_reproducible_and_sampling_filters(tiny_engine):

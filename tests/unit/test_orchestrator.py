@@ -269,3 +269,22 @@ def test_chat_template_kwargs_reach_the_template(tiny_llama):
     with pytest.raises(RequestError) as e:
         generate_request("chat", {"messages": msgs, "chat_template_kwargs": [1]})
     assert e.value.field == "chat_template_kwargs"
+
+
+def test_a_chat_without_max_tokens_runs_to_the_context_or_the_pool(tiny_llama):
+    # OpenAI and vLLM run chat to EOS or the context; completions keep their documented 16
+    from baton.engine.tokenizer import BatonTokenizer
+    from baton.services.router.openai_http import generate_request
+
+    orch = Orchestrator.__new__(Orchestrator)
+    orch.tokenizer = BatonTokenizer.from_hf_dir(tiny_llama[0], (1,))
+    msgs = [{"role": "user", "content": "hi there"}]
+    for cap, want in ((0, None), (10, 10)):
+        orch.settings = RouterSettings("m", 100, "fp", max_tokens=cap)
+        req = generate_request("chat", {"messages": msgs})
+        ids = orch.validate(req)
+        assert req.params.max_tokens == (want or 100 - len(ids)) and req.params.fit_pool
+    req = generate_request("chat", {"messages": msgs, "max_tokens": 7})
+    orch.validate(req)
+    assert req.params.max_tokens == 7 and not req.params.fit_pool
+    assert generate_request("text", {"prompt": "hi"}).params.max_tokens == 16
