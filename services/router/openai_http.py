@@ -113,13 +113,14 @@ _NUMBERS = (("temperature", (int, float), "a number"), ("top_p", (int, float), "
 # completions API's documented 16; chat none (None): the router runs it to EOS, to the context
 # less the prompt (at most --max-tokens), or to what the worker's KV pool holds, as OpenAI and
 # vLLM run chat to EOS or the context
-DEFAULT_MAX_TOKENS = {"text": 16, "chat": None}
+DEFAULT_MAX_TOKENS: dict[str, int | None] = {"text": 16, "chat": None}
 
 
 def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     p = worker_pb2.SamplingParams()
-    if DEFAULT_MAX_TOKENS[kind] is not None:
-        p.max_tokens = DEFAULT_MAX_TOKENS[kind]
+    default = DEFAULT_MAX_TOKENS[kind]
+    if default is not None:
+        p.max_tokens = default
     for key in ("max_completion_tokens", "max_tokens"):
         value = _typed(body, key, int, "an integer")
         if value is not None:
