@@ -464,7 +464,7 @@ class _LocalCluster:
                      "re-register and republish when it answers")
         elif s.due is not None and now >= s.due:
             try:
-                self._restart_redis()
+                s.start()
             except Exception as e:  # RedisStartError, a port taken meanwhile: try again
                 s.due = time.monotonic() + 2.0
                 self.say(f"redis-server did not start ({e}); trying again in 2s")

@@ -17,8 +17,8 @@ in one pipeline, refreshing the TTL (``--registry-ttl``) each time. A worker tha
 refreshing, so its entries vanish within the TTL, as its registry entry does; a restarted worker
 has a new incarnation and so a new, empty set; a draining worker deletes its keys. If Redis goes
 away the publisher keeps its own copy of the set and rewrites it whole when Redis is back; a Redis
-that comes back empty between two flushes (an EXISTS ahead of the writes finds no set that
-should be there) gets it whole too.
+that comes back empty without the connection noticing gets it whole too: each keep-alive flush
+(a third of the TTL) checks with an EXISTS ahead of its writes that the set is still there.
 
 Routers read all three in one round trip (:meth:`PrefixIndex.signals`, one Lua script): for a
 prompt's chain of block hashes, how many leading blocks each candidate holds, plus its queue, KV
@@ -129,7 +129,7 @@ class IndexPublisher:
         checked = []  # pipeline positions of EXISTS on sets that should be there already
         for place, key in self.keys.items():
             stored, evicted = changes[place]
-            if not self._dirty and len(self.held_by[place]) > len(stored):
+            if keepalive and not self._dirty and len(self.held_by[place]) > len(stored):
                 checked.append(len(pipe))
                 pipe.exists(key)
             if self._dirty:  # rewrite the whole set (first flush, after an outage, a clear)

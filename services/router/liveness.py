@@ -16,6 +16,7 @@ import threading
 import time
 
 import grpc
+from baton.services.router.workers import count_roles
 
 log = logging.getLogger("baton.services.router")
 
@@ -98,18 +99,13 @@ class Liveness:
             self.health.set(name, status)
 
 
-def _counts(workers) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for w in workers:
-        out[w.role] = out.get(w.role, 0) + 1
-    return out
-
-
 def report(pool, liveness: Liveness) -> tuple[bool, dict]:
     """(whether the router can serve, the body of ``/health``). Degraded when no worker that
     can decode (decode or both) answers, or when prefill workers are registered and none of
     them answers; the registry's staleness is said either way."""
-    answering, registered = _counts(liveness.answering()), _counts(pool.workers())
+    known = pool.workers()
+    answering = count_roles([w for w in known if liveness.answers(w)])
+    registered = count_roles(known)
     reasons = []
     if answering.get("decode", 0) + answering.get("both", 0) == 0:
         n = registered.get("decode", 0) + registered.get("both", 0)

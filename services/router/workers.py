@@ -89,6 +89,14 @@ class Stream:
             raise WorkerError.of(self.address, e) from None
 
 
+def count_roles(workers) -> dict[str, int]:
+    """How many of ``workers`` have each role."""
+    counts: dict[str, int] = {}
+    for w in workers:
+        counts[w.role] = counts.get(w.role, 0) + 1
+    return counts
+
+
 def count_inflight(counts: dict[str, int], lock: threading.Lock, address: str):
     """The body of a ``busy(address)`` context manager: ``counts[address]`` is one higher while
     the ``with`` block runs (a generator for :func:`contextlib.contextmanager`)."""
@@ -194,10 +202,7 @@ class WorkerPool:
         return [w for w in workers if w.fingerprint == self.fingerprint]
 
     def role_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for w in self.workers():
-            counts[w.role] = counts.get(w.role, 0) + 1
-        return counts
+        return count_roles(self.workers())
 
     def inflight(self, address: str) -> int:
         """Requests this router has in flight on ``address``."""

@@ -69,26 +69,25 @@ class Up:
                     "".join(self.lines[-30:])
                 self.changed.wait(1)
 
+    def _descendant(self, matches, what: str) -> int:
+        """The pid of the process under baton up whose argv (NUL-separated) ``matches``."""
+        for pid in descendants(self.proc.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if matches(cmd):
+                return pid
+        raise AssertionError(f"no {what} under baton up")
+
     def redis_pid(self) -> int:
         """The redis-server ``baton up`` runs (the one now, after any restart)."""
-        for pid in descendants(self.proc.pid):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"redis-server" in cmd.split(b"\0")[0]:
-                return pid
-        raise AssertionError("no redis-server under baton up")
+        return self._descendant(lambda cmd: b"redis-server" in cmd.split(b"\0")[0],
+                                "redis-server")
 
     def pid_of(self, role: str) -> int:
-        for pid in descendants(self.proc.pid):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if f"baton.services.{role}".encode() in cmd:
-                return pid
-        raise AssertionError(f"no {role} process under baton up")
+        return self._descendant(lambda cmd: f"baton.services.{role}".encode() in cmd,
+                                f"{role} process")
 
     def pools(self) -> dict[str, tuple[int, int, int, int]]:
         """(free, total, leases, running) of every worker that answers, integrity checked."""
