@@ -169,6 +169,14 @@ class EngineConfig:
     # auto: the KV cache in ``dtype``; fp8: float8_e4m3fn with per-layer scales, read by the
     # Triton attention kernels (a CUDA device, or the interpreter in tests)
     kv_cache_dtype: str = "auto"
+    # the KV pool's layout (engine/kv_layout.py): head (KV-head-major: hands off to and from
+    # pools of any tensor-parallel size) | block (block-major: the fewest descriptors per
+    # hand-off, but one rank only, and only to and from other block-major pools)
+    kv_layout: str = "head"
+    # ranks of this engine's tensor-parallel group (engine/tp.py); 1: no tensor parallelism
+    tensor_parallel_size: int = 1
+    # seconds a rank waits in one collective before its group is declared down
+    tp_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -205,6 +213,25 @@ class EngineConfig:
             raise InvalidRequestError("kv_cache_dtype", "fp8", "an FP8 KV cache is read by the "
                                       "Triton attention kernels: it needs a CUDA device (the "
                                       "CPU kernels read float32 or bfloat16 KV)")
+
+        self._check_tp()
+
+    def _check_tp(self) -> None:
+        if self.kv_layout not in ("head", "block"):
+            raise InvalidRequestError("kv_layout", self.kv_layout, "must be head or block")
+        if self.tensor_parallel_size < 1:
+            raise InvalidRequestError("tensor_parallel_size", self.tensor_parallel_size,
+                                      "must be >= 1")
+        if self.tensor_parallel_size > 1 and self.kv_layout == "block":
+            raise InvalidRequestError("kv_layout", "block", "a block-major pool holds one "
+                                      "rank's heads; tensor parallelism needs kv_layout=head")
+        if self.tensor_parallel_size > 1 and self.device == "cuda":
+            raise InvalidRequestError(
+                "device", "cuda", "a tensor-parallel group shares one KV pool, so all its ranks "
+                "run on one device: name it (cuda:0); ranks on separate GPUs (per-rank pools) "
+                "are not built yet")
+        if self.tp_timeout_s <= 0:
+            raise InvalidRequestError("tp_timeout_s", self.tp_timeout_s, "must be > 0")
 
     @property
     def kv_dtype(self) -> torch.dtype:

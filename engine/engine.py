@@ -23,14 +23,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from baton.engine import fp8
+from baton.engine import fp8, tp
 from baton.engine.block_hash import namespace_for
 from baton.engine.config import EngineConfig
 from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
 from baton.engine.gpu_memory import DeviceMemory, activation_reserve, check_cuda_device
 from baton.engine.kv_cache import KVCacheManager
+from baton.engine.kv_layout import KVLayout
 from baton.engine.kv_tiers import DiskTier, DiskTierBusy, HostTier, TierStore
-from baton.engine.loader import LoadedModel, Placement, load_model
+from baton.engine.loader import LoadedModel, Placement, check_model, load_config, load_model
 from baton.engine.model import LlamaModel
 from baton.engine.params import SamplingParams
 from baton.engine.request import FINISH_REASONS, Request, RequestStatus
@@ -122,13 +123,15 @@ class _TextState:
     emitted: int = 0  # characters of ``text`` already returned
 
 
-def placement(cfg: EngineConfig) -> Placement:
+def placement(cfg: EngineConfig, rank: int = 0) -> Placement:
     """Where an engine of ``cfg`` keeps its weights: the compute dtype on its device, each value
     rounded to the storage dtype; an FP8 checkpoint's linear weights FP8 where this engine has
-    FP8 matmuls (a GPU with FP8 tensor cores, or the Triton kernels interpreted on CPU)."""
+    FP8 matmuls (a GPU with FP8 tensor cores, or the Triton kernels interpreted on CPU); under
+    tensor parallelism, rank ``rank``'s shard only."""
     storage, compute = cfg.torch_dtype, cfg.compute_dtype
+    n = cfg.tensor_parallel_size
     return Placement(compute, cfg.device, None if storage == compute else storage,
-                     fp8=fp8_matmul_available(cfg))
+                     fp8=fp8_matmul_available(cfg), shard=tp.TPShard(rank, n) if n > 1 else None)
 
 
 def fp8_matmul_available(cfg: EngineConfig) -> bool:
@@ -138,11 +141,15 @@ def fp8_matmul_available(cfg: EngineConfig) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(cfg.device) >= (8, 9)
 
 
-def placed_weights(model: LoadedModel, cfg: EngineConfig) -> dict:
+def placed_weights(model: LoadedModel, cfg: EngineConfig, rank: int = 0) -> dict:
     """``model``'s weights as an engine of ``cfg`` keeps them: as they are when the loader
     already wrote them there, else converted (a copy; FP8 weights dequantized)."""
-    if model.placement == placement(cfg):
+    if model.placement == placement(cfg, rank):
         return model.weights
+    if cfg.tensor_parallel_size > 1:
+        raise InvalidRequestError("tensor_parallel_size", cfg.tensor_parallel_size,
+                                  "a tensor-parallel engine loads its own shard: start it with "
+                                  "LLMEngine.from_path")
     storage, compute = cfg.torch_dtype, cfg.compute_dtype
     out = {}
     for k, v in model.weights.items():
@@ -165,35 +172,65 @@ def engine_fingerprint(model: LoadedModel, cfg: EngineConfig) -> str:
                              kv_dtype=cfg.kv_cache_dtype)
 
 
-def fp8_group(model: LoadedModel, cfg: EngineConfig) -> int | None:
+def fp8_group(model: LoadedModel, cfg: EngineConfig, rank: int = 0) -> int | None:
     """The FP8 matmul's scale group an engine of ``cfg`` runs ``model`` with (None: none)."""
-    return model.fp8_group if model.placement == placement(cfg) else None
+    return model.fp8_group if model.placement == placement(cfg, rank) else None
+
+
+def build_model(model: LoadedModel, cfg: EngineConfig, rank: int = 0) -> LlamaModel:
+    """The engine's model of ``model``: rank ``rank``'s share of it under tensor parallelism."""
+    mc, n = model.config, cfg.tensor_parallel_size
+    tp.check_model(mc, n)
+    storage, compute = cfg.torch_dtype, cfg.compute_dtype
+    weights = placed_weights(model, cfg, rank)
+    # GGUF blocks hold the float32 weights exactly, and the bf16 ones once each weight is
+    # rounded to bf16 as it is read (the model decides which products read them)
+    blocks = (cfg.device == "cpu" and compute == torch.float32
+              and storage in (torch.float32, torch.bfloat16))
+    comm = tp.TPComm(tp.TPShard(rank, n), mc.vocab_size) if n > 1 else None
+    return LlamaModel(tp.local_config(mc, n), weights, compute, cfg.attention_backend, storage,
+                      cfg.gemm_dtype, model.quantized if blocks else None,
+                      fp8_group=fp8_group(model, cfg, rank), tp=comm)
+
+
+def layout_of(model: LoadedModel, cfg: EngineConfig) -> KVLayout:
+    return KVLayout.of(model.config, cfg.block_size, cfg.kv_dtype, cfg.kv_layout,
+                       cfg.tensor_parallel_size)
+
+
+def load_rank_model(path: str, cfg: EngineConfig, shard: tp.TPShard
+                    ) -> tuple[LlamaModel, KVLayout, tp.TPComm]:
+    """A follower rank's model (its shard only) and the group's KV layout."""
+    model = load_model(path, place=placement(cfg, shard.rank))
+    lm = build_model(model, cfg, shard.rank)
+    return lm, layout_of(model, cfg), lm.tp
 
 
 class LLMEngine:
-    def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None) -> None:
+    def __init__(self, model: LoadedModel, cfg: EngineConfig | None = None, *,
+                 tp_group: tp.TPGroup | None = None) -> None:
+        """``tp_group``: rank 0's followers, when ``cfg.tensor_parallel_size`` > 1 (see
+        :meth:`from_path`, which starts them)."""
         self.cfg = cfg = cfg or EngineConfig()
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
+        if cfg.tensor_parallel_size > 1 and tp_group is None:
+            raise InvalidRequestError("tensor_parallel_size", cfg.tensor_parallel_size,
+                                      "a tensor-parallel engine starts its ranks itself: "
+                                      "build it with LLMEngine.from_path")
+        self.tp_group = tp_group
+        if cfg.num_threads or tp_group is not None:  # one torch thread per CPU rank
+            torch.set_num_threads(1 if tp_group is not None else cfg.num_threads)
         self.model_info = model
         self.model_config = mc = model.config
         self.tokenizer = model.tokenizer
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.fp8_group = fp8_group(model, cfg)
         self.fingerprint = engine_fingerprint(model, cfg)
-        storage, compute = cfg.torch_dtype, cfg.compute_dtype
+        compute = cfg.compute_dtype
         device_memory = None
         if cfg.device != "cpu":
             check_cuda_device(cfg.device)
             device_memory = DeviceMemory(cfg.device)
-        weights = placed_weights(model, cfg)
-        # GGUF blocks hold the float32 weights exactly, and the bf16 ones once each weight is
-        # rounded to bf16 as it is read (the model decides which products read them)
-        blocks = (cfg.device == "cpu" and compute == torch.float32
-                  and storage in (torch.float32, torch.bfloat16))
-        self.model = LlamaModel(mc, weights, compute, cfg.attention_backend, storage,
-                                cfg.gemm_dtype, model.quantized if blocks else None,
-                                fp8_group=self.fp8_group)
+        self.model = build_model(model, cfg)
         self.attention_backend = self.model.attention_backend
         self.block_nbytes = ModelRunner.block_nbytes(mc, cfg)
         # on CUDA without --num-blocks: the device's share after the weights (gpu_memory)
@@ -208,7 +245,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  cfg.record_kv_events)
         self.scheduler = Scheduler(cfg, self.kv)
-        self.runner = ModelRunner(self.model, cfg, num_blocks, self.max_model_len)
+        self.runner = ModelRunner(self.model, cfg, layout_of(model, cfg), num_blocks,
+                                  self.max_model_len, tp=tp_group)
         self.tiers = self._make_tiers()
         # what the device holds for this engine once the pool and the graphs exist
         self.device_reserved = device_memory.used_now() if device_memory is not None else 0
@@ -219,7 +257,7 @@ class LLMEngine:
 
     def _make_tiers(self) -> TierStore | None:
         """The KV tiers under the pool (``baton.engine.kv_tiers``), or None without any."""
-        cfg, kv = self.cfg, self.runner.kv
+        cfg, kv = self.cfg, self.runner.kv_all
         if not cfg.enable_prefix_caching or not (cfg.kv_host_tier_bytes or cfg.kv_disk_tier_bytes):
             return None
         if kv.dtype == torch.float8_e4m3fn:  # the tiers move bytes (torch has no FP8 gathers
@@ -255,14 +293,27 @@ class LLMEngine:
         """Stop the tiers' writer (the disk tier's queued blocks are written first)."""
         if self.tiers is not None:
             self.tiers.close()
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     @classmethod
     def from_path(cls, path: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
-        """Load ``path`` straight into this engine's dtype and device (one tensor at a time)."""
+        """Load ``path`` straight into this engine's dtype and device (one tensor at a time).
+        With ``tensor_parallel_size`` N > 1, first start ranks 1..N-1 (each loads its own
+        shard meanwhile), then load rank 0's."""
         cfg = cfg or EngineConfig()
         if cfg.device != "cpu":  # before any weight goes there: a clear error, not torch's
             check_cuda_device(cfg.device)
-        return cls(load_model(path, place=placement(cfg)), cfg)
+        if cfg.tensor_parallel_size == 1:
+            return cls(load_model(path, place=placement(cfg)), cfg)
+        model_path = str(check_model(path))
+        tp.check_model(load_config(model_path), cfg.tensor_parallel_size)
+        group = tp.TPGroup(model_path, cfg)
+        try:
+            return cls(load_model(model_path, place=placement(cfg)), cfg, tp_group=group)
+        except BaseException:
+            group.close()
+            raise
 
     @property
     def num_blocks(self) -> int:
@@ -282,8 +333,19 @@ class LLMEngine:
 
     @property
     def kv_cache(self) -> torch.Tensor:
-        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]; block b is kv[b]."""
-        return self.runner.kv
+        """[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (every head, any
+        strides: ``engine/kv_layout.py``); block b is kv[b]."""
+        return self.runner.kv_all
+
+    @property
+    def kv_storage(self) -> torch.Tensor:
+        """The KV pool as it lies in memory (what a NIXL agent registers), per
+        :attr:`kv_layout`."""
+        return self.runner.storage
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.runner.layout
 
     # =============================================================================================
     # Submission

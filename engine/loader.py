@@ -15,6 +15,7 @@ at a fraction of the bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from baton.engine import fp8
+from baton.engine import fp8, tp
 from baton.engine.config import ModelConfig, RopeScaling, model_fingerprint
 from baton.engine.errors import ModelLoadError, UnsupportedModelError
 from baton.engine.tokenizer import BatonTokenizer
@@ -99,6 +100,24 @@ def load_model(path: str | os.PathLike | None = None, *, use_cache: bool = True,
     return _load_gguf(p, use_cache, place)
 
 
+def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
+    """A model's config without its weights: a Hugging Face directory's config.json, or a GGUF
+    file's header (its converted copy in the cache, where there is one)."""
+    p = check_model(path)
+    if p.is_dir():
+        return _hf_config(json.loads((p / "config.json").read_text()))
+    meta = cache_root() / "gguf" / _file_key(p) / "meta.json"
+    if meta.is_file():
+        return ModelConfig.from_json(json.loads(meta.read_text())["config"])
+    import gguf
+
+    reader = gguf.GGUFReader(p)
+    f = _gguf_fields(reader)
+    names = {t.name for t in reader.tensors}
+    return _gguf_config(f, f.get("general.architecture"), "output.weight" in names,
+                        len(f["tokenizer.ggml.tokens"]))
+
+
 def check_model(path: str | os.PathLike | None = None) -> Path:
     """What can be checked of a model without reading its weights (a launcher's check before it
     starts any process): the path resolves to a GGUF file, or to a Hugging Face directory whose
@@ -160,14 +179,16 @@ def _load_gguf(p: Path, use_cache: bool, place: Placement) -> LoadedModel:
         meta = json.loads(meta_file.read_text())
         header = safetensors_header(weights_file)
         shapes = {k: tuple(v["shape"]) for k, v in header[1].items() if k != "__metadata__"}
-        fuser = _Fuser({k: [k] for k in shapes}, shapes, place)  # stored fused already
+        cfg = ModelConfig.from_json(meta["config"])
+        fuser = _Fuser({k: [k] for k in shapes}, shapes, place, cfg)  # stored fused already
         stream_safetensors(weights_file, header, fuser)
-        blocks = load_file(quant_file) if meta["quantized"] else {}
+        # a rank's shard reads no GGUF blocks (they hold whole rows of the whole matrix)
+        blocks = load_file(quant_file) if meta["quantized"] and not place.shard else {}
         log(f"loaded {p.name} from cache {cache} in {time.perf_counter() - t0:.1f}s")
-        return LoadedModel(meta["name"], str(p), ModelConfig.from_json(meta["config"]),
-                           fuser.result(), BatonTokenizer.from_json(meta["tokenizer"]),
-                           meta["weights_id"],
-                           {k: (q, blocks[k]) for k, q in meta["quantized"].items()}, place)
+        return LoadedModel(meta["name"], str(p), cfg, fuser.result(),
+                           BatonTokenizer.from_json(meta["tokenizer"]), meta["weights_id"],
+                           {k: (q, blocks[k]) for k, q in meta["quantized"].items()
+                            if k in blocks}, place)
     model = _convert_gguf(p)
     if use_cache:
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
@@ -188,6 +209,10 @@ def _load_gguf(p: Path, use_cache: bool, place: Placement) -> LoadedModel:
         else:
             tmp.rename(cache)
         log(f"cached converted weights in {cache}")
+    if place.shard:  # converted whole (once per file): keep this rank's part
+        model = dataclasses.replace(model, quantized={}, weights={
+            k: tp.take(v, tp.kept(k, model.config, place.shard))
+            for k, v in model.weights.items()})
     return model
 
 
@@ -467,6 +492,8 @@ class Placement:
     device: str = "cpu"
     round_to: torch.dtype | None = None
     fp8: bool = False  # an FP8 checkpoint's linear weights stay FP8 (an FP8 matmul reads them)
+    # one rank of a tensor-parallel group: only its shard of each weight is kept (engine/tp.py)
+    shard: tp.TPShard | None = None
 
     def put(self, dest: torch.Tensor, t: torch.Tensor) -> None:
         dest.copy_(t if self.round_to is None else t.to(self.round_to))
@@ -529,9 +556,11 @@ class _Fuser:
     second copy of the model on the host)."""
 
     def __init__(self, layout: dict[str, list[str]], shapes: dict[str, tuple],
-                 place: Placement) -> None:
+                 place: Placement, cfg: ModelConfig | None = None) -> None:
         """``layout``: each fused weight's sources (:func:`_layout`); ``shapes``: every source
-        tensor's shape."""
+        tensor's shape. With ``place.shard`` (and the model's ``cfg``), each fused weight is
+        only the rank's part of it (``tp.kept``), and each source's kept rows or columns are
+        copied as it is read: no rank holds the whole model."""
         for parts in layout.values():
             for n in parts:
                 if n not in shapes:
@@ -541,13 +570,16 @@ class _Fuser:
         self.scales: dict[str, torch.Tensor] = {}  # its weights' scales, by weight name
         self.where: dict[str, tuple[str, int, int]] = {}  # source -> (fused, first row, end)
         self.out: dict[str, torch.Tensor] = {}
+        self.rules: dict[str, tp.Rule | None] = {}
         for fused, parts in layout.items():
             rows = 0
             for n in parts:
                 self.where[n] = (fused, rows, rows + shapes[n][0])
                 rows += shapes[n][0]
-            self.out[fused] = torch.empty((rows, *shapes[parts[0]][1:]), dtype=place.dtype,
-                                          device=place.device)
+            self.rules[fused] = (tp.kept(fused, cfg, place.shard) if place.shard and cfg
+                                 else None)
+            shape = tp.kept_shape((rows, *shapes[parts[0]][1:]), self.rules[fused])
+            self.out[fused] = torch.empty(shape, dtype=place.dtype, device=place.device)
         self.pending = set(self.where)
 
     def wants(self, name: str) -> bool:
@@ -567,12 +599,26 @@ class _Fuser:
             parts.setdefault(fused, []).append(src)
         for fused, srcs in parts.items():
             if fused.rsplit(".", 1)[-1] in FP8_LINEARS and set(srcs) <= sources:
+                self._check_fp8_shard(fused, block)
                 rows, k = self.out[fused].shape
                 self.out[fused] = torch.empty((rows, k), dtype=torch.float8_e4m3fn,
                                               device=self.place.device)
                 self.out[fused + ".scale"] = torch.empty((rows, fp8.groups(k, group)),
                                                          device=self.place.device)
         return group
+
+    def _check_fp8_shard(self, fused: str, block) -> None:
+        """A kept FP8 weight's shard must start and end on its scale blocks."""
+        rule = self.rules.get(fused)
+        if rule is None or not block:
+            return
+        step = block[0] if rule[0] == "rows" else block[1]
+        for a, b in rule[1]:
+            if a % step or b % step:
+                raise UnsupportedModelError(
+                    f"FP8 weight {fused}: its tensor-parallel shard [{a}, {b}) does not fall on "
+                    f"the checkpoint's {block[0]}x{block[1]} scale blocks; choose a "
+                    "tensor-parallel size whose shards are multiples of them")
 
     def put(self, name: str, t: torch.Tensor) -> None:
         fused, a, b = self.where[name]
@@ -581,14 +627,30 @@ class _Fuser:
                 raise UnsupportedModelError(f"FP8 tensor {name!r} without a quantization_config "
                                             "and a scale for it")
             if self.out[fused].dtype == torch.float8_e4m3fn:  # kept for an FP8 matmul
-                self.out[fused][a:b].copy_(t)
-                self.out[fused + ".scale"][a:b].copy_(fp8.expand_scale(
-                    self.scales[name], b - a, t.shape[1], self.fp8.block))
+                scale = fp8.expand_scale(self.scales[name], b - a, t.shape[1], self.fp8.block)
+                self._copy(self.out[fused], t, fused, a, b, lambda d, x: d.copy_(x))
+                self._copy(self.out[fused + ".scale"], scale, fused, a, b,
+                           lambda d, x: d.copy_(x), cols_per=t.shape[1] // scale.shape[1]
+                           if scale.shape[1] else 1)
                 self.pending.discard(name)
                 return
             t = fp8.dequantize(t, self.scales[name], self.fp8)
-        self.place.put(self.out[fused][a:b], t)
+        self._copy(self.out[fused], t, fused, a, b, self.place.put)
         self.pending.discard(name)
+
+    def _copy(self, out: torch.Tensor, t: torch.Tensor, fused: str, a: int, b: int, put,
+              cols_per: int = 1) -> None:
+        """Source ``t`` (fused rows ``[a, b)``) into ``out``: all of it, or the rank's part
+        (``cols_per``: source columns per column of ``t``, for a scale's column groups)."""
+        rule = self.rules.get(fused)
+        if rule is None:
+            put(out[a:b], t)
+        elif rule[0] == "cols":
+            c0, c1 = rule[1][0]
+            put(out[a:b], t[:, c0 // cols_per:c1 // cols_per])
+        else:
+            for src, dst, n in tp.rows_into(rule, a, b):
+                put(out[dst:dst + n], t[src:src + n])
 
     def result(self) -> dict[str, torch.Tensor]:
         assert not self.pending, sorted(self.pending)[:5]
@@ -601,8 +663,10 @@ def _model_fuser(cfg: ModelConfig, names: dict[str, str], shapes: dict[str, tupl
     layout = _layout(cfg, names)
     if names["rope_freqs"] and names["rope_freqs"] in shapes:
         layout["rope_freqs"] = [names["rope_freqs"]]
-    fuser = _Fuser(layout, shapes, place)  # checks every source is there
-    expect = (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+    fuser = _Fuser(layout, shapes, place, cfg)  # checks every source is there
+    lc = tp.local_config(cfg, place.shard.size if place.shard else 1)
+    expect = (lc.q_size + 2 * (len(tp.kv_heads_of(cfg, place.shard)) * cfg.head_dim
+                               if place.shard else cfg.kv_size), cfg.hidden_size)
     got = tuple(fuser.out["layers.0.qkv"].shape)
     if got != expect:
         raise UnsupportedModelError(f"layer 0 qkv has shape {got}, config implies {expect}")

@@ -395,7 +395,7 @@ class LlamaModel:
         attention_backend: str = "auto", storage_dtype: torch.dtype | None = None,
         gemm_dtype: torch.dtype | None = None,
         quantized: dict[str, tuple[str, torch.Tensor]] | None = None,
-        fp8_group: int | None = None,
+        fp8_group: int | None = None, tp=None,
     ):
         """``weights`` are in the compute ``dtype``; ``storage_dtype`` (default: the same) is the
         precision they were rounded to, which the native small-M linear kernel reads;
@@ -404,8 +404,11 @@ class LlamaModel:
         (before any rounding to ``storage_dtype``), which small batches read instead: as they
         are in a float32 engine, each weight rounded to bf16 in one with bf16 GEMMs.
         ``fp8_group``: an FP8 checkpoint's linear weights are kept FP8 (``name.scale`` beside
-        each), with scales per row and this many columns (0: per row); Triton path only."""
+        each), with scales per row and this many columns (0: per row); Triton path only.
+        ``tp`` (``baton.engine.tp.TPComm``): this is one rank of a tensor-parallel group;
+        ``cfg`` is then the rank's share (``tp.local_config``) and ``weights`` its shard."""
         self.cfg = cfg
+        self.tp = tp
         self.device = weights["embed"].device
         if self.device.type == "cuda" or attention_backend == "triton":
             self._init_triton(cfg, weights, dtype, attention_backend, fp8_group)
@@ -450,15 +453,32 @@ class LlamaModel:
                                  or cfg.local_rope_theta or cfg.moe_layers)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The residual stream's start: [T, hidden] (float32 on CPU)."""
-        h = F.embedding(input_ids, self.embed)
+        """The residual stream's start: [T, hidden] (float32 on CPU). Vocab-parallel under
+        tensor parallelism: each rank's own rows, the others zero, summed over the group."""
+        h = (F.embedding(input_ids, self.embed) if self.tp is None
+             else self.tp.embed_rows(input_ids, self.embed))
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        return h if self.device.type != "cpu" else h.float()
+        h = h if self.device.type != "cpu" else h.float()
+        return h if self.tp is None else self.tp.reduce(h)
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product summed over the group (itself without tensor parallelism)."""
+        return t if self.tp is None else self.tp.reduce(t)
+
+    def _row_add(self, h: torch.Tensor, lin, x: torch.Tensor) -> None:
+        """``h += lin(x)``, summed over the group for a row-parallel ``lin``."""
+        if self.tp is None:
+            lin.add_to(h, x)
+        else:
+            h.add_(self.tp.reduce(lin(x)))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of the final-normed rows ``h``, soft-capped where the model is."""
+        """Float32 logits of the final-normed rows ``h``, soft-capped where the model is (each
+        rank's vocabulary rows gathered under tensor parallelism)."""
         logits = self.lm_head(h).float()
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
         cap = self.cfg.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 
@@ -495,7 +515,8 @@ class LlamaModel:
         # bf16 GEMMs on prepacked weights with a float32 residual: everything between them in
         # native one-pass kernels, bf16 in and out (see kernels/cpu_fused.py)
         self.fused_bf16 = (
-            self.llama_layers and dtype == torch.float32 and gemm == torch.bfloat16
+            self.tp is None and self.llama_layers and dtype == torch.float32
+            and gemm == torch.bfloat16
             and attention_backend != "torch"
             and cfg.head_dim <= cpu_fused.MAX_HEAD_DIM and cpu_fused.load() is not None
             and all(lin.packed is not None
@@ -573,18 +594,18 @@ class LlamaModel:
             store_kv(kv, i, meta.slot_blocks, meta.slot_offsets, k, v)
             o = self._attention(q, k, v, meta, kv, i).reshape(t, cfg.q_size)
             if layer.post_attn_norm is None:
-                layer.o.add_to(h, o)  # h is this forward's own tensor
+                self._row_add(h, layer.o, o)  # h is this forward's own tensor
             else:
-                h.add_(rms_norm(layer.o(o), layer.post_attn_norm, eps))
+                h.add_(rms_norm(self._reduce(layer.o(o)), layer.post_attn_norm, eps))
             x = rms_norm(h, layer.mlp_norm, eps)
             if layer.router is not None:
-                h.add_(moe(x, layer, cfg))
+                h.add_(self._reduce(moe(x, layer, cfg)))
                 continue
             act = gate_mul(layer.gate_up(x), cfg.hidden_act)
             if layer.post_mlp_norm is None:
-                layer.down.add_to(h, act)
+                self._row_add(h, layer.down, act)
             else:
-                h.add_(rms_norm(layer.down(act), layer.post_mlp_norm, eps))
+                h.add_(rms_norm(self._reduce(layer.down(act)), layer.post_mlp_norm, eps))
         return self._logits(rms_norm(h[logits_rows], self.norm, eps))
 
     def _forward_fused_f32(
@@ -604,9 +625,9 @@ class LlamaModel:
             q, k, v = qkv.split([cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads], dim=1)
             store_kv(kv, i, meta.slot_blocks, meta.slot_offsets, k, v)
             o = self._attention(q, k, v, meta, kv, i)
-            layer.o.add_to(h, o.reshape(t, cfg.q_size))
+            self._row_add(h, layer.o, o.reshape(t, cfg.q_size))
             x = cpu_fused.rms_norm_f32(h, layer.mlp_norm, cfg.rms_norm_eps)
-            layer.down.add_to(h, cpu_fused.silu_mul_f32(layer.gate_up(x)))
+            self._row_add(h, layer.down, cpu_fused.silu_mul_f32(layer.gate_up(x)))
         return self._logits(rms_norm(h[logits_rows], self.norm, cfg.rms_norm_eps))
 
     def _forward_fused_bf16(
@@ -652,11 +673,11 @@ class LlamaModel:
                 heads.copy_(qk_norm(heads, layer, cfg.num_heads, eps))
             q = fused.rope_store_kv(qkv, positions, *self.rope[i], kv, i, meta.slot_blocks,
                                     meta.slot_offsets, cfg.num_heads, kv_scales=self.kv_scales)
-            o = layer.o(self._attention_triton(q, meta, kv, i).view(t, cfg.q_size))
+            o = self._reduce(layer.o(self._attention_triton(q, meta, kv, i).view(t, cfg.q_size)))
             if layer.post_attn_norm is not None:
                 o = fused.add_rms_norm(o, None, layer.post_attn_norm, eps)
             x = fused.add_rms_norm(h, o, layer.mlp_norm, eps)
-            mlp = self._mlp_triton(x, layer)
+            mlp = self._reduce(self._mlp_triton(x, layer))
             if layer.post_mlp_norm is not None:
                 mlp = fused.add_rms_norm(mlp, None, layer.post_mlp_norm, eps)
             if i + 1 < len(self.layers):

@@ -8,6 +8,7 @@ import mmap
 import torch
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache import KVCacheManager
+from baton.engine.kv_layout import KVLayout
 from baton.engine.model import AttentionMetadata, LlamaModel, PrefillSeq
 from baton.engine.request import Request
 from baton.engine.sampler import TokenLogprobs, sample
@@ -34,20 +35,34 @@ def alloc_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu
 
 
 class ModelRunner:
-    """Owns the KV tensor and runs the model on scheduled batches.
+    """Owns the KV pool and runs the model on scheduled batches.
 
-    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] (block-major, see
-    docs/engine.md, "KV layout"): one block's keys and values for every layer form one contiguous
-    region.
+    ``storage`` is the pool as ``layout`` lays it out (``engine/kv_layout.py``); ``kv`` the
+    kernels' ``[num_blocks, num_layers, 2, block_size, H, head_dim]`` view of this rank's KV
+    heads, ``kv_all`` the same view of every head (what the KV tiers, checksums and hand-offs
+    copy per block). A rank of a tensor-parallel group (``tp``: rank 0's
+    :class:`baton.engine.tp.TPGroup`) maps the group's shared ``storage``.
     """
 
-    def __init__(self, model: LlamaModel, cfg: EngineConfig, num_blocks: int,
-                 max_model_len: int | None = None) -> None:
+    def __init__(self, model: LlamaModel, cfg: EngineConfig, layout: KVLayout,
+                 num_blocks: int = 0, max_model_len: int | None = None, *,
+                 storage: torch.Tensor | None = None, rank: int = 0, tp=None) -> None:
         self.model = model
         self.cfg = cfg
+        self.layout, self.rank, self.tp = layout, rank, tp
         mc = model.cfg
-        self.kv = alloc_kv_pool((num_blocks, mc.num_layers, 2, cfg.block_size, mc.num_kv_heads,
-                                 mc.head_dim), cfg.kv_dtype, cfg.device)
+        if storage is None:
+            shape = layout.storage_shape(num_blocks)
+            if tp is not None:
+                from baton.engine.tp import shared_pool
+
+                storage, spec = shared_pool(shape, cfg.kv_dtype, cfg.device)
+                tp.share_pool(spec)
+            else:
+                storage = alloc_kv_pool(shape, cfg.kv_dtype, cfg.device)
+        self.storage = storage
+        self.kv = layout.view(storage, rank)
+        self.kv_all = layout.view(storage)
         self.generators: dict[str, torch.Generator] = {}
         self.device = self.kv.device
         self.triton = model.attention_backend == "triton"
@@ -59,7 +74,7 @@ class ModelRunner:
             self._decode_splits = decode_splits
         if self.triton and self.device.type == "cuda":
             self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            if cfg.cuda_graphs:
+            if cfg.cuda_graphs and layout.tp == 1:  # graphs hold no collectives
                 from baton.engine.cuda_graphs import DecodeGraphs
 
                 self.graphs = DecodeGraphs(model, self.kv, cfg.max_num_seqs,
@@ -67,9 +82,9 @@ class ModelRunner:
 
     @staticmethod
     def block_nbytes(model_cfg, cfg: EngineConfig) -> int:
-        elem = torch.empty((), dtype=cfg.kv_dtype).element_size()
-        return (model_cfg.num_layers * 2 * cfg.block_size * model_cfg.num_kv_heads
-                * model_cfg.head_dim * elem)
+        """Bytes one block takes in a pool of ``cfg`` (every KV head, replicas included)."""
+        return KVLayout.of(model_cfg, cfg.block_size, cfg.kv_dtype, cfg.kv_layout,
+                           cfg.tensor_parallel_size).block_nbytes
 
     def execute(
         self, batch: ScheduledBatch, kv: KVCacheManager
@@ -136,7 +151,20 @@ class ModelRunner:
 
     def _forward(self, ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens, prefills,
                  logits_rows) -> torch.Tensor:
-        """One eager forward pass: the batch's host lists as tensors on the KV cache's device."""
+        """One eager forward pass: the batch's host lists as tensors on the KV cache's device.
+        In a tensor-parallel group rank 0 sends the same lists to every follower first, which
+        run the same pass on their shards (:meth:`forward_plan`)."""
+        plan = (ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens,
+                [(p.start, p.n, p.num_past, p.block_table.tolist()) for p in prefills],
+                logits_rows)
+        if self.tp is not None:
+            self.tp.send(("step", plan))
+        return self.forward_plan(plan)
+
+    def forward_plan(self, plan) -> torch.Tensor:
+        """:meth:`_forward` of a step plan (host lists only: what rank 0 sends its followers)."""
+        ids, positions, slot_blocks, dec_rows, dec_tables, dec_lens, chunks, logits_rows = plan
+        prefills = [PrefillSeq(a, n, past, torch.tensor(t)) for a, n, past, t in chunks]
         dev, bs = self.device, self.cfg.block_size
 
         def put(values, dtype=torch.long):

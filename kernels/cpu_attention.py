@@ -26,8 +26,8 @@ def load() -> ctypes.CDLL | None:
         return None
     dll.paged_decode_attention.restype = ctypes.c_int
     dll.paged_decode_attention.argtypes = (
-        [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 8
-        + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+        [ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+        + [ctypes.c_int64] * 5 + [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
     return dll
 
 
@@ -36,13 +36,15 @@ def decode_attention(
     context_lens: torch.Tensor, scale: float, window: int = 0,
 ) -> torch.Tensor:
     """Same contract as the torch reference (``window`` included): q [B, Hq, D] float32 ->
-    [B, Hq, D]."""
+    [B, Hq, D]. ``kv`` may be any strided view with the head dim contiguous (a KV-head-major
+    pool, ``engine/kv_layout.py``)."""
     dll = load()
     assert dll is not None
     nb, num_layers, two, bs, hkv, d = kv.shape
     b, hq, dq = q.shape
     assert two == 2 and dq == d and hq % hkv == 0, (q.shape, kv.shape)
-    assert kv.is_contiguous() and kv.dtype in (torch.float32, torch.bfloat16), kv.dtype
+    assert kv.stride(5) == 1 and kv.dtype in (torch.float32, torch.bfloat16), (kv.stride(),
+                                                                               kv.dtype)
     assert q.dtype == torch.float32 and block_tables.dtype == torch.int64
     assert block_tables.shape[0] == b and context_lens.shape == (b,)
     q = q.contiguous()
@@ -51,8 +53,9 @@ def decode_attention(
     out = torch.empty_like(q)
     rc = dll.paged_decode_attention(
         out.data_ptr(), q.data_ptr(), kv.data_ptr(), int(kv.dtype == torch.bfloat16),
-        bt.data_ptr(), lens.data_ptr(), b, bt.shape[1], layer, num_layers, bs, hkv, hq // hkv, d,
-        scale, window, torch.get_num_threads())
+        bt.data_ptr(), lens.data_ptr(), b, bt.shape[1], layer, kv.stride(0), kv.stride(1),
+        kv.stride(2), kv.stride(3), kv.stride(4), bs, hkv, hq // hkv, d, scale, window,
+        torch.get_num_threads())
     assert rc == 0, f"unsupported shape for the native kernel: group={hq // hkv} dim={d} bs={bs}"
     return out
 

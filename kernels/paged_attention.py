@@ -1,13 +1,14 @@
-"""Torch reference paged attention over Baton's block-major KV cache.
+"""Torch reference paged attention over Baton's KV cache.
 
-KV cache layout (docs/engine.md, "KV layout")::
+Every kernel sees the cache as (docs/engine.md, "KV layout")::
 
     kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
                           k/v ^
-    kv[b] is one contiguous region holding every layer's keys and values for block b, so handing a
-    block to another engine is one memory region per block (adjacent blocks coalesce further).
 
-A layer's key cache ``kv[:, layer, 0]`` is then a strided view ``[num_blocks, block_size, H, D]``.
+with any strides that keep ``head_dim`` contiguous: the block-major pool is this tensor as it is
+(``kv[b]`` one region per block), the KV-head-major pool (``engine/kv_layout.py``) a permuted
+view of ``[num_kv_heads, num_blocks, num_layers, 2, block_size, head_dim]``. A layer's key cache
+``kv[:, layer, 0]`` is a strided view ``[num_blocks, block_size, H, D]`` either way.
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ def gather_kv(
     """Keys and values of the blocks in ``block_table`` ([..., n]) as
     [..., n * block_size, H, D]."""
     nb, num_layers, _, bs, h, d = kv.shape
+    flat = block_table.reshape(-1)
+    shape = (*block_table.shape[:-1], -1, h, d)
+    if not kv.is_contiguous():  # a KV-head-major view: index_select gathers it block by block
+        return (kv[:, layer, 0].index_select(0, flat).view(shape).to(dtype),
+                kv[:, layer, 1].index_select(0, flat).view(shape).to(dtype))
     # rows = one (block, layer, k|v) slab of bs * H * D contiguous elements; index_select copies
     # whole rows (memcpy speed), where fancy indexing on the 6-d view copies element by element
     rows = kv.view(nb, num_layers * 2, bs * h * d)
-    flat = block_table.reshape(-1)
-    shape = (*block_table.shape[:-1], -1, h, d)
     k = rows[:, 2 * layer].index_select(0, flat).view(shape)
     v = rows[:, 2 * layer + 1].index_select(0, flat).view(shape)
     return k.to(dtype), v.to(dtype)

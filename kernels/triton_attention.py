@@ -24,7 +24,7 @@ FP8 = torch.float8_e4m3fn
 
 def _check_kv(kv: torch.Tensor, layer: int) -> tuple[int, int, int]:
     assert kv.dim() == 6 and kv.shape[2] == 2, f"kv must be [N, L, 2, bs, H, D], got {kv.shape}"
-    assert kv.is_contiguous(), "kv must be contiguous (block-major layout)"
+    assert kv.stride(5) == 1, "kv's head dim must be contiguous (any layout, engine/kv_layout.py)"
     assert 0 <= layer < kv.shape[1], f"layer {layer} out of range for {kv.shape[1]} layers"
     _, _, _, bs, h, d = kv.shape
     assert bs & (bs - 1) == 0, f"block size {bs} must be a power of two"

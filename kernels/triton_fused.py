@@ -61,7 +61,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 @triton.jit
 def _rope_store_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, blk_ptr, off_ptr, kvs_ptr,
-    stride_qkv, stride_cs, stride_q, stride_cb, stride_co,
+    stride_qkv, stride_cs, stride_q, stride_cb, stride_co, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, KV_FP8: tl.constexpr,
     INTERPRETED: tl.constexpr,
@@ -91,32 +91,34 @@ def _rope_store_kernel(
     if blk >= 0:  # negative: a padding row of a CUDA-graph batch, nothing to store
         slot = blk * stride_cb + tl.load(off_ptr + t).to(tl.int64) * stride_co
         _store_kv_row(row + HQ * d, cos, sin, offs, cmask, kc_ptr + slot, vc_ptr + slot, kvs_ptr,
-                      HKV, HKV_PAD, HALF, KV_FP8, INTERPRETED)
+                      stride_ch, HKV, HKV_PAD, HALF, KV_FP8, INTERPRETED)
 
 
 @triton.jit
-def _store_kv_row(src, cos, sin, offs, cmask, ko_ptr, vo_ptr, kvs_ptr, HKV: tl.constexpr,
-                  HKV_PAD: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
-    """One token's keys (rotated) and values from ``src`` = [k heads | v heads] into its slot:
-    in the cache's dtype, or divided by the layer's scales as FP8 (KV_FP8)."""
+def _store_kv_row(src, cos, sin, offs, cmask, ko_ptr, vo_ptr, kvs_ptr, stride_ch,
+                  HKV: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
+                  KV_FP8: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One token's keys (rotated) and values from ``src`` = [k heads | v heads] into its slot
+    (heads ``stride_ch`` apart there): in the cache's dtype, or divided by the layer's scales
+    as FP8 (KV_FP8)."""
     d = 2 * HALF
     hk = tl.arange(0, HKV_PAD)
     mk = (hk < HKV)[:, None] & cmask[None, :]
     at = hk[:, None] * d + offs[None, :]
+    to = hk[:, None].to(tl.int64) * stride_ch + offs[None, :]
     k1 = tl.load(src + at, mask=mk, other=0.0).to(tl.float32)
     k2 = tl.load(src + at + HALF, mask=mk, other=0.0).to(tl.float32)
     ks, vs = 1.0, 1.0
     if KV_FP8:
         ks, vs = tl.load(kvs_ptr), tl.load(kvs_ptr + 1)
     dt = ko_ptr.dtype.element_ty
-    tl.store(ko_ptr + at, _kv_value(k1 * cos[None, :] - k2 * sin[None, :], ks, dt, KV_FP8,
+    tl.store(ko_ptr + to, _kv_value(k1 * cos[None, :] - k2 * sin[None, :], ks, dt, KV_FP8,
                                     INTERPRETED), mask=mk)
-    tl.store(ko_ptr + at + HALF, _kv_value(k2 * cos[None, :] + k1 * sin[None, :], ks, dt,
+    tl.store(ko_ptr + to + HALF, _kv_value(k2 * cos[None, :] + k1 * sin[None, :], ks, dt,
                                            KV_FP8, INTERPRETED), mask=mk)
     for half in range(2):
         v = tl.load(src + HKV * d + at + half * HALF, mask=mk, other=0.0).to(tl.float32)
-        tl.store(vo_ptr + at + half * HALF, _kv_value(v, vs, dt, KV_FP8, INTERPRETED), mask=mk)
+        tl.store(vo_ptr + to + half * HALF, _kv_value(v, vs, dt, KV_FP8, INTERPRETED), mask=mk)
 
 
 @triton.jit
@@ -139,7 +141,7 @@ def rope_store_kv(
     the KV cache (block id < 0: skip), and return the rotated queries [T, Hq, D].
     cos, sin: [max_position, D], each row's two halves equal (rotate-half convention).
     An FP8 cache stores keys and values divided by ``kv_scales[layer]`` (float32 [L, 2])."""
-    assert kv.dim() == 6 and kv.is_contiguous()
+    assert kv.dim() == 6 and kv.stride(5) == 1  # any layout (engine/kv_layout.py)
     _, _, _, _, hkv, d = kv.shape
     t = qkv.shape[0]
     assert qkv.dim() == 2 and qkv.shape[1] == (num_heads + 2 * hkv) * d and qkv.stride(1) == 1
@@ -156,7 +158,7 @@ def rope_store_kv(
             qkv, positions, cos, sin, out, kc, vc, block_ids, offsets,
             kv_scales[layer] if fp8 else out,
             qkv.stride(0), cos.stride(0), out.stride(0), kc.stride(0), kc.stride(1),
-            HQ=num_heads, HKV=hkv, HQ_PAD=triton.next_power_of_2(num_heads),
+            kc.stride(2), HQ=num_heads, HKV=hkv, HQ_PAD=triton.next_power_of_2(num_heads),
             HKV_PAD=triton.next_power_of_2(hkv), HALF=d // 2,
             HALF_PAD=triton.next_power_of_2(d // 2), KV_FP8=fp8,
             INTERPRETED=triton_fp8.INTERPRETED, num_warps=4,

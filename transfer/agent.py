@@ -1,9 +1,10 @@
 """One NIXL agent per worker, with the engine's whole KV pool registered once at start-up.
 
-Block ``b`` of a pool is the region ``[base + b * block_nbytes, + block_nbytes)`` (block-major
-layout, docs/engine.md, "KV layout"), so both sides prepare one descriptor list over all blocks
-once per peer, and a hand-off is a READ of index lists (NIXL merges runs of consecutive ids into
-one region).
+A pool is ``slots x num_blocks`` chunks (``engine/kv_layout.py``): chunk ``s * num_blocks + b``,
+slot ``s``'s part of block ``b``, is the region ``[base + i * chunk_nbytes, + chunk_nbytes)``.
+Both sides prepare one descriptor list over all chunks once per peer, and a hand-off is a READ
+of index lists: for each of the reader's slots, the holder's slot with the same KV head, block
+by block (NIXL merges runs of consecutive ids into one region). A block-major pool has one slot.
 
 UCX picks its transports itself (on one machine: ``cma`` for DRAM, i.e. one ``process_vm_readv``
 per region, or ``cuda_ipc`` for VRAM: the reader's GPU copies straight out of the holder's pool;
@@ -35,7 +36,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from baton.engine.kv_layout import KVLayout, LayoutMismatch, chunk_ids
 from baton.transfer.errors import (
+    FingerprintMismatchError,
     PeerUnavailableError,
     ReadInFlightError,
     TransferDeadlineError,
@@ -111,7 +114,10 @@ class _TransportLog:
 
 
 class KVAgent:
-    """The worker's NIXL agent and its registered KV pool ``kv: [num_blocks, ...]``.
+    """The worker's NIXL agent and its registered KV pool: ``kv`` is the pool's storage as
+    ``layout`` lays it out (``kv_layout.KVLayout``); without a layout, ``kv: [num_blocks, ...]``
+    with one chunk per block (tests and benchmarks that move plain tensors). ``self.kv`` is the
+    ``[num_blocks, ...]`` view of every slot either way.
 
     Thread-safe (NIXL's strict sync mode): reads for different requests may run concurrently.
     ``read`` writes only the given local blocks; the caller owns them (reserved, not scheduled).
@@ -119,16 +125,20 @@ class KVAgent:
 
     def __init__(self, name: str, kv: torch.Tensor, num_threads: int = 0,
                  progress_interval_s: float = 0.002, idle_interval_s: float = 0.064,
-                 staging: str = "auto") -> None:
+                 staging: str = "auto", layout: KVLayout | None = None) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         assert kv.is_contiguous(), "the KV pool must be one contiguous tensor"
         if staging not in STAGING:
             raise ValueError(f"staging={staging!r}: must be one of {STAGING}")
-        self.name, self.kv = name, kv
-        self.num_blocks = kv.shape[0]
-        self.block_nbytes = kv[0].nbytes
+        self.name, self.layout = name, layout
+        self.kv = kv if layout is None else layout.view(kv)
+        self.num_blocks = kv.shape[0] if layout is None else layout.num_blocks(kv)
+        self.num_slots = 1 if layout is None else len(layout.slots)
+        self.chunk_nbytes = kv.nbytes // (self.num_blocks * self.num_slots)
+        self.block_nbytes = self.chunk_nbytes * self.num_slots
         self.host: torch.Tensor | None = None  # the pinned mirror, when staged
+        self.host_view: torch.Tensor | None = None  # and its [num_blocks, ...] view
         self.staged_bytes = 0  # bytes copied between the pool and the mirror
         self._stream = None  # the staging copies' CUDA stream
         self.ucx_tls = os.environ.get("UCX_TLS", "")
@@ -149,9 +159,11 @@ class KVAgent:
             raise TransferError("NIXL has no UCX backend here; cannot move KV blocks")
         self._reg = self._register(kv, staging)
         self._local = self.agent.prep_xfer_dlist(
-            _LOCAL, self._blocks(self.base, self.block_nbytes, self.num_blocks, self.device_id),
-            self.mem_type)
+            _LOCAL, self._blocks(self.base, self.chunk_nbytes, self.num_slots * self.num_blocks,
+                                 self.device_id), self.mem_type)
         self._remote: dict[str, object] = {}  # peer agent name -> prepped descriptor list
+        # peer agent name -> (slot pairs, the peer's blocks): how our chunks map to theirs
+        self._plans: dict[str, tuple[list[tuple[int, int]], int]] = {}
         self._closed = threading.Event()
         self._wake = threading.Event()
         self._progress_interval_s, self._idle_interval_s = progress_interval_s, idle_interval_s
@@ -183,6 +195,7 @@ class KVAgent:
         # a mirror of the whole pool: any block may be leased or read
         self.host = (torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True) if kv.is_cuda
                      else torch.zeros_like(kv))
+        self.host_view = self.host if self.layout is None else self.layout.view(self.host)
         self.base, self.mem_type, self.device_id = self.host.data_ptr(), "DRAM", 0
         self.memory = ("VRAM staged through pinned host memory" if kv.is_cuda
                        else "DRAM staged through a host mirror")
@@ -199,13 +212,14 @@ class KVAgent:
         blocks were computed by a finished engine step (its outputs were read back, so its
         kernels completed) and stay pinned by their lease, so nothing writes them meanwhile."""
         if self.host is not None:
-            self._copy(self.host, self.kv, block_ids)
+            self._copy(self.host_view, self.kv, block_ids)
 
     def _stage_in(self, block_ids) -> None:
-        self._copy(self.kv, self.host, block_ids)
+        self._copy(self.kv, self.host_view, block_ids)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, block_ids) -> None:
-        """dst[b] = src[b] for each block, one copy per run of consecutive ids."""
+        """dst[b] = src[b] for each block (every slot), one copy per run of consecutive ids:
+        one region per run in a block-major pool, one per (slot, run) in a head-major one."""
         runs = _runs(block_ids)
         if self._stream is None:
             for a, b in runs:
@@ -245,6 +259,24 @@ class KVAgent:
             else:
                 interval = min(2 * interval, self._idle_interval_s)
 
+    def block_crc32(self, block_ids) -> tuple[int, ...]:
+        """CRC32 of each block's KV, one replica of each head in head order: pools of any TP
+        size holding the same KV agree (a debugging option; a GPU pool's blocks go to the host
+        for it)."""
+        import zlib
+
+        heads = None
+        if self.layout is not None and self.layout.kind == "head":
+            first: dict[int, int] = {}
+            for s, h in enumerate(self.layout.slots):
+                first.setdefault(h, s)
+            heads = torch.tensor([first[h] for h in sorted(first)], device=self.kv.device)
+        out = []
+        for b in block_ids:
+            blk = self.kv[int(b)] if heads is None else self.kv[int(b)].index_select(3, heads)
+            out.append(zlib.crc32(blk.contiguous().view(torch.uint8).cpu().numpy()))
+        return tuple(out)
+
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
 
@@ -257,19 +289,39 @@ class KVAgent:
     # ---- peers ---------------------------------------------------------------------------------
 
     def add_peer(self, metadata: bytes, base: int, block_nbytes: int, num_blocks: int,
-                 mem_type: str = "DRAM", device_id: int = 0) -> str:
-        if block_nbytes != self.block_nbytes:
-            raise TransferError(f"peer blocks are {block_nbytes} bytes, ours {self.block_nbytes}")
+                 mem_type: str = "DRAM", device_id: int = 0, layout: str = "") -> str:
+        """Prepare READs from a peer's pool. ``layout`` (its ``to_wire``; "" from a peer without
+        one: one chunk per block) must map onto ours, else :class:`FingerprintMismatchError`
+        naming both layouts, before anything is registered."""
+        pairs, chunk = self.plan(layout, block_nbytes)
         name = self.agent.add_remote_agent(metadata)
         if isinstance(name, bytes):
             name = name.decode()
         self._drop_dlist(name)
         self._remote[name] = self.agent.prep_xfer_dlist(
-            name, self._blocks(base, block_nbytes, num_blocks, device_id), mem_type or "DRAM")
+            name, self._blocks(base, chunk, (block_nbytes // chunk) * num_blocks, device_id),
+            mem_type or "DRAM")
+        self._plans[name] = (pairs, num_blocks)
         return name
+
+    def plan(self, layout: str, block_nbytes: int) -> tuple[list[tuple[int, int]], int]:
+        """(our slot, their slot) pairs and their chunk size for a peer of ``layout``."""
+        if self.layout is not None and layout:
+            try:
+                theirs = KVLayout.from_wire(layout)
+                return self.layout.read_pairs(theirs), theirs.chunk_nbytes
+            except LayoutMismatch as e:
+                raise FingerprintMismatchError("", "", "peer", str(e)) from e
+        if block_nbytes != self.block_nbytes or self.num_slots != 1:
+            raise FingerprintMismatchError(
+                "", "", "peer", f"KV layouts do not map: peer blocks are {block_nbytes} bytes "
+                f"{layout if layout else '(no layout given)'}, ours {self.block_nbytes} "
+                f"({self.layout.describe() if self.layout else 'no layout'})")
+        return [(0, 0)], block_nbytes
 
     def remove_peer(self, name: str) -> None:
         self._drop_dlist(name)
+        self._plans.pop(name, None)
         try:
             self.agent.remove_remote_agent(name)
         except Exception as e:  # already gone on NIXL's side; nothing of ours to free
@@ -293,9 +345,11 @@ class KVAgent:
         remote = self._remote.get(peer)
         if remote is None:
             raise PeerUnavailableError(f"no handshake with {peer}")
+        pairs, their_blocks = self._plans[peer]
+        mine, theirs = chunk_ids(pairs, local_ids, remote_ids, self.num_blocks, their_blocks)
         try:
-            h = self.agent.make_prepped_xfer("READ", self._local, np.asarray(local_ids, np.int32),
-                                             remote, np.asarray(remote_ids, np.int32))
+            h = self.agent.make_prepped_xfer("READ", self._local, np.asarray(mine, np.int32),
+                                             remote, np.asarray(theirs, np.int32))
         except Exception as e:
             raise PeerUnavailableError(f"cannot start a read from {peer}: {e}") from e
         finished = False

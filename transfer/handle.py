@@ -22,6 +22,7 @@ class KVHandle:
     block_crc32: tuple[int, ...] = ()  # only when the holder computes checksums
     lease_port: int = 0  # the holder's lease channel on its host (0: release over gRPC only)
     kv_dtype: str = ""  # the holder's KV element type ("" from older holders)
+    kv_layout: str = ""  # the holder's pool layout (engine/kv_layout.py, to_wire)
 
     def seconds_left(self, now: float | None = None) -> float:
         return self.expires_at - (time.time() if now is None else now)
@@ -33,10 +34,11 @@ class KVHandle:
             worker_id=self.worker_id, incarnation=self.incarnation, address=self.address,
             lease_id=self.lease_id, block_ids=self.block_ids, num_tokens=self.num_tokens,
             fingerprint=self.fingerprint, expires_at=self.expires_at,
-            block_crc32=self.block_crc32, lease_port=self.lease_port, kv_dtype=self.kv_dtype)
+            block_crc32=self.block_crc32, lease_port=self.lease_port, kv_dtype=self.kv_dtype,
+            kv_layout=self.kv_layout)
 
     @classmethod
     def from_proto(cls, m) -> KVHandle:
         return cls(m.worker_id, m.incarnation, m.address, m.lease_id, tuple(m.block_ids),
                    m.num_tokens, m.fingerprint, m.expires_at, tuple(m.block_crc32), m.lease_port,
-                   m.kv_dtype)
+                   m.kv_dtype, m.kv_layout)

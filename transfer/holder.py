@@ -19,11 +19,10 @@ import logging
 import socket
 import socketserver
 import threading
-import zlib
 from collections.abc import Callable
 
 import grpc
-import torch
+from baton.engine.kv_layout import KVLayout, LayoutMismatch
 from baton.transfer import cluster_secret
 from baton.transfer.agent import KVAgent
 from baton.transfer.errors import kv_dtype_mismatch, kv_dtype_name
@@ -33,12 +32,6 @@ from baton.transfer.lease_client import greeting
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("baton.transfer")
-
-
-def block_crc32(kv: torch.Tensor, block_ids) -> tuple[int, ...]:
-    """CRC32 of each block's bytes (a debugging option, off by default; a GPU pool's blocks are
-    copied to the host for it)."""
-    return tuple(zlib.crc32(kv[b].view(torch.uint8).cpu().numpy()) for b in block_ids)
 
 
 class KVHolder(worker_pb2_grpc.KVSourceServicer):
@@ -57,15 +50,16 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
         self._free, self.checksums = free, checksums
         self._lease_server: _LeaseChannel | None = None
         self.lease_port = 0
+        self.kv_layout = agent.layout.to_wire() if agent.layout is not None else ""
 
     def grant(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int) -> KVHandle:
         self.agent.stage_out(block_ids)  # a staged pool: readers READ the host mirror
         lease = self.leases.grant(request_id, block_ids)
         self.agent.wake()  # a read is coming, maybe over a connection not set up yet
-        crc = block_crc32(self.agent.kv, block_ids) if self.checksums else ()
+        crc = self.agent.block_crc32(block_ids) if self.checksums else ()
         return KVHandle(self.worker_id, self.incarnation, self.address, lease.lease_id,
                         tuple(block_ids), num_tokens, self.fingerprint, lease.expires_at, crc,
-                        self.lease_port, kv_dtype_name(self.agent.kv))
+                        self.lease_port, kv_dtype_name(self.agent.kv), self.kv_layout)
 
     def sweep(self) -> int:
         """Free the blocks of every expired lease; returns how many ended."""
@@ -120,13 +114,20 @@ class KVHolder(worker_pb2_grpc.KVSourceServicer):
                           f"model fingerprint mismatch: holder {self.worker_id} has "
                           f"{self.fingerprint[:16]}..., reader {request.reader_id} has "
                           f"{request.fingerprint[:16]}...")
+        if request.kv_layout and self.agent.layout is not None:  # before any byte moves
+            try:
+                KVLayout.from_wire(request.kv_layout).read_pairs(self.agent.layout)
+            except LayoutMismatch as e:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"holder {self.worker_id}, reader {request.reader_id}: {e}")
         self.agent.wake()  # the reader connects next
         return worker_pb2.HandshakeResponse(
             worker_id=self.worker_id, incarnation=self.incarnation, fingerprint=self.fingerprint,
             agent_metadata=self.agent.metadata(), kv_base_address=self.agent.base,
             block_nbytes=self.agent.block_nbytes, num_blocks=self.agent.num_blocks,
             transports=self.agent.transports(), lease_port=self.lease_port,
-            kv_mem_type=self.agent.mem_type, kv_device_id=self.agent.device_id, kv_dtype=ours)
+            kv_mem_type=self.agent.mem_type, kv_device_id=self.agent.device_id, kv_dtype=ours,
+            kv_layout=self.kv_layout)
 
     def ReleaseLease(self, request, context):
         intact, reason = self.release(request.lease_id, request.incarnation)

@@ -35,7 +35,6 @@ from baton.transfer.errors import (
     kv_dtype_name,
 )
 from baton.transfer.handle import KVHandle
-from baton.transfer.holder import block_crc32
 from baton.transfer.lease_client import LeaseClient
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
@@ -136,6 +135,8 @@ class KVReader:
         if handle.fingerprint != self.fingerprint:
             raise FingerprintMismatchError(self.fingerprint, handle.fingerprint,
                                            handle.worker_id)
+        if handle.kv_layout:  # a pair that cannot map fails here, before any byte moves
+            self.agent.plan(handle.kv_layout, self.agent.block_nbytes)
         t0 = time.monotonic()
         peer = self._peer(handle, deadline)
         res.handshake_s = time.monotonic() - t0
@@ -150,7 +151,7 @@ class KVReader:
             raise
         res.read_s = time.monotonic() - t0
         res.blocks_read, res.bytes = len(remote), len(remote) * self.agent.block_nbytes
-        if handle.block_crc32 and block_crc32(self.agent.kv, local) != tuple(
+        if handle.block_crc32 and self.agent.block_crc32(local) != tuple(
                 handle.block_crc32[num_local:]):
             res.state = TransferState.RELEASING
             self._release(peer, handle, deadline)
@@ -212,9 +213,11 @@ class KVReader:
         peer = _Peer(address, channel, worker_pb2_grpc.KVSourceStub(channel))
         try:
             ours = kv_dtype_name(self.agent.kv)
+            layout = self.agent.layout.to_wire() if self.agent.layout is not None else ""
             resp = peer.stub.Handshake(
                 worker_pb2.HandshakeRequest(fingerprint=self.fingerprint,
-                                            reader_id=self.reader_id, kv_dtype=ours),
+                                            reader_id=self.reader_id, kv_dtype=ours,
+                                            kv_layout=layout),
                 timeout=_left(deadline, address, "handshake"))
             # belt and braces: the holder checks both too
             if resp.kv_dtype and resp.kv_dtype != ours:
@@ -226,7 +229,7 @@ class KVReader:
             peer.agent_name = self.agent.add_peer(resp.agent_metadata, resp.kv_base_address,
                                                   resp.block_nbytes, resp.num_blocks,
                                                   resp.kv_mem_type or "DRAM",
-                                                  resp.kv_device_id)
+                                                  resp.kv_device_id, resp.kv_layout)
         except grpc.RpcError as e:
             channel.close()
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the holder's words

@@ -1,6 +1,8 @@
 /* Paged decode attention on CPU, reading KV blocks in place (no gather copy).
  *
- * kv:  [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]  (float32 or bfloat16)
+ * kv:  [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]  (float32 or bfloat16),
+ *      any strides with head_dim contiguous: sb, sl, skv, st, sh (in elements) step a block, a
+ *      layer, keys to values, a token and a KV head (a KV-head-major pool is a permuted view)
  * q:   [B, num_kv_heads * group, head_dim] float32;  out: same shape
  * block_tables: [B, max_blocks] int64;  context_lens: [B] int64
  *
@@ -21,8 +23,8 @@
 
 typedef struct {
     float *out; const float *q; const void *kv; const int64_t *bt; const int64_t *lens;
-    int is_bf16, max_blocks, layer, num_layers, bs, hkv, group, dim; float scale;
-    int window, begin, end;
+    int is_bf16, max_blocks, layer; int64_t sb, sl, skv, st, sh; int bs, hkv, group, dim;
+    float scale; int window, begin, end;
 } Args;
 
 static inline float load(const void *base, int64_t i, int is_bf16) {
@@ -42,13 +44,10 @@ static inline void prefetch_row(const char *p, int nbytes) {
 /* Prefetch head h's K and V rows of KV block `blk` (this layer): the next block of a sequence,
  * while the current one is computed. */
 static inline void prefetch_block(const Args *a, int64_t blk, int h, int D, int esize) {
-    const int64_t row = (int64_t)a->hkv * D, kv_part = (int64_t)a->bs * row;
-    const int64_t block = (int64_t)a->num_layers * 2 * kv_part;
-    const char *nk = (const char *)a->kv
-        + (blk * block + (int64_t)a->layer * 2 * kv_part + (int64_t)h * D) * esize;
+    const char *nk = (const char *)a->kv + (blk * a->sb + a->layer * a->sl + h * a->sh) * esize;
     for (int t = 0; t < a->bs; t++) {
-        prefetch_row(nk + t * row * esize, D * esize);
-        prefetch_row(nk + (kv_part + t * row) * esize, D * esize);
+        prefetch_row(nk + t * a->st * esize, D * esize);
+        prefetch_row(nk + (a->skv + t * a->st) * esize, D * esize);
     }
 }
 
@@ -58,9 +57,7 @@ static inline __attribute__((always_inline)) void item_impl(const Args *a, int i
                                                             const int is_bf16) {
     const int G = a->group, H = a->hkv, BS = a->bs;
     const int esize = is_bf16 ? 2 : 4;
-    const int64_t row = (int64_t)H * D;                   /* one token's K (or V) */
-    const int64_t kv_part = (int64_t)BS * row;            /* one block's K (or V) of one layer */
-    const int64_t block = (int64_t)a->num_layers * 2 * kv_part;
+    const int64_t row = a->st, kv_part = a->skv;          /* next token; keys -> values */
     float kf[MAX_DIM], vf[MAX_DIM];
     {
         const int b = item / H, h = item % H;
@@ -71,7 +68,7 @@ static inline __attribute__((always_inline)) void item_impl(const Args *a, int i
         for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; memset(acc[g], 0, D * 4); }
         for (int64_t start = lo / BS * BS; start < n; start += BS) {
             const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
-            const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
+            const int64_t kbase = blk * a->sb + a->layer * a->sl + h * a->sh;
             const int cnt = (int)((n - start) < BS ? (n - start) : BS);  /* partial last block */
             if (start + BS < n)  /* blocks are scattered: fetch the next one's rows early */
                 prefetch_block(a, a->bt[(int64_t)b * a->max_blocks + start / BS + 1], h, D,
@@ -154,8 +151,7 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
                                                          const int is_bf16) {
     const int H = a->hkv, BS = a->bs, D = 64;
     const int esize = is_bf16 ? 2 : 4;
-    const int64_t row = (int64_t)H * D, kv_part = (int64_t)BS * row;
-    const int64_t block = (int64_t)a->num_layers * 2 * kv_part;
+    const int64_t row = a->st, kv_part = a->skv;
     const int b = item / H, h = item % H;
     const int64_t n = a->lens[b];
         const int64_t lo = a->window > 0 && n > a->window ? n - a->window : 0;  /* first key */
@@ -172,14 +168,14 @@ static inline __attribute__((always_inline)) void item64(const Args *a, int item
     }
     for (int64_t start = lo / BS * BS; start < n; start += BS) {
         const int64_t blk = a->bt[(int64_t)b * a->max_blocks + start / BS];
-        const int64_t kbase = blk * block + (int64_t)a->layer * 2 * kv_part + h * D;
+        const int64_t kbase = blk * a->sb + a->layer * a->sl + h * a->sh;
         const int cnt = (int)((n - start) < BS ? (n - start) : BS);
         /* the next block's rows are fetched a row at a time, as this block's are used: a burst
          * of all of them at the block's start queues more misses than the core tracks */
         const char *nk = NULL;
         if (start + BS < n)
-            nk = (const char *)a->kv + (a->bt[(int64_t)b * a->max_blocks + start / BS + 1] * block
-                                        + (int64_t)a->layer * 2 * kv_part + h * D) * esize;
+            nk = (const char *)a->kv + (a->bt[(int64_t)b * a->max_blocks + start / BS + 1] * a->sb
+                                        + a->layer * a->sl + h * a->sh) * esize;
         /* scores 16 keys at a time: each key's products stay a vector, and one transposing
          * sum turns 16 of them into 16 scores (a horizontal sum per key cost ~3x the ops) */
         for (int t0 = 0; t0 < cnt; t0 += 16) {
@@ -281,18 +277,19 @@ static void item_d(const Args *a, int item) {
 
 int paged_decode_attention(float *out, const float *q, const void *kv, int is_bf16,
                            const int64_t *block_tables, const int64_t *context_lens, int B,
-                           int max_blocks, int layer, int num_layers, int bs, int hkv, int group,
-                           int dim, float scale, int window, int num_threads) {
+                           int max_blocks, int layer, int64_t sb, int64_t sl, int64_t skv,
+                           int64_t st, int64_t sh, int bs, int hkv, int group, int dim,
+                           float scale, int window, int num_threads) {
     if (group > MAX_GROUP || dim > MAX_DIM || bs > MAX_BS) return -1;
     const int items = B * hkv;
     int nt = num_threads < 1 ? 1 : num_threads;
     if (nt > items) nt = items;
     const Args a = {out, q, kv, block_tables, context_lens, is_bf16, max_blocks, layer,
-                    num_layers, bs, hkv, group, dim, scale, window, 0, items};
+                    sb, sl, skv, st, sh, bs, hkv, group, dim, scale, window, 0, items};
     if (B >= 2 * nt) {
         /* sequences differ in length: hand them out one at a time, all KV heads of a sequence
-         * to one thread in a row (a block's K or V rows interleave the heads: the next head's
-         * rows are then already in this core's cache) */
+         * to one thread in a row (in a block-major pool a block's K or V rows interleave the
+         * heads: the next head's rows are then already in this core's cache) */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int b = 0; b < B; b++)
             for (int h = 0; h < hkv; h++) item_d(&a, b * hkv + h);

@@ -113,8 +113,8 @@ def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     host = advertised_host(net)
     worker_id = net.worker_id or f"{role}-{host}-{port}"
     tracing.setup(role, worker_id)
-    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_cache,
-                    staging=cfg.engine.kv_staging)
+    agent = KVAgent(f"{worker_id}/{incarnation}", engine.kv_storage,
+                    staging=cfg.engine.kv_staging, layout=engine.kv_layout)
     from baton.services.common.metrics import WorkerMetrics
 
     return WorkerBoot(engine, role, net.host, f"{host}:{port}", worker_id, incarnation,
@@ -129,9 +129,10 @@ def report_memory(engine) -> None:
         log.info("%s holds %.2f GiB for this engine with the pool and its CUDA graphs",
                  engine.cfg.device, engine.device_reserved / (1 << 30))
     else:
-        log.info("KV pool on %s: %d blocks of %d KiB (%.2f GiB)", engine.cfg.device,
+        log.info("KV pool on %s: %d blocks of %d KiB (%.2f GiB), %s", engine.cfg.device,
                  engine.num_blocks, engine.block_nbytes // 1024,
-                 engine.num_blocks * engine.block_nbytes / (1 << 30))
+                 engine.num_blocks * engine.block_nbytes / (1 << 30),
+                 engine.kv_layout.describe())
     for tier in engine.tiers.tiers if engine.tiers is not None else ():
         where = f" ({tier.startup})" if getattr(tier, "startup", "") else ""
         log.info("KV %s tier: %d blocks (%.2f GiB)%s", tier.name, tier.stats.capacity,

@@ -142,6 +142,7 @@ def test_a_read_that_cannot_be_cancelled_keeps_its_blocks_quarantined_until_it_e
     agent = KVAgent("stuck-reader", torch.zeros(16, 4, 8))
     nixl = agent.agent = StuckNixl(agent.agent)
     agent._remote["peer"] = "peer-dlist"
+    agent._plans["peer"] = ([(0, 0)], agent.num_blocks)  # the same geometry as ours
     try:
         service = decode(ReadOnly(agent))
         engine = service.engine
@@ -183,6 +184,7 @@ def test_a_stuck_read_settles_when_its_peer_is_removed():
     agent = KVAgent("stuck-reader-2", torch.zeros(4, 4, 8))
     agent.agent = StuckNixl(agent.agent)
     agent._remote["peer"] = "peer-dlist"
+    agent._plans["peer"] = ([(0, 0)], agent.num_blocks)  # the same geometry as ours
     try:
         with pytest.raises(ReadInFlightError) as e:
             agent.read("peer", [0, 1], [2, 3], time.monotonic() - 1)

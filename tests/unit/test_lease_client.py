@@ -46,6 +46,7 @@ class Holder:
 
 class _NoAgent:
     kv = torch.empty(0)  # no pool: only its element type is asked (for the handle)
+    layout = None  # and no layout: the handle names none
 
     def stage_out(self, block_ids) -> None:
         pass

@@ -51,7 +51,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "address", "lease_id", "block_ids", "num_tokens", "fingerprint", "expires_at", "block_crc32", "lease_port", "kv_dtype")
+    __slots__ = ("worker_id", "incarnation", "address", "lease_id", "block_ids", "num_tokens", "fingerprint", "expires_at", "block_crc32", "lease_port", "kv_dtype", "kv_layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class KVHandle(_message.Message):
     BLOCK_CRC32_FIELD_NUMBER: _ClassVar[int]
     LEASE_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     address: str
@@ -74,7 +75,8 @@ class KVHandle(_message.Message):
     block_crc32: _containers.RepeatedScalarFieldContainer[int]
     lease_port: int
     kv_dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., expires_at: _Optional[float] = ..., block_crc32: _Optional[_Iterable[int]] = ..., lease_port: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., address: _Optional[str] = ..., lease_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., fingerprint: _Optional[str] = ..., expires_at: _Optional[float] = ..., block_crc32: _Optional[_Iterable[int]] = ..., lease_port: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
@@ -189,17 +191,19 @@ class TransferStats(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., blocks_read: _Optional[int] = ..., blocks_local: _Optional[int] = ..., handshake_s: _Optional[float] = ..., read_s: _Optional[float] = ..., release_s: _Optional[float] = ..., transports: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("fingerprint", "reader_id", "kv_dtype")
+    __slots__ = ("fingerprint", "reader_id", "kv_dtype", "kv_layout")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     READER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     reader_id: str
     kv_dtype: str
-    def __init__(self, fingerprint: _Optional[str] = ..., reader_id: _Optional[str] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, fingerprint: _Optional[str] = ..., reader_id: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports", "lease_port", "kv_mem_type", "kv_device_id", "kv_dtype")
+    __slots__ = ("worker_id", "incarnation", "fingerprint", "agent_metadata", "kv_base_address", "block_nbytes", "num_blocks", "transports", "lease_port", "kv_mem_type", "kv_device_id", "kv_dtype", "kv_layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +216,7 @@ class HandshakeResponse(_message.Message):
     KV_MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
     KV_DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     incarnation: str
     fingerprint: str
@@ -224,7 +229,8 @@ class HandshakeResponse(_message.Message):
     kv_mem_type: str
     kv_device_id: int
     kv_dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ..., lease_port: _Optional[int] = ..., kv_mem_type: _Optional[str] = ..., kv_device_id: _Optional[int] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    kv_layout: str
+    def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., fingerprint: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., kv_base_address: _Optional[int] = ..., block_nbytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., transports: _Optional[str] = ..., lease_port: _Optional[int] = ..., kv_mem_type: _Optional[str] = ..., kv_device_id: _Optional[int] = ..., kv_dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "incarnation")
