@@ -18,8 +18,9 @@ def _generate(a: argparse.Namespace) -> int:
     from baton.engine.params import SamplingParams
 
     try:
-        engine = LLMEngine.from_path(a.model, EngineConfig(dtype=a.dtype, device=a.device,
-                                                           kv_cache_dtype=a.kv_cache_dtype))
+        engine = LLMEngine.from_path(a.model, EngineConfig(
+            dtype=a.dtype, device=a.device, kv_cache_dtype=a.kv_cache_dtype,
+            tensor_parallel_size=a.tensor_parallel_size))
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
                                 top_p=a.top_p, top_k=a.top_k, seed=a.seed)
         if a.chat:
@@ -30,6 +31,13 @@ def _generate(a: argparse.Namespace) -> int:
     except BatonError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _stream(engine, req, a)
+    finally:
+        engine.close()
+
+
+def _stream(engine, req, a: argparse.Namespace) -> int:
     prompt_ids = list(req.prompt_token_ids)
     text, ids, reason = [], [], None
     while engine.has_unfinished():
@@ -196,6 +204,9 @@ def _add_generate(sub) -> None:
                         "replays CUDA graphs for decode steps")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the KV cache's element type: auto (the --dtype) or fp8 (CUDA only)")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="ranks of the engine's tensor-parallel group, each a process holding "
+                        "1/N of the weights (all on --device; default 1)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object with text, token_ids, prompt_token_ids")
     g.set_defaults(func=_generate)

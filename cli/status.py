@@ -103,6 +103,8 @@ def _worker_lines(workers: list[dict]) -> list[str]:
                      f"{_n(r['running']):>4} {_n(r['queued']):>5} {kv:>13} {hit:>5} "
                      f"{_n(r['tokens_per_s'], '{:.1f}'):>7} {_ms(r['ttft']):>18} "
                      f"{_bytes(r['transfer_bytes']):>9}")
+        if r.get("ranks"):
+            lines.append(f"  {r['ranks']}")
         for tier, t in (r.get("tiers") or {}).items():
             bw = "-" if not t["load_bandwidth"] else _bytes(t["load_bandwidth"]) + "/s"
             off = "" if t["enabled"] != 0 else "  OFF (I/O error, see its log)"

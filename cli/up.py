@@ -79,6 +79,15 @@ def _add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                     help="every worker's KV cache: auto (the --dtype) or fp8 (e4m3 with "
                          "per-layer scales: twice the blocks of bf16; GPU only) (default auto)")
+    ap.add_argument("--prefill-tp", type=int, default=1,
+                    help="tensor-parallel ranks per prefill worker: each worker is a group of "
+                         "this many processes holding 1/N of the weights each (on CPU, one "
+                         "torch thread per rank; on a GPU, every rank of a group on that "
+                         "worker's GPU) (default 1)")
+    ap.add_argument("--decode-tp", type=int, default=1,
+                    help="tensor-parallel ranks per decode (or --colocated) worker; any "
+                         "--prefill-tp hands off to any --decode-tp whose KV heads map "
+                         "(default 1)")
     ap.add_argument("--kv-host-tier-gb", type=float, default=None,
                     help="GPU workers: pinned host memory per worker for the blocks its KV pool "
                          "evicts (default 4; 0: off)")
@@ -159,6 +168,8 @@ class UpConfig:
     gpu_memory_utilization: float
     threads: int | None
     kv_cache_dtype: str
+    prefill_tp: int
+    decode_tp: int
     kv_host_tier_gb: float | None
     kv_disk_tier_gb: float
     local_prefill_max_tokens: int
@@ -203,6 +214,11 @@ def _check(a: UpConfig) -> str:
         return f"--gpu-memory-utilization {a.gpu_memory_utilization}: must be in (0, 1]"
     if a.kv_disk_tier_gb < 0 or (a.kv_host_tier_gb or 0) < 0:
         return "--kv-host-tier-gb and --kv-disk-tier-gb must be >= 0"
+    if a.prefill_tp < 1 or a.decode_tp < 1:
+        return "--prefill-tp and --decode-tp must be >= 1"
+    if a.ray and max(a.prefill_tp, a.decode_tp) > 1:
+        return ("--prefill-tp/--decode-tp > 1 with --ray: a Ray placement group per worker is "
+                "not built yet; run the cluster without --ray")
     if a.kv_cache_dtype == "fp8" and not a.ray and (a.device == "cpu" or not visible_gpus()):
         return ("--kv-cache-dtype fp8: an FP8 KV cache is read by the Triton attention "
                 "kernels and needs GPU workers (no GPU is visible, or --device cpu)")
@@ -482,8 +498,12 @@ class _LocalCluster:
         if slot is None:
             slot, self.next_slot = self.next_slot, self.next_slot + 1
         args = [*args, *self._tier_args(slot)]
+        tp = a.prefill_tp if role == "prefill" else a.decode_tp
         if not a.ray:
             device, env = self._gpu(slot)
+            if tp > 1:  # every rank on the worker's one device (named: ranks share a pool)
+                device = [d if d != "cuda" else "cuda:0" for d in device]
+                args += ["--tensor-parallel-size", str(tp)]
             return WorkerProcess(role, ["--host", a.host, *device, *args],
                                  env={**self.env, **env}, **self.kw)
         from baton.services.launch.ray_actors import RayWorker

@@ -149,6 +149,7 @@ class Node:
     model: str = ""
     tls: bool = False
     samples: Samples | None = None
+    ranks: str = ""  # a worker's tensor-parallel ranks and devices
 
 
 @dataclass
@@ -163,8 +164,8 @@ def collect(registry: WorkerRegistry, redis_url: str, ssl_context=None) -> Snaps
     ``ssl_context`` (default: the system's trust)."""
     nodes = [Node("router", r.router_id, r.address, r.http_address, r.started_at, r.model,
                   r.tls) for r in registry.routers()]
-    nodes += [Node(w.role, w.worker_id, w.address, w.metrics_address, w.started_at, w.model)
-              for w in registry.workers()]
+    nodes += [Node(w.role, w.worker_id, w.address, w.metrics_address, w.started_at, w.model,
+                   ranks=w.ranks) for w in registry.workers()]
 
     def get(n: Node) -> Samples | None:
         if n.tls:
@@ -190,7 +191,7 @@ def summarize(cur: Snapshot, base: Snapshot | None = None) -> dict:
         g = n.samples  # gauges: now
         c = minus(g, prev.get(n.id)) if base else g  # counters and histograms: the window
         row = {"id": n.id, "role": n.kind, "address": n.address, "model": n.model,
-               "uptime_s": cur.at - n.started_at, "metrics": g is not None}
+               "uptime_s": cur.at - n.started_at, "metrics": g is not None, "ranks": n.ranks}
         if n.kind == "router":
             out["routers"].append({**row, **_router_figures(g, c, dt)})
         else:

@@ -42,6 +42,8 @@ class WorkerRecord:
     block_size: int = 16  # tokens per KV block: routers hash prompts with it
     metrics_address: str = ""  # host:port of its Prometheus /metrics ("" when it serves none)
     max_num_seqs: int = 0  # its running batch's size (--max-num-seqs); 0: not told (older)
+    # its tensor-parallel group: "2 ranks on cpu (pids 10 11)"; "" from older workers
+    ranks: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

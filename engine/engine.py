@@ -338,6 +338,15 @@ class LLMEngine:
         return self.runner.kv_all
 
     @property
+    def ranks(self) -> str:
+        """The engine's ranks and where they run: ``1 rank on cpu``, ``2 ranks on cuda:0
+        (pids 10 11)``."""
+        if self.tp_group is None:
+            return f"1 rank on {self.cfg.device}"
+        pids = " ".join(str(p) for p in self.tp_group.pids)
+        return f"{self.tp_group.size} ranks on {self.cfg.device} (pids {pids})"
+
+    @property
     def kv_storage(self) -> torch.Tensor:
         """The KV pool as it lies in memory (what a NIXL agent registers), per
         :attr:`kv_layout`."""

@@ -40,6 +40,8 @@ class EngineSettings:
     kv_disk_tier_gb: float = 0.0
     kv_disk_tier_dir: str | None = None  # None: <cache dir>/kv-tier/<worker name>
     kv_cache_dtype: str = "auto"  # auto (the --dtype) | fp8 (GPU)
+    tensor_parallel_size: int = 1  # ranks of this worker's group (engine/tp.py)
+    kv_layout: str = "head"  # head | block (engine/kv_layout.py)
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -51,6 +53,12 @@ class EngineSettings:
             raise ValueError(f"--kv-host-tier-gb {self.kv_host_tier_gb}: must be >= 0")
         if self.kv_disk_tier_gb < 0:
             raise ValueError(f"--kv-disk-tier-gb {self.kv_disk_tier_gb}: must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: must be >= 1")
+        if self.tensor_parallel_size > 1 and self.kv_layout == "block":
+            raise ValueError("--kv-layout block holds one rank's KV heads; "
+                             f"--tensor-parallel-size {self.tensor_parallel_size} needs "
+                             "--kv-layout head")
 
     @staticmethod
     def add_flags(ap: argparse.ArgumentParser) -> None:
@@ -81,6 +89,22 @@ class EngineSettings:
                             "a bf16 cache's bytes, so twice the blocks; GPU only). Part of the "
                             "model fingerprint: prefill and decode pools must agree, a worker "
                             "of the other kind is refused naming both (default auto)")
+        g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                       help="ranks of this worker's tensor-parallel group: N processes, each "
+                            "loading 1/N of every weight (heads, MLP, vocabulary), one "
+                            "all-reduce per attention and MLP block (gloo on CPU, one torch "
+                            "thread per rank). Rank 0 serves gRPC and schedules; all ranks "
+                            "share one KV pool, so one lease covers the group. Not part of the "
+                            "fingerprint: a prefill group of any size hands off to a decode "
+                            "group of any size whose KV heads map (docs/tensor-parallel.md; "
+                            "default 1)")
+        g.add_argument("--kv-layout", default="head", choices=["head", "block"],
+                       help="the KV pool's layout: head (KV-head-major: each rank's heads "
+                            "contiguous; hands off to and from any tensor-parallel size) or "
+                            "block (block-major: one descriptor per run of blocks, the fewest, "
+                            "but one rank only and only to and from other block-major pools; "
+                            "a pair that cannot map is refused naming both layouts). Default "
+                            "head")
         g.add_argument("--kv-staging", default="auto", choices=["auto", "always", "never"],
                        help="hand-offs of a GPU pool: auto reads VRAM to VRAM over NIXL and "
                             "stages through a pinned host copy of the pool only where NIXL "
@@ -115,7 +139,8 @@ class EngineSettings:
     def from_args(cls, a: argparse.Namespace) -> EngineSettings:
         return cls(a.model, a.dtype, a.num_blocks, a.block_size, a.max_num_seqs, a.threads,
                    a.device, a.gpu_memory_utilization, a.kv_staging, a.kv_host_tier_gb,
-                   a.kv_disk_tier_gb, a.kv_disk_tier_dir, a.kv_cache_dtype)
+                   a.kv_disk_tier_gb, a.kv_disk_tier_dir, a.kv_cache_dtype,
+                   a.tensor_parallel_size, a.kv_layout)
 
     def resolved_device(self) -> str:
         """``--device`` with auto decided: cuda when this process sees a GPU, else cpu."""
@@ -157,7 +182,9 @@ class EngineSettings:
                             gpu_memory_utilization=self.gpu_memory_utilization,
                             kv_host_tier_bytes=int(host_gb * (1 << 30)),
                             kv_disk_tier_bytes=int(self.kv_disk_tier_gb * (1 << 30)),
-                            kv_disk_tier_dir=disk_dir, kv_cache_dtype=self.kv_cache_dtype)
+                            kv_disk_tier_dir=disk_dir, kv_cache_dtype=self.kv_cache_dtype,
+                            tensor_parallel_size=self.tensor_parallel_size,
+                            kv_layout=self.kv_layout)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ class WorkerBoot:
         registration = register(cfg, self.role, self.worker_id, self.address,
                                 self.engine.fingerprint, self.incarnation,
                                 self.engine.model_info.name, self.engine.cfg.block_size,
-                                metrics_address, self.engine.cfg.max_num_seqs)
+                                metrics_address, self.engine.cfg.max_num_seqs,
+                                self.engine.ranks)
         publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
         drain = announce(self.address, self.worker_id, self.incarnation)
 

@@ -35,6 +35,9 @@ class EngineLoop:
         # quarantine check); added with add_tick
         self._ticks: list[Callable[[], None]] = []
         self._tick_s = tick_s
+        group = getattr(engine, "tp_group", None)
+        if group is not None:  # a follower rank that exited takes the group down, idle or not
+            self._ticks.append(group.check)
         self.on_outputs: Callable[[list], None] | None = None  # metrics, on the engine thread
         self.engine = engine
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
