@@ -192,8 +192,15 @@ class TPComm:
         self.per = -(-vocab // shard.size)
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(t)
-        return t
+        """``t`` summed over the group, in place. gloo moves host memory: a CUDA tensor goes
+        through the host (the ranks of a group share one GPU here; NCCL between GPUs is not
+        built)."""
+        if t.device.type == "cpu":
+            dist.all_reduce(t)
+            return t
+        host = t.cpu()
+        dist.all_reduce(host)
+        return t.copy_(host)
 
     def embed_rows(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """This rank's embedding rows of ``ids`` (zero where another rank holds the row)."""
@@ -206,9 +213,10 @@ class TPComm:
         pad = self.per - local.shape[1]
         if pad:
             local = F.pad(local, (0, pad))
-        parts = [torch.empty_like(local) for _ in range(self.shard.size)]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts, dim=1)[:, : self.vocab]
+        host = local.contiguous().cpu()
+        parts = [torch.empty_like(host) for _ in range(self.shard.size)]
+        dist.all_gather(parts, host)
+        return torch.cat(parts, dim=1)[:, : self.vocab].to(local.device)
 
 
 # =================================================================================================
