@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Tensor parallelism on one GPU: correctness first, then the TP-mismatched VRAM hand-off.
 
-    python bench/gpu_tp.py [--device cuda:0] [--out DIR] [--skip-transfer]
+    python -m baton.bench.gpu_tp [--device cuda:0] [--out DIR] [--skip-transfer]
 
 1. engine: tiny random checkpoints (Qwen2 with a sliding window and 4 KV heads, Qwen3 with one
    KV head replicated over the ranks, Qwen3-MoE) in float32 on the device: greedy tokens of an
@@ -84,8 +84,8 @@ def engine_part(device: str) -> dict:
 
 
 def transfer_part(out_dir: Path) -> dict:
-    here = Path(__file__).resolve().parent
-    r = subprocess.run([sys.executable, str(here / "tp_transfer.py"), "--device", "cuda"],
+    here = Path(__file__).resolve().parent  # run as a module: bench/ holds a profile.py
+    r = subprocess.run([sys.executable, "-m", "baton.bench.tp_transfer", "--device", "cuda"],
                        capture_output=True, text=True, timeout=400)
     print(r.stdout[-4000:], r.stderr[-2000:], flush=True)
     files = sorted(glob.glob(str(here / "results" / "tp-transfer-*.json")), key=os.path.getmtime)

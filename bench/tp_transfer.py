@@ -13,6 +13,9 @@ sides) and scattered (every block its own run). Both pools are whole-group pools
 side moves every rank pair's descriptors in one READ. ``--device cuda`` puts both pools in VRAM
 (UCX's cuda_ipc between the two processes) and compares with a device-to-device copy.
 
+And what each layout costs the per-block copies around a hand-off (16 blocks): a KV tier's
+offload and load, the staged mirror's copy of a run, the checksums.
+
 Results: bench/results/tp-transfer-*.json with the machine's description, and a table.
 """
 
@@ -118,11 +121,51 @@ def _pair(h: tuple, r: tuple, blocks: int, need: int, args) -> dict:
                                                 "bytes": n // runs * len(ids) * chunk}
                                   for (a, b), n in sorted(per.items())}}
         out["checked"] = True  # every head of every block read holds the holder's values
+        out["transports"] = agent.transports()
         agent.close()
         return out
     finally:
         hold.stdin.close()
         hold.wait(timeout=30)
+
+
+def copies_part(device: str, smoke: bool) -> dict:
+    """What each layout costs the per-block copies around a hand-off, 16 blocks of the 8B
+    shape: a KV tier's offload (index_select) and load (index_copy_), the staged mirror's copy
+    of a run of blocks, and the checksums (one replica of each head, contiguous, per block)."""
+    import zlib
+
+    import torch
+
+    def med(fn) -> float:
+        fn()
+        xs = []
+        for _ in range(3 if smoke else 15):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            xs.append(time.perf_counter() - t0)
+        return statistics.median(xs)
+
+    out = {}
+    for kind in ("block", "head"):
+        lay = _layout(kind, 1, smoke)
+        pool = torch.zeros(lay.storage_shape(160), dtype=torch.bfloat16, device=device)
+        mirror = torch.zeros_like(pool)
+        v, m = lay.view(pool), lay.view(mirror)
+        ids = torch.arange(8, 24, device=device)
+        host = torch.empty((16, *v.shape[1:]), dtype=v.dtype, device=device)
+        out[kind] = {
+            "tier_offload_s": med(lambda v=v, ids=ids: v.index_select(0, ids)),
+            "tier_load_s": med(lambda v=v, ids=ids, host=host: v.index_copy_(0, ids, host)),
+            "mirror_run_s": med(lambda v=v, m=m: m[8:24].copy_(v[8:24])),
+            "crc32_s": med(lambda v=v: [zlib.crc32(v[b].contiguous().view(torch.uint8)
+                                                   .cpu().numpy()) for b in range(8, 24)])}
+    out["head_vs_block"] = {k: out["head"][k] / out["block"][k] for k in out["block"]}
+    return out
 
 
 def _copy_s(nbytes: int, device: str, repeats: int) -> float:
@@ -157,6 +200,9 @@ def main() -> int:
         return 0
     if args.smoke:
         args.repeats = 1
+    from baton.transfer.agent import configure_ucx
+
+    configure_ucx()  # the reader's UCX too: VRAM GETs over cuda_ipc, its transports logged
     need = -(-TOKENS // BLOCK)
     blocks = 2 * need + 1  # room for the scattered ids
     rows = []
@@ -176,6 +222,7 @@ def main() -> int:
                         "block_size": BLOCK, "tokens": TOKENS, "dtype": "bfloat16",
                         "smoke": args.smoke},
               "repeats": args.repeats, "copy_s": copy_s, "pairs": rows,
+              "copies": copies_part(args.device, args.smoke),
               "ucx_tls": os.environ.get("UCX_TLS", "default")}
     path = write_result("tp-transfer" + ("-smoke" if args.smoke else ""), result)
     print(f"{'holder -> reader (kind x TP)':<28} {'desc':>5} {'ms':>7} {'GB/s':>6} {'x today':>7} "
@@ -186,6 +233,10 @@ def main() -> int:
               f"{a['read_s'] * 1e3:>7.1f} {a['gb_s']:>6.2f} {a['vs_today']:>7.2f} "
               f"{a['of_copy']:>7.2f} | {s['descriptors']:>16} {s['read_s'] * 1e3:>7.1f} "
               f"{s['vs_today']:>7.2f}")
+    c = result["copies"]
+    print("16 blocks, head-major / block-major time: " + ", ".join(
+        f"{k.removesuffix('_s')} {c['block'][k] * 1e3:.2f} -> {c['head'][k] * 1e3:.2f} ms "
+        f"({v:.2f}x)" for k, v in c["head_vs_block"].items()))
     print(f"memcpy of {base['bytes'] / 2**20:.0f} MiB: {copy_s * 1e3:.1f} ms; wrote {path}")
     return 0
 

@@ -9,9 +9,9 @@ Two roles, as in every hand-off:
   says the lease stayed intact does it decode from what it read.
 
 Both register their whole KV pool with NIXL once at start-up
-(:class:`baton.transfer.agent.KVAgent`); a block is one contiguous region of the pool (see the
-docs/engine.md, "KV layout"), so a hand-off is one descriptor per block, and NIXL merges runs of
-consecutive block ids.
+(:class:`baton.transfer.agent.KVAgent`); a pool is chunks of (KV head, block), or of block in a
+block-major pool (``engine/kv_layout.py``), so a hand-off is one descriptor per chunk it needs,
+and NIXL merges runs of consecutive chunks: one region per (head, run of blocks).
 """
 
 from baton.transfer.errors import (

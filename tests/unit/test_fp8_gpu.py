@@ -99,7 +99,7 @@ def test_a_bf16_and_an_fp8_pool_refuse_each_others_blocks(tmp_path):
     held = LLMEngine(model, EngineConfig(**ENGINE))
     reading = LLMEngine(model, EngineConfig(kv_cache_dtype="fp8", **ENGINE))
     configure_ucx()
-    agents = [KVAgent(f"gpu-{n}", e.kv_cache, staging="always")
+    agents = [KVAgent(f"gpu-{n}", e.kv_storage, staging="always", layout=e.kv_layout)
               for n, e in (("holder", held), ("reader", reading))]
     server = make_server(max_workers=4)
     port = server.add_insecure_port("127.0.0.1:0")
