@@ -30,16 +30,7 @@ from pathlib import Path
 
 from baton.bench.common import machine
 
-KINDS = {
-    "qwen2": dict(hidden_size=96, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=136, vocab_size=397, use_sliding_window=True,
-                  sliding_window=11, max_window_layers=1),
-    "qwen3": dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=1, head_dim=20,
-                  intermediate_size=100, tie_word_embeddings=True),
-    "qwen3_moe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, moe_intermediate_size=36, num_experts=7,
-                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1),
-}
+KINDS = ("qwen2", "qwen3", "qwen3_moe")
 PROMPT = [(7 * i + 3) % 380 + 10 for i in range(37)]
 
 
@@ -65,13 +56,13 @@ def greedy(path: str, device: str, size: int, n: int = 16) -> tuple[list[int], f
 
 
 def engine_part(device: str) -> dict:
-    from baton.bench.tiny_model import make_hf_model
+    from baton.bench.tiny_model import TP_SHAPES, make_hf_model
 
     rows = {}
     root = Path(tempfile.mkdtemp(prefix="baton-gpu-tp-"))
-    for kind, shape in KINDS.items():
+    for kind in KINDS:
         path = root / kind
-        make_hf_model(path, kind, **shape)
+        make_hf_model(path, kind, **TP_SHAPES[kind])
         try:
             one, s1 = greedy(str(path), device, 1)
             two, s2 = greedy(str(path), device, 2)

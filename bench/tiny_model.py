@@ -49,6 +49,23 @@ FAMILIES = {
 }
 
 
+# tiny shapes every TP size of 2 splits (and Qwen2's 4): a windowed GQA dense family, one KV
+# head replicated over the ranks, two mixtures of experts (tests/unit/test_tensor_parallel.py,
+# bench/gpu_tp.py)
+TP_SHAPES = {
+    "qwen2": dict(hidden_size=96, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=136, vocab_size=397, use_sliding_window=True,
+                  sliding_window=11, max_window_layers=1),
+    "qwen3": dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=1, head_dim=20,
+                  intermediate_size=100, tie_word_embeddings=True),
+    "mixtral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=60, num_local_experts=5, num_experts_per_tok=2),
+    "qwen3_moe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, moe_intermediate_size=36, num_experts=7,
+                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1),
+}
+
+
 def make_hf_model(path: Path, kind: str = "llama", **overrides):
     """A tiny random model of family ``kind`` (see FAMILIES) saved as a Hugging Face directory;
     returns the HF model."""

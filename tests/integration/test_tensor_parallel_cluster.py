@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from baton.bench.tiny_model import TP_SHAPES
 
 from tests.support.api import generate_ids
 from tests.support.families import hf_greedy
@@ -24,9 +25,6 @@ from ..conftest import make_hf_model
 
 pytestmark = pytest.mark.slow
 
-SHAPE = dict(hidden_size=96, num_attention_heads=8, num_key_value_heads=4,
-             intermediate_size=136, vocab_size=397, use_sliding_window=True, sliding_window=11,
-             max_window_layers=1)
 ARGS = ["--block-size", "4", "--num-blocks", "256"]
 LONG = [(7 * i + 3) % 380 + 10 for i in range(90)]
 SHARED = LONG[:72] + [(11 * i) % 380 + 10 for i in range(30)]
@@ -36,7 +34,7 @@ REMOTE = [["--local-prefill-max-tokens", "0"]]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen2-tp")
-    hf = make_hf_model(path, "qwen2", **SHAPE)
+    hf = make_hf_model(path, "qwen2", **TP_SHAPES["qwen2"])
     return str(path), hf
 
 

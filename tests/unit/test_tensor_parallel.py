@@ -10,6 +10,7 @@ import os
 import signal
 
 import pytest
+from baton.bench.tiny_model import TP_SHAPES
 from baton.engine.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.errors import UnsupportedModelError
@@ -20,19 +21,6 @@ from ..conftest import make_hf_model
 
 pytestmark = pytest.mark.slow
 
-# every shape splits over 2 ranks (and "qwen2" over 4); irregular otherwise
-TP_SHAPES = {
-    "qwen2": dict(hidden_size=96, num_attention_heads=8, num_key_value_heads=4,
-                  intermediate_size=136, vocab_size=397, use_sliding_window=True,
-                  sliding_window=11, max_window_layers=1),
-    "qwen3": dict(hidden_size=72, num_attention_heads=6, num_key_value_heads=1, head_dim=20,
-                  intermediate_size=100, tie_word_embeddings=True),
-    "mixtral": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=60, num_local_experts=5, num_experts_per_tok=2),
-    "qwen3_moe": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, moe_intermediate_size=36, num_experts=7,
-                      num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1),
-}
 PROMPT = [(7 * i + 3) % 380 + 10 for i in range(37)]
 
 
