@@ -189,6 +189,26 @@ def test_kv_tiers_pass_their_flags_and_mount_the_disk_tier(helm):
                                                      "mountPath": "/var/lib/baton/kv-tier"}]
 
 
+def test_tensor_parallel_pools_run_their_ranks_in_one_pod_on_a_memory_backed_shm(helm):
+    deps = by_kind(render(helm, None, "decode.tensorParallelSize=2"), "Deployment")
+    pod = deps["rel-baton-decode"]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    assert args[args.index("--device") + 1] == "cpu"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod[
+        "volumes"]
+    pre = deps["rel-baton-prefill"]["spec"]["template"]["spec"]
+    assert "--tensor-parallel-size" not in pre["containers"][0]["args"] and "volumes" not in pre
+    # on a GPU every rank of the group runs on the pod's one GPU, named
+    gpu = by_kind(render(helm, VALUES["gpu-pools"], "prefill.tensorParallelSize=2"),
+                  "Deployment")["rel-baton-prefill"]["spec"]["template"]["spec"]["containers"][0]
+    assert gpu["args"][gpu["args"].index("--device") + 1] == "cuda:0"
+    out = subprocess.run([helm, "template", "rel", str(CHART), "--set", "decode.gpus=2"],
+                         capture_output=True, text=True)
+    assert out.returncode != 0 and "decode.gpus=2" in out.stderr and "not built" in out.stderr
+
+
 def test_external_redis_from_a_secret_with_tracing_and_monitoring(helm):
     docs = render(helm, VALUES["external-redis"])
     assert "rel-baton-redis" not in by_kind(docs, "Deployment")
