@@ -590,6 +590,10 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
+        if req.num_output_tokens + min(p.output_prefix, req.num_prompt_tokens) < p.min_tokens:
+            # held back by the sampler; only the length limit ends the request before
+            return (RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens
+                    else None)
         if not p.ignore_eos and token in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if token in p.stop_token_ids:

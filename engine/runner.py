@@ -11,7 +11,7 @@ from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_layout import KVLayout
 from baton.engine.model import AttentionMetadata, LlamaModel, PrefillSeq
 from baton.engine.request import Request
-from baton.engine.sampler import TokenLogprobs, sample
+from baton.engine.sampler import History, TokenLogprobs, sample
 from baton.engine.scheduler import ScheduledBatch
 
 
@@ -32,6 +32,17 @@ def alloc_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu
     # should be committed at start-up, not discovered under load.
     kv.zero_()
     return kv
+
+
+def history(req: Request) -> History:
+    """What ``req``'s logit processing reads: a migrated request's ``output_prefix`` counts as
+    output; EOS (unless ignored) and ``stop_token_ids`` are what ``min_tokens`` holds back."""
+    p = req.params
+    k = min(p.output_prefix, req.num_prompt_tokens)
+    prompt = req.prompt_token_ids[:req.num_prompt_tokens - k]
+    output = req.prompt_token_ids[req.num_prompt_tokens - k:] + req.output_token_ids
+    stops = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(req.eos_token_ids))
+    return History(tuple(prompt), tuple(output), stops)
 
 
 class ModelRunner:
@@ -105,8 +116,10 @@ class ModelRunner:
         if logits.device.type != "cpu" and not all(
                 r.params.greedy and r.params.logprobs is None for r in samplers):
             logits = logits.cpu()  # seeded sampling draws from CPU generators
+        histories = ([history(r) for r in samplers]
+                     if any(r.params.processes_logits for r in samplers) else None)
         tokens, logprobs = sample(logits, [r.params for r in samplers],
-                                  [self.generators[r.request_id] for r in samplers])
+                                  [self.generators[r.request_id] for r in samplers], histories)
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}
 
     def _layout(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple:

@@ -1,7 +1,9 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-n logprobs."""
+"""Token sampling: logit processing (penalties, bias, min_tokens), greedy, temperature, min-p,
+top-k, top-p, per-request seeds, top-n logprobs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +28,51 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+@dataclass(frozen=True)
+class History:
+    """What a request's logit processing reads: its prompt and output tokens so far (a
+    migrated request's ``output_prefix`` moved from the prompt to the output), and the token ids
+    ``min_tokens`` holds back (EOS and ``stop_token_ids``)."""
+
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+    stops: tuple[int, ...] = ()
+
+
+def process(row: torch.Tensor, p: SamplingParams, h: History) -> torch.Tensor:
+    """One row of logits after ``min_tokens``, ``logit_bias`` and the three penalties (see
+    :class:`SamplingParams`): a new float32 tensor."""
+    row = row.float().clone()
+    if len(h.output) < p.min_tokens and h.stops:
+        row[torch.tensor(h.stops)] = float("-inf")
+    for tok, bias in p.logit_bias:
+        if tok < row.shape[0]:
+            row[tok] += bias
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(h.prompt) | set(h.output)), dtype=torch.long)
+        if len(seen):
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                    vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and h.output:
+        counts = torch.bincount(torch.tensor(h.output), minlength=row.shape[0])[:row.shape[0]]
+        row -= p.frequency_penalty * counts.float() + p.presence_penalty * (counts > 0).float()
+    return row
+
+
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+    histories: list[History] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [N, vocab] float32, one row per request. Returns the tokens and optional logprobs."""
+    """logits: [N, vocab] float32, one row per request. Returns the tokens and optional logprobs
+    (of the raw scores). ``histories`` (one per row) feed the rows whose parameters process
+    their logits."""
+    if histories is not None and any(p.processes_logits for p in params):
+        raw = logits
+        logits = torch.stack([process(logits[i], p, histories[i]) if p.processes_logits
+                              else logits[i].float() for i, p in enumerate(params)])
+    else:
+        raw = logits
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done; others are replaced below
     for i, p in enumerate(params):
         if not p.greedy:
@@ -37,7 +80,7 @@ def sample(
     logprobs: list[TokenLogprobs | None] = [None] * len(params)
     for i, p in enumerate(params):
         if p.logprobs is not None:
-            lp = torch.log_softmax(logits[i], dim=-1)
+            lp = torch.log_softmax(raw[i].float(), dim=-1)
             top = torch.topk(lp, p.logprobs) if p.logprobs else None
             pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top else ()
             logprobs[i] = TokenLogprobs(tokens[i], float(lp[tokens[i]]), pairs)
@@ -50,6 +93,8 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> i
     # others to -inf instead of overflowing them all to inf or dividing 0 by 0, whose softmax
     # is NaN (that killed the engine loop); the distribution is the same
     row = (row - row.max()) / max(p.temperature, torch.finfo(torch.float32).tiny)
+    if p.min_p > 0.0:  # under min_p times the top token's probability: max(row) is 0 here
+        row = row.masked_fill(row < math.log(p.min_p), float("-inf"))
     if p.top_k and p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

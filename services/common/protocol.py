@@ -29,14 +29,22 @@ def params_from_proto(m) -> SamplingParams:
         seed=m.seed if m.HasField("seed") else None, stop=tuple(m.stop),
         stop_token_ids=tuple(m.stop_token_ids), ignore_eos=m.ignore_eos,
         cache_salt=m.cache_salt if m.HasField("cache_salt") else None,
-        logprobs=m.logprobs if m.HasField("logprobs") else None, fit_pool=m.fit_pool)
+        logprobs=m.logprobs if m.HasField("logprobs") else None, fit_pool=m.fit_pool,
+        presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+        repetition_penalty=(m.repetition_penalty if m.HasField("repetition_penalty")
+                            else 1.0),
+        logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p,
+        min_tokens=m.min_tokens, output_prefix=m.output_prefix)
 
 
 def params_to_proto(p: SamplingParams):
     return worker_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
-        cache_salt=p.cache_salt, logprobs=p.logprobs, fit_pool=p.fit_pool)
+        cache_salt=p.cache_salt, logprobs=p.logprobs, fit_pool=p.fit_pool,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_p=p.min_p,
+        min_tokens=p.min_tokens, output_prefix=p.output_prefix)
 
 
 def logprob_to_proto(lp):

@@ -106,7 +106,14 @@ def _set(p, field: str, key: str, value) -> None:
 
 
 _NUMBERS = (("temperature", (int, float), "a number"), ("top_p", (int, float), "a number"),
-            ("seed", int, "an integer"), ("top_k", int, "an integer"))
+            ("seed", int, "an integer"), ("top_k", int, "an integer"),
+            ("presence_penalty", (int, float), "a number"),
+            ("frequency_penalty", (int, float), "a number"),
+            ("repetition_penalty", (int, float), "a number"), ("min_p", (int, float), "a number"),
+            ("min_tokens", int, "an integer"))
+# what the sampling fields may be (the engine's SamplingParams checks them again)
+_RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+           "repetition_penalty": (1e-9, 100.0), "min_p": (0.0, 1.0), "min_tokens": (0, 1 << 30)}
 
 
 # what a request that sets neither max_tokens nor max_completion_tokens gets, per endpoint: the
@@ -129,7 +136,11 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     for key, kind_, what in _NUMBERS:
         value = _typed(body, key, kind_, what)
         if value is not None:
+            lo, hi = _RANGES.get(key, (value, value))
+            if not lo <= value <= hi:
+                raise _bad(key, f"{key}={value!r} must be in [{lo:g}, {hi:g}]")
             _set(p, key, key, value)
+    _token_fields(p, body)
     if body.get("temperature") is None:
         p.temperature = 1.0  # the OpenAI API's default
     stop = body.get("stop")
@@ -147,6 +158,23 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
         raise _bad("n", "only n=1 is supported")
     _logprobs_param(p, body, kind)
     return p
+
+
+def _token_fields(p, body: dict) -> None:
+    """``logit_bias`` (OpenAI: token id as a string -> bias in [-100, 100]) and vLLM's
+    ``stop_token_ids``."""
+    bias = _typed(body, "logit_bias", dict, "an object of token id -> bias")
+    for tok, v in (bias or {}).items():
+        if not (isinstance(tok, str) and tok.isdigit()) or isinstance(v, bool) or not isinstance(
+                v, (int, float)) or not -100 <= v <= 100:
+            raise _bad("logit_bias", f"logit_bias maps token ids (strings of digits) to biases "
+                                     f"in [-100, 100]; got {tok!r}: {v!r}")
+        p.logit_bias[int(tok)] = float(v)
+    stops = _typed(body, "stop_token_ids", list, "a list of token ids")
+    if stops is not None:
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops):
+            raise _bad("stop_token_ids", "stop_token_ids must be a list of token ids (>= 0)")
+        p.stop_token_ids.extend(stops)
 
 
 def _logprobs_param(p, body: dict, kind: str) -> None:
@@ -167,11 +195,6 @@ def _zero(v) -> bool:
 # 400 naming the field, never served as if the field were absent. Fields that only describe the
 # caller (user, metadata) are accepted as they are.
 _NOT_IMPLEMENTED: dict[str, tuple[tuple[str, ...], Callable[[object], bool], str]] = {
-    "presence_penalty": (("chat", "text"), _zero, "0"),
-    "frequency_penalty": (("chat", "text"), _zero, "0"),
-    "repetition_penalty": (("chat", "text"), lambda v: v is None or v == 1, "1"),
-    "logit_bias": (("chat", "text"), lambda v: v is None or v == {}, "{}"),
-    "min_tokens": (("chat", "text"), _zero, "0"),
     "tools": (("chat",), lambda v: v is None or v == [], "[]"),
     "functions": (("chat",), lambda v: v is None or v == [], "[]"),
     "tool_choice": (("chat",), lambda v: v is None or v == "none", '"none"'),
@@ -191,13 +214,16 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple[str, ...], Callable[[object], bool], str
 }
 
 
+# logit processing (engine/params.py): OpenAI's penalties and bias, vLLM's others
+SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
+                   "min_p", "min_tokens", "stop_token_ids")
 # the fields Baton reads, per API (vLLM's top_k, ignore_eos and chat_template_kwargs too)
 _SERVED = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
              "seed", "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-             "top_k", "ignore_eos", "chat_template_kwargs"},
+             "top_k", "ignore_eos", "chat_template_kwargs", *SAMPLING_FIELDS},
     "text": {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-             "stream_options", "n", "logprobs", "top_k", "ignore_eos"},
+             "stream_options", "n", "logprobs", "top_k", "ignore_eos", *SAMPLING_FIELDS},
 }
 # fields that describe the caller or ask a hosted service for something Baton has no part of
 # (storage, tiers, cache retention): accepted and not acted on

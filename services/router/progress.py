@@ -69,13 +69,15 @@ class Attempt:
         return self.sent.migrations
 
     def params(self, p):
-        """The request's sampling parameters for this attempt (``max_tokens`` less the tokens
-        already sent)."""
+        """The request's sampling parameters for this attempt: ``max_tokens`` less the tokens
+        already sent, which end the prompt the workers get and count as output there
+        (``output_prefix``: penalties and ``min_tokens`` see them as the earlier attempt did)."""
         if self.start == 0:
             return p
         q = type(p)()
         q.CopyFrom(p)
         q.max_tokens = p.max_tokens - self.start
+        q.output_prefix = p.output_prefix + self.start
         return q
 
     def migrated(self, worker_id: str, tokenizer: BatonTokenizer) -> None:

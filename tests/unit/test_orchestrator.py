@@ -184,14 +184,6 @@ UNIMPLEMENTED = [
     ("chat", "prediction", {"type": "content", "content": "x"}, None),
     ("chat", "reasoning_effort", "high", None),
     ("chat", "web_search_options", {}, None),
-    ("chat", "presence_penalty", 0.5, 0),
-    ("text", "presence_penalty", -1, 0.0),
-    ("chat", "frequency_penalty", 1.2, 0),
-    ("text", "frequency_penalty", 0.1, 0),
-    ("chat", "logit_bias", {"50256": -100}, {}),
-    ("text", "logit_bias", {"1": 5}, None),
-    ("text", "repetition_penalty", 1.1, 1),
-    ("chat", "min_tokens", 4, 0),
     ("text", "echo", True, False),
     ("text", "suffix", "end", ""),
     ("text", "best_of", 3, 1),
@@ -210,6 +202,27 @@ def test_an_unimplemented_openai_field_is_refused_naming_it(kind, field, used, u
     assert "not implemented" in e.value.message
     generate_request(kind, {**base, field: unused})  # its default is no use of it: served
     generate_request(kind, {**base, "user": "u-1", "metadata": {"k": "v"}})  # who is asking
+
+
+def test_the_sampling_fields_reach_the_workers_params_and_bad_values_are_refused():
+    from baton.services.common.protocol import params_from_proto
+    from baton.services.router.openai_http import generate_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"7": -100, "3": 2.5},
+            "repetition_penalty": 1.3, "min_p": 0.1, "min_tokens": 4, "stop_token_ids": [9]}
+    p = params_from_proto(generate_request("chat", body).params)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1.0,
+                                                                              pytest.approx(1.3))
+    assert p.logit_bias == ((3, 2.5), (7, -100.0)) and p.min_tokens == 4
+    assert p.min_p == pytest.approx(0.1) and p.stop_token_ids == (9,)
+    for field, bad in (("presence_penalty", 2.5), ("frequency_penalty", -3),
+                       ("repetition_penalty", 0), ("min_p", 1.5), ("min_tokens", -1),
+                       ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
+                       ("stop_token_ids", [-1]), ("min_tokens", 1.5)):
+        with pytest.raises(RequestError) as e:
+            generate_request("text", {"prompt": "hi", field: bad})
+        assert e.value.status is Status.INVALID_ARGUMENT and e.value.field == field, (field, bad)
 
 
 def test_every_openai_request_field_is_known():

@@ -1,0 +1,75 @@
+"""The sampling fields through a real cluster (redis-server, a prefill worker, two decode
+workers, a router; KV over NIXL): greedy tokens with repetition, frequency and presence penalties
+and a logit bias equal a greedy loop over transformers' logits with the same processing, on the
+remote path (the prefill worker samples the first token, the decode worker rebuilds the
+penalties' state from the prompt and that token) and on the migrated path (a decode worker dies
+mid-stream; another resumes from the prompt plus the tokens sent, which count as output there);
+and the same fields from the official ``openai`` client."""
+
+from __future__ import annotations
+
+import pytest
+from baton.engine.params import SamplingParams
+from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+from tests.support.sampling import reference_greedy
+
+from ..conftest import make_hf_model
+
+pytestmark = pytest.mark.slow
+
+PARAMS = dict(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3)
+BIAS = {17: 1.5}
+ARGS = ["--block-size", "4", "--num-blocks", "256"]
+
+
+def generate(router, ids, n):
+    p = worker_pb2.SamplingParams(max_tokens=n, ignore_eos=True, **PARAMS)
+    for tok, b in BIAS.items():
+        p.logit_bias[tok] = b
+    req = api_pb2.GenerateRequest(params=p)
+    req.token_ids.ids.extend(ids)
+    out, final = [], None
+    for msg in api_pb2_grpc.BatonStub(router.channel).Generate(req, timeout=120):
+        if msg.HasField("delta"):
+            out += msg.delta.token_ids
+        else:
+            final = msg.final
+    return out, final
+
+
+def test_penalties_and_bias_on_the_remote_and_migrated_paths(start_cluster, tmp_path):
+    import openai
+
+    hf = make_hf_model(tmp_path, tie_word_embeddings=False)
+    crash = ["--faults", "crash_engine_after=6"]
+    c = start_cluster(prefill=1, decode=2, worker_args=["--model", str(tmp_path), *ARGS],
+                      decode_args=lambda c, i: crash if i == 0 else [],
+                      routers=[["--local-prefill-max-tokens", "0", "--http-port", "0"]])
+    ref = SamplingParams(logit_bias=BIAS, **PARAMS)
+    paths = set()
+    for k in range(5):
+        prompt = [(5 * i + 7 + 13 * k) % 300 + 3 for i in range(40)] + [11, 11, 12, 11]
+        out, final = generate(c.router, prompt, 16)
+        assert out == reference_greedy(hf, prompt, 16, ref, 0), (k, final.path)
+        paths.add(final.path)
+        if "migrated" in paths:
+            break
+    assert {"remote", "migrated"} <= paths, paths
+    # the official client: the same fields, the same tokens (their text)
+    from baton.engine.loader import load_model
+
+    tok = load_model(str(tmp_path)).tokenizer
+    client = openai.OpenAI(base_url=f"http://{c.router.http_address}/v1", api_key="none")
+    prompt = [(7 * i + 5) % 300 + 3 for i in range(40)]
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                  max_tokens=10, temperature=0,
+                                  logit_bias={str(t): b for t, b in BIAS.items()},
+                                  presence_penalty=PARAMS["presence_penalty"],
+                                  frequency_penalty=PARAMS["frequency_penalty"],
+                                  extra_body={"repetition_penalty": PARAMS["repetition_penalty"],
+                                              "ignore_eos": True})
+    want = reference_greedy(hf, prompt, 10, ref, 0)
+    assert r.usage.completion_tokens == 10
+    assert r.choices[0].text == tok.decode(prompt[-5:] + want)[len(tok.decode(prompt[-5:])):]
+    c.stop()

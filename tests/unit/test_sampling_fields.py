@@ -1,0 +1,104 @@
+"""The sampling fields agents send (presence, frequency and repetition penalties, logit_bias,
+min_p, min_tokens, stop_token_ids), each against a reference on logits: transformers' own logits
+processors where it has one (repetition penalty, min-p), OpenAI's documented formula written out
+token by token where it has none; and end to end, the engine's greedy tokens equal to a greedy
+loop over transformers' logits with the same processing, on a prompt whose last tokens were
+generated before (a migrated request's ``output_prefix``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from baton.engine.errors import InvalidRequestError
+from baton.engine.params import SamplingParams
+from baton.engine.sampler import History, process, sample
+
+from tests.support.sampling import reference_greedy
+
+VOCAB = 50
+
+
+def logits(seed=0):
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_repetition_penalty_is_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    row, h = logits(), History((1, 2, 2, 40), (5, 1, 9))
+    got = process(row, SamplingParams(repetition_penalty=1.7), h)
+    ids = torch.tensor([[*h.prompt, *h.output]])
+    want = RepetitionPenaltyLogitsProcessor(1.7)(ids, row[None].clone())[0]
+    assert torch.allclose(got, want)
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    row, h = logits(1), History((3, 3, 4), (7, 7, 7, 8, 3))
+    got = process(row, SamplingParams(presence_penalty=0.6, frequency_penalty=-0.4), h)
+    want = row.clone()
+    for tok in range(VOCAB):  # mu[j] - c[j] * a_freq - (c[j] > 0) * a_presence, output only
+        c = h.output.count(tok)
+        want[tok] = row[tok] - c * -0.4 - (c > 0) * 0.6
+    assert torch.allclose(got, want)
+
+
+def test_logit_bias_and_min_tokens():
+    row = logits(2)
+    p = SamplingParams(logit_bias={4: 100.0, 11: -2.5}, min_tokens=3)
+    got = process(row, p, History((1,), (6, 6), stops=(0, 13)))
+    assert got[0] == got[13] == float("-inf")  # two output tokens, three required
+    assert got[4] == row[4] + 100 and torch.isclose(got[11], row[11] - 2.5)
+    assert int(got.argmax()) == 4
+    after = process(row, p, History((1,), (6, 6, 6), stops=(0, 13)))
+    assert after[0] == row[0] and after[13] == row[13]
+
+
+def test_min_p_keeps_what_transformers_keeps():
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    row = logits(3)
+    p = SamplingParams(temperature=0.7, min_p=0.08)
+    scaled = row / 0.7
+    kept_hf = torch.isfinite(MinPLogitsWarper(0.08)(None, scaled[None].clone())[0])
+    counts = torch.zeros(VOCAB)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(400):
+        tok, _ = sample(row[None], [p], [gen])
+        counts[tok[0]] += 1
+    assert (counts > 0).sum() > 1  # it samples
+    assert not (counts[~kept_hf] > 0).any()  # never a token transformers drops
+
+
+def test_logprobs_stay_the_raw_scores():
+    row = logits(4)
+    p = SamplingParams(logprobs=1, logit_bias={7: 50.0})
+    tokens, lps = sample(row[None], [p], [torch.Generator()], [History((), ())])
+    assert tokens == [7]
+    assert lps[0].logprob == pytest.approx(float(torch.log_softmax(row, -1)[7]), abs=1e-5)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("presence_penalty", 2.1), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
+    ("min_p", 1.2), ("min_tokens", -1), ("logit_bias", {3: 200.0}), ("output_prefix", -2)])
+def test_out_of_range_values_are_refused_by_name(field, value):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("prefix", [0, 6])
+def test_engine_greedy_tokens_equal_the_reference_loop(tiny_llama, tiny_engine, prefix):
+    _, hf = tiny_llama
+    prompt = [(5 * i + 7) % 300 + 3 for i in range(20)] + [11, 11, 12, 11, 12, 13]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                            repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=0.3,
+                            logit_bias={17: 1.5}, output_prefix=prefix)
+    engine = tiny_engine()
+    req = engine.add_request(prompt_token_ids=prompt, params=params)
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == req.request_id:
+                out += o.new_token_ids
+    assert out == reference_greedy(hf, prompt, 12, params, prefix)
+    assert out != reference_greedy(hf, prompt, 12, SamplingParams(), 0)  # the processing mattered
