@@ -13,7 +13,9 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
     ``seed`` makes sampling reproducible per request: the same seed, prompt and parameters give the
-    same tokens. ``logprobs = n`` returns the sampled token's log-probability and the top ``n``.
+    same tokens; each draw comes from a generator seeded with (seed, its output position), so a
+    hand-off or a migration to another worker continues the same sequence. ``logprobs = n``
+    returns the sampled token's log-probability and the top ``n``.
     Stop strings are removed from the returned text, like vLLM and the OpenAI API do.
 
     Logit processing, in order (as vLLM applies it; ``engine/sampler.py``), greedy rows too:

@@ -11,7 +11,7 @@ from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_layout import KVLayout
 from baton.engine.model import AttentionMetadata, LlamaModel, PrefillSeq
 from baton.engine.request import Request
-from baton.engine.sampler import History, TokenLogprobs, sample
+from baton.engine.sampler import History, TokenLogprobs, sample, token_seed
 from baton.engine.scheduler import ScheduledBatch
 
 
@@ -118,6 +118,10 @@ class ModelRunner:
             logits = logits.cpu()  # seeded sampling draws from CPU generators
         histories = ([history(r) for r in samplers]
                      if any(r.params.processes_logits for r in samplers) else None)
+        for r in samplers:  # each seeded draw from (seed, position): any worker draws the same
+            if r.params.seed is not None and not r.params.greedy:
+                position = r.num_output_tokens + min(r.params.output_prefix, r.num_prompt_tokens)
+                self.generators[r.request_id].manual_seed(token_seed(r.params.seed, position))
         tokens, logprobs = sample(logits, [r.params for r in samplers],
                                   [self.generators[r.request_id] for r in samplers], histories)
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}

@@ -19,6 +19,13 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...]
 
 
+def token_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at output ``position``: a function of the
+    two alone, so a decode worker after a hand-off, or another after a migration, draws what the
+    first would have."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
+
+
 def make_generator(seed: int | None) -> torch.Generator:
     g = torch.Generator()
     if seed is None:

@@ -102,3 +102,25 @@ def test_engine_greedy_tokens_equal_the_reference_loop(tiny_llama, tiny_engine, 
                 out += o.new_token_ids
     assert out == reference_greedy(hf, prompt, 12, params, prefix)
     assert out != reference_greedy(hf, prompt, 12, SamplingParams(), 0)  # the processing mattered
+
+
+def test_a_seeded_request_resumed_elsewhere_draws_the_same_tokens(tiny_engine):
+    prompt = [(3 * i + 2) % 300 + 3 for i in range(24)]
+    params = dict(max_tokens=14, temperature=1.3, seed=77, ignore_eos=True, top_k=40)
+
+    def run(ids, **extra):
+        engine = tiny_engine()
+        req = engine.add_request(prompt_token_ids=ids, params=SamplingParams(**{**params,
+                                                                                **extra}))
+        out: list[int] = []
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == req.request_id:
+                    out += o.new_token_ids
+        return out
+
+    whole = run(prompt)
+    assert len(set(whole)) > 3  # sampled, not a fixed point
+    # as the router resumes a migrated request: the prompt plus the 5 tokens sent, 9 to go
+    assert run(prompt + whole[:5], max_tokens=9, output_prefix=5) == whole[5:]
+    assert run(prompt, seed=78) != whole
