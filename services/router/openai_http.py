@@ -121,6 +121,8 @@ _RANGES = {"presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
 # less the prompt (at most --max-tokens), or to what the worker's KV pool holds, as OpenAI and
 # vLLM run chat to EOS or the context
 DEFAULT_MAX_TOKENS: dict[str, int | None] = {"text": 16, "chat": None}
+# the most choices one request may ask for (n)
+MAX_N = 16
 
 
 def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
@@ -154,8 +156,11 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
         p.ignore_eos = ignore_eos
     _typed(body, "stream", bool, "a boolean")
     _typed(body, "stream_options", dict, "an object")
-    if body.get("n", 1) != 1:
-        raise _bad("n", "only n=1 is supported")
+    n = _typed(body, "n", int, "an integer")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise _bad("n", f"n={n} must be in [1, {MAX_N}]")
+    if (n or 1) > 1 and body.get("stream"):
+        raise _bad("n", "n > 1 with stream is not implemented (send n requests, or stream=false)")
     _logprobs_param(p, body, kind)
     return p
 
@@ -362,7 +367,36 @@ class _Relay:
             yield item
 
 
-async def _watch_disconnect(request: Request, relay: _Relay) -> None:
+class _All:
+    """Every relay of an ``n`` > 1 request, cancelled together."""
+
+    def __init__(self, relays: list[_Relay]) -> None:
+        self.relays = relays
+
+    def cancel(self) -> None:
+        for r in self.relays:
+            r.cancel()
+
+
+async def _drain(messages, answer) -> None:
+    async for msg in messages:
+        answer.take(msg)
+
+
+def _merge(answers: list) -> dict:
+    """One body of ``n`` answers: choice i is answer i's; usage counts the prompt once and
+    every choice's tokens; ``baton.choices`` says where each ran and what it found cached."""
+    out = answers[0].body()
+    out["choices"] = [{**a.body()["choices"][0], "index": i} for i, a in enumerate(answers)]
+    usage = out["usage"]
+    usage["completion_tokens"] = sum(a.final.usage.completion_tokens for a in answers)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    out["baton"]["choices"] = [{"path": a.final.path, "cached_tokens": a.final.usage.cached_tokens,
+                                "decode_worker": a.final.decode_worker} for a in answers]
+    return out
+
+
+async def _watch_disconnect(request: Request, relay) -> None:
     """Cancel ``relay`` when the client disconnects (the body was read already, so the next ASGI
     message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -438,11 +472,48 @@ class OpenAIFront:
         except RequestError as e:
             self.metrics.record(kind, error=e)
             return _error(e)
+        if (body.get("n") or 1) > 1:
+            return await self._choices(kind, req, body, request)
         relay = _Relay(self.orch, self.pool, req, _caller(request))
         answer = _Answer(kind, self.orch, req, body)
         if body.get("stream"):
             return await self._stream(answer, relay, request)
         return await self._complete(answer, relay, request)
+
+    async def _choices(self, kind: str, req, body: dict, request: Request) -> Response:
+        """``n`` > 1: choice i is its own request, with ``seed + i`` where a seed is given.
+        Choice 0 runs first until its first token (its prompt is then in a worker's prefix
+        cache and the router's index); the others start then and find the prompt there, so the
+        prompt is computed about once, not n times."""
+        reqs = []
+        for i in range(body["n"]):
+            r = type(req)()
+            r.CopyFrom(req)
+            if req.params.HasField("seed"):
+                r.params.seed = req.params.seed + i
+            reqs.append(r)
+        answers = [_Answer(kind, self.orch, r, body) for r in reqs]
+        relays = [_Relay(self.orch, self.pool, reqs[0], _caller(request))]
+        watcher = asyncio.create_task(_watch_disconnect(request, _All(relays)))
+        try:
+            first = relays[0].__aiter__()
+            async for msg in first:
+                answers[0].take(msg)
+                if msg.HasField("delta") or answers[0].final is not None:
+                    break
+            relays += [_Relay(self.orch, self.pool, r, _caller(request)) for r in reqs[1:]]
+            await asyncio.gather(_drain(first, answers[0]),
+                                 *(_drain(rl.__aiter__(), a)
+                                   for rl, a in zip(relays[1:], answers[1:])))
+        except RequestError as e:
+            _All(relays).cancel()
+            self.metrics.record(kind, error=e)
+            return _error(e)
+        finally:
+            watcher.cancel()
+        for a in answers:
+            self.metrics.record(kind, a.final)
+        return _json(_merge(answers))
 
     async def _complete(self, answer: _Answer, relay: _Relay, request: Request) -> Response:
         watcher = asyncio.create_task(_watch_disconnect(request, relay))

@@ -73,3 +73,33 @@ def test_penalties_and_bias_on_the_remote_and_migrated_paths(start_cluster, tmp_
     assert r.usage.completion_tokens == 10
     assert r.choices[0].text == tok.decode(prompt[-5:] + want)[len(tok.decode(prompt[-5:])):]
     c.stop()
+
+
+def test_n_choices_share_one_prompt_computation_and_differ(start_cluster, tmp_path):
+    import openai
+
+    make_hf_model(tmp_path, tie_word_embeddings=False)
+    c = start_cluster(prefill=1, decode=1, worker_args=["--model", str(tmp_path), *ARGS],
+                      routers=[["--local-prefill-max-tokens", "0", "--http-port", "0"]])
+    client = openai.OpenAI(base_url=f"http://{c.router.http_address}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    prompt = [(9 * i + 4) % 300 + 3 for i in range(61)]
+
+    def ask():
+        return client.completions.create(model=model, prompt=prompt, n=3, max_tokens=12,
+                                         temperature=1.0, seed=5,
+                                         extra_body={"ignore_eos": True}).model_dump()
+
+    r = ask()
+    texts = [ch["text"] for ch in r["choices"]]
+    assert [ch["index"] for ch in r["choices"]] == [0, 1, 2]
+    assert len(set(texts)) == 3, texts  # seeds 5, 6, 7
+    assert r["usage"]["completion_tokens"] == 36 and r["usage"]["prompt_tokens"] == 61
+    computed = sum(61 - ch["cached_tokens"] for ch in r["baton"]["choices"])
+    assert computed <= 61 + 3 * 4, r["baton"]["choices"]  # the prompt once, a block per choice
+    assert [ch["text"] for ch in ask()["choices"]] == texts  # seed + i: reproducible
+    single = client.completions.create(model=model, prompt=prompt, max_tokens=12,
+                                       temperature=1.0, seed=6, extra_body={"ignore_eos": True})
+    assert single.choices[0].text == texts[1]  # choice 1 is the request with seed + 1
+    c.assert_quiet()
+    c.stop()

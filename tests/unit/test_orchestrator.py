@@ -157,7 +157,8 @@ def test_the_openai_body_errors_name_the_field():
     from baton.services.router.openai_http import generate_request
 
     cases = [({"prompt": "hi", "temperature": "hot"}, "temperature"),
-             ({"prompt": "hi", "n": 2}, "n"), ({"prompt": 5}, "prompt"),
+             ({"prompt": "hi", "n": 17}, "n"), ({"prompt": "hi", "n": 2, "stream": True}, "n"),
+             ({"prompt": 5}, "prompt"),
              ({"messages": [{"role": "user"}]}, "messages[0]"), ([1, 2], "body"),
              ({"prompt": "hi", "max_tokens": 2**40}, "max_tokens"),
              ({"messages": [{"role": "user", "content": [
