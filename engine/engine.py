@@ -28,6 +28,7 @@ from baton.engine.block_hash import namespace_for
 from baton.engine.config import EngineConfig
 from baton.engine.errors import DuplicateRequestError, InvalidRequestError, RequestTooLargeError
 from baton.engine.gpu_memory import DeviceMemory, activation_reserve, check_cuda_device
+from baton.engine.grammar import Grammars
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_layout import KVLayout
 from baton.engine.kv_tiers import DiskTier, DiskTierBusy, HostTier, TierStore
@@ -222,6 +223,7 @@ class LLMEngine:
         self.model_info = model
         self.model_config = mc = model.config
         self.tokenizer = model.tokenizer
+        self._grammars: Grammars | None = None
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.fp8_group = fp8_group(model, cfg)
         self.fingerprint = engine_fingerprint(model, cfg)
@@ -425,6 +427,10 @@ class LLMEngine:
         req = Request(rid, ids, params, namespace_for(self.fingerprint, params.cache_salt),
                       self.cfg.block_size, max_tokens, prefill_only,
                       eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
+        if params.grammar:  # compiled (or copied from the cache) before the request runs
+            req.matcher = self.grammars().matcher(params.grammar)
+            k = min(params.output_prefix, len(ids))
+            Grammars.follow(req.matcher, ids[len(ids) - k:])  # a migrated request's tokens
         self.requests[rid] = req
         self.runner.generators[rid] = make_generator(params.seed)
         if params.detokenize:
@@ -488,6 +494,12 @@ class LLMEngine:
                 raise InvalidRequestError("sampler_state", f"<{len(sampler_state)} bytes>",
                                           f"not a sampler state: {e}") from e
         req.append_token(first_token_id)
+        if req.matcher is not None:  # the matcher rebuilt from the handed first token
+            try:
+                Grammars.follow(req.matcher, [first_token_id])
+            except InvalidRequestError:
+                self._forget(req)
+                raise
         reserved = sum(r.status == RequestStatus.RESERVED for r in self.requests.values())
         if len(self.scheduler.running) + reserved >= self.cfg.max_num_seqs:
             self._forget(req)  # a hand-off joins the running batch: never past its limit
@@ -588,8 +600,18 @@ class LLMEngine:
             return None
         return bytes(self.runner.generators[req.request_id].get_state().numpy())
 
+    def grammars(self) -> Grammars:
+        """This engine's structured output (its llguidance tokenizer, built on first use)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer.tk.to_str(), self.model_config.vocab_size,
+                                      self.model_config.eos_token_ids
+                                      or self.tokenizer.eos_token_ids)
+        return self._grammars
+
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
+        if req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens + min(p.output_prefix, req.num_prompt_tokens) < p.min_tokens:
             # held back by the sampler; only the length limit ends the request before
             return (RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens

@@ -50,6 +50,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     output_prefix: int = 0
+    # structured output: an llguidance grammar (engine/grammar.py) the tokens must follow; ""
+    # for none. The sampler masks every token it forbids, on both roles
+    grammar: str = ""
     detokenize: bool = True
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 

@@ -74,6 +74,8 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # structured output: the request's llguidance matcher (engine/grammar.py), or None
+    matcher: object = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import mmap
 
+import numpy as np
 import torch
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache import KVCacheManager
@@ -32,6 +33,15 @@ def alloc_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu
     # should be committed at start-up, not discovered under load.
     kv.zero_()
     return kv
+
+
+def allowed(matcher, vocab: int) -> torch.Tensor:
+    """The tokens ``matcher`` allows next, as a bool mask over the model's ``vocab`` logits."""
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                         bitorder="little")[:vocab]
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[: len(bits)] = torch.from_numpy(bits.astype(bool))
+    return mask
 
 
 def history(req: Request) -> History:
@@ -114,7 +124,8 @@ class ModelRunner:
         if not samplers:
             return {}
         if logits.device.type != "cpu" and not all(
-                r.params.greedy and r.params.logprobs is None for r in samplers):
+                r.params.greedy and r.params.logprobs is None and r.matcher is None
+                and not r.params.processes_logits for r in samplers):
             logits = logits.cpu()  # seeded sampling draws from CPU generators
         histories = ([history(r) for r in samplers]
                      if any(r.params.processes_logits for r in samplers) else None)
@@ -122,8 +133,14 @@ class ModelRunner:
             if r.params.seed is not None and not r.params.greedy:
                 position = r.num_output_tokens + min(r.params.output_prefix, r.num_prompt_tokens)
                 self.generators[r.request_id].manual_seed(token_seed(r.params.seed, position))
+        masks = [allowed(r.matcher, logits.shape[-1]) if r.matcher is not None else None
+                 for r in samplers]
         tokens, logprobs = sample(logits, [r.params for r in samplers],
-                                  [self.generators[r.request_id] for r in samplers], histories)
+                                  [self.generators[r.request_id] for r in samplers], histories,
+                                  masks if any(m is not None for m in masks) else None)
+        for r, t in zip(samplers, tokens):
+            if r.matcher is not None:
+                r.matcher.consume_token(t)
         return {r.request_id: (t, lp) for r, t, lp in zip(samplers, tokens, logprobs)}
 
     def _layout(self, batch: ScheduledBatch, kv: KVCacheManager) -> tuple:

@@ -69,17 +69,19 @@ def process(row: torch.Tensor, p: SamplingParams, h: History) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-    histories: list[History] | None = None,
+    histories: list[History] | None = None, masks: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [N, vocab] float32, one row per request. Returns the tokens and optional logprobs
     (of the raw scores). ``histories`` (one per row) feed the rows whose parameters process
-    their logits."""
+    their logits; ``masks`` (a bool row or None each): the tokens a row's grammar allows, the
+    others never sampled."""
+    raw = logits
     if histories is not None and any(p.processes_logits for p in params):
-        raw = logits
         logits = torch.stack([process(logits[i], p, histories[i]) if p.processes_logits
                               else logits[i].float() for i, p in enumerate(params)])
-    else:
-        raw = logits
+    if masks is not None:
+        logits = torch.stack([row if m is None else row.float().masked_fill(~m, float("-inf"))
+                              for row, m in zip(logits, masks)])
     tokens = logits.argmax(dim=-1).tolist()  # greedy rows are done; others are replaced below
     for i, p in enumerate(params):
         if not p.greedy:

@@ -34,7 +34,7 @@ def params_from_proto(m) -> SamplingParams:
         repetition_penalty=(m.repetition_penalty if m.HasField("repetition_penalty")
                             else 1.0),
         logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p,
-        min_tokens=m.min_tokens, output_prefix=m.output_prefix)
+        min_tokens=m.min_tokens, output_prefix=m.output_prefix, grammar=m.grammar)
 
 
 def params_to_proto(p: SamplingParams):
@@ -44,7 +44,7 @@ def params_to_proto(p: SamplingParams):
         cache_salt=p.cache_salt, logprobs=p.logprobs, fit_pool=p.fit_pool,
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias), min_p=p.min_p,
-        min_tokens=p.min_tokens, output_prefix=p.output_prefix)
+        min_tokens=p.min_tokens, output_prefix=p.output_prefix, grammar=p.grammar)
 
 
 def logprob_to_proto(lp):

@@ -143,6 +143,7 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
                 raise _bad(key, f"{key}={value!r} must be in [{lo:g}, {hi:g}]")
             _set(p, key, key, value)
     _token_fields(p, body)
+    _grammar_fields(p, body)
     if body.get("temperature") is None:
         p.temperature = 1.0  # the OpenAI API's default
     stop = body.get("stop")
@@ -163,6 +164,28 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
         raise _bad("n", "n > 1 with stream is not implemented (send n requests, or stream=false)")
     _logprobs_param(p, body, kind)
     return p
+
+
+def _grammar_fields(p, body: dict) -> None:
+    """``response_format`` or ``structured_outputs`` as the grammar the workers follow, checked
+    here (a bad or unsupported schema is a 400 naming it, before any worker holds KV)."""
+    from baton.engine import grammar
+
+    for key in grammar.GUIDED:
+        if body.get(key) is not None:
+            raise _bad(key, f"{key} was removed from vLLM; send structured_outputs (e.g. "
+                            '{"json": SCHEMA}) or response_format instead')
+    given = [k for k in ("response_format", "structured_outputs") if body.get(k) is not None]
+    if len(given) == 2:
+        raise _bad("structured_outputs", "give response_format or structured_outputs, not both")
+    if not given:
+        return
+    try:
+        p.grammar = (grammar.from_response_format(body["response_format"])
+                     if given[0] == "response_format"
+                     else grammar.from_structured_outputs(body["structured_outputs"]))
+    except grammar.GrammarError as e:
+        raise _bad(e.field, str(e)) from None
 
 
 def _token_fields(p, body: dict) -> None:
@@ -204,8 +227,6 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple[str, ...], Callable[[object], bool], str
     "functions": (("chat",), lambda v: v is None or v == [], "[]"),
     "tool_choice": (("chat",), lambda v: v is None or v == "none", '"none"'),
     "function_call": (("chat",), lambda v: v is None or v == "none", '"none"'),
-    "response_format": (("chat",), lambda v: v is None or v == {"type": "text"},
-                        '{"type": "text"}'),
     "modalities": (("chat",), lambda v: v is None or v == ["text"], '["text"]'),
     "audio": (("chat",), lambda v: v is None, "null"),
     "prediction": (("chat",), lambda v: v is None, "null"),
@@ -219,9 +240,11 @@ _NOT_IMPLEMENTED: dict[str, tuple[tuple[str, ...], Callable[[object], bool], str
 }
 
 
-# logit processing (engine/params.py): OpenAI's penalties and bias, vLLM's others
+# logit processing (engine/params.py): OpenAI's penalties and bias, vLLM's others; structured
+# output (engine/grammar.py): OpenAI's response_format, vLLM's structured_outputs
 SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty",
-                   "min_p", "min_tokens", "stop_token_ids")
+                   "min_p", "min_tokens", "stop_token_ids", "response_format",
+                   "structured_outputs")
 # the fields Baton reads, per API (vLLM's top_k, ignore_eos and chat_template_kwargs too)
 _SERVED = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -243,7 +266,9 @@ UNKNOWN_FIELDS = ("refuse", "ignore")
 def known_fields(kind: str) -> set[str]:
     """Every field of a ``kind`` request this router knows: served, accepted as the caller's,
     or refused as not implemented."""
-    return (_SERVED[kind] | CALLER_FIELDS
+    from baton.engine.grammar import GUIDED
+
+    return (_SERVED[kind] | CALLER_FIELDS | set(GUIDED)
             | {k for k, (kinds, _, _) in _NOT_IMPLEMENTED.items() if kind in kinds})
 
 

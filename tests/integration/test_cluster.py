@@ -295,8 +295,13 @@ def test_openai_http_api_with_the_official_client(cluster, engine):
     # the chat template's variables are taken
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=hi, max_tokens=2,
+                                       extra_body={"beam_width": 4})
+    assert e.value.param == "beam_width" and "Unrecognized request argument" in e.value.message
+    # vLLM's removed guided_* fields point to what replaced them
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=hi, max_tokens=2,
                                        extra_body={"guided_json": {"type": "object"}})
-    assert e.value.param == "guided_json" and "Unrecognized request argument" in e.value.message
+    assert e.value.param == "guided_json" and "structured_outputs" in e.value.message
     r = client.chat.completions.create(
         model=model, messages=hi, max_tokens=2, store=False, prompt_cache_key="k",
         safety_identifier="s", extra_body={"chat_template_kwargs": {"enable_thinking": False}})

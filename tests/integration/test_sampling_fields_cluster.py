@@ -103,3 +103,61 @@ def test_n_choices_share_one_prompt_computation_and_differ(start_cluster, tmp_pa
     assert single.choices[0].text == texts[1]  # choice 1 is the request with seed + 1
     c.assert_quiet()
     c.stop()
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    "size": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 50}, {"type": "null"}]},
+    "meta": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}},
+    "required": ["name", "tags", "size", "meta"], "additionalProperties": False}
+
+
+def test_json_schemas_on_the_remote_local_and_migrated_paths(start_cluster, tmp_path):
+    import json
+
+    import jsonschema
+    import openai
+    from baton.engine import grammar
+
+    make_hf_model(tmp_path, tie_word_embeddings=False)
+    crash = ["--faults", "crash_engine_after=6"]
+    c = start_cluster(prefill=1, decode=2, worker_args=["--model", str(tmp_path), *ARGS],
+                      decode_args=lambda c, i: crash if i == 0 else [],
+                      routers=[["--local-prefill-max-tokens", "40", "--http-port", "0"]])
+    client = openai.OpenAI(base_url=f"http://{c.router.http_address}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "item", "schema": SCHEMA,
+                                                  "strict": True}}
+    g = grammar.from_response_format(fmt)
+    from baton.engine.loader import load_model
+
+    engine_tok = load_model(str(tmp_path)).tokenizer
+    matcher = grammar.Grammars(engine_tok.tk.to_str(), 400, engine_tok.eos_token_ids)
+    paths: dict[str, int] = {}
+    for k in range(30):  # until each path has served one (the router picks the workers)
+        words = " ".join(["alpha", "beta", "gamma"][i % 3] for i in range(3 + 25 * (k % 2)))
+        r = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"{k} {words}"}],
+            response_format=fmt, max_tokens=60, temperature=1.0, seed=k).model_dump()
+        choice, path = r["choices"][0], r["baton"]["path"]
+        paths[path] = paths.get(path, 0) + 1
+        text = choice["message"]["content"]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(text), SCHEMA)
+        else:  # cut at max_tokens: what there is follows the grammar
+            ids = engine_tok.encode(text, add_special_tokens=False)
+            assert matcher.matcher(g).validate_tokens(ids) == len(ids), (path, text)
+        if {"remote", "local", "migrated"} <= set(paths):
+            break
+    assert {"remote", "local", "migrated"} <= set(paths), paths
+    # a schema Baton cannot serve is a 400 naming it, before any worker is asked
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "bad", "schema": {"type": "string", "pattern": "(?<=a)b"}}})
+    assert e.value.param == "response_format.json_schema.schema"
+    assert "look-around" in e.value.message
+    c.stop()

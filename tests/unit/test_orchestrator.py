@@ -179,7 +179,6 @@ UNIMPLEMENTED = [
     ("chat", "tool_choice", "auto", "none"),
     ("chat", "functions", [{"name": "f"}], []),
     ("chat", "function_call", "auto", "none"),
-    ("chat", "response_format", {"type": "json_object"}, {"type": "text"}),
     ("chat", "modalities", ["text", "audio"], ["text"]),
     ("chat", "audio", {"voice": "alloy"}, None),
     ("chat", "prediction", {"type": "content", "content": "x"}, None),
@@ -244,17 +243,17 @@ def test_every_openai_request_field_is_known():
 def test_an_unknown_field_is_refused_unless_the_router_ignores_them():
     from baton.services.router.openai_http import generate_request
 
-    body = {"messages": [{"role": "user", "content": "hi"}], "guided_json": {"type": "object"}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "beam_width": 4}
     with pytest.raises(RequestError) as e:
         generate_request("chat", body)
-    assert e.value.status is Status.INVALID_ARGUMENT and e.value.field == "guided_json"
-    assert "Unrecognized request argument supplied: guided_json" in e.value.message
+    assert e.value.status is Status.INVALID_ARGUMENT and e.value.field == "beam_width"
+    assert "Unrecognized request argument supplied: beam_width" in e.value.message
     assert generate_request("chat", body, "ignore").chat.messages[0].content == "hi"
     with pytest.raises(RequestError) as e:  # a chat field sent to completions
         generate_request("text", {"prompt": "hi", "messages": []})
     assert e.value.field == "messages"
     # what describes the caller, or asks a hosted service for something: accepted, a no-op
-    generate_request("chat", {**body, "guided_json": None} | {
+    generate_request("chat", {**body, "beam_width": None} | {
         "store": True, "service_tier": "auto", "prompt_cache_key": "k", "user": "u",
         "safety_identifier": "s", "metadata": {"a": "b"}, "parallel_tool_calls": True},
         "ignore")

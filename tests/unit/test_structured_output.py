@@ -1,0 +1,117 @@
+"""Structured output (engine/grammar.py, llguidance): OpenAI's response_format and vLLM's
+structured_outputs as grammars, refused naming the keyword where llguidance cannot serve them;
+and the engine's outputs under schemas of varied shape (nested objects, arrays with maxItems,
+enums, bounded numbers, anyOf) on a tiny random model sampling at temperature 1: every output
+that ends with ``stop`` validates against its schema (``jsonschema``), every ``length`` output
+is a prefix the grammar accepts, and a request resumed from its first tokens (a migration)
+continues within the grammar."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from baton.engine import grammar
+from baton.engine.params import SamplingParams
+
+SCHEMAS = {
+    "nested": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "owner": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                   "tags": {"type": "array",
+                                                            "items": {"type": "string",
+                                                                      "maxLength": 5},
+                                                            "maxItems": 2}},
+                  "required": ["id", "tags"], "additionalProperties": False}},
+        "required": ["name", "owner"], "additionalProperties": False},
+    "enums_and_bounds": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "score": {"type": "integer", "minimum": -3, "maximum": 40},
+        "ratio": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["color", "score", "ratio"], "additionalProperties": False},
+    "any_of": {"type": "object", "properties": {
+        "value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
+                            {"type": "boolean"}, {"type": "null"}]},
+        "items": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3}},
+        "required": ["value", "items"], "additionalProperties": False},
+}
+
+
+def json_schema(schema) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "t", "schema": schema,
+                                                   "strict": True}}
+
+
+@pytest.mark.parametrize("bad, field, words", [
+    (json_schema({"type": "strnig"}), "response_format.json_schema.schema", "strnig"),
+    (json_schema({"type": "string", "format": "ipv9"}), "response_format.json_schema.schema",
+     "ipv9"),
+    (json_schema({"type": "string", "pattern": "(?<=a)b"}),
+     "response_format.json_schema.schema", "look-around"),
+    ({"type": "xml"}, "response_format", "json_schema"),
+    ({"type": "json_schema", "json_schema": {"schema": 5}}, "response_format.json_schema",
+     "schema"),
+])
+def test_a_schema_llguidance_cannot_serve_is_refused_naming_it(bad, field, words):
+    with pytest.raises(grammar.GrammarError) as e:
+        grammar.from_response_format(bad)
+    assert e.value.field == field and words in str(e.value)
+
+
+def test_structured_outputs_take_vllms_forms_and_refuse_the_rest():
+    for so in ({"json": SCHEMAS["any_of"]}, {"json": json.dumps(SCHEMAS["nested"])},
+               {"regex": "[a-c]{2,4}"}, {"choice": ["yes", "no"]},
+               {"grammar": 'start: "a" | "b"'}, {"json_object": True}):
+        assert grammar.from_structured_outputs(so)
+    for so, field in (({"xml": "x"}, "structured_outputs.xml"),
+                      ({"json": {}, "regex": "a"}, "structured_outputs"),
+                      ({"regex": "(a"}, "structured_outputs.regex"),
+                      ({"choice": []}, "structured_outputs.choice")):
+        with pytest.raises(grammar.GrammarError) as e:
+            grammar.from_structured_outputs(so)
+        assert e.value.field == field, (so, e.value.field)
+    assert grammar.from_response_format({"type": "text"}) == ""
+
+
+def run(engine, prompt, params: SamplingParams) -> tuple[list[int], str, str]:
+    req = engine.add_request(prompt_token_ids=prompt, params=params)
+    ids, text, reason = [], "", None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == req.request_id:
+                ids += o.new_token_ids
+                text += o.new_text
+                reason = o.finish_reason or reason
+    return ids, text, reason
+
+
+def accepts_prefix(engine, g: str, tokens: list[int]) -> bool:
+    m = engine.grammars().matcher(g)
+    return m.validate_tokens(tokens) == len(tokens)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_outputs_validate_or_are_prefixes_and_resume_within_the_grammar(tiny_engine, name):
+    engine = tiny_engine(num_kv_blocks=256)
+    schema = SCHEMAS[name]
+    g = grammar.from_response_format(json_schema(schema))
+    prompt = [(7 * i + 3) % 300 + 3 for i in range(12)]
+    stopped = 0
+    for seed in range(4):
+        p = SamplingParams(max_tokens=70, temperature=1.0, seed=seed, grammar=g)
+        ids, text, reason = run(engine, prompt, p)
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
+            stopped += 1
+        else:
+            assert reason == "length" and accepts_prefix(engine, g, ids), (seed, text)
+        if seed == 0 and len(ids) > 4:  # resumed from its first 4 tokens, as after a migration
+            rest, _, _ = run(engine, prompt + ids[:4], SamplingParams(
+                max_tokens=70 - 4, temperature=1.0, seed=0, grammar=g, output_prefix=4))
+            assert rest == ids[4:]  # same seeds per position, same grammar state
+    assert stopped, "no output completed its JSON"
+    short, _, reason = run(engine, prompt, SamplingParams(max_tokens=3, temperature=1.0,
+                                                          seed=9, grammar=g))
+    assert reason == "length" and accepts_prefix(engine, g, short)
+    assert engine.grammars().compiles == 1  # compiled once per schema, then copied
