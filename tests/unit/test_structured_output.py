@@ -12,30 +12,9 @@ import json
 
 import jsonschema
 import pytest
+from baton.bench.structured import SCHEMAS
 from baton.engine import grammar
 from baton.engine.params import SamplingParams
-
-SCHEMAS = {
-    "nested": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "owner": {"type": "object", "properties": {"id": {"type": "integer"},
-                                                   "tags": {"type": "array",
-                                                            "items": {"type": "string",
-                                                                      "maxLength": 5},
-                                                            "maxItems": 2}},
-                  "required": ["id", "tags"], "additionalProperties": False}},
-        "required": ["name", "owner"], "additionalProperties": False},
-    "enums_and_bounds": {"type": "object", "properties": {
-        "color": {"enum": ["red", "green", "blue"]},
-        "score": {"type": "integer", "minimum": -3, "maximum": 40},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1}},
-        "required": ["color", "score", "ratio"], "additionalProperties": False},
-    "any_of": {"type": "object", "properties": {
-        "value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99},
-                            {"type": "boolean"}, {"type": "null"}]},
-        "items": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3}},
-        "required": ["value", "items"], "additionalProperties": False},
-}
 
 
 def json_schema(schema) -> dict:
