@@ -223,9 +223,7 @@ def _zero(v) -> bool:
 # 400 naming the field, never served as if the field were absent. Fields that only describe the
 # caller (user, metadata) are accepted as they are.
 _NOT_IMPLEMENTED: dict[str, tuple[tuple[str, ...], Callable[[object], bool], str]] = {
-    "tools": (("chat",), lambda v: v is None or v == [], "[]"),
     "functions": (("chat",), lambda v: v is None or v == [], "[]"),
-    "tool_choice": (("chat",), lambda v: v is None or v == "none", '"none"'),
     "function_call": (("chat",), lambda v: v is None or v == "none", '"none"'),
     "modalities": (("chat",), lambda v: v is None or v == ["text"], '["text"]'),
     "audio": (("chat",), lambda v: v is None, "null"),
@@ -249,15 +247,15 @@ SAMPLING_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "repet
 _SERVED = {
     "chat": {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
              "seed", "stop", "stream", "stream_options", "n", "logprobs", "top_logprobs",
-             "top_k", "ignore_eos", "chat_template_kwargs", *SAMPLING_FIELDS},
+             "top_k", "ignore_eos", "chat_template_kwargs", "tools", "tool_choice",
+             "parallel_tool_calls", *SAMPLING_FIELDS},
     "text": {"model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
              "stream_options", "n", "logprobs", "top_k", "ignore_eos", *SAMPLING_FIELDS},
 }
 # fields that describe the caller or ask a hosted service for something Baton has no part of
 # (storage, tiers, cache retention): accepted and not acted on
 CALLER_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
-                 "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
-                 "parallel_tool_calls"}
+                 "prompt_cache_retention", "prompt_cache_options", "safety_identifier"}
 # what the router does with a field it does not know (--unknown-fields): refuse it, as OpenAI
 # does ("Unrecognized request argument supplied"), or ignore it (logged once, counted)
 UNKNOWN_FIELDS = ("refuse", "ignore")
@@ -285,7 +283,8 @@ def unknown_fields(kind: str, body: dict) -> list[str]:
     return [k for k in body if k not in known]
 
 
-def generate_request(kind: str, body: dict, unknown: str = "refuse") -> api_pb2.GenerateRequest:
+def generate_request(kind: str, body: dict, unknown: str = "refuse",
+                     chat_template: str | None = None) -> api_pb2.GenerateRequest:
     """The gRPC API's request for an OpenAI ``kind`` ("chat" or "text") body; raises
     RequestError (INVALID_ARGUMENT) naming the offending field, a field Baton does not implement
     included, and (``unknown="refuse"``) a field no such request has."""
@@ -304,9 +303,54 @@ def generate_request(kind: str, body: dict, unknown: str = "refuse") -> api_pb2.
         kwargs = _typed(body, "chat_template_kwargs", dict, "an object")
         if kwargs:
             req.chat.template_kwargs_json = json.dumps(kwargs)
+        _tools(req, body, chat_template)
     else:
         _prompt(req, body.get("prompt"))
     return req
+
+
+def tool_format(body: dict, chat_template: str | None) -> str | None:
+    """The tool-call format a chat request's output is parsed in (None: no tools in play)."""
+    if not body.get("tools") or body.get("tool_choice") == "none":
+        return None
+    from baton.engine import tool_calls
+
+    return tool_calls.format_of(chat_template)
+
+
+def _tools(req, body: dict, chat_template: str | None) -> None:
+    """``tools`` rendered by the chat template; ``tool_choice`` ``required`` or a named function
+    forced with a grammar of the model's tool-call format (its arguments then always parse and
+    validate against the function's parameters); ``auto``: parsed from what the model writes;
+    ``none``: the tools are not shown."""
+    from baton.engine import grammar, tool_calls
+    from baton.engine.errors import InvalidRequestError
+
+    if body.get("tools") is None:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise _bad("tool_choice", "tool_choice names a tool, but tools is empty")
+        return
+    try:
+        tools, forced = tool_calls.check_tools(body["tools"], body.get("tool_choice"))
+    except InvalidRequestError as e:
+        raise _bad(e.field, str(e)) from None
+    if body.get("tool_choice") == "none":
+        return
+    fmt = tool_calls.format_of(chat_template)
+    if fmt is None:
+        raise _bad("tools", "this model's chat template renders no tools (no tool-call "
+                            "format is known for it): leave tools out")
+    req.chat.tools_json = json.dumps(body["tools"])
+    if forced is not None:
+        if req.params.grammar:
+            raise _bad("tool_choice", "a forced tool call cannot take response_format or "
+                                      "structured_outputs too")
+        parallel = _typed(body, "parallel_tool_calls", bool, "a boolean")
+        lark = tool_calls.forcing_grammar(fmt, tools, forced, parallel is not False)
+        try:
+            req.params.grammar = grammar.from_structured_outputs({"grammar": lark})
+        except grammar.GrammarError as e:
+            raise _bad("tools", f"a tool's parameters cannot be served: {e}") from None
 
 
 def _chat(req, msgs) -> None:
@@ -316,9 +360,19 @@ def _chat(req, msgs) -> None:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             content = _text_parts(content, i)
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if content is None and calls:  # an assistant turn of tool calls only
+            content = ""
         if not isinstance(content, str) or not isinstance(m.get("role"), str):
             raise _bad(f"messages[{i}]", "each message needs a role and text content")
-        req.chat.messages.add(role=m["role"], content=content)
+        msg = req.chat.messages.add(role=m["role"], content=content)
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise _bad(f"messages[{i}].tool_calls", "tool_calls must be a list")
+            msg.tool_calls_json = json.dumps(calls)
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                setattr(msg, key, m[key])
 
 
 def _text_parts(parts: list, i: int) -> str | None:
@@ -489,7 +543,7 @@ class OpenAIFront:
     async def _generate(self, kind: str, request: Request) -> Response:
         try:
             body = json.loads(await request.body() or b"{}")
-            req = generate_request(kind, body, self.unknown)
+            req = generate_request(kind, body, self.unknown, self.orch.tokenizer.chat_template)
             if self.unknown == "ignore":
                 self._note_ignored(kind, body)
         except (ValueError, RecursionError) as e:
@@ -597,6 +651,10 @@ class _Answer:
             orch.model
         self.want_lp = req.params.HasField("logprobs")
         self.want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        # tools in play: the output is parsed into tool calls once it is whole (a stream holds
+        # its text back until then and sends the calls as one delta.tool_calls)
+        self.tool_fmt = tool_format(body, orch.tokenizer.chat_template) if kind == "chat" \
+            else None
         self.text = ""
         self.lps: list = []
         self.final = None
@@ -615,8 +673,8 @@ class _Answer:
         lp = _logprobs(self.tokenizer, self.kind, self.lps) if self.want_lp else None
         reason = _finish(f.finish_reason)
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text},
-                      "finish_reason": reason, "logprobs": lp}
+            message, reason = self._message(reason)
+            choice = {"index": 0, "message": message, "finish_reason": reason, "logprobs": lp}
         else:
             choice = {"index": 0, "text": self.text, "finish_reason": reason, "logprobs": lp}
         return {"id": self.id, "object": "chat.completion" if self.kind == "chat"
@@ -625,6 +683,19 @@ class _Answer:
                 "baton": {"path": f.path, "retries": f.retries, "migrations": f.migrations,
                           "prefill_worker": f.prefill_worker, "decode_worker": f.decode_worker}}
 
+    def _message(self, reason: str) -> tuple[dict, str]:
+        """The assistant message (content, tool calls parsed out of it) and finish reason."""
+        if self.tool_fmt is None:
+            return {"role": "assistant", "content": self.text}, reason
+        from baton.engine import tool_calls
+
+        content, calls = tool_calls.parse(self.text, self.tool_fmt)
+        if not calls:
+            return {"role": "assistant", "content": self.text}, reason
+        return ({"role": "assistant", "content": content,
+                 "tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]},
+                "tool_calls" if reason == "stop" else reason)
+
     def opening(self, msg) -> list[bytes]:
         """The stream's first events: the chat role, then ``msg``'s."""
         head = [_sse(self._chunk(None, None, first=True))] if self.kind == "chat" else []
@@ -632,10 +703,21 @@ class _Answer:
 
     def events(self, msg) -> list[bytes]:
         if msg.HasField("delta"):
+            if self.tool_fmt is not None:  # held back: it may be a tool call
+                self.text += msg.delta.text
+                return []
             return [_sse(self._chunk(msg.delta.text, None, lps=msg.delta.logprobs))]
         self.final = f = msg.final
-        out = [_sse(self._chunk(None if self.kind == "chat" else "",
-                                _finish(f.finish_reason)))]
+        reason, out = _finish(f.finish_reason), []
+        if self.tool_fmt is not None:
+            message, reason = self._message(reason)
+            if message["content"]:
+                out.append(_sse(self._chunk(message["content"], None)))
+            if message.get("tool_calls"):
+                chunk = self._chunk(None, None)
+                chunk["choices"][0]["delta"] = {"tool_calls": message["tool_calls"]}
+                out.append(_sse(chunk))
+        out += [_sse(self._chunk(None if self.kind == "chat" else "", reason))]
         if self.want_usage:
             out.append(_sse({"id": self.id, "object": self.obj, "created": self.created,
                              "model": self.model, "choices": [], "usage": _usage(f)}))

@@ -216,7 +216,7 @@ class _Call:
 
 # the chat template's variables Baton sets itself
 _TEMPLATE_OWN = {"messages", "add_generation_prompt", "bos_token", "eos_token",
-                 "raise_exception", "strftime_now"}
+                 "raise_exception", "strftime_now", "tools"}
 
 
 def _template_kwargs(chat) -> dict:
@@ -598,8 +598,10 @@ class Orchestrator:
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
         elif kind == "chat":
+            tools = ({"tools": json.loads(request.chat.tools_json)}
+                     if request.chat.tools_json else {})
             ids = self.tokenizer.encode_chat(_chat_messages(request.chat.messages),
-                                             **_template_kwargs(request.chat))
+                                             **_template_kwargs(request.chat), **tools)
         else:
             raise InvalidRequestError("input", None, "give text, token_ids or chat")
         if not ids:
@@ -662,7 +664,7 @@ class _PromptHashes:
 
 
 def _chat_messages(messages) -> list[dict]:
-    msgs = [{"role": m.role, "content": m.content} for m in messages]
+    msgs = [_chat_message(m) for m in messages]
     if not msgs:
         raise InvalidRequestError("chat.messages", [], "must not be empty")
     for i, m in enumerate(msgs):
@@ -670,6 +672,28 @@ def _chat_messages(messages) -> list[dict]:
             raise InvalidRequestError(f"chat.messages[{i}].role", m["role"],
                                       "must be system, user, assistant or tool")
     return msgs
+
+
+def _chat_message(m) -> dict:
+    """A chat message as the template reads it: an assistant's tool calls with their arguments
+    as objects (as transformers' templates expect), a tool message's call id and name."""
+    out: dict = {"role": m.role, "content": m.content}
+    if m.tool_calls_json:
+        calls = json.loads(m.tool_calls_json)
+        for c in calls:
+            fn = c.get("function", {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    raise InvalidRequestError("messages.tool_calls.function.arguments",
+                                              fn["arguments"][:100], "not JSON") from None
+        out["tool_calls"] = calls
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    return out
 
 
 def _absorb(st: Attempt, chunk) -> api_pb2.GenerateResponse:

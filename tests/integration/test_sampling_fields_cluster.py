@@ -1,10 +1,12 @@
-"""The sampling fields through a real cluster (redis-server, a prefill worker, two decode
-workers, a router; KV over NIXL): greedy tokens with repetition, frequency and presence penalties
-and a logit bias equal a greedy loop over transformers' logits with the same processing, on the
-remote path (the prefill worker samples the first token, the decode worker rebuilds the
-penalties' state from the prompt and that token) and on the migrated path (a decode worker dies
-mid-stream; another resumes from the prompt plus the tokens sent, which count as output there);
-and the same fields from the official ``openai`` client."""
+"""The agent-facing request fields through a real cluster (redis-server, prefill and decode
+workers, a router; KV over NIXL), with the official ``openai`` client where it speaks them:
+greedy tokens with repetition, frequency and presence penalties and a logit bias equal a greedy
+loop over transformers' logits with the same processing, on the remote path (the decode worker
+rebuilds the penalties' state from the prompt and the handed first token) and the migrated path
+(another worker resumes from the prompt plus the tokens sent, which count as output there); n
+choices computing the prompt once; JSON schemas on the remote, local and migrated paths; forced
+and named tool calls whose arguments parse and validate, streamed as delta.tool_calls, and a
+history with tool results."""
 
 from __future__ import annotations
 
@@ -160,4 +162,70 @@ def test_json_schemas_on_the_remote_local_and_migrated_paths(start_cluster, tmp_
                 "name": "bad", "schema": {"type": "string", "pattern": "(?<=a)b"}}})
     assert e.value.param == "response_format.json_schema.schema"
     assert "look-around" in e.value.message
+    c.stop()
+
+
+def test_forced_and_named_tool_calls_parse_and_validate(start_cluster, tmp_path):
+    import json
+    from pathlib import Path
+
+    import jsonschema
+    import openai
+
+    # the tools' system prompt is ~800 of the tiny tokenizer's tokens
+    make_hf_model(tmp_path, tie_word_embeddings=False, max_position_embeddings=2048)
+    template = (Path(__file__).parents[1] / "data" / "templates" / "hermes_tools.jinja")
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template.read_text()  # a Hermes-style (Qwen2.5) tool template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    c = start_cluster(prefill=1, decode=1, worker_args=["--model", str(tmp_path),
+                                                        "--block-size", "4", "--num-blocks",
+                                                        "1024"],
+                      routers=[["--local-prefill-max-tokens", "30", "--http-port", "0"]])
+    client = openai.OpenAI(base_url=f"http://{c.router.http_address}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    params = {"get_weather": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False},
+        "add": {"type": "object", "properties": {"a": {"type": "integer", "minimum": -99,
+                                                       "maximum": 99},
+                                                 "b": {"type": "integer", "minimum": -9,
+                                                       "maximum": 9}},
+                "required": ["a", "b"], "additionalProperties": False}}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}}
+             for n, p in params.items()]
+    msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    for k, choice in enumerate(["required", {"type": "function",
+                                             "function": {"name": "add"}}] * 2):
+        r = client.chat.completions.create(model=model, messages=msgs, tools=tools,
+                                           tool_choice=choice, max_tokens=200, temperature=1.0,
+                                           seed=k, parallel_tool_calls=False)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", (k, ch)
+        assert len(ch.message.tool_calls) == 1
+        call = ch.message.tool_calls[0].function
+        jsonschema.validate(json.loads(call.arguments), params[call.name])
+        if isinstance(choice, dict):
+            assert call.name == "add"
+    # streamed: the calls arrive as delta.tool_calls
+    parts = client.chat.completions.create(model=model, messages=msgs, tools=tools,
+                                           tool_choice="required", max_tokens=200, seed=7,
+                                           stream=True)
+    calls, reasons = [], []
+    for part in parts:
+        for chc in part.choices:
+            calls += chc.delta.tool_calls or []
+            reasons.append(chc.finish_reason)
+    assert len(calls) >= 1 and "tool_calls" in reasons
+    jsonschema.validate(json.loads(calls[0].function.arguments), params[calls[0].function.name])
+    # a history with the calls and their results: rendered and answered
+    history = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 C, snow"}]
+    r = client.chat.completions.create(model=model, messages=history, tools=tools,
+                                       max_tokens=12, temperature=0)
+    assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
+    c.assert_quiet()
     c.stop()

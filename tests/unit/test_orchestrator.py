@@ -175,8 +175,6 @@ def test_the_openai_body_errors_name_the_field():
 # each OpenAI field Baton does not implement: (the API it belongs to, a value that uses it,
 # the value that means "not used")
 UNIMPLEMENTED = [
-    ("chat", "tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("chat", "tool_choice", "auto", "none"),
     ("chat", "functions", [{"name": "f"}], []),
     ("chat", "function_call", "auto", "none"),
     ("chat", "modalities", ["text", "audio"], ["text"]),
