@@ -36,25 +36,46 @@ class GrammarError(InvalidRequestError):
     """A grammar Baton cannot serve exactly: the field and llguidance's reason."""
 
 
-def from_response_format(rf: object) -> str:
-    """OpenAI's ``response_format`` as a grammar ("" for ``{"type": "text"}``)."""
+# a reasoning model's thinking block before the structured answer: <think>, any text up to the
+# first </think> (a lazy lexeme: the shortest match), then the answer (the original start rule,
+# renamed)
+THINK = ('start: think /[ \\n]{0,4}/ answer\n'
+         'think[lazy]: /<think>(.|\\n)*<\\/think>/\n')
+
+
+def thinking(lark: str) -> str:
+    """A Lark grammar whose ``start`` comes after a thinking block (Qwen3 with thinking on): the
+    grammar applies to the answer, not to the reasoning."""
+    return THINK + lark.replace("start:", "answer:", 1)
+
+
+def json_lark(schema: dict) -> str:
+    """A Lark grammar of one JSON value of ``schema`` (no whitespace between tokens)."""
+    return "start: %json " + json.dumps({**schema, "x-guidance": {"whitespace_flexible":
+                                                                   False}})
+
+
+def from_response_format(rf: object, think: bool = False) -> str:
+    """OpenAI's ``response_format`` as a grammar ("" for ``{"type": "text"}``); ``think``: it
+    applies after a reasoning model's thinking block."""
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
         raise GrammarError("response_format", rf, 'type must be "text", "json_object" or '
                                                   '"json_schema"')
     if rf["type"] == "text":
         return ""
     if rf["type"] == "json_object":
-        return _json_grammar({"type": "object"}, "response_format")
+        return _json_grammar({"type": "object"}, "response_format", think)
     spec = rf.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise GrammarError("response_format.json_schema", spec,
                            'must be {"name": ..., "schema": {...}, "strict": ...}')
-    return _json_grammar(spec.get("schema", {}), "response_format.json_schema.schema")
+    return _json_grammar(spec.get("schema", {}), "response_format.json_schema.schema", think)
 
 
-def from_structured_outputs(so: object) -> str:
+def from_structured_outputs(so: object, think: bool = False) -> str:
     """vLLM's ``structured_outputs`` ({"json": schema} | {"regex": r} | {"choice": [...]} |
-    {"grammar": lark} | {"json_object": true}) as a grammar."""
+    {"grammar": lark} | {"json_object": true}) as a grammar; ``think``: after a reasoning
+    model's thinking block (JSON forms only)."""
     field = "structured_outputs"
     if not isinstance(so, dict):
         raise GrammarError(field, so, "must be an object")
@@ -68,9 +89,13 @@ def from_structured_outputs(so: object) -> str:
     key, value = given[0], so[given[0]]
     if key == "json":
         schema = json.loads(value) if isinstance(value, str) else value
-        return _json_grammar(schema, f"{field}.json")
+        return _json_grammar(schema, f"{field}.json", think)
     if key == "json_object":
-        return _json_grammar({"type": "object"}, f"{field}.json_object")
+        return _json_grammar({"type": "object"}, f"{field}.json_object", think)
+    if think:
+        raise GrammarError(f"{field}.{key}", value, "with a reasoning model thinking, only the "
+                           "JSON forms apply after its thinking block: send "
+                           'chat_template_kwargs {"enable_thinking": false}')
     if key == "regex" and isinstance(value, str):
         return _checked(llguidance.LLMatcher.grammar_from_regex(value), f"{field}.regex")
     if key == "choice" and isinstance(value, list) and value and all(
@@ -82,9 +107,12 @@ def from_structured_outputs(so: object) -> str:
     raise GrammarError(f"{field}.{key}", value, "has the wrong type")
 
 
-def _json_grammar(schema: object, field: str) -> str:
+def _json_grammar(schema: object, field: str, think: bool = False) -> str:
     if not isinstance(schema, dict):
         raise GrammarError(field, schema, "a JSON schema must be an object")
+    if think:
+        return _checked(llguidance.LLMatcher.grammar_from_lark(thinking(json_lark(schema))),
+                        field)
     try:
         # whitespace as a model writes it, but bounded: no endless run of spaces
         grammar = llguidance.LLMatcher.grammar_from_json_schema(

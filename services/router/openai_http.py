@@ -143,7 +143,6 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
                 raise _bad(key, f"{key}={value!r} must be in [{lo:g}, {hi:g}]")
             _set(p, key, key, value)
     _token_fields(p, body)
-    _grammar_fields(p, body)
     if body.get("temperature") is None:
         p.temperature = 1.0  # the OpenAI API's default
     stop = body.get("stop")
@@ -166,9 +165,18 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     return p
 
 
-def _grammar_fields(p, body: dict) -> None:
+def thinks(kind: str, body: dict, chat_template: str | None) -> bool:
+    """Whether a request's answer comes after a reasoning model's thinking block: a chat
+    template with ``<think>`` (Qwen3) and ``enable_thinking`` not turned off."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    return (kind == "chat" and "<think>" in (chat_template or "")
+            and not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False))
+
+
+def _grammar_fields(p, body: dict, think: bool = False) -> None:
     """``response_format`` or ``structured_outputs`` as the grammar the workers follow, checked
-    here (a bad or unsupported schema is a 400 naming it, before any worker holds KV)."""
+    here (a bad or unsupported schema is a 400 naming it, before any worker holds KV); with a
+    reasoning model thinking, the grammar applies after its thinking block."""
     from baton.engine import grammar
 
     for key in grammar.GUIDED:
@@ -181,9 +189,9 @@ def _grammar_fields(p, body: dict) -> None:
     if not given:
         return
     try:
-        p.grammar = (grammar.from_response_format(body["response_format"])
+        p.grammar = (grammar.from_response_format(body["response_format"], think)
                      if given[0] == "response_format"
-                     else grammar.from_structured_outputs(body["structured_outputs"]))
+                     else grammar.from_structured_outputs(body["structured_outputs"], think))
     except grammar.GrammarError as e:
         raise _bad(e.field, str(e)) from None
 
@@ -298,6 +306,7 @@ def generate_request(kind: str, body: dict, unknown: str = "refuse",
     _refuse_unimplemented(kind, body)
     req = api_pb2.GenerateRequest(model=_typed(body, "model", str, "a string") or "",
                                   params=_params(body, kind))
+    _grammar_fields(req.params, body, thinks(kind, body, chat_template))
     if kind == "chat":
         _chat(req, body.get("messages"))
         kwargs = _typed(body, "chat_template_kwargs", dict, "an object")
@@ -347,6 +356,8 @@ def _tools(req, body: dict, chat_template: str | None) -> None:
                                       "structured_outputs too")
         parallel = _typed(body, "parallel_tool_calls", bool, "a boolean")
         lark = tool_calls.forcing_grammar(fmt, tools, forced, parallel is not False)
+        if thinks("chat", body, chat_template):
+            lark = grammar.thinking(lark)
         try:
             req.params.grammar = grammar.from_structured_outputs({"grammar": lark})
         except grammar.GrammarError as e:
@@ -655,6 +666,10 @@ class _Answer:
         # its text back until then and sends the calls as one delta.tool_calls)
         self.tool_fmt = tool_format(body, orch.tokenizer.chat_template) if kind == "chat" \
             else None
+        # a reasoning model thinking under a grammar or with tools: its thinking block goes to
+        # reasoning_content (held back while streaming too), the rest is the answer
+        self.think = (thinks(kind, body, orch.tokenizer.chat_template)
+                      and bool(req.params.grammar or self.tool_fmt))
         self.text = ""
         self.lps: list = []
         self.final = None
@@ -684,15 +699,22 @@ class _Answer:
                           "prefill_worker": f.prefill_worker, "decode_worker": f.decode_worker}}
 
     def _message(self, reason: str) -> tuple[dict, str]:
-        """The assistant message (content, tool calls parsed out of it) and finish reason."""
+        """The assistant message (reasoning, content, tool calls parsed out of it) and finish
+        reason."""
+        text, extra = self.text, {}
+        if self.think:
+            head, sep, rest = text.partition("</think>")
+            if sep:
+                extra["reasoning_content"] = head.removeprefix("<think>").strip()
+                text = rest.lstrip()
         if self.tool_fmt is None:
-            return {"role": "assistant", "content": self.text}, reason
+            return {"role": "assistant", "content": text, **extra}, reason
         from baton.engine import tool_calls
 
-        content, calls = tool_calls.parse(self.text, self.tool_fmt)
+        content, calls = tool_calls.parse(text, self.tool_fmt)
         if not calls:
-            return {"role": "assistant", "content": self.text}, reason
-        return ({"role": "assistant", "content": content,
+            return {"role": "assistant", "content": text, **extra}, reason
+        return ({"role": "assistant", "content": content, **extra,
                  "tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]},
                 "tool_calls" if reason == "stop" else reason)
 
@@ -703,14 +725,19 @@ class _Answer:
 
     def events(self, msg) -> list[bytes]:
         if msg.HasField("delta"):
-            if self.tool_fmt is not None:  # held back: it may be a tool call
+            if self.tool_fmt is not None or self.think:  # held back: a call, or reasoning
                 self.text += msg.delta.text
                 return []
             return [_sse(self._chunk(msg.delta.text, None, lps=msg.delta.logprobs))]
         self.final = f = msg.final
         reason, out = _finish(f.finish_reason), []
-        if self.tool_fmt is not None:
+        if self.tool_fmt is not None or self.think:
             message, reason = self._message(reason)
+            if message.get("reasoning_content"):
+                chunk = self._chunk(None, None)
+                chunk["choices"][0]["delta"] = {"reasoning_content":
+                                                message["reasoning_content"]}
+                out.append(_sse(chunk))
             if message["content"]:
                 out.append(_sse(self._chunk(message["content"], None)))
             if message.get("tool_calls"):

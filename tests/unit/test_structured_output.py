@@ -94,3 +94,43 @@ def test_outputs_validate_or_are_prefixes_and_resume_within_the_grammar(tiny_eng
                                                           seed=9, grammar=g))
     assert reason == "length" and accepts_prefix(engine, g, short)
     assert engine.grammars().compiles == 1  # compiled once per schema, then copied
+
+
+QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% if enable_thinking is defined and enable_thinking is false %}"
+              "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_a_reasoning_models_grammar_starts_after_its_thinking_block(tiny_llama):
+    """Qwen3 thinking: the schema applies to the answer after </think>; the thinking goes to
+    reasoning_content. With enable_thinking false the grammar starts at once."""
+    from types import SimpleNamespace
+
+    from baton.engine.loader import load_model
+    from baton.services.router.openai_http import _Answer, generate_request
+    from baton.v1 import api_pb2
+
+    tok = load_model(tiny_llama[0]).tokenizer
+    g = grammar.Grammars(tok.tk.to_str(), 400, tok.eos_token_ids)
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "response_format": json_schema(SCHEMAS["enums_and_bounds"])}
+    thinking = generate_request("chat", body, chat_template=QWEN3_LIKE).params.grammar
+    direct = generate_request("chat", {**body, "chat_template_kwargs": {
+        "enable_thinking": False}}, chat_template=QWEN3_LIKE).params.grammar
+    answer = '{"color":"red","score":3,"ratio":0.5}'
+    for text, ok_thinking, ok_direct in (
+            (f"<think>red, I think</think>\n\n{answer}", True, False),
+            (answer, False, True), ("<think>hmm</think>\nnot json", False, False)):
+        ids = tok.encode(text, add_special_tokens=False)
+        for grammar_text, ok in ((thinking, ok_thinking), (direct, ok_direct)):
+            assert (g.matcher(grammar_text).validate_tokens(ids) == len(ids)) == ok, text
+    orch = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=QWEN3_LIKE), model="m")
+    req = generate_request("chat", body, chat_template=QWEN3_LIKE)
+    a = _Answer("chat", orch, req, body)
+    a.take(api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
+        text=f"<think>red, I think</think>\n\n{answer}")))
+    a.take(api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(finish_reason="stop")))
+    message = a.body()["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": answer,
+                       "reasoning_content": "red, I think"}
