@@ -11,6 +11,7 @@ from baton.client.client import (
     Stream,
     Timing,
     TokenLogprob,
+    ToolCall,
     Usage,
     build_request,
 )
@@ -28,4 +29,4 @@ from baton.client.errors import (
 __all__ = ["AsyncClient", "AsyncStream", "AuthenticationError", "BatonError", "CancelledError",
            "Client", "DeadlineExceededError", "Delta", "InvalidRequestError",
            "ResourceExhaustedError", "Result", "ServerError", "Stream", "Timing", "TokenLogprob",
-           "UnavailableError", "Usage", "build_request"]
+           "ToolCall", "UnavailableError", "Usage", "build_request"]

@@ -17,6 +17,7 @@ stream, or calling ``cancel()``, cancels the request on the cluster and frees it
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,20 @@ class Usage:
 
 
 @dataclass
+class ToolCall:
+    """A tool call the model made, parsed out of its answer in the model's call format."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+    def parsed_arguments(self) -> dict:
+        import json
+
+        return json.loads(self.arguments)
+
+
+@dataclass
 class Timing:
     """Seconds, measured by the router: where the time to first token went."""
 
@@ -85,6 +100,11 @@ class Result:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     request_id: str = ""  # yours, echoed
     router_request_id: str = ""  # the router's own (its logs and traces know it)
+    # a chat with tools: the calls parsed out of ``text`` and the text outside them; a
+    # reasoning model's thinking block under a response format or tools
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    content: str = ""
+    reasoning_content: str = ""
 
 
 def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
@@ -93,9 +113,18 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
                   seed: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                   logprobs: int | None = None, cache_salt: str | None = None,
-                  model: str = "", request_id: str = "") -> api_pb2.GenerateRequest:
+                  model: str = "", request_id: str = "", presence_penalty: float = 0.0,
+                  frequency_penalty: float = 0.0, repetition_penalty: float | None = None,
+                  logit_bias: dict[int, float] | None = None, min_p: float = 0.0,
+                  min_tokens: int = 0, response_format: dict | None = None,
+                  tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+                  parallel_tool_calls: bool | None = None) -> api_pb2.GenerateRequest:
     """The GenerateRequest for exactly one of ``prompt`` (text), ``token_ids`` or ``messages``
-    (chat, ``[{"role": ..., "content": ...}]``)."""
+    (chat, ``[{"role": ..., "content": ...}]``, assistant ``tool_calls`` and ``tool``
+    messages included). The sampling fields are OpenAI's and vLLM's (docs/openai.md);
+    ``response_format`` is OpenAI's (``{"type": "json_schema", "json_schema": {...}}``);
+    ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` OpenAI's, for chats: the result's
+    ``tool_calls`` are typed."""
     given = [x is not None for x in (prompt, token_ids, messages)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
@@ -108,6 +137,8 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
         params.logprobs = logprobs
     if cache_salt is not None:
         params.cache_salt = cache_salt
+    _processing(params, presence_penalty, frequency_penalty, repetition_penalty, logit_bias,
+                min_p, min_tokens)
     # the last tokens come inside the final message: one message less per request
     req = api_pb2.GenerateRequest(params=params, model=model, request_id=request_id,
                                   last_delta_in_final=True)
@@ -117,9 +148,37 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
         req.token_ids.ids.extend(token_ids)
     else:
         assert messages is not None
-        for m in messages:
-            req.chat.messages.add(role=m["role"], content=m["content"])
+        _chat(req.chat, messages, tools, tool_choice, parallel_tool_calls)
+    if response_format is not None:
+        req.response_format_json = json.dumps(response_format)
     return req
+
+
+def _processing(params, presence: float, frequency: float, repetition: float | None,
+                bias: dict[int, float] | None, min_p: float, min_tokens: int) -> None:
+    params.presence_penalty, params.frequency_penalty = presence, frequency
+    if repetition is not None:
+        params.repetition_penalty = repetition
+    for tok, b in (bias or {}).items():
+        params.logit_bias[int(tok)] = b
+    params.min_p, params.min_tokens = min_p, min_tokens
+
+
+def _chat(chat, messages: Sequence[dict], tools, tool_choice, parallel) -> None:
+    for m in messages:
+        msg = chat.messages.add(role=m["role"], content=m.get("content") or "")
+        if m.get("tool_calls"):
+            msg.tool_calls_json = json.dumps(m["tool_calls"])
+        if m.get("tool_call_id"):
+            msg.tool_call_id = m["tool_call_id"]
+        if m.get("name"):
+            msg.name = m["name"]
+    if tools:
+        chat.tools_json = json.dumps(list(tools))
+    if tool_choice is not None:
+        chat.tool_choice_json = json.dumps(tool_choice)
+    if parallel is not None:
+        chat.parallel_tool_calls = parallel
 
 
 def _logprobs(lps) -> list[TokenLogprob]:
@@ -138,6 +197,8 @@ def _result(final, text: str, ids: list[int], lps: list[TokenLogprob]) -> Result
                       t.first_decode_step_s, t.decode_s, t.total_s),
         prompt_token_ids=list(final.prompt_token_ids), prefill_worker=final.prefill_worker,
         decode_worker=final.decode_worker, retries=final.retries, logprobs=lps,
+        tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls],
+        content=final.content, reasoning_content=final.reasoning_content,
         request_id=final.request_id, router_request_id=final.router_request_id)
 
 

@@ -169,3 +169,50 @@ def forcing_grammar(fmt: str, tools: list[dict], forced: str, parallel: bool) ->
                                                                else {"maxItems": 1})}
         return 'start: "[TOOL_CALLS]" %json ' + json.dumps(arr)
     raise ValueError(f"tool-call format {fmt!r}: one of {FORMATS}")
+
+
+def thinking_on(chat_template: str | None, template_kwargs: dict | None) -> bool:
+    """Whether a chat's answer comes after a reasoning model's thinking block: a template with
+    ``<think>`` (Qwen3) and ``enable_thinking`` not turned off."""
+    kwargs = template_kwargs or {}
+    return "<think>" in (chat_template or "") and kwargs.get("enable_thinking") is not False
+
+
+def prepare(chat_template: str | None, tools: object, choice: object, parallel: bool,
+            think: bool) -> tuple[str | None, str]:
+    """A chat request's tools: (the format its answer is parsed in, None for ``none``; the
+    grammar forcing a call, "" when none is forced). Raises naming the field."""
+    from baton.engine import grammar
+
+    checked, forced = check_tools(tools, choice)
+    if choice == "none":
+        return None, ""
+    fmt = format_of(chat_template)
+    if fmt is None:
+        raise InvalidRequestError("tools", "...", "this model's chat template renders no tools "
+                                  "(no tool-call format is known for it): leave tools out")
+    if forced is None:
+        return fmt, ""
+    lark = forcing_grammar(fmt, checked, forced, parallel)
+    if think:
+        lark = grammar.thinking(lark)
+    try:
+        return fmt, grammar.from_structured_outputs({"grammar": lark})
+    except grammar.GrammarError as e:
+        raise InvalidRequestError("tools", "...", f"a tool's parameters cannot be served: "
+                                  f"{e}") from None
+
+
+def answer_parts(text: str, fmt: str | None, think: bool
+                 ) -> tuple[str, str | None, list[ToolCall]]:
+    """(reasoning, content, tool calls) of a finished answer: a thinking block's text (``think``)
+    and the calls parsed out in ``fmt`` (None: no tools); content None when calls fill it."""
+    reasoning = ""
+    if think:
+        head, sep, rest = text.partition("</think>")
+        if sep:
+            reasoning, text = head.removeprefix("<think>").strip(), rest.lstrip()
+    if fmt is None:
+        return reasoning, text, []
+    content, calls = parse(text, fmt)
+    return reasoning, content if calls else text, calls

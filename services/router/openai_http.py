@@ -168,9 +168,11 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
 def thinks(kind: str, body: dict, chat_template: str | None) -> bool:
     """Whether a request's answer comes after a reasoning model's thinking block: a chat
     template with ``<think>`` (Qwen3) and ``enable_thinking`` not turned off."""
-    kwargs = body.get("chat_template_kwargs") or {}
-    return (kind == "chat" and "<think>" in (chat_template or "")
-            and not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False))
+    from baton.engine.tool_calls import thinking_on
+
+    kwargs = body.get("chat_template_kwargs")
+    return kind == "chat" and thinking_on(chat_template, kwargs if isinstance(kwargs, dict)
+                                          else None)
 
 
 def _grammar_fields(p, body: dict, think: bool = False) -> None:
@@ -318,50 +320,31 @@ def generate_request(kind: str, body: dict, unknown: str = "refuse",
     return req
 
 
-def tool_format(body: dict, chat_template: str | None) -> str | None:
-    """The tool-call format a chat request's output is parsed in (None: no tools in play)."""
-    if not body.get("tools") or body.get("tool_choice") == "none":
-        return None
-    from baton.engine import tool_calls
-
-    return tool_calls.format_of(chat_template)
-
-
 def _tools(req, body: dict, chat_template: str | None) -> None:
-    """``tools`` rendered by the chat template; ``tool_choice`` ``required`` or a named function
-    forced with a grammar of the model's tool-call format (its arguments then always parse and
-    validate against the function's parameters); ``auto``: parsed from what the model writes;
-    ``none``: the tools are not shown."""
-    from baton.engine import grammar, tool_calls
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` onto the chat request, checked
+    here (400 naming the field); the orchestrator forces a required or named call with a
+    grammar of the model's call format and parses the calls out of the answer."""
+    from baton.engine import tool_calls
     from baton.engine.errors import InvalidRequestError
 
     if body.get("tools") is None:
         if body.get("tool_choice") not in (None, "none", "auto"):
             raise _bad("tool_choice", "tool_choice names a tool, but tools is empty")
         return
+    parallel = _typed(body, "parallel_tool_calls", bool, "a boolean")
     try:
-        tools, forced = tool_calls.check_tools(body["tools"], body.get("tool_choice"))
+        tool_calls.prepare(chat_template, body["tools"], body.get("tool_choice"),
+                           parallel is not False,
+                           tool_calls.thinking_on(chat_template, body.get("chat_template_kwargs")))
     except InvalidRequestError as e:
         raise _bad(e.field, str(e)) from None
     if body.get("tool_choice") == "none":
         return
-    fmt = tool_calls.format_of(chat_template)
-    if fmt is None:
-        raise _bad("tools", "this model's chat template renders no tools (no tool-call "
-                            "format is known for it): leave tools out")
     req.chat.tools_json = json.dumps(body["tools"])
-    if forced is not None:
-        if req.params.grammar:
-            raise _bad("tool_choice", "a forced tool call cannot take response_format or "
-                                      "structured_outputs too")
-        parallel = _typed(body, "parallel_tool_calls", bool, "a boolean")
-        lark = tool_calls.forcing_grammar(fmt, tools, forced, parallel is not False)
-        if thinks("chat", body, chat_template):
-            lark = grammar.thinking(lark)
-        try:
-            req.params.grammar = grammar.from_structured_outputs({"grammar": lark})
-        except grammar.GrammarError as e:
-            raise _bad("tools", f"a tool's parameters cannot be served: {e}") from None
+    if body.get("tool_choice") is not None:
+        req.chat.tool_choice_json = json.dumps(body["tool_choice"])
+    if parallel is not None:
+        req.chat.parallel_tool_calls = parallel
 
 
 def _chat(req, msgs) -> None:
@@ -662,14 +645,11 @@ class _Answer:
             orch.model
         self.want_lp = req.params.HasField("logprobs")
         self.want_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        # tools in play: the output is parsed into tool calls once it is whole (a stream holds
-        # its text back until then and sends the calls as one delta.tool_calls)
-        self.tool_fmt = tool_format(body, orch.tokenizer.chat_template) if kind == "chat" \
-            else None
-        # a reasoning model thinking under a grammar or with tools: its thinking block goes to
-        # reasoning_content (held back while streaming too), the rest is the answer
-        self.think = (thinks(kind, body, orch.tokenizer.chat_template)
-                      and bool(req.params.grammar or self.tool_fmt))
+        # tools in play, or a reasoning model thinking under a grammar: the orchestrator splits
+        # the whole answer into tool calls, content and reasoning in its final message; a
+        # stream holds the text back until then (the calls go as one delta.tool_calls)
+        self.split = kind == "chat" and (bool(req.chat.tools_json) or (
+            thinks(kind, body, orch.tokenizer.chat_template) and bool(req.params.grammar)))
         self.text = ""
         self.lps: list = []
         self.final = None
@@ -699,24 +679,19 @@ class _Answer:
                           "prefill_worker": f.prefill_worker, "decode_worker": f.decode_worker}}
 
     def _message(self, reason: str) -> tuple[dict, str]:
-        """The assistant message (reasoning, content, tool calls parsed out of it) and finish
-        reason."""
-        text, extra = self.text, {}
-        if self.think:
-            head, sep, rest = text.partition("</think>")
-            if sep:
-                extra["reasoning_content"] = head.removeprefix("<think>").strip()
-                text = rest.lstrip()
-        if self.tool_fmt is None:
-            return {"role": "assistant", "content": text, **extra}, reason
-        from baton.engine import tool_calls
-
-        content, calls = tool_calls.parse(text, self.tool_fmt)
-        if not calls:
-            return {"role": "assistant", "content": text, **extra}, reason
-        return ({"role": "assistant", "content": content, **extra,
-                 "tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]},
-                "tool_calls" if reason == "stop" else reason)
+        """The assistant message (reasoning, content and tool calls as the orchestrator split
+        the answer) and finish reason."""
+        f = self.final
+        if not self.split or f is None:
+            return {"role": "assistant", "content": self.text}, reason
+        extra = {"reasoning_content": f.reasoning_content} if f.reasoning_content else {}
+        if not f.tool_calls:
+            return {"role": "assistant", "content": f.content, **extra}, reason
+        calls = [{"index": i, "id": c.id, "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}}
+                 for i, c in enumerate(f.tool_calls)]
+        return ({"role": "assistant", "content": f.content or None, **extra,
+                 "tool_calls": calls}, "tool_calls" if reason == "stop" else reason)
 
     def opening(self, msg) -> list[bytes]:
         """The stream's first events: the chat role, then ``msg``'s."""
@@ -725,13 +700,13 @@ class _Answer:
 
     def events(self, msg) -> list[bytes]:
         if msg.HasField("delta"):
-            if self.tool_fmt is not None or self.think:  # held back: a call, or reasoning
+            if self.split:  # held back: a call, or reasoning
                 self.text += msg.delta.text
                 return []
             return [_sse(self._chunk(msg.delta.text, None, lps=msg.delta.logprobs))]
         self.final = f = msg.final
         reason, out = _finish(f.finish_reason), []
-        if self.tool_fmt is not None or self.think:
+        if self.split:
             message, reason = self._message(reason)
             if message.get("reasoning_content"):
                 chunk = self._chunk(None, None)

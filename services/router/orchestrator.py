@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from baton.engine import grammar, tool_calls
 from baton.engine.errors import InvalidRequestError
 from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common import tracing
@@ -327,6 +328,7 @@ class Orchestrator:
         try:
             call = _Call(request, self.validate(request), deadline, cancel, rid, t0, span,
                          _PromptHashes(self, request))
+            call.sent.tool_format, call.sent.think = self.answer_shape(request)
             for msg in self._admitted(call, caller):
                 if msg.HasField("final"):
                     status = "OK"
@@ -343,10 +345,55 @@ class Orchestrator:
                 self.metrics.failed(status)
                 span.end(error=status)
 
+    def _response_format(self, request: api_pb2.GenerateRequest) -> None:
+        """The gRPC API's ``response_format_json`` as the request's grammar."""
+        if not request.response_format_json:
+            return
+        if request.params.grammar:
+            raise InvalidRequestError("response_format_json", "...", "give params.grammar or "
+                                      "response_format_json, not both")
+        try:
+            rf = json.loads(request.response_format_json)
+        except ValueError as e:
+            raise InvalidRequestError("response_format_json", request.response_format_json[:80],
+                                      f"not JSON: {e}") from None
+        request.params.grammar = grammar.from_response_format(rf, self._thinks(request))
+
+    def _prepare_tools(self, request: api_pb2.GenerateRequest) -> None:
+        """A chat with tools: a forced call (``required``, a named function) becomes the
+        grammar of the model's call format; raises InvalidRequestError naming the field."""
+        chat = request.chat if request.WhichOneof("input") == "chat" else None
+        if chat is None or not chat.tools_json:
+            return
+        choice = json.loads(chat.tool_choice_json) if chat.tool_choice_json else None
+        parallel = not chat.HasField("parallel_tool_calls") or chat.parallel_tool_calls
+        _, forced = tool_calls.prepare(self.tokenizer.chat_template, json.loads(chat.tools_json),
+                                       choice, parallel, self._thinks(request))
+        if forced:
+            if request.params.grammar:
+                raise InvalidRequestError("tool_choice", choice, "a forced tool call cannot "
+                                          "take response_format or structured_outputs too")
+            request.params.grammar = forced
+
+    def _thinks(self, request) -> bool:
+        return request.WhichOneof("input") == "chat" and tool_calls.thinking_on(
+            self.tokenizer.chat_template, _template_kwargs(request.chat))
+
+    def answer_shape(self, request) -> tuple[str | None, bool]:
+        """(the tool-call format the answer is parsed in, whether a thinking block is split
+        off it): tools in play, and a reasoning model thinking under a grammar or tools."""
+        chat = request.chat if request.WhichOneof("input") == "chat" else None
+        fmt = None
+        if chat is not None and chat.tools_json and chat.tool_choice_json != '"none"':
+            fmt = tool_calls.format_of(self.tokenizer.chat_template)
+        return fmt, self._thinks(request) and bool(fmt or request.params.grammar)
+
     def validate(self, request: api_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids; raises RequestError (INVALID_ARGUMENT) naming the field."""
         try:
             ids = self._prompt_ids(request)
+            self._response_format(request)
+            self._prepare_tools(request)
             if not request.params.HasField("max_tokens"):  # a chat to EOS or the context
                 room, cap = self.settings.max_model_len - len(ids), self.settings.max_tokens
                 request.params.max_tokens = max(1, min(room, cap) if cap else room)

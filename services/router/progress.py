@@ -10,8 +10,10 @@ and its worker calls.
 from __future__ import annotations
 
 import time
+import uuid
 
 from baton.control.registry import WorkerRecord
+from baton.engine import tool_calls
 from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common import tracing
 from baton.services.router.routing import Decision
@@ -32,6 +34,9 @@ class Sent:
         self.last_at: float | None = None
         self.migrations = 0
         self.migrated_from: list[str] = []  # the failed decode workers, in order
+        # how the final message splits the answer: tool calls in this format, a thinking block
+        self.tool_format: str | None = None
+        self.think = False
 
 
 class Attempt:
@@ -135,7 +140,16 @@ class Attempt:
         now = time.monotonic()
         first = sent.first_at or now
         d = self.decision
+        reasoning: str = ""
+        content: str | None = ""
+        calls: list[tool_calls.ToolCall] = []
+        if sent.tool_format or sent.think:
+            reasoning, content, calls = tool_calls.answer_parts(sent.text, sent.tool_format,
+                                                                sent.think)
         return api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(
+            tool_calls=[api_pb2.ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", name=c.name,
+                                         arguments=c.arguments) for c in calls],
+            content=content or "", reasoning_content=reasoning,
             finish_reason=reason, path=path, prefill_worker=self.prefill_worker,
             decode_worker=self.decode_worker, transports=self.transports, retries=self.attempt,
             prompt_token_ids=self.prompt, route_reason=d.reason if d else "",

@@ -227,5 +227,22 @@ def test_forced_and_named_tool_calls_parse_and_validate(start_cluster, tmp_path)
     r = client.chat.completions.create(model=model, messages=history, tools=tools,
                                        max_tokens=12, temperature=0)
     assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
+    # the Python SDK over the gRPC API: typed tool calls, a response format, the penalties
+    from baton.client import Client
+
+    with Client(c.router.address) as sdk:
+        res = sdk.chat(history, tools=tools, tool_choice={"type": "function", "function": {
+            "name": "add"}}, max_tokens=200, temperature=1.0, seed=3, parallel_tool_calls=False)
+        assert [t.name for t in res.tool_calls] == ["add"] and res.content == ""
+        jsonschema.validate(res.tool_calls[0].parsed_arguments(), params["add"])
+        fmt = {"type": "json_schema", "json_schema": {"name": "w",
+                                                      "schema": params["get_weather"]}}
+        res = sdk.chat(msgs, response_format=fmt, max_tokens=120, temperature=1.0, seed=4,
+                       presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1,
+                       logit_bias={5: -1.0}, min_p=0.01)
+        if res.finish_reason == "stop":
+            jsonschema.validate(json.loads(res.text), params["get_weather"])
+        else:
+            assert res.text.startswith("{")
     c.assert_quiet()
     c.stop()

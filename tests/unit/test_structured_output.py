@@ -13,7 +13,7 @@ import json
 import jsonschema
 import pytest
 from baton.bench.structured import SCHEMAS
-from baton.engine import grammar
+from baton.engine import grammar, tool_calls
 from baton.engine.params import SamplingParams
 
 
@@ -128,9 +128,13 @@ def test_a_reasoning_models_grammar_starts_after_its_thinking_block(tiny_llama):
     orch = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=QWEN3_LIKE), model="m")
     req = generate_request("chat", body, chat_template=QWEN3_LIKE)
     a = _Answer("chat", orch, req, body)
-    a.take(api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(
-        text=f"<think>red, I think</think>\n\n{answer}")))
-    a.take(api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(finish_reason="stop")))
+    text = f"<think>red, I think</think>\n\n{answer}"
+    a.take(api_pb2.GenerateResponse(delta=api_pb2.GenerateDelta(text=text)))
+    # the orchestrator's final message splits the answer (progress.Attempt.final)
+    reasoning, content, calls = tool_calls.answer_parts(text, None, True)
+    assert not calls
+    a.take(api_pb2.GenerateResponse(final=api_pb2.GenerateFinal(
+        finish_reason="stop", content=content, reasoning_content=reasoning)))
     message = a.body()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": answer,
                        "reasoning_content": "red, I think"}

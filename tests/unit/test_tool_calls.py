@@ -105,11 +105,15 @@ def test_the_request_fields_are_checked_by_name():
     from baton.services.router.openai_http import generate_request
 
     base = {"messages": [{"role": "user", "content": "hi"}]}
-    req = generate_request("chat", {**base, "tools": TOOLS, "tool_choice": "required"},
-                           chat_template=TEMPLATE)
-    assert json.loads(req.chat.tools_json) == TOOLS and "get_weather" in req.params.grammar
+    req = generate_request("chat", {**base, "tools": TOOLS, "tool_choice": "required",
+                                    "parallel_tool_calls": False}, chat_template=TEMPLATE)
+    assert json.loads(req.chat.tools_json) == TOOLS and req.chat.tool_choice_json == '"required"'
+    assert req.chat.HasField("parallel_tool_calls") and not req.chat.parallel_tool_calls
+    fmt, forced = tool_calls.prepare(TEMPLATE, TOOLS, "required", False, False)
+    assert fmt == "hermes" and "get_weather" in forced and "add" in forced
     auto = generate_request("chat", {**base, "tools": TOOLS}, chat_template=TEMPLATE)
     assert auto.chat.tools_json and not auto.params.grammar  # auto: parsed, not forced
+    assert tool_calls.prepare(TEMPLATE, TOOLS, "auto", True, False) == ("hermes", "")
     none = generate_request("chat", {**base, "tools": TOOLS, "tool_choice": "none"},
                             chat_template=TEMPLATE)
     assert not none.chat.tools_json

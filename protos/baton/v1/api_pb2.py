@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from baton.v1 import worker_pb2 as baton_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x62\x61ton/v1/api.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/worker.proto\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"i\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\x1c\n\x14template_kwargs_json\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe5\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1b\n\x13last_delta_in_final\x18\x07 \x01(\x08\x42\x07\n\x05input\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x04 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x05 \x01(\x05\"\xa8\x01\n\x06Timing\x12\x11\n\tprefill_s\x18\x01 \x01(\x01\x12\x12\n\ntransfer_s\x18\x02 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x0f\n\x07route_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x08 \x01(\x01\"Z\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"\xe3\x03\n\rGenerateFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0c\n\x04path\x18\x03 \x01(\t\x12 \n\x06timing\x18\x04 \x01(\x0b\x32\x10.baton.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x12\n\ntransports\x18\x07 \x01(\t\x12\x0f\n\x07retries\x18\x08 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12\x14\n\x0croute_reason\x18\n \x01(\t\x12\x1b\n\x13index_cached_tokens\x18\x0b \x01(\x05\x12\x12\n\nindex_used\x18\x0c \x01(\x08\x12\x16\n\x0ekv_blocks_read\x18\r \x01(\x05\x12\x17\n\x0fkv_blocks_local\x18\x0e \x01(\x05\x12\x12\n\nmigrations\x18\x0f \x01(\x05\x12\x15\n\rmigrated_from\x18\x10 \x03(\t\x12+\n\nlast_delta\x18\x11 \x01(\x0b\x32\x17.baton.v1.GenerateDelta\x12\x12\n\nrequest_id\x18\x12 \x01(\t\x12\x19\n\x11router_request_id\x18\x13 \x01(\t\"n\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.baton.v1.GenerateDeltaH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.baton.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"C\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.baton.v1.ModelCard2\x95\x01\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12\x62\x61ton/v1/api.proto\x12\x08\x62\x61ton.v1\x1a\x15\x62\x61ton/v1/worker.proto\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xbd\x01\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.baton.v1.ChatMessage\x12\x1c\n\x14template_kwargs_json\x18\x02 \x01(\t\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x04 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x83\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\'\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x12.baton.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x16.baton.v1.ChatMessagesH\x00\x12(\n\x06params\x18\x06 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\x1b\n\x13last_delta_in_final\x18\x07 \x01(\x08\x12\x1c\n\x14response_format_json\x18\x08 \x01(\tB\x07\n\x05input\"\x88\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x04 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x05 \x01(\x05\"\xa8\x01\n\x06Timing\x12\x11\n\tprefill_s\x18\x01 \x01(\x01\x12\x12\n\ntransfer_s\x18\x02 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x0f\n\x07route_s\x18\x06 \x01(\x01\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x1b\n\x13\x66irst_decode_step_s\x18\x08 \x01(\x01\"Z\n\rGenerateDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12(\n\x08logprobs\x18\x03 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\"\xb7\x04\n\rGenerateFinal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.baton.v1.Usage\x12\x0c\n\x04path\x18\x03 \x01(\t\x12 \n\x06timing\x18\x04 \x01(\x0b\x32\x10.baton.v1.Timing\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x12\n\ntransports\x18\x07 \x01(\t\x12\x0f\n\x07retries\x18\x08 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\t \x03(\x05\x12\x14\n\x0croute_reason\x18\n \x01(\t\x12\x1b\n\x13index_cached_tokens\x18\x0b \x01(\x05\x12\x12\n\nindex_used\x18\x0c \x01(\x08\x12\x16\n\x0ekv_blocks_read\x18\r \x01(\x05\x12\x17\n\x0fkv_blocks_local\x18\x0e \x01(\x05\x12\x12\n\nmigrations\x18\x0f \x01(\x05\x12\x15\n\rmigrated_from\x18\x10 \x03(\t\x12+\n\nlast_delta\x18\x11 \x01(\x0b\x32\x17.baton.v1.GenerateDelta\x12\x12\n\nrequest_id\x18\x12 \x01(\t\x12\x19\n\x11router_request_id\x18\x13 \x01(\t\x12&\n\ntool_calls\x18\x14 \x03(\x0b\x32\x12.baton.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x15 \x01(\t\x12\x19\n\x11reasoning_content\x18\x16 \x01(\t\"n\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.baton.v1.GenerateDeltaH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.baton.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"C\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.baton.v1.ModelCard2\x95\x01\n\x05\x42\x61ton\x12\x43\n\x08Generate\x12\x19.baton.v1.GenerateRequest\x1a\x1a.baton.v1.GenerateResponse0\x01\x12G\n\nListModels\x12\x1b.baton.v1.ListModelsRequest\x1a\x1c.baton.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=55
   _globals['_CHATMESSAGE']._serialized_end=160
-  _globals['_CHATMESSAGES']._serialized_start=162
-  _globals['_CHATMESSAGES']._serialized_end=267
-  _globals['_TOKENIDS']._serialized_start=269
-  _globals['_TOKENIDS']._serialized_end=292
-  _globals['_GENERATEREQUEST']._serialized_start=295
-  _globals['_GENERATEREQUEST']._serialized_end=524
-  _globals['_USAGE']._serialized_start=527
-  _globals['_USAGE']._serialized_end=663
-  _globals['_TIMING']._serialized_start=666
-  _globals['_TIMING']._serialized_end=834
-  _globals['_GENERATEDELTA']._serialized_start=836
-  _globals['_GENERATEDELTA']._serialized_end=926
-  _globals['_GENERATEFINAL']._serialized_start=929
-  _globals['_GENERATEFINAL']._serialized_end=1412
-  _globals['_GENERATERESPONSE']._serialized_start=1414
-  _globals['_GENERATERESPONSE']._serialized_end=1524
-  _globals['_LISTMODELSREQUEST']._serialized_start=1526
-  _globals['_LISTMODELSREQUEST']._serialized_end=1545
-  _globals['_MODELCARD']._serialized_start=1547
-  _globals['_MODELCARD']._serialized_end=1614
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1616
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1673
-  _globals['_BATON']._serialized_start=1676
-  _globals['_BATON']._serialized_end=1825
+  _globals['_CHATMESSAGES']._serialized_start=163
+  _globals['_CHATMESSAGES']._serialized_end=352
+  _globals['_TOOLCALL']._serialized_start=354
+  _globals['_TOOLCALL']._serialized_end=409
+  _globals['_TOKENIDS']._serialized_start=411
+  _globals['_TOKENIDS']._serialized_end=434
+  _globals['_GENERATEREQUEST']._serialized_start=437
+  _globals['_GENERATEREQUEST']._serialized_end=696
+  _globals['_USAGE']._serialized_start=699
+  _globals['_USAGE']._serialized_end=835
+  _globals['_TIMING']._serialized_start=838
+  _globals['_TIMING']._serialized_end=1006
+  _globals['_GENERATEDELTA']._serialized_start=1008
+  _globals['_GENERATEDELTA']._serialized_end=1098
+  _globals['_GENERATEFINAL']._serialized_start=1101
+  _globals['_GENERATEFINAL']._serialized_end=1668
+  _globals['_GENERATERESPONSE']._serialized_start=1670
+  _globals['_GENERATERESPONSE']._serialized_end=1780
+  _globals['_LISTMODELSREQUEST']._serialized_start=1782
+  _globals['_LISTMODELSREQUEST']._serialized_end=1801
+  _globals['_MODELCARD']._serialized_start=1803
+  _globals['_MODELCARD']._serialized_end=1870
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1872
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1929
+  _globals['_BATON']._serialized_start=1932
+  _globals['_BATON']._serialized_end=2081
 # @@protoc_insertion_point(module_scope)
