@@ -226,7 +226,8 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
-        threading.Thread(target=self.grammars, name="grammar-tokenizer", daemon=True).start()
+        threading.Thread(target=self._warm_grammars, name="grammar-tokenizer",
+                         daemon=True).start()
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.fp8_group = fp8_group(model, cfg)
         self.fingerprint = engine_fingerprint(model, cfg)
@@ -610,10 +611,17 @@ class LLMEngine:
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer.tk.to_str(),
-                                          self.model_config.vocab_size,
+                                          max(self.model_config.vocab_size,
+                                              self.tokenizer.vocab_size),
                                           self.model_config.eos_token_ids
                                           or self.tokenizer.eos_token_ids)
             return self._grammars
+
+    def _warm_grammars(self) -> None:
+        try:
+            self.grammars()
+        except Exception as e:  # noqa: BLE001 - a structured request will say it, by name
+            log.warning("structured output unavailable for this tokenizer: %s", e)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params

@@ -141,6 +141,8 @@ class Grammars:
     schema, not per request)."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids) -> None:
+        # ``vocab_size``: the larger of the model's (maybe padded past the tokenizer's) and the
+        # tokenizer's own; the runner cuts each mask to the logits' width
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
         self.vocab_size = vocab_size

@@ -10,6 +10,8 @@ history with tool results."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from baton.engine.params import SamplingParams
 from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
@@ -118,15 +120,16 @@ SCHEMA = {"type": "object", "properties": {
 
 def test_json_schemas_on_the_remote_local_and_migrated_paths(start_cluster, tmp_path):
     import json
+    import threading
 
     import jsonschema
     import openai
     from baton.engine import grammar
 
     make_hf_model(tmp_path, tie_word_embeddings=False)
-    crash = ["--faults", "crash_engine_after=6"]
+    slow = ["--faults", "step_delay=0.03"]  # a request streams long enough to be cut
     c = start_cluster(prefill=1, decode=2, worker_args=["--model", str(tmp_path), *ARGS],
-                      decode_args=lambda c, i: crash if i == 0 else [],
+                      decode_args=lambda c, i: slow,
                       routers=[["--local-prefill-max-tokens", "40", "--http-port", "0"]])
     client = openai.OpenAI(base_url=f"http://{c.router.http_address}/v1", api_key="none")
     model = client.models.list().data[0].id
@@ -137,23 +140,37 @@ def test_json_schemas_on_the_remote_local_and_migrated_paths(start_cluster, tmp_
 
     engine_tok = load_model(str(tmp_path)).tokenizer
     matcher = grammar.Grammars(engine_tok.tk.to_str(), 400, engine_tok.eos_token_ids)
-    paths: dict[str, int] = {}
-    for k in range(30):  # until each path has served one (the router picks the workers)
-        words = " ".join(["alpha", "beta", "gamma"][i % 3] for i in range(3 + 25 * (k % 2)))
+
+    def ask(k: int, long: bool) -> tuple[str, dict]:
+        words = " ".join(["alpha", "beta", "gamma"][i % 3] for i in range(3 + 25 * long))
         r = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": f"{k} {words}"}],
             response_format=fmt, max_tokens=60, temperature=1.0, seed=k).model_dump()
-        choice, path = r["choices"][0], r["baton"]["path"]
-        paths[path] = paths.get(path, 0) + 1
+        choice = r["choices"][0]
         text = choice["message"]["content"]
         if choice["finish_reason"] == "stop":
             jsonschema.validate(json.loads(text), SCHEMA)
         else:  # cut at max_tokens: what there is follows the grammar
             ids = engine_tok.encode(text, add_special_tokens=False)
-            assert matcher.matcher(g).validate_tokens(ids) == len(ids), (path, text)
-        if {"remote", "local", "migrated"} <= set(paths):
-            break
-    assert {"remote", "local", "migrated"} <= set(paths), paths
+            assert matcher.matcher(g).validate_tokens(ids) == len(ids), (r, text)
+        return r["baton"]["path"], r
+
+    assert ask(0, long=False)[0] == "local"
+    assert ask(1, long=True)[0] == "remote"
+    # migrated: the decode worker streaming a request is killed; another resumes it from the
+    # tokens sent, its grammar state rebuilt from them
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(r=ask(2, long=True)))
+    t.start()
+    end = time.monotonic() + 60
+    victim = None
+    while victim is None and time.monotonic() < end and t.is_alive():
+        victim = next((w for w in c.decode if w.info().running_requests), None)
+    assert victim is not None, "the request never ran on a decode worker"
+    time.sleep(0.2)  # a few tokens streamed first
+    victim.kill()
+    t.join(120)
+    assert got["r"][0] == "migrated", got
     # a schema Baton cannot serve is a 400 naming it, before any worker is asked
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
@@ -162,6 +179,7 @@ def test_json_schemas_on_the_remote_local_and_migrated_paths(start_cluster, tmp_
                 "name": "bad", "schema": {"type": "string", "pattern": "(?<=a)b"}}})
     assert e.value.param == "response_format.json_schema.schema"
     assert "look-around" in e.value.message
+    c.assert_quiet()
     c.stop()
 
 

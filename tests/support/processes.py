@@ -15,6 +15,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def quiet_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999): one a process binds seconds
+    after it is chosen (``baton up``'s router, after its workers start), which an outgoing
+    connection or another process's listener on port 0 cannot take meanwhile."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def start_baton_up(*args: str) -> tuple[subprocess.Popen, list[str]]:
     """``baton up ARGS`` and its output up to its "ready:" line (or an error line, or its end);
     the caller stops it (SIGINT) and asserts on the lines."""
