@@ -433,8 +433,8 @@ class LLMEngine:
                       eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
         if params.grammar:  # compiled (or copied from the cache) before the request runs
             req.matcher = self.grammars().matcher(params.grammar)
-            k = min(params.output_prefix, len(ids))
-            Grammars.follow(req.matcher, ids[len(ids) - k:])  # a migrated request's tokens
+            Grammars.follow(req.matcher,  # a migrated request's tokens
+                            ids[len(ids) - req.num_prior_output:])
         self.requests[rid] = req
         self.runner.generators[rid] = make_generator(params.seed)
         if params.detokenize:
@@ -627,7 +627,7 @@ class LLMEngine:
         p = req.params
         if req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens + min(p.output_prefix, req.num_prompt_tokens) < p.min_tokens:
+        if req.num_prior_output + req.num_output_tokens < p.min_tokens:
             # held back by the sampler; only the length limit ends the request before
             return (RequestStatus.FINISHED_LENGTH if req.num_output_tokens >= req.max_tokens
                     else None)

@@ -30,7 +30,6 @@ slot holding the same head; chunk ``i`` of a pool is slot ``i // num_blocks``, b
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +190,3 @@ def chunk_ids(pairs: list[tuple[int, int]], local_blocks, remote_blocks, local_n
         remote.extend(rs * remote_n + int(b) for b in remote_blocks)
     return local, remote
 
-
-def storage_nbytes(layout: KVLayout, num_blocks: int) -> int:
-    return math.prod(layout.storage_shape(num_blocks)) * layout.elem_size

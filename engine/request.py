@@ -94,6 +94,12 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def num_prior_output(self) -> int:
+        """Prompt tokens that were generated earlier (a migrated request's ``output_prefix``,
+        the last tokens of its prompt): output for penalties, min_tokens, grammar and seeds."""
+        return min(self.params.output_prefix, self.num_prompt_tokens)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

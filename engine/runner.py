@@ -48,9 +48,9 @@ def history(req: Request) -> History:
     """What ``req``'s logit processing reads: a migrated request's ``output_prefix`` counts as
     output; EOS (unless ignored) and ``stop_token_ids`` are what ``min_tokens`` holds back."""
     p = req.params
-    k = min(p.output_prefix, req.num_prompt_tokens)
-    prompt = req.prompt_token_ids[:req.num_prompt_tokens - k]
-    output = req.prompt_token_ids[req.num_prompt_tokens - k:] + req.output_token_ids
+    cut = req.num_prompt_tokens - req.num_prior_output
+    prompt = req.prompt_token_ids[:cut]
+    output = req.prompt_token_ids[cut:] + req.output_token_ids
     stops = tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(req.eos_token_ids))
     return History(tuple(prompt), tuple(output), stops)
 
@@ -131,8 +131,8 @@ class ModelRunner:
                      if any(r.params.processes_logits for r in samplers) else None)
         for r in samplers:  # each seeded draw from (seed, position): any worker draws the same
             if r.params.seed is not None and not r.params.greedy:
-                position = r.num_output_tokens + min(r.params.output_prefix, r.num_prompt_tokens)
-                self.generators[r.request_id].manual_seed(token_seed(r.params.seed, position))
+                self.generators[r.request_id].manual_seed(
+                    token_seed(r.params.seed, r.num_prior_output + r.num_output_tokens))
         masks = [allowed(r.matcher, logits.shape[-1]) if r.matcher is not None else None
                  for r in samplers]
         tokens, logprobs = sample(logits, [r.params for r in samplers],

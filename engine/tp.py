@@ -353,11 +353,6 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def rank_device(device: str, rank: int) -> str:
-    """Every rank on the engine's one device (CPU, or ``cuda:N`` for all ranks)."""
-    return device
-
-
 # =================================================================================================
 # Ranks 1..N-1
 # =================================================================================================
