@@ -233,7 +233,7 @@ def _handoff_time(prefill, decode, prompts, n: int, params, repeats: int) -> dic
         nbytes = None
         for chunk in dstub.Decode(worker_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
-                params=params, handle=pre.handle, sampler_state=pre.sampler_state), timeout=60):
+                params=params, handle=pre.handle), timeout=60):
             if nbytes is None:
                 samples.append(time.perf_counter() - t0)
                 nbytes = chunk.transfer.bytes

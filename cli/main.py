@@ -101,7 +101,7 @@ def _prefill_then_decode(a: argparse.Namespace, ids: list[int], p):
         for chunk in worker_pb2_grpc.DecodeWorkerStub(dch).Decode(
                 worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=ids,
                                          first_token_id=pre.first_token_id, params=p,
-                                         handle=pre.handle, sampler_state=pre.sampler_state),
+                                         handle=pre.handle),
                 timeout=a.timeout):
             tokens += chunk.token_ids
             text += chunk.text

@@ -55,9 +55,6 @@ class KVHandoff:
     num_tokens: int  # prompt tokens whose KV the blocks hold
     prompt_token_ids: tuple[int, ...]
     first_token_id: int
-    # the request's sampler state after drawing the first token (seeded, non-greedy requests
-    # only): the receiver continues from it, so a seed gives the same tokens as one engine would
-    sampler_state: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -478,25 +475,17 @@ class LLMEngine:
 
     def reserve_handoff(
         self, request_id: str, prompt_token_ids: Sequence[int], first_token_id: int,
-        params: SamplingParams, sampler_state: bytes | None = None,
+        params: SamplingParams,
     ) -> HandoffSlots | None:
-        """Decode side: allocate blocks for a prompt whose KV comes from elsewhere.
+        """Decode side: allocate blocks for a prompt whose KV comes from elsewhere. Nothing of
+        the sampler travels: a seeded draw depends on (seed, output position) only.
 
         Returns ``None`` if the blocks are not free now, or the running batch (with the hand-offs
         already reserved) is at ``max_num_seqs`` (try later). Raises like ``add_request``
-        for a request that is invalid or can never fit. ``sampler_state`` is the sender's
-        :attr:`KVHandoff.sampler_state`.
+        for a request that is invalid or can never fit.
         """
         ids = self._prompt_ids(None, prompt_token_ids, None)
         req = self._make_request(request_id, ids, params, prefill_only=False)
-        if sampler_state:
-            try:
-                self.runner.generators[req.request_id].set_state(
-                    torch.frombuffer(bytearray(sampler_state), dtype=torch.uint8))
-            except RuntimeError as e:
-                self._forget(req)
-                raise InvalidRequestError("sampler_state", f"<{len(sampler_state)} bytes>",
-                                          f"not a sampler state: {e}") from e
         req.append_token(first_token_id)
         if req.matcher is not None:  # the matcher rebuilt from the handed first token
             try:
@@ -591,18 +580,12 @@ class LLMEngine:
             if pin:  # kept, FINISHED_PREFILLED, until release_handoff
                 handoff = KVHandoff(req.request_id, self.fingerprint,
                                     tuple(self.kv.block_ids(req.request_id)),
-                                    req.num_prompt_tokens, tuple(req.prompt_token_ids), token,
-                                    self._sampler_state(req))
+                                    req.num_prompt_tokens, tuple(req.prompt_token_ids), token)
             else:
                 self._forget(req)
         out = self._output(req, [token], [lp] if lp else None, new_text)
         out.handoff = handoff
         return out
-
-    def _sampler_state(self, req: Request) -> bytes | None:
-        if req.params.greedy or req.params.seed is None:
-            return None
-        return bytes(self.runner.generators[req.request_id].get_state().numpy())
 
     def grammars(self) -> Grammars:
         """This engine's structured output: its llguidance tokenizer (~0.2 s for SmolLM2's

@@ -541,7 +541,7 @@ class Orchestrator:
             cs = call_span(st.span, decode, "DecodeWorker", "Decode")
             stream = self.pool.decode(decode.address, worker_pb2.DecodeRequest(
                 request_id=st.rid, prompt_token_ids=st.ids, first_token_id=pre.first_token_id,
-                params=p, handle=pre.handle, sampler_state=pre.sampler_state),
+                params=p, handle=pre.handle),
                 call.deadline.remaining(), cs.metadata())
             outcome = yield from self._relay(call, st, decode, "remote", stream, cs)
         if not isinstance(outcome, Done):

@@ -188,8 +188,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         while True:
             seen = self.loop.frees
             slots = self.loop.run(self.engine.reserve_handoff, rid,
-                                  list(request.prompt_token_ids), request.first_token_id, params,
-                                  request.sampler_state or None)
+                                  list(request.prompt_token_ids), request.first_token_id, params)
             if slots is not None:
                 return slots
             left = deadline - time.monotonic()

@@ -94,7 +94,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             resp.first_text = out.new_text or ""
             return resp
         h = out.handoff
-        resp.sampler_state = h.sampler_state or b""
         blocks = h.block_ids[: math.ceil(h.num_tokens / self.engine.cfg.block_size)]
         handle = self.holder.grant(rid, blocks, h.num_tokens)
         if not context.is_active():  # nobody will read it; do not wait for the expiry

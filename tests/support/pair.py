@@ -27,8 +27,7 @@ class Pair:
         tokens, stats = [], None
         for chunk in stub.Decode(worker_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=ids, first_token_id=pre.first_token_id,
-                params=params_to_proto(params), handle=pre.handle,
-                sampler_state=pre.sampler_state), timeout=timeout):
+                params=params_to_proto(params), handle=pre.handle), timeout=timeout):
             tokens += chunk.token_ids
             if chunk.HasField("transfer"):
                 stats = chunk.transfer

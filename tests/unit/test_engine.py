@@ -260,8 +260,7 @@ def _handoff(prefill, decode, ids, params, rid):
     h = first.handoff
     assert first.finished and first.finish_reason == "prefilled" and h is not None
     assert h.num_tokens == len(ids) and h.first_token_id == first.new_token_ids[0]
-    slots = decode.reserve_handoff(rid, h.prompt_token_ids, h.first_token_id, params,
-                                   h.sampler_state)
+    slots = decode.reserve_handoff(rid, h.prompt_token_ids, h.first_token_id, params)
     assert len(slots.block_ids) == len(h.block_ids)
     for src, dst in list(zip(h.block_ids, slots.block_ids))[slots.num_local_blocks:]:
         decode.kv_cache[dst].copy_(prefill.kv_cache[src])
@@ -297,17 +296,10 @@ def test_seeded_sampling_continues_across_a_handoff(tiny_engine):
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=50, seed=99)
     single = one_by_one(tiny_engine(), ps, params)
     pre, dec = tiny_engine(), tiny_engine()
-    for i, p in enumerate(ps):
+    for i, p in enumerate(ps):  # no sampler state travels: draws follow (seed, position)
         assert _handoff(pre, dec, p, params, f"s{i}")[0] == single[i]
-    greedy = SamplingParams(max_tokens=2)
-    pre.add_request(params=greedy, prompt_token_ids=ps[0], request_id="g", prefill_only=True)
-    (out,) = [o for o in drain_outputs(pre) if o.request_id == "g"]
-    assert out.handoff.sampler_state is None  # nothing to carry for greedy requests
-    pre.release_handoff("g")
-    with pytest.raises(InvalidRequestError, match="sampler_state"):
-        dec.reserve_handoff("bad", ps[0], 5, params, b"not a generator state")
-    assert "bad" not in dec.requests
-    dec.check_integrity()
+    for e in (pre, dec):
+        e.check_integrity()
 
 
 def test_handoffs_wait_for_a_slot_in_the_running_batch(tiny_engine):
