@@ -178,22 +178,30 @@ def thinking_on(chat_template: str | None, template_kwargs: dict | None) -> bool
     return "<think>" in (chat_template or "") and kwargs.get("enable_thinking") is not False
 
 
+def checked(chat_template: str | None, tools: object, choice: object
+            ) -> tuple[list[dict], str | None, str | None]:
+    """A chat request's tools, what ``tool_choice`` forces (:func:`check_tools`) and the
+    format the answer is parsed in (None for ``none``). Raises naming the field."""
+    tools_, forced = check_tools(tools, choice)
+    if choice == "none":
+        return tools_, None, None
+    fmt = format_of(chat_template)
+    if fmt is None:
+        raise InvalidRequestError("tools", "...", "this model's chat template renders no tools "
+                                  "(no tool-call format is known for it): leave tools out")
+    return tools_, forced, fmt
+
+
 def prepare(chat_template: str | None, tools: object, choice: object, parallel: bool,
             think: bool) -> tuple[str | None, str]:
     """A chat request's tools: (the format its answer is parsed in, None for ``none``; the
     grammar forcing a call, "" when none is forced). Raises naming the field."""
     from baton.engine import grammar
 
-    checked, forced = check_tools(tools, choice)
-    if choice == "none":
-        return None, ""
-    fmt = format_of(chat_template)
-    if fmt is None:
-        raise InvalidRequestError("tools", "...", "this model's chat template renders no tools "
-                                  "(no tool-call format is known for it): leave tools out")
-    if forced is None:
+    checked_tools, forced, fmt = checked(chat_template, tools, choice)
+    if fmt is None or forced is None:
         return fmt, ""
-    lark = forcing_grammar(fmt, checked, forced, parallel)
+    lark = forcing_grammar(fmt, checked_tools, forced, parallel)
     if think:
         lark = grammar.thinking(lark)
     try:

@@ -322,8 +322,8 @@ def generate_request(kind: str, body: dict, unknown: str = "refuse",
 
 def _tools(req, body: dict, chat_template: str | None) -> None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` onto the chat request, checked
-    here (400 naming the field); the orchestrator forces a required or named call with a
-    grammar of the model's call format and parses the calls out of the answer."""
+    here (400 naming the field); the orchestrator builds the grammar that forces a required
+    or named call (``tool_calls.prepare``) and parses the calls out of the answer."""
     from baton.engine import tool_calls
     from baton.engine.errors import InvalidRequestError
 
@@ -333,9 +333,7 @@ def _tools(req, body: dict, chat_template: str | None) -> None:
         return
     parallel = _typed(body, "parallel_tool_calls", bool, "a boolean")
     try:
-        tool_calls.prepare(chat_template, body["tools"], body.get("tool_choice"),
-                           parallel is not False,
-                           tool_calls.thinking_on(chat_template, body.get("chat_template_kwargs")))
+        tool_calls.checked(chat_template, body["tools"], body.get("tool_choice"))
     except InvalidRequestError as e:
         raise _bad(e.field, str(e)) from None
     if body.get("tool_choice") == "none":
