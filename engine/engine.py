@@ -223,8 +223,6 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
-        threading.Thread(target=self._warm_grammars, name="grammar-tokenizer",
-                         daemon=True).start()
         self.max_model_len = min(cfg.max_model_len or mc.max_position, mc.max_position)
         self.fp8_group = fp8_group(model, cfg)
         self.fingerprint = engine_fingerprint(model, cfg)
@@ -589,8 +587,8 @@ class LLMEngine:
 
     def grammars(self) -> Grammars:
         """This engine's structured output: its llguidance tokenizer (~0.2 s for SmolLM2's
-        vocabulary) is built on a thread at start-up, off the engine step; the first request
-        with a grammar waits for it only if it comes sooner."""
+        vocabulary), built on first use, or ahead of it by :meth:`warm_grammars` (a worker
+        calls that on a thread at start-up, so no engine step waits for it)."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer.tk.to_str(),
@@ -600,7 +598,7 @@ class LLMEngine:
                                           or self.tokenizer.eos_token_ids)
             return self._grammars
 
-    def _warm_grammars(self) -> None:
+    def warm_grammars(self) -> None:
         try:
             self.grammars()
         except Exception as e:  # noqa: BLE001 - a structured request will say it, by name

@@ -37,7 +37,11 @@ def build_engine(settings: EngineSettings, record_kv_events: bool,
         cfg = settings.engine_config(record_kv_events, worker_name)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    return LLMEngine.from_path(settings.model, cfg)
+    engine = LLMEngine.from_path(settings.model, cfg)
+    # structured output's tokenizer, off the engine thread, before a request needs it
+    threading.Thread(target=engine.warm_grammars, name="grammar-tokenizer",
+                     daemon=True).start()
+    return engine
 
 
 @dataclass
