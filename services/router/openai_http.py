@@ -27,7 +27,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from baton.services.router.errors import RequestError, Status
 from baton.services.router.limits import ApiKeys
-from baton.services.router.orchestrator import Caller, Cancellation, Orchestrator
+from baton.services.router.orchestrator import (
+    Caller,
+    Cancellation,
+    Orchestrator,
+    answer_shape,
+    thinks,
+)
 from baton.v1 import api_pb2, worker_pb2
 from prometheus_client import Counter, Gauge, Summary
 from starlette.applications import Starlette
@@ -165,21 +171,12 @@ def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
     return p
 
 
-def thinks(kind: str, body: dict, chat_template: str | None) -> bool:
-    """Whether a request's answer comes after a reasoning model's thinking block: a chat
-    template with ``<think>`` (Qwen3) and ``enable_thinking`` not turned off."""
-    from baton.engine.tool_calls import thinking_on
-
-    kwargs = body.get("chat_template_kwargs")
-    return kind == "chat" and thinking_on(chat_template, kwargs if isinstance(kwargs, dict)
-                                          else None)
-
-
-def _grammar_fields(p, body: dict, think: bool = False) -> None:
+def _grammar_fields(req, body: dict, chat_template: str | None) -> None:
     """``response_format`` or ``structured_outputs`` as the grammar the workers follow, checked
     here (a bad or unsupported schema is a 400 naming it, before any worker holds KV); with a
     reasoning model thinking, the grammar applies after its thinking block."""
     from baton.engine import grammar
+    from baton.engine.errors import InvalidRequestError
 
     for key in grammar.GUIDED:
         if body.get(key) is not None:
@@ -191,10 +188,12 @@ def _grammar_fields(p, body: dict, think: bool = False) -> None:
     if not given:
         return
     try:
-        p.grammar = (grammar.from_response_format(body["response_format"], think)
-                     if given[0] == "response_format"
-                     else grammar.from_structured_outputs(body["structured_outputs"], think))
-    except grammar.GrammarError as e:
+        think = thinks(req, chat_template)
+        req.params.grammar = (
+            grammar.from_response_format(body["response_format"], think)
+            if given[0] == "response_format"
+            else grammar.from_structured_outputs(body["structured_outputs"], think))
+    except InvalidRequestError as e:  # GrammarError, or chat_template_kwargs
         raise _bad(e.field, str(e)) from None
 
 
@@ -308,15 +307,16 @@ def generate_request(kind: str, body: dict, unknown: str = "refuse",
     _refuse_unimplemented(kind, body)
     req = api_pb2.GenerateRequest(model=_typed(body, "model", str, "a string") or "",
                                   params=_params(body, kind))
-    _grammar_fields(req.params, body, thinks(kind, body, chat_template))
     if kind == "chat":
         _chat(req, body.get("messages"))
         kwargs = _typed(body, "chat_template_kwargs", dict, "an object")
         if kwargs:
             req.chat.template_kwargs_json = json.dumps(kwargs)
-        _tools(req, body, chat_template)
     else:
         _prompt(req, body.get("prompt"))
+    _grammar_fields(req, body, chat_template)
+    if kind == "chat":
+        _tools(req, body, chat_template)
     return req
 
 
@@ -646,8 +646,7 @@ class _Answer:
         # tools in play, or a reasoning model thinking under a grammar: the orchestrator splits
         # the whole answer into tool calls, content and reasoning in its final message; a
         # stream holds the text back until then (the calls go as one delta.tool_calls)
-        self.split = kind == "chat" and (bool(req.chat.tools_json) or (
-            thinks(kind, body, orch.tokenizer.chat_template) and bool(req.params.grammar)))
+        self.split = kind == "chat" and any(answer_shape(req, orch.tokenizer.chat_template))
         self.text = ""
         self.lps: list = []
         self.final = None

@@ -328,7 +328,8 @@ class Orchestrator:
         try:
             call = _Call(request, self.validate(request), deadline, cancel, rid, t0, span,
                          _PromptHashes(self, request))
-            call.sent.tool_format, call.sent.think = self.answer_shape(request)
+            call.sent.tool_format, call.sent.think = answer_shape(request,
+                                                                  self.tokenizer.chat_template)
             for msg in self._admitted(call, caller):
                 if msg.HasField("final"):
                     status = "OK"
@@ -357,7 +358,8 @@ class Orchestrator:
         except ValueError as e:
             raise InvalidRequestError("response_format_json", request.response_format_json[:80],
                                       f"not JSON: {e}") from None
-        request.params.grammar = grammar.from_response_format(rf, self._thinks(request))
+        request.params.grammar = grammar.from_response_format(
+            rf, thinks(request, self.tokenizer.chat_template))
 
     def _prepare_tools(self, request: api_pb2.GenerateRequest) -> None:
         """A chat with tools: a forced call (``required``, a named function) becomes the
@@ -368,25 +370,13 @@ class Orchestrator:
         choice = json.loads(chat.tool_choice_json) if chat.tool_choice_json else None
         parallel = not chat.HasField("parallel_tool_calls") or chat.parallel_tool_calls
         _, forced = tool_calls.prepare(self.tokenizer.chat_template, json.loads(chat.tools_json),
-                                       choice, parallel, self._thinks(request))
+                                       choice, parallel,
+                                       thinks(request, self.tokenizer.chat_template))
         if forced:
             if request.params.grammar:
                 raise InvalidRequestError("tool_choice", choice, "a forced tool call cannot "
                                           "take response_format or structured_outputs too")
             request.params.grammar = forced
-
-    def _thinks(self, request) -> bool:
-        return request.WhichOneof("input") == "chat" and tool_calls.thinking_on(
-            self.tokenizer.chat_template, _template_kwargs(request.chat))
-
-    def answer_shape(self, request) -> tuple[str | None, bool]:
-        """(the tool-call format the answer is parsed in, whether a thinking block is split
-        off it): tools in play, and a reasoning model thinking under a grammar or tools."""
-        chat = request.chat if request.WhichOneof("input") == "chat" else None
-        fmt = None
-        if chat is not None and chat.tools_json and chat.tool_choice_json != '"none"':
-            fmt = tool_calls.format_of(self.tokenizer.chat_template)
-        return fmt, self._thinks(request) and bool(fmt or request.params.grammar)
 
     def validate(self, request: api_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids; raises RequestError (INVALID_ARGUMENT) naming the field."""
@@ -708,6 +698,24 @@ class _PromptHashes:
         self._hashes = policy.prompt_hashes(ids, self._orch.settings.fingerprint, self._salt, bs)
         self._len = len(ids)
         return self._hashes
+
+
+def thinks(request: api_pb2.GenerateRequest, chat_template: str | None) -> bool:
+    """Whether a request's answer comes after a reasoning model's thinking block."""
+    return request.WhichOneof("input") == "chat" and tool_calls.thinking_on(
+        chat_template, _template_kwargs(request.chat))
+
+
+def answer_shape(request: api_pb2.GenerateRequest, chat_template: str | None
+                 ) -> tuple[str | None, bool]:
+    """(the tool-call format the answer is parsed in, whether a thinking block is split off
+    it): tools in play, and a reasoning model thinking under a grammar or tools. The final
+    message splits the answer so; the HTTP front holds a stream's text back for it."""
+    chat = request.chat if request.WhichOneof("input") == "chat" else None
+    fmt = None
+    if chat is not None and chat.tools_json and chat.tool_choice_json != '"none"':
+        fmt = tool_calls.format_of(chat_template)
+    return fmt, thinks(request, chat_template) and bool(fmt or request.params.grammar)
 
 
 def _chat_messages(messages) -> list[dict]:
