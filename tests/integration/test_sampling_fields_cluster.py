@@ -52,12 +52,12 @@ def test_penalties_and_bias_on_the_remote_and_migrated_paths(start_cluster, tmp_
                       routers=[["--local-prefill-max-tokens", "0", "--http-port", "0"]])
     ref = SamplingParams(logit_bias=BIAS, **PARAMS)
     paths = set()
-    for k in range(5):
+    for k in range(12):
         prompt = [(5 * i + 7 + 13 * k) % 300 + 3 for i in range(40)] + [11, 11, 12, 11]
         out, final = generate(c.router, prompt, 16)
         assert out == reference_greedy(hf, prompt, 16, ref, 0), (k, final.path)
         paths.add(final.path)
-        if "migrated" in paths:
+        if {"remote", "migrated"} <= paths:  # the first request may be the migrated one
             break
     assert {"remote", "migrated"} <= paths, paths
     # the official client: the same fields, the same tokens (their text)
