@@ -134,9 +134,9 @@ class GpuCluster:
 
     def generate(self, router, ids: list[int] | None, prompt: str | None, max_tokens: int):
         """One greedy request; (tokens, the final message)."""
-        from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+        from baton_client.v1 import api_pb2, api_pb2_grpc
 
-        req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
+        req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(
             max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
         if ids is not None:
             req.token_ids.ids.extend(ids)

@@ -61,11 +61,11 @@ async def _openai_load(base_url: str, model: str, n: int, concurrency: int,
 
 async def _grpc_load(address: str, n: int, concurrency: int, max_tokens: int) -> dict:
     import grpc
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
     channel = grpc.aio.insecure_channel(address)
     stub = api_pb2_grpc.BatonStub(channel)
-    req = api_pb2.GenerateRequest(text=PROMPT, params=worker_pb2.SamplingParams(
+    req = api_pb2.GenerateRequest(text=PROMPT, params=api_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0), last_delta_in_final=True)
 
     async def one() -> str | None:
@@ -113,11 +113,11 @@ def _pairs(http_address: str, grpc_address: str, model: str, rounds: int,
     """One request at a time, HTTP then gRPC, per round: the front's added latency."""
     import grpc
     import openai
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
     client = openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="none", max_retries=0)
     stub = api_pb2_grpc.BatonStub(grpc.insecure_channel(grpc_address))
-    req = api_pb2.GenerateRequest(text=PROMPT, params=worker_pb2.SamplingParams(
+    req = api_pb2.GenerateRequest(text=PROMPT, params=api_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=0), last_delta_in_final=True)
     http_s, grpc_s = [], []
     for i in range(rounds + 10):  # 10 warm-up rounds

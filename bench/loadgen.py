@@ -60,7 +60,7 @@ class GrpcTarget:
         self.timeout = timeout
 
     def __call__(self, req: Req) -> Record:
-        from baton.client.errors import BatonError
+        from baton.client import BatonError
 
         rec = Record(len(req.prompt), req.max_tokens, time.monotonic())
         try:

@@ -132,7 +132,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     goodput."""
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
-    from baton.v1 import api_pb2_grpc
+    from baton_client.v1 import api_pb2_grpc
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
     grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
@@ -168,7 +168,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
 def _remote_prefill_timing(rstub, ids: list[int], params):
     """One request through ``rstub``; its final message's timing (it must take the remote
     path)."""
-    from baton.v1 import api_pb2
+    from baton_client.v1 import api_pb2
 
     final = None
     for m in rstub.Generate(api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=ids),
@@ -292,7 +292,7 @@ def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
 
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
-    from baton.v1 import api_pb2
+    from baton_client.v1 import api_pb2
 
     lo, hi = SERVED_TOKENS
     params = params_to_proto(SamplingParams(max_tokens=hi + 4, ignore_eos=True))

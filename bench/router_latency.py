@@ -113,9 +113,10 @@ def measure(args, prompt: list[int]):
 
 def _rounds(args, prompt, workers, router, baseline):
     """Each round: every arm once, in turn (see the module's docs)."""
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
-    params = worker_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = api_pb2.SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     directs = {w.worker_id: worker_pb2_grpc.DecodeWorkerStub(w.channel) for w in workers}
     ids = list(directs)
     routed = api_pb2_grpc.BatonStub(router.channel)

@@ -90,10 +90,11 @@ def _texts(args, decode) -> tuple[list, list]:
 def _policy_run(args, mode: str, router, systems, messages, sessions) -> dict:
     """Warm one router up, then run the workload through it."""
     import grpc
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton.v1 import worker_pb2
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
     stub = api_pb2_grpc.BatonStub(router.channel)
-    warm = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
+    warm = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(
         max_tokens=2, cache_salt=f"warm-{mode}"))
     warm.token_ids.ids.extend(messages[0] * 4)
     for _ in range(3):
@@ -156,7 +157,7 @@ def run_workload(stub, api_pb2, worker_pb2, grpc, systems, messages, sessions, a
                 done[k, turn - 1].wait()
             history = histories[k]
             history += messages[i]
-            req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
+            req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(
                 max_tokens=args.max_tokens, ignore_eos=True, cache_salt=salt))
             req.token_ids.ids.extend(history)
             try:

@@ -118,7 +118,7 @@ class Clients:
                  ref_texts, max_tokens: int, ledger: Ledger) -> None:
         import grpc
         import openai
-        from baton.v1 import api_pb2_grpc
+        from baton_client.v1 import api_pb2_grpc
 
         self._grpc = grpc
         self.stub = api_pb2_grpc.BatonStub(grpc.insecure_channel(grpc_address))
@@ -150,9 +150,9 @@ class Clients:
             self.ledger.add(kind, "expected" if code.name == want else code.name)
 
     def _request(self, p: int, max_tokens: int | None = None):
-        from baton.v1 import api_pb2, worker_pb2
+        from baton_client.v1 import api_pb2
 
-        r = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
+        r = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(
             max_tokens=max_tokens or self.max_tokens, ignore_eos=True))
         r.token_ids.ids.extend(self.prompts[p])
         return r
@@ -205,7 +205,7 @@ class Clients:
         self.ledger.add(kind, "expected")
 
     def _k_bad(self, kind, p, rng):
-        from baton.v1 import api_pb2, worker_pb2
+        from baton_client.v1 import api_pb2
 
         which = rng.randrange(4)
         if which == 0:  # temperature below 0
@@ -214,7 +214,7 @@ class Clients:
             list(self.stub.Generate(r, timeout=300))
         elif which == 1:  # an empty prompt
             list(self.stub.Generate(api_pb2.GenerateRequest(
-                text="", params=worker_pb2.SamplingParams(max_tokens=4)), timeout=300))
+                text="", params=api_pb2.SamplingParams(max_tokens=4)), timeout=300))
         elif which == 2:  # a field Baton does not implement
             self._completion(p, False, presence_penalty=0.5)
         else:  # a model this cluster does not serve

@@ -64,7 +64,7 @@ def run_cluster(model: str | None, prompts, max_tokens: list[int], pool_blocks: 
     TTFT, cached tokens (total, from disk), and the workers' tier metrics at the end."""
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.launch.local import WorkerProcess
-    from baton.v1 import api_pb2_grpc
+    from baton_client.v1 import api_pb2_grpc
 
     tmp = Path(tempfile.mkdtemp(prefix="baton-tiers-"))
     with EmbeddedRedis() as redis:
@@ -105,9 +105,9 @@ def run_cluster(model: str | None, prompts, max_tokens: list[int], pool_blocks: 
 def _one_request(stub, ids: list[int], max_tokens: int, what: str) -> dict:
     """TTFT, cached tokens (total, from disk) and path of one request; exits on a failure."""
     import grpc
-    from baton.v1 import api_pb2, worker_pb2
+    from baton_client.v1 import api_pb2
 
-    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
+    req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(max_tokens=max_tokens,
                                                                    ignore_eos=True))
     req.token_ids.ids.extend(ids)
     sent = time.perf_counter()

@@ -154,7 +154,7 @@ def report(args, prompts, ideal, total: int, results: dict) -> None:
 
 def replay(router, prompts, ideal, args, salt):
     import grpc
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
     stub = api_pb2_grpc.BatonStub(router.channel)
     lock = threading.Lock()
@@ -171,7 +171,7 @@ def replay(router, prompts, ideal, args, salt):
                 i = next(nxt, None)
             if i is None:
                 return
-            req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(
+            req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(
                 max_tokens=args.max_tokens, ignore_eos=True, cache_salt=salt))
             req.token_ids.ids.extend(prompts[i])
             try:

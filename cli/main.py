@@ -133,9 +133,9 @@ def _report_handoff(a, pre, ids, tokens, text, stats, reason) -> None:
 def _request(a: argparse.Namespace) -> int:
     """One request to a router's public API, streamed."""
     import grpc
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
-    params = worker_pb2.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
+    params = api_pb2.SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
                                        top_p=a.top_p, top_k=a.top_k, seed=a.seed)
     if a.cache_salt is not None:
         params.cache_salt = a.cache_salt

@@ -1,7 +1,10 @@
-"""Regenerate the Python stubs for protos/baton/v1/*.proto (``python protos/generate.py``).
+"""Regenerate the Python stubs of Baton's two APIs (``python protos/generate.py``).
 
-The stubs are committed next to the .proto files (package ``baton.v1``). ``--check`` regenerates
-into a scratch folder and fails if the committed stubs differ, which a test runs in CI.
+The public API (client/baton_client/v1/api.proto) belongs to the baton-client distribution, its
+stubs to ``baton_client.v1``; the worker API (protos/baton/v1/worker.proto, which imports the
+public one) to ``baton.v1``. The stubs are committed next to the .proto files. ``--check``
+regenerates into a scratch folder and fails if the committed stubs differ, which a test runs in
+CI.
 """
 
 from __future__ import annotations
@@ -13,18 +16,27 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-V1 = HERE / "baton" / "v1"
+CLIENT = HERE.parent / "client"
+# each proto folder (an include root) and the package folder its stubs land in
+FOLDERS = {HERE / "baton" / "v1": HERE, CLIENT / "baton_client" / "v1": CLIENT}
 
 
-def generate(out: Path) -> list[Path]:
+def generate(out: Path) -> dict[Path, Path]:
+    """Every stub, fresh under ``out``, keyed by the committed file it should equal."""
     from grpc_tools import protoc
 
-    protos = sorted(V1.glob("*.proto"))
-    args = ["protoc", f"-I{HERE}", f"--python_out={out}", f"--pyi_out={out}",
-            f"--grpc_python_out={out}", *[str(p.relative_to(HERE)) for p in protos]]
+    protos = [p for folder, root in FOLDERS.items()
+              for p in sorted(folder.glob("*.proto"))]
+    args = ["protoc", f"-I{HERE}", f"-I{CLIENT}", f"--python_out={out}", f"--pyi_out={out}",
+            f"--grpc_python_out={out}",
+            *[str(p.relative_to(FOLDERS[p.parent])) for p in protos]]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted((out / "baton" / "v1").glob("*_pb2*.py*"))
+    fresh = {}
+    for folder, root in FOLDERS.items():
+        for f in (out / folder.relative_to(root)).glob("*_pb2*.py*"):
+            fresh[folder / f.name] = f
+    return fresh
 
 
 def main() -> int:
@@ -33,16 +45,16 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(Path(tmp))
-        stale = [f.name for f in fresh
-                 if not (V1 / f.name).exists() or not filecmp.cmp(f, V1 / f.name, shallow=False)]
+        stale = [str(c.relative_to(HERE.parent)) for c, f in fresh.items()
+                 if not c.exists() or not filecmp.cmp(f, c, shallow=False)]
         if args.check:
             if stale:
                 print(f"stale gRPC stubs: {stale}; run python protos/generate.py", file=sys.stderr)
                 return 1
             return 0
-        for f in fresh:
-            (V1 / f.name).write_bytes(f.read_bytes())
-        print(f"wrote {[f.name for f in fresh]}")
+        for committed, f in fresh.items():
+            committed.write_bytes(f.read_bytes())
+        print(f"wrote {sorted(str(c.relative_to(HERE.parent)) for c in fresh)}")
     return 0
 
 

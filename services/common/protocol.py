@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from baton.engine.errors import InvalidRequestError
 from baton.engine.params import SamplingParams
-from baton.v1 import worker_pb2
+from baton_client.v1 import api_pb2
 
 FIELD_METADATA = "baton-field"
 
@@ -38,7 +38,7 @@ def params_from_proto(m) -> SamplingParams:
 
 
 def params_to_proto(p: SamplingParams):
-    return worker_pb2.SamplingParams(
+    return api_pb2.SamplingParams(
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         seed=p.seed, stop=p.stop, stop_token_ids=p.stop_token_ids, ignore_eos=p.ignore_eos,
         cache_salt=p.cache_salt, logprobs=p.logprobs, fit_pool=p.fit_pool,
@@ -49,6 +49,6 @@ def params_to_proto(p: SamplingParams):
 
 def logprob_to_proto(lp):
     """baton.engine.sampler.TokenLogprobs -> baton.v1.TokenLogprob."""
-    return worker_pb2.TokenLogprob(
+    return api_pb2.TokenLogprob(
         token_id=lp.token_id, logprob=lp.logprob,
-        top=[worker_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        top=[api_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])

@@ -16,7 +16,7 @@ from baton.services.router.orchestrator import (
     Orchestrator,
     resolve_max_tokens,
 )
-from baton.v1 import api_pb2, api_pb2_grpc
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 DEFAULT_MAX_TOKENS = 16  # what a Baton API request that sets no params.max_tokens gets
 

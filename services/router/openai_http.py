@@ -34,7 +34,7 @@ from baton.services.router.orchestrator import (
     answer_shape,
     thinks,
 )
-from baton.v1 import api_pb2, worker_pb2
+from baton_client.v1 import api_pb2
 from prometheus_client import Counter, Gauge, Summary
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -131,8 +131,8 @@ DEFAULT_MAX_TOKENS: dict[str, int | None] = {"text": 16, "chat": None}
 MAX_N = 16
 
 
-def _params(body: dict, kind: str = "text") -> worker_pb2.SamplingParams:
-    p = worker_pb2.SamplingParams()
+def _params(body: dict, kind: str = "text") -> api_pb2.SamplingParams:
+    p = api_pb2.SamplingParams()
     default = DEFAULT_MAX_TOKENS[kind]
     if default is not None:
         p.max_tokens = default

@@ -53,7 +53,8 @@ from baton.services.router.limits import (
 from baton.services.router.progress import Attempt, Sent, call_span, final_attrs, request_attrs
 from baton.services.router.routing import Decision, NoWorkerError, RoutingPolicy
 from baton.services.router.workers import Stream, WorkerError, WorkerPool
-from baton.v1 import api_pb2, worker_pb2
+from baton.v1 import worker_pb2
+from baton_client.v1 import api_pb2
 
 log = logging.getLogger("baton.services.router")
 
@@ -190,7 +191,7 @@ class _Call:
     retries: int = 0
 
     @property
-    def params(self) -> worker_pb2.SamplingParams:
+    def params(self) -> api_pb2.SamplingParams:
         return self.request.params
 
     def attempt(self, metrics) -> Attempt:

@@ -17,7 +17,7 @@ from baton.engine import tool_calls
 from baton.engine.tokenizer import BatonTokenizer
 from baton.services.common import tracing
 from baton.services.router.routing import Decision
-from baton.v1 import api_pb2
+from baton_client.v1 import api_pb2
 
 
 class Sent:

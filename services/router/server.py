@@ -41,7 +41,7 @@ from baton.services.router.routing import (
     parse_weights,
 )
 from baton.services.router.workers import WorkerPool
-from baton.v1 import api_pb2_grpc
+from baton_client.v1 import api_pb2_grpc
 
 log = logging.getLogger("baton.services.router")
 

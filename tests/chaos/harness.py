@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import grpc
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.chaos.proxy import FaultyProxy
 from tests.support.cluster import Cluster
@@ -42,7 +42,7 @@ PROMPTS = [
 
 
 def request(i: int, max_tokens: int, cache_salt: str | None = None) -> api_pb2.GenerateRequest:
-    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
+    req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(max_tokens=max_tokens,
                                                                    cache_salt=cache_salt))
     req.chat.messages.add(role="user", content=PROMPTS[i % len(PROMPTS)])
     return req

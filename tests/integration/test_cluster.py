@@ -16,7 +16,7 @@ import grpc
 import pytest
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
 from tests.support.processes import baton_request, free_port, start_baton_up
@@ -54,7 +54,7 @@ def engine():
 
 
 def request(kind, text, max_tokens=16, **params):
-    req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
+    req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(max_tokens=max_tokens,
                                                                    **params))
     if kind == "chat":
         req.chat.messages.add(role="user", content=text)
@@ -197,7 +197,7 @@ def test_cancel_and_deadline_leave_no_blocks(cluster):
     (request("text", "hi", temperature=-1), "temperature"),
     (request("text", "hi", top_p=1.5), "top_p"),
     (api_pb2.GenerateRequest(text="hi", model="gpt-17"), "model"),
-    (api_pb2.GenerateRequest(text="hi", params=worker_pb2.SamplingParams(max_tokens=0)),
+    (api_pb2.GenerateRequest(text="hi", params=api_pb2.SamplingParams(max_tokens=0)),
      "max_tokens"),
     (api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[5] * 9000)), "prompt"),
     (api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=[1, 999999])), "prompt_token_ids"),

@@ -179,7 +179,7 @@ def test_baton_up_on_a_gpu_machine_runs_its_workers_on_the_gpus(tiny_llama, tmp_
     """Each worker gets a GPU (sharing them, with a stated share, when there are fewer GPUs
     than workers); a prompt goes the remote way, VRAM to VRAM."""
     from baton.bench.common import worker_infos
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
     from tests.support.up import Up
 
@@ -196,7 +196,7 @@ def test_baton_up_on_a_gpu_machine_runs_its_workers_on_the_gpus(tiny_llama, tmp_
         assert {(i.device, i.kv_memory) for i in infos.values()} == {("cuda", "VRAM")}
         final = None
         for m in api_pb2_grpc.BatonStub(up.router.channel).Generate(api_pb2.GenerateRequest(
-                text="the quick brown fox " * 8, params=worker_pb2.SamplingParams(
+                text="the quick brown fox " * 8, params=api_pb2.SamplingParams(
                     max_tokens=8, ignore_eos=True)), timeout=120):
             final = m.final if m.HasField("final") else final
         assert final is not None and final.path == "remote", final

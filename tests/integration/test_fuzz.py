@@ -14,7 +14,7 @@ import urllib.request
 
 import grpc
 import pytest
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -77,7 +77,7 @@ PARAMS = {
 def generate_requests(draw) -> api_pb2.GenerateRequest:
     """Half well-formed (every field in range), half anything the wire can carry."""
     wild = draw(st.booleans())
-    p = worker_pb2.SamplingParams()
+    p = api_pb2.SamplingParams()
     for name, (valid, anything) in PARAMS.items():
         if draw(st.booleans()):
             setattr(p, name, draw(anything if wild else valid))
@@ -230,7 +230,7 @@ def test_openai_http_survives_any_body(cluster):
 
 def assert_serving_and_nothing_held(cluster: Cluster) -> None:
     msgs = list(stub(cluster).Generate(api_pb2.GenerateRequest(
-        text="still there?", params=worker_pb2.SamplingParams(max_tokens=4)), timeout=60))
+        text="still there?", params=api_pb2.SamplingParams(max_tokens=4)), timeout=60))
     assert msgs[-1].HasField("final")
     # free == total, no leases, nothing running, integrity ok (stricter than before: running
     # requests too)

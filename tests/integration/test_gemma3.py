@@ -90,7 +90,7 @@ def test_greedy_tokens_equal_transformers_in_process(model, reference):
 
 
 def test_greedy_tokens_equal_transformers_through_baton_up(gguf_path, reference, tmp_path):
-    from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+    from baton_client.v1 import api_pb2, api_pb2_grpc
 
     from tests.support.up import Up
 
@@ -101,7 +101,7 @@ def test_greedy_tokens_equal_transformers_through_baton_up(gguf_path, reference,
         for ids, want in reference:
             tokens, final = [], None
             for m in stub.Generate(api_pb2.GenerateRequest(
-                    token_ids=api_pb2.TokenIds(ids=ids), params=worker_pb2.SamplingParams(
+                    token_ids=api_pb2.TokenIds(ids=ids), params=api_pb2.SamplingParams(
                         max_tokens=NEW_TOKENS, ignore_eos=True)), timeout=300):
                 if m.HasField("delta"):
                     tokens.extend(m.delta.token_ids)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 from baton.services.launch.local import WorkerStartError
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
 
@@ -45,7 +45,7 @@ def test_any_shape_serves_and_stops(tiny_llama):
         assert len(children() - before) == 1 + 4 + 2  # redis-server, workers, routers
         for r in c.routers:
             msgs = list(api_pb2_grpc.BatonStub(r.channel).Generate(api_pb2.GenerateRequest(
-                text="hi", params=worker_pb2.SamplingParams(max_tokens=2)), timeout=60))
+                text="hi", params=api_pb2.SamplingParams(max_tokens=2)), timeout=60))
             assert msgs[-1].final.finish_reason
         c.assert_quiet()
     assert children() == before

@@ -12,13 +12,14 @@ import grpc
 import pytest
 from baton.control.redis_server import EmbeddedRedis
 from baton.services.launch.local import WorkerProcess
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton.v1 import worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
 
 def req(n_tokens: int, max_tokens: int, start: int = 5) -> api_pb2.GenerateRequest:
-    r = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=max_tokens,
+    r = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(max_tokens=max_tokens,
                                                                  ignore_eos=True))
     r.token_ids.ids.extend((start + 7 * i) % 390 + 5 for i in range(n_tokens))
     return r
@@ -219,7 +220,7 @@ def test_a_hand_off_with_no_room_before_its_deadline_is_resource_exhausted(tiny_
         ids = [5 + i for i in range(20)]
         call = worker_pb2.DecodeRequest(
             request_id="no-room", prompt_token_ids=ids, first_token_id=7,
-            params=worker_pb2.SamplingParams(max_tokens=4),
+            params=api_pb2.SamplingParams(max_tokens=4),
             handle=worker_pb2.KVHandle(worker_id="p", incarnation="i", address="127.0.0.1:1",
                                        lease_id="l", block_ids=list(range(5)), num_tokens=20,
                                        fingerprint="f", expires_at=time.time() + 60))

@@ -17,7 +17,7 @@ import redis as redis_py
 from baton.control.prefix_index import INDEX_PREFIX, inflight_key
 from baton.control.redis_server import EmbeddedRedis
 from baton.control.registry import WorkerRegistry
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.api import generate_ids
 from tests.support.observe import documented_metrics, scrape, tokens
@@ -165,7 +165,7 @@ def test_a_prefill_worker_counts_a_request_in_flight_only_while_it_prefills(clus
         return {w: r.zcard(inflight_key(w.worker_id)) for w in (*cluster.prefill,
                                                                 cluster.decode[0])}
 
-    params = worker_pb2.SamplingParams(max_tokens=460, ignore_eos=True)
+    params = api_pb2.SamplingParams(max_tokens=460, ignore_eos=True)
     req = api_pb2.GenerateRequest(params=params)
     req.token_ids.ids.extend(tokens(60, 40))
     stream = api_pb2_grpc.BatonStub(cluster.routers[1].channel).Generate(req, timeout=60)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from baton.engine.params import SamplingParams
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.sampling import reference_greedy
 
@@ -28,7 +28,7 @@ ARGS = ["--block-size", "4", "--num-blocks", "256"]
 
 
 def generate(router, ids, n):
-    p = worker_pb2.SamplingParams(max_tokens=n, ignore_eos=True, **PARAMS)
+    p = api_pb2.SamplingParams(max_tokens=n, ignore_eos=True, **PARAMS)
     for tok, b in BIAS.items():
         p.logit_bias[tok] = b
     req = api_pb2.GenerateRequest(params=p)

@@ -15,12 +15,12 @@ from concurrent import futures
 
 import grpc
 import pytest
-from baton.client import Client, InvalidRequestError
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from baton.client import Client, InvalidRequestError
 from tests.support.observe import tokens
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ from baton.control.registry import WorkerRegistry
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
 from baton.services.launch.local import WorkerProcess
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.pair import Pair
 
@@ -108,7 +108,7 @@ def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, 
         done: list = []
 
         def one(i: int) -> None:
-            req = api_pb2.GenerateRequest(params=worker_pb2.SamplingParams(max_tokens=12,
+            req = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(max_tokens=12,
                                                                            ignore_eos=True))
             req.token_ids.ids.extend(prompts[i])
             try:

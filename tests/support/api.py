@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 
 def generate_ids(router, ids: list[int], max_tokens: int, timeout: float = 60.0,
                  salt: str | None = None):
     """(token ids, final message) of one streamed greedy Generate of prompt ``ids`` (a plain
     stub on the router's channel, ``ignore_eos``; ``salt``: its cache salt)."""
-    params = worker_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = api_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     if salt is not None:
         params.cache_salt = salt
     req = api_pb2.GenerateRequest(params=params)

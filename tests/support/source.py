@@ -28,6 +28,19 @@ def modules() -> dict[str, Path]:
     return out
 
 
+CLIENT = ROOT / "client" / "baton_client"  # the baton-client distribution's package
+
+
+def client_modules() -> dict[str, Path]:
+    """The baton-client distribution's modules (``baton_client.*``), generated stubs included."""
+    out = {}
+    for path in CLIENT.rglob("*.py"):
+        rel = path.relative_to(CLIENT).with_suffix("").parts
+        rel = rel[:-1] if rel[-1] == "__init__" else rel
+        out[".".join(("baton_client", *rel))] = path
+    return out
+
+
 def imports(path: Path, module: str) -> list[tuple[int, str]]:
     """(line, imported module) for every import in the file, relative ones resolved."""
     out = []

@@ -6,11 +6,13 @@ Layers, lowest first; a package may import its own layer and those below, never 
     baton.v1 (generated protocol stubs)  <  kernels  <  engine  <  transfer  <  control
         <  services  <  bench  <  cli
 
-``baton.client`` (the SDK) stands apart: it imports only ``baton.v1``, and only the clients of a
-cluster (``bench``, ``cli``) import it. Within ``services`` the worker process
-(``services.worker``), the router and the launchers do not import each other; what the worker
-and the router share lives in ``services.common``. The kernels sit under the engine because the
-engine's model calls them; nothing in ``kernels`` knows the engine.
+The SDK stands apart: the baton-client distribution (``baton_client``, client/) imports nothing of
+``baton`` (it installs without it), ``baton.client`` re-exports it, and only the clients of a
+cluster (``bench``, ``cli``) import either; the public API's generated stubs
+(``baton_client.v1``) are the one part every layer may import. Within ``services`` the worker
+process (``services.worker``), the router and the launchers do not import each other; what the
+worker and the router share lives in ``services.common``. The kernels sit under the engine because
+the engine's model calls them; nothing in ``kernels`` knows the engine.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.source import ROOT, imports, modules
+from tests.support.source import ROOT, client_modules, imports, modules
 
 ORDER = ["baton.v1", "baton.kernels", "baton.engine", "baton.transfer", "baton.control",
          "baton.services", "baton.bench", "baton.cli"]
-APART = {"baton.client": {"baton.client", "baton.v1"}}
+APART = {"baton.client": {"baton.client"}}
 CLIENTS = ("baton.bench", "baton.cli")  # what talks to a cluster as its users do
 # the worker process, the router and the launchers: none imports another; what the worker and
 # the router share lives in services.common (the prefill and decode packages are the worker's
@@ -47,10 +49,12 @@ def violations() -> list[str]:
     for module, path in modules().items():
         mine = layer(module)
         for line, target in imports(path, module):
-            if not target.startswith("baton.") or layer(target) is None:
-                continue
             theirs = layer(target)
             where = f"{_shown(path)}:{line} imports {target}"
+            if _sdk(target) and mine not in (*CLIENTS, *APART):
+                found.append(f"{where}: only {CLIENTS} use the SDK (clients of a cluster)")
+            if not target.startswith("baton.") or layer(target) is None:
+                continue
             if mine in APART:
                 if theirs not in APART[mine]:
                     found.append(f"{where}: {mine} may import only {sorted(APART[mine])}")
@@ -63,7 +67,15 @@ def violations() -> list[str]:
                         target.startswith(b) for b in SIBLINGS if b != a):
                     found.append(f"{where}: the worker, the router and the launchers share "
                                  "through services.common")
+    for module, path in client_modules().items():
+        found += [f"{_shown(path)}:{line} imports {target}: baton_client installs without baton"
+                  for line, target in imports(path, module) if target.split(".")[0] == "baton"]
     return found
+
+
+def _sdk(target: str) -> bool:
+    """The SDK proper (not the public API's stubs, which the router serves)."""
+    return target.split(".")[0] == "baton_client" and not target.startswith("baton_client.v1")
 
 
 def _shown(path: Path) -> str:
@@ -100,10 +112,10 @@ def test_first_party_modules_are_imported_by_one_name_only():
     assert bare == []
 
 
-@pytest.mark.parametrize("package", ["baton.services.router", "baton.client"])
+@pytest.mark.parametrize("package", ["baton.services.router", "baton.client", "baton_client"])
 def test_the_router_and_the_sdk_import_no_torch_numpy_or_nixl(package):
-    mods = [m for m in modules() if (m == package or m.startswith(package + "."))
-            and not m.endswith(".__main__")]
+    mods = [m for m in {**modules(), **client_modules()}
+            if (m == package or m.startswith(package + ".")) and not m.endswith(".__main__")]
     code = (f"import sys; import {', '.join(mods)}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'nixl'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -18,7 +18,7 @@ from baton.services.router.orchestrator import (
     RouterSettings,
 )
 from baton.services.router.routing import RoutingPolicy
-from baton.v1 import api_pb2, worker_pb2
+from baton_client.v1 import api_pb2
 
 from tests.support.fake_pool import HANG, FakeWorkerPool, chunk, prefilled
 
@@ -49,7 +49,7 @@ def orchestrator(tokenizer, workers, scripts, *, local: bool = False, **settings
 
 def request(max_tokens: int = 4) -> api_pb2.GenerateRequest:
     return api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=PROMPT),
-                                   params=worker_pb2.SamplingParams(max_tokens=max_tokens))
+                                   params=api_pb2.SamplingParams(max_tokens=max_tokens))
 
 
 def run(orch, req=None, deadline_s: float = 60.0, cancel: Cancellation | None = None):

@@ -109,7 +109,7 @@ def test_a_reasoning_models_grammar_starts_after_its_thinking_block(tiny_llama):
 
     from baton.engine.loader import load_model
     from baton.services.router.openai_http import _Answer, generate_request
-    from baton.v1 import api_pb2
+    from baton_client.v1 import api_pb2
 
     tok = load_model(tiny_llama[0]).tokenizer
     g = grammar.Grammars(tok.tk.to_str(), 400, tok.eos_token_ids)

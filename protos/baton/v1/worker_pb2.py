@@ -22,57 +22,48 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from baton_client.v1 import api_pb2 as baton__client_dot_v1_dot_api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\"\xd5\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x17\n\ncache_salt\x18\t \x01(\tH\x03\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x04\x88\x01\x01\x12\x10\n\x08\x66it_pool\x18\x0b \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x05\x88\x01\x01\x12;\n\nlogit_bias\x18\x0f \x03(\x0b\x32\'.baton.v1.SamplingParams.LogitBiasEntry\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12\x12\n\nmin_tokens\x18\x11 \x01(\x05\x12\x15\n\routput_prefix\x18\x12 \x01(\x05\x12\x0f\n\x07grammar\x18\x13 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_cache_saltB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"T\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.baton.v1.TopLogprob\"\xf3\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x12\n\nexpires_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x62lock_crc32\x18\t \x03(\r\x12\x12\n\nlease_port\x18\n \x01(\r\x12\x10\n\x08kv_dtype\x18\x0b \x01(\t\x12\x11\n\tkv_layout\x18\x0c \x01(\t\"h\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"\xc3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x06handle\x18\x03 \x01(\x0b\x32\x12.baton.v1.KVHandleH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12-\n\rfirst_logprob\x18\x07 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x12\n\nfirst_text\x18\t \x01(\t\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\n \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x0b \x01(\x05\x42\t\n\x07_handleJ\x04\x08\x06\x10\x07R\rsampler_state\"\xb8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\"\n\x06handle\x18\x05 \x01(\x0b\x32\x12.baton.v1.KVHandleJ\x04\x08\x06\x10\x07R\rsampler_state\"\xfe\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x08transfer\x18\x04 \x01(\x0b\x32\x17.baton.v1.TransferStats\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x08 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\t \x01(\x05\"f\n\x0cLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"Q\n\x11TokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"\x95\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x13\n\x0b\x62locks_read\x18\x02 \x01(\x05\x12\x14\n\x0c\x62locks_local\x18\x03 \x01(\x05\x12\x13\n\x0bhandshake_s\x18\x04 \x01(\x01\x12\x0e\n\x06read_s\x18\x05 \x01(\x01\x12\x11\n\trelease_s\x18\x06 \x01(\x01\x12\x12\n\ntransports\x18\x07 \x01(\t\"_\n\x10HandshakeRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\"\xa3\x02\n\x11HandshakeResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x17\n\x0fkv_base_address\x18\x05 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x12\n\ntransports\x18\x08 \x01(\t\x12\x12\n\nlease_port\x18\t \x01(\r\x12\x13\n\x0bkv_mem_type\x18\n \x01(\t\x12\x14\n\x0ckv_device_id\x18\x0b \x01(\r\x12\x10\n\x08kv_dtype\x18\x0c \x01(\t\x12\x11\n\tkv_layout\x18\r \x01(\t\"<\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"6\n\x14ReleaseLeaseResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x0bInfoRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xcb\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x01(\t\x12\x0f\n\x07ucx_tls\x18\x06 \x01(\t\x12\x11\n\trss_bytes\x18\x07 \x01(\x03\x12\x10\n\x08open_fds\x18\x08 \x01(\x05\x12\x12\n\nnum_blocks\x18\t \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\n \x01(\x05\x12\x15\n\ractive_leases\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x14\n\x0cintegrity_ok\x18\r \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0e \x01(\t\x12\x16\n\x0eleases_granted\x18\x0f \x01(\x03\x12\x16\n\x0eleases_expired\x18\x10 \x01(\x03\x12\x13\n\x0bknown_peers\x18\x11 \x01(\x05\x12\x1a\n\x12handoffs_in_flight\x18\x12 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x13 \x01(\t\x12\x11\n\tkv_memory\x18\x14 \x01(\t\x12\x17\n\x0fkv_staged_bytes\x18\x15 \x01(\x03\x32\x9f\x01\n\x08KVSource\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12M\n\x0cReleaseLease\x12\x1d.baton.v1.ReleaseLeaseRequest\x1a\x1e.baton.v1.ReleaseLeaseResponse2\xc5\x01\n\rPrefillWorker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponse2\xfd\x01\n\x0c\x44\x65\x63odeWorker\x12:\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12;\n\x08Generate\x12\x16.baton.v1.LocalRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x62\x61ton/v1/worker.proto\x12\x08\x62\x61ton.v1\x1a\x19\x62\x61ton_client/v1/api.proto\"\xf3\x01\n\x08KVHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x12\n\nexpires_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x62lock_crc32\x18\t \x03(\r\x12\x12\n\nlease_port\x18\n \x01(\r\x12\x10\n\x08kv_dtype\x18\x0b \x01(\t\x12\x11\n\tkv_layout\x18\x0c \x01(\t\"h\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"\xc3\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\'\n\x06handle\x18\x03 \x01(\x0b\x32\x12.baton.v1.KVHandleH\x00\x88\x01\x01\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12-\n\rfirst_logprob\x18\x07 \x01(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x12\n\nfirst_text\x18\t \x01(\t\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\n \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\x0b \x01(\x05\x42\t\n\x07_handleJ\x04\x08\x06\x10\x07R\rsampler_state\"\xb8\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12(\n\x06params\x18\x04 \x01(\x0b\x32\x18.baton.v1.SamplingParams\x12\"\n\x06handle\x18\x05 \x01(\x0b\x32\x12.baton.v1.KVHandleJ\x04\x08\x06\x10\x07R\rsampler_state\"\xfe\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x08transfer\x18\x04 \x01(\x0b\x32\x17.baton.v1.TransferStats\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.baton.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x07 \x01(\x01\x12\x1a\n\x12\x63\x61\x63hed_tokens_host\x18\x08 \x01(\x05\x12\x1a\n\x12\x63\x61\x63hed_tokens_disk\x18\t \x01(\x05\"f\n\x0cLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12(\n\x06params\x18\x03 \x01(\x0b\x32\x18.baton.v1.SamplingParams\"Q\n\x11TokenizerResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0etokenizer_json\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\"\x95\x01\n\rTransferStats\x12\r\n\x05\x62ytes\x18\x01 \x01(\x03\x12\x13\n\x0b\x62locks_read\x18\x02 \x01(\x05\x12\x14\n\x0c\x62locks_local\x18\x03 \x01(\x05\x12\x13\n\x0bhandshake_s\x18\x04 \x01(\x01\x12\x0e\n\x06read_s\x18\x05 \x01(\x01\x12\x11\n\trelease_s\x18\x06 \x01(\x01\x12\x12\n\ntransports\x18\x07 \x01(\t\"_\n\x10HandshakeRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x11\n\treader_id\x18\x02 \x01(\t\x12\x10\n\x08kv_dtype\x18\x03 \x01(\t\x12\x11\n\tkv_layout\x18\x04 \x01(\t\"\xa3\x02\n\x11HandshakeResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x04 \x01(\x0c\x12\x17\n\x0fkv_base_address\x18\x05 \x01(\x04\x12\x14\n\x0c\x62lock_nbytes\x18\x06 \x01(\x04\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x12\n\ntransports\x18\x08 \x01(\t\x12\x12\n\nlease_port\x18\t \x01(\r\x12\x13\n\x0bkv_mem_type\x18\n \x01(\t\x12\x14\n\x0ckv_device_id\x18\x0b \x01(\r\x12\x10\n\x08kv_dtype\x18\x0c \x01(\t\x12\x11\n\tkv_layout\x18\r \x01(\t\"<\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"6\n\x14ReleaseLeaseResponse\x12\x0e\n\x06intact\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x0bInfoRequest\x12\x17\n\x0f\x63heck_integrity\x18\x01 \x01(\x08\"\xcb\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x01(\t\x12\x0f\n\x07ucx_tls\x18\x06 \x01(\t\x12\x11\n\trss_bytes\x18\x07 \x01(\x03\x12\x10\n\x08open_fds\x18\x08 \x01(\x05\x12\x12\n\nnum_blocks\x18\t \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\n \x01(\x05\x12\x15\n\ractive_leases\x18\x0b \x01(\x05\x12\x18\n\x10running_requests\x18\x0c \x01(\x05\x12\x14\n\x0cintegrity_ok\x18\r \x01(\x08\x12\x17\n\x0fintegrity_error\x18\x0e \x01(\t\x12\x16\n\x0eleases_granted\x18\x0f \x01(\x03\x12\x16\n\x0eleases_expired\x18\x10 \x01(\x03\x12\x13\n\x0bknown_peers\x18\x11 \x01(\x05\x12\x1a\n\x12handoffs_in_flight\x18\x12 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x13 \x01(\t\x12\x11\n\tkv_memory\x18\x14 \x01(\t\x12\x17\n\x0fkv_staged_bytes\x18\x15 \x01(\x03\x32\x9f\x01\n\x08KVSource\x12\x44\n\tHandshake\x12\x1a.baton.v1.HandshakeRequest\x1a\x1b.baton.v1.HandshakeResponse\x12M\n\x0cReleaseLease\x12\x1d.baton.v1.ReleaseLeaseRequest\x1a\x1e.baton.v1.ReleaseLeaseResponse2\xc5\x01\n\rPrefillWorker\x12>\n\x07Prefill\x12\x18.baton.v1.PrefillRequest\x1a\x19.baton.v1.PrefillResponse\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponse2\xfd\x01\n\x0c\x44\x65\x63odeWorker\x12:\n\x06\x44\x65\x63ode\x12\x17.baton.v1.DecodeRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12;\n\x08Generate\x12\x16.baton.v1.LocalRequest\x1a\x15.baton.v1.DecodeChunk0\x01\x12\x33\n\x04Info\x12\x15.baton.v1.InfoRequest\x1a\x14.baton.v1.WorkerInfo\x12?\n\tTokenizer\x12\x15.baton.v1.InfoRequest\x1a\x1b.baton.v1.TokenizerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'baton.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=633
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=500
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=548
-  _globals['_TOPLOGPROB']._serialized_start=635
-  _globals['_TOPLOGPROB']._serialized_end=682
-  _globals['_TOKENLOGPROB']._serialized_start=684
-  _globals['_TOKENLOGPROB']._serialized_end=768
-  _globals['_KVHANDLE']._serialized_start=771
-  _globals['_KVHANDLE']._serialized_end=1014
-  _globals['_PREFILLREQUEST']._serialized_start=1016
-  _globals['_PREFILLREQUEST']._serialized_end=1120
-  _globals['_PREFILLRESPONSE']._serialized_start=1123
-  _globals['_PREFILLRESPONSE']._serialized_end=1446
-  _globals['_DECODEREQUEST']._serialized_start=1449
-  _globals['_DECODEREQUEST']._serialized_end=1633
-  _globals['_DECODECHUNK']._serialized_start=1636
-  _globals['_DECODECHUNK']._serialized_end=1890
-  _globals['_LOCALREQUEST']._serialized_start=1892
-  _globals['_LOCALREQUEST']._serialized_end=1994
-  _globals['_TOKENIZERRESPONSE']._serialized_start=1996
-  _globals['_TOKENIZERRESPONSE']._serialized_end=2077
-  _globals['_TRANSFERSTATS']._serialized_start=2080
-  _globals['_TRANSFERSTATS']._serialized_end=2229
-  _globals['_HANDSHAKEREQUEST']._serialized_start=2231
-  _globals['_HANDSHAKEREQUEST']._serialized_end=2326
-  _globals['_HANDSHAKERESPONSE']._serialized_start=2329
-  _globals['_HANDSHAKERESPONSE']._serialized_end=2620
-  _globals['_RELEASELEASEREQUEST']._serialized_start=2622
-  _globals['_RELEASELEASEREQUEST']._serialized_end=2682
-  _globals['_RELEASELEASERESPONSE']._serialized_start=2684
-  _globals['_RELEASELEASERESPONSE']._serialized_end=2738
-  _globals['_INFOREQUEST']._serialized_start=2740
-  _globals['_INFOREQUEST']._serialized_end=2778
-  _globals['_WORKERINFO']._serialized_start=2781
-  _globals['_WORKERINFO']._serialized_end=3240
-  _globals['_KVSOURCE']._serialized_start=3243
-  _globals['_KVSOURCE']._serialized_end=3402
-  _globals['_PREFILLWORKER']._serialized_start=3405
-  _globals['_PREFILLWORKER']._serialized_end=3602
-  _globals['_DECODEWORKER']._serialized_start=3605
-  _globals['_DECODEWORKER']._serialized_end=3858
+  _globals['_KVHANDLE']._serialized_start=63
+  _globals['_KVHANDLE']._serialized_end=306
+  _globals['_PREFILLREQUEST']._serialized_start=308
+  _globals['_PREFILLREQUEST']._serialized_end=412
+  _globals['_PREFILLRESPONSE']._serialized_start=415
+  _globals['_PREFILLRESPONSE']._serialized_end=738
+  _globals['_DECODEREQUEST']._serialized_start=741
+  _globals['_DECODEREQUEST']._serialized_end=925
+  _globals['_DECODECHUNK']._serialized_start=928
+  _globals['_DECODECHUNK']._serialized_end=1182
+  _globals['_LOCALREQUEST']._serialized_start=1184
+  _globals['_LOCALREQUEST']._serialized_end=1286
+  _globals['_TOKENIZERRESPONSE']._serialized_start=1288
+  _globals['_TOKENIZERRESPONSE']._serialized_end=1369
+  _globals['_TRANSFERSTATS']._serialized_start=1372
+  _globals['_TRANSFERSTATS']._serialized_end=1521
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1523
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1618
+  _globals['_HANDSHAKERESPONSE']._serialized_start=1621
+  _globals['_HANDSHAKERESPONSE']._serialized_end=1912
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1914
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1974
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1976
+  _globals['_RELEASELEASERESPONSE']._serialized_end=2030
+  _globals['_INFOREQUEST']._serialized_start=2032
+  _globals['_INFOREQUEST']._serialized_end=2070
+  _globals['_WORKERINFO']._serialized_start=2073
+  _globals['_WORKERINFO']._serialized_end=2532
+  _globals['_KVSOURCE']._serialized_start=2535
+  _globals['_KVSOURCE']._serialized_end=2694
+  _globals['_PREFILLWORKER']._serialized_start=2697
+  _globals['_PREFILLWORKER']._serialized_end=2894
+  _globals['_DECODEWORKER']._serialized_start=2897
+  _globals['_DECODEWORKER']._serialized_end=3150
 # @@protoc_insertion_point(module_scope)

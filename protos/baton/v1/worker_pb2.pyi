@@ -1,3 +1,4 @@
+from baton_client.v1 import api_pb2 as _api_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -5,73 +6,6 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
-
-class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "fit_pool", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "min_tokens", "output_prefix", "grammar")
-    class LogitBiasEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: int
-        value: float
-        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    STOP_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FIT_POOL_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_PREFIX_FIELD_NUMBER: _ClassVar[int]
-    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    stop: _containers.RepeatedScalarFieldContainer[str]
-    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    ignore_eos: bool
-    cache_salt: str
-    logprobs: int
-    fit_pool: bool
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logit_bias: _containers.ScalarMap[int, float]
-    min_p: float
-    min_tokens: int
-    output_prefix: int
-    grammar: str
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., logprobs: _Optional[int] = ..., fit_pool: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., output_prefix: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
-
-class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
-
-class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "top")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    TOP_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
     __slots__ = ("worker_id", "incarnation", "address", "lease_id", "block_ids", "num_tokens", "fingerprint", "expires_at", "block_crc32", "lease_port", "kv_dtype", "kv_layout")
@@ -108,8 +42,8 @@ class PrefillRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    params: _api_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "finish_reason", "handle", "num_cached_tokens", "prefill_s", "first_logprob", "queue_s", "first_text", "cached_tokens_host", "cached_tokens_disk")
@@ -128,12 +62,12 @@ class PrefillResponse(_message.Message):
     handle: KVHandle
     num_cached_tokens: int
     prefill_s: float
-    first_logprob: TokenLogprob
+    first_logprob: _api_pb2.TokenLogprob
     queue_s: float
     first_text: str
     cached_tokens_host: int
     cached_tokens_disk: int
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., first_text: _Optional[str] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., prefill_s: _Optional[float] = ..., first_logprob: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., queue_s: _Optional[float] = ..., first_text: _Optional[str] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "params", "handle")
@@ -145,9 +79,9 @@ class DecodeRequest(_message.Message):
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
-    params: SamplingParams
+    params: _api_pb2.SamplingParams
     handle: KVHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., params: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "transfer", "num_cached_tokens", "logprobs", "queue_s", "cached_tokens_host", "cached_tokens_disk")
@@ -165,11 +99,11 @@ class DecodeChunk(_message.Message):
     finish_reason: str
     transfer: TransferStats
     num_cached_tokens: int
-    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
     queue_s: float
     cached_tokens_host: int
     cached_tokens_disk: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., transfer: _Optional[_Union[TransferStats, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class LocalRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params")
@@ -178,8 +112,8 @@ class LocalRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    params: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    params: _api_pb2.SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_api_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class TokenizerResponse(_message.Message):
     __slots__ = ("model", "tokenizer_json", "max_model_len")

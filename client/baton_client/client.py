@@ -1,6 +1,6 @@
 """``Client`` and ``AsyncClient``: Baton's public gRPC API (``baton.v1.Baton``) for applications.
 
-    from baton.client import Client
+    from baton_client import Client
 
     with Client("127.0.0.1:50051") as c:
         r = c.generate("The capital of France is", max_tokens=8)
@@ -10,7 +10,7 @@
 
 Every call has a deadline (``timeout``, default the client's); a request that is unavailable
 before its first token is retried with backoff (``max_retries``), never after (tokens would be
-repeated); failures raise the typed errors of :mod:`baton.client.errors`. Breaking out of a
+repeated); failures raise the typed errors of :mod:`baton_client.errors`. Breaking out of a
 stream, or calling ``cancel()``, cancels the request on the cluster and frees its KV blocks.
 """
 
@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from baton.client.errors import CancelledError, ServerError, UnavailableError, from_rpc_error
-from baton.v1 import api_pb2, api_pb2_grpc, worker_pb2
+
+from baton_client.errors import CancelledError, ServerError, UnavailableError, from_rpc_error
+from baton_client.v1 import api_pb2, api_pb2_grpc
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -105,6 +107,18 @@ class Result:
     tool_calls: list[ToolCall] = field(default_factory=list)
     content: str = ""
     reasoning_content: str = ""
+    transports: str = ""  # UCX transports of the KV hand-off ("" on the local path)
+    # prompt tokens the prefix index said the prefilling worker holds, and whether the index
+    # was read at all (False: routed on load only)
+    index_cached_tokens: int = 0
+    index_used: bool = False
+    # remote path: KV blocks read over NIXL, and blocks the decode worker already held
+    kv_blocks_read: int = 0
+    kv_blocks_local: int = 0
+    # times the request moved to another decode worker after tokens were streamed, and the
+    # failed workers in order
+    migrations: int = 0
+    migrated_from: list[str] = field(default_factory=list)
 
 
 def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None = None,
@@ -128,7 +142,7 @@ def build_request(prompt: str | None = None, *, token_ids: Sequence[int] | None 
     given = [x is not None for x in (prompt, token_ids, messages)]
     if sum(given) != 1:
         raise ValueError("give exactly one of prompt, token_ids or messages")
-    params = worker_pb2.SamplingParams(
+    params = api_pb2.SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
     if seed is not None:
@@ -199,7 +213,46 @@ def _result(final, text: str, ids: list[int], lps: list[TokenLogprob]) -> Result
         decode_worker=final.decode_worker, retries=final.retries, logprobs=lps,
         tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls],
         content=final.content, reasoning_content=final.reasoning_content,
-        request_id=final.request_id, router_request_id=final.router_request_id)
+        request_id=final.request_id, router_request_id=final.router_request_id,
+        transports=final.transports, index_cached_tokens=final.index_cached_tokens,
+        index_used=final.index_used, kv_blocks_read=final.kv_blocks_read,
+        kv_blocks_local=final.kv_blocks_local, migrations=final.migrations,
+        migrated_from=list(final.migrated_from))
+
+
+Metadata = Sequence[tuple[str, str]]
+
+
+def _timeout(timeout: float | None, default: float) -> float:
+    """``timeout`` (seconds), or ``default`` when None; anything but a positive finite number
+    is refused (0 would otherwise be an instant failure, or silently the default)."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) \
+            or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _call_metadata(metadata: Metadata | None) -> tuple[tuple[str, str], ...]:
+    """Per-call gRPC metadata, checked here rather than failing inside gRPC: lower-case keys
+    of letters, digits, ``-_.``, not ``grpc-`` (reserved) nor ``authorization`` (the client's
+    ``token``); text values (a ``-bin`` key takes bytes)."""
+    out = []
+    for item in metadata or ():
+        key, value = item
+        ok = isinstance(key, str) and key and all(c in _KEY_CHARS for c in key)
+        if not ok or key.startswith("grpc-") or key == "authorization":
+            raise ValueError(f"metadata key {key!r}: lower-case letters, digits and -_. only, "
+                             "not grpc-* nor authorization (use token=)")
+        if not isinstance(value, bytes if key.endswith("-bin") else str):
+            raise ValueError(f"metadata {key!r}: value must be "
+                             f"{'bytes' if key.endswith('-bin') else 'str'}, got {value!r}")
+        out.append((key, value))
+    return tuple(out)
+
+
+_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_.")
 
 
 def _channel_args(tls: bool, root_certificates: bytes | None, token: str | None):
@@ -282,10 +335,10 @@ class _Attempts:
     output, each attempt's call (a new one per retry) and the wait before the next attempt.
     The subclasses only drive the calls, blocking or awaiting."""
 
-    def __init__(self, client, request, timeout: float) -> None:
+    def __init__(self, client, request, timeout: float, metadata: Metadata | None = None) -> None:
         self._client, self._request = client, request
         self._deadline = time.monotonic() + timeout
-        self._metadata = client._metadata + _trace_metadata()
+        self._metadata = client._metadata + _call_metadata(metadata) + _trace_metadata()
         self._col = _Collector()
         self._call = None
         self._attempt = 0
@@ -361,17 +414,21 @@ class Client:
         self._channel = (grpc.secure_channel(target, creds, options=list(options)) if creds
                          else grpc.insecure_channel(target, options=list(options)))
         self._stub = api_pb2_grpc.BatonStub(self._channel)
-        self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+        self.timeout = _timeout(timeout, 600.0)
+        self.max_retries, self.backoff_s = max_retries, backoff_s
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
-               **kwargs) -> Stream:
-        """Stream a completion; keyword arguments as :func:`build_request`."""
-        return Stream(self, build_request(prompt, **kwargs), timeout or self.timeout)
+               metadata: Metadata | None = None, **kwargs) -> Stream:
+        """Stream a completion; keyword arguments as :func:`build_request`. ``timeout``:
+        seconds for the whole request, retries included (None: the client's); ``metadata``:
+        this call's gRPC metadata, ``[(key, value), ...]``."""
+        return Stream(self, build_request(prompt, **kwargs), _timeout(timeout, self.timeout),
+                      metadata)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                 **kwargs) -> Result:
+                 metadata: Metadata | None = None, **kwargs) -> Result:
         """The whole completion at once (streamed underneath)."""
-        s = self.stream(prompt, timeout=timeout, **kwargs)
+        s = self.stream(prompt, timeout=timeout, metadata=metadata, **kwargs)
         for _ in s:
             pass
         return _finished(s)
@@ -382,10 +439,12 @@ class Client:
             return self.stream(messages=messages, **kwargs)
         return self.generate(messages=messages, **kwargs)
 
-    def models(self, timeout: float = 30.0) -> list[api_pb2.ModelCard]:
+    def models(self, timeout: float = 30.0,
+               metadata: Metadata | None = None) -> list[api_pb2.ModelCard]:
         try:
-            return list(self._stub.ListModels(api_pb2.ListModelsRequest(), timeout=timeout,
-                                              metadata=self._metadata).models)
+            return list(self._stub.ListModels(
+                api_pb2.ListModelsRequest(), timeout=_timeout(timeout, 30.0),
+                metadata=self._metadata + _call_metadata(metadata)).models)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
@@ -443,15 +502,17 @@ class AsyncClient:
         self._channel = (grpc.aio.secure_channel(target, creds, options=list(options)) if creds
                          else grpc.aio.insecure_channel(target, options=list(options)))
         self._stub = api_pb2_grpc.BatonStub(self._channel)
-        self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+        self.timeout = _timeout(timeout, 600.0)
+        self.max_retries, self.backoff_s = max_retries, backoff_s
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
-               **kwargs) -> AsyncStream:
-        return AsyncStream(self, build_request(prompt, **kwargs), timeout or self.timeout)
+               metadata: Metadata | None = None, **kwargs) -> AsyncStream:
+        return AsyncStream(self, build_request(prompt, **kwargs),
+                           _timeout(timeout, self.timeout), metadata)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                       **kwargs) -> Result:
-        s = self.stream(prompt, timeout=timeout, **kwargs)
+                       metadata: Metadata | None = None, **kwargs) -> Result:
+        s = self.stream(prompt, timeout=timeout, metadata=metadata, **kwargs)
         async for _ in s:
             pass
         return _finished(s)
@@ -461,10 +522,12 @@ class AsyncClient:
             return self.stream(messages=messages, **kwargs)
         return await self.generate(messages=messages, **kwargs)
 
-    async def models(self, timeout: float = 30.0) -> list[api_pb2.ModelCard]:
+    async def models(self, timeout: float = 30.0,
+                     metadata: Metadata | None = None) -> list[api_pb2.ModelCard]:
         try:
-            resp = await self._stub.ListModels(api_pb2.ListModelsRequest(), timeout=timeout,
-                                               metadata=self._metadata)
+            resp = await self._stub.ListModels(
+                api_pb2.ListModelsRequest(), timeout=_timeout(timeout, 30.0),
+                metadata=self._metadata + _call_metadata(metadata))
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         return list(resp.models)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from baton.v1 import api_pb2 as baton_dot_v1_dot_api__pb2
+from baton_client.v1 import api_pb2 as baton__client_dot_v1_dot_api__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in baton/v1/api_pb2_grpc.py depends on'
+        + ' but the generated code in baton_client/v1/api_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class BatonStub:
         """
         self.Generate = channel.unary_stream(
                 '/baton.v1.Baton/Generate',
-                request_serializer=baton_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_api__pb2.GenerateResponse.FromString,
+                request_serializer=baton__client_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=baton__client_dot_v1_dot_api__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/baton.v1.Baton/ListModels',
-                request_serializer=baton_dot_v1_dot_api__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=baton_dot_v1_dot_api__pb2.ListModelsResponse.FromString,
+                request_serializer=baton__client_dot_v1_dot_api__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=baton__client_dot_v1_dot_api__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_BatonServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=baton_dot_v1_dot_api__pb2.GenerateRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_api__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=baton__client_dot_v1_dot_api__pb2.GenerateRequest.FromString,
+                    response_serializer=baton__client_dot_v1_dot_api__pb2.GenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=baton_dot_v1_dot_api__pb2.ListModelsRequest.FromString,
-                    response_serializer=baton_dot_v1_dot_api__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=baton__client_dot_v1_dot_api__pb2.ListModelsRequest.FromString,
+                    response_serializer=baton__client_dot_v1_dot_api__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Baton:
             request,
             target,
             '/baton.v1.Baton/Generate',
-            baton_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
-            baton_dot_v1_dot_api__pb2.GenerateResponse.FromString,
+            baton__client_dot_v1_dot_api__pb2.GenerateRequest.SerializeToString,
+            baton__client_dot_v1_dot_api__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Baton:
             request,
             target,
             '/baton.v1.Baton/ListModels',
-            baton_dot_v1_dot_api__pb2.ListModelsRequest.SerializeToString,
-            baton_dot_v1_dot_api__pb2.ListModelsResponse.FromString,
+            baton__client_dot_v1_dot_api__pb2.ListModelsRequest.SerializeToString,
+            baton__client_dot_v1_dot_api__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

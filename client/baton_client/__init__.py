@@ -1,8 +1,8 @@
 """Baton's client SDK for the public gRPC API: :class:`Client` (sync) and :class:`AsyncClient`
 (asyncio), streaming and unary, with deadlines, cancellation, safe retries and typed errors.
-See ``baton.client.client`` for an example."""
+See ``baton_client.client`` for an example."""
 
-from baton.client.client import (
+from baton_client.client import (
     AsyncClient,
     AsyncStream,
     Client,
@@ -15,7 +15,7 @@ from baton.client.client import (
     Usage,
     build_request,
 )
-from baton.client.errors import (
+from baton_client.errors import (
     AuthenticationError,
     BatonError,
     CancelledError,
