@@ -50,6 +50,7 @@ class WorkerMetrics:
               registry=r).set_function(lambda: stats().quarantined_blocks)
         Gauge("baton_worker_kv_blocks_total", "KV blocks in the pool.",
               registry=r).set_function(lambda: stats().total_blocks)
+        _vllm_gauges(r, engine, stats)
         self._add_counters(r)
         if getattr(engine, "tiers", None) is not None:
             r.register(TierCollector(engine.tiers))
@@ -109,6 +110,21 @@ class WorkerMetrics:
         """Serve /metrics on ``port`` (0: a free one); returns the port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_address[1]
+
+
+def _vllm_gauges(r: CollectorRegistry, engine, stats) -> None:
+    """The same load under vLLM's names and label, for KEDA scalers, HPAs and dashboards written
+    for vLLM (Baton's own names above stay): waiting and running requests, and the KV pool's
+    used fraction (0 to 1, as vLLM's ``kv_cache_usage_perc`` is; cached free blocks count as
+    free)."""
+    name = getattr(getattr(engine, "model_info", None), "name", "") or ""
+    Gauge("vllm:num_requests_waiting", "Requests waiting in the engine's queue (vLLM's name).",
+          ["model_name"], registry=r).labels(name).set_function(lambda: stats().waiting)
+    Gauge("vllm:num_requests_running", "Requests in the running batch (vLLM's name).",
+          ["model_name"], registry=r).labels(name).set_function(lambda: stats().running)
+    Gauge("vllm:kv_cache_usage_perc", "Fraction of the KV pool held by requests, 0 to 1 "
+          "(vLLM's name).", ["model_name"], registry=r).labels(name).set_function(
+              lambda: 1.0 - (s := stats()).free_blocks / max(s.total_blocks, 1))
 
 
 class TierCollector:
