@@ -105,10 +105,28 @@ def advertised_host(args) -> str:
     if getattr(args, "advertise_host", None):
         return args.advertise_host
     if args.host in ("0.0.0.0", "", "::"):
-        import socket
-
-        return socket.gethostbyname(socket.gethostname())
+        return _own_address()
     return args.host
+
+
+def _own_address() -> str:
+    """This machine's address as others reach it: its hostname's, else the source address of
+    its route to the outside (a container or namespace whose hostname resolves nowhere)."""
+    import socket
+
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # TEST-NET-1: picks the route, sends nothing
+            return s.getsockname()[0]
+    except OSError:
+        raise SystemExit(f"error: this machine's hostname {name!r} resolves nowhere and no "
+                         "route tells its address: set --advertise-host (or "
+                         "$BATON_ADVERTISE_HOST) to the address others reach it at") from None
 
 
 def is_loopback(host: str) -> bool:

@@ -87,3 +87,26 @@ def test_baton_up_takes_the_devices_and_dtypes_a_worker_takes():
     assert (a.dtype, a.device) == ("float16", "cuda:1")
     r = run("-m", "baton.cli.main", "up", "--device", "gpu7")
     assert r.returncode == 2 and "'gpu7': want auto, cpu, cuda or cuda:N" in r.stderr
+
+
+def test_an_unresolvable_hostname_without_a_route_names_advertise_host(monkeypatch):
+    """--host 0.0.0.0 in a namespace whose hostname resolves nowhere and that has no route
+    out: one line naming --advertise-host, not a socket.gaierror traceback."""
+    import socket
+    from types import SimpleNamespace
+
+    from baton.services.common.process import advertised_host
+
+    def unresolvable(name):
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+
+    class NoRoute(socket.socket):
+        def connect(self, address):
+            raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    monkeypatch.setattr(socket, "socket", NoRoute)
+    with pytest.raises(SystemExit, match="--advertise-host"):
+        advertised_host(SimpleNamespace(host="0.0.0.0", advertise_host=None))
+    assert advertised_host(SimpleNamespace(host="0.0.0.0", advertise_host="10.0.0.7")) \
+        == "10.0.0.7"

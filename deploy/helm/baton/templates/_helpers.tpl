@@ -88,3 +88,64 @@ app.kubernetes.io/component: {{ .component }}
 - --block-size
 - {{ .Values.model.blockSize | quote }}
 {{- end -}}
+
+{{/* a Baton pod's securityContext: non-root (or root for an RDMA profile that asks: (dict
+     "ctx" $ "root" true)) */}}
+{{- define "baton.podSecurityContext" -}}
+{{- $s := .ctx.Values.podSecurity -}}
+{{- if .root }}
+runAsNonRoot: false
+runAsUser: 0
+runAsGroup: 0
+{{- else }}
+runAsNonRoot: true
+runAsUser: {{ $s.runAsUser }}
+runAsGroup: {{ $s.runAsGroup }}
+{{- end }}
+fsGroup: {{ $s.fsGroup }}
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{/* a Baton container's securityContext: no privilege escalation, no capabilities (IPC_LOCK
+     for root RDMA workers: unlimited locked memory), read-only root filesystem */}}
+{{- define "baton.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: {{ .ctx.Values.podSecurity.readOnlyRootFilesystem }}
+capabilities:
+  drop: [ALL]
+  {{- if .root }}
+  add: [IPC_LOCK]
+  {{- end }}
+{{- end -}}
+
+{{/* what a Baton process writes, with the root filesystem read-only: /tmp, the Baton cache
+     (converted weights, native kernels) and Triton's cache under it; HOME has none otherwise */}}
+{{- define "baton.writableEnv" -}}
+- {name: HOME, value: /tmp}
+- {name: BATON_CACHE_DIR, value: /var/cache/baton}
+- {name: TRITON_CACHE_DIR, value: /var/cache/baton/triton}
+{{- end -}}
+{{- define "baton.writableMounts" -}}
+- {name: tmp, mountPath: /tmp}
+- {name: cache, mountPath: /var/cache/baton}
+{{- end -}}
+{{- define "baton.writableVolumes" -}}
+- {name: tmp, emptyDir: {}}
+- {name: cache, emptyDir: {}}
+{{- end -}}
+
+{{/* a worker pod's memory (request and limit), from the model: (dict "ctx" $ "p" $p). GiB:
+     weightsGb + kvCacheGb (CPU pools) + the host KV tier (GPU pools; default 4) +
+     memoryOverheadGb, as Mi rounded up */}}
+{{- define "baton.workerMemory" -}}
+{{- $p := .p -}}
+{{- $gb := float64 .ctx.Values.model.weightsGb -}}
+{{- if gt (int $p.gpus) 0 -}}
+{{- $host := ternary 4 $p.kvTiers.hostGb (kindIs "invalid" $p.kvTiers.hostGb) -}}
+{{- $gb = addf $gb (float64 $host) -}}
+{{- else -}}
+{{- $gb = addf $gb (float64 $p.kvCacheGb) -}}
+{{- end -}}
+{{- $gb = addf $gb (float64 $p.memoryOverheadGb) -}}
+{{- printf "%dMi" (int (ceil (mulf $gb 1024))) -}}
+{{- end -}}
