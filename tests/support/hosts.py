@@ -1,5 +1,6 @@
-"""Separate hosts on one machine for tests: network namespaces on a bridge the test creates and
-removes, each running commands chrooted into an image root filesystem (deploy/rootfs/build.sh).
+"""Separate hosts on one machine for tests: network namespaces on a bridge (in a namespace of its
+own) the test creates and removes, each running commands chrooted into an image root filesystem
+(deploy/rootfs/build.sh).
 
 Each host's processes get their own network stack (``ip netns``, a veth into the bridge), their
 own /tmp and /dev/shm (tmpfs), /proc, /sys and /dev, all mounted inside the private mount
@@ -73,24 +74,40 @@ class Host:
 
 
 class Hosts:
-    """A bridge ``btb<tag>`` with 10.<a>.<b>.1/24 on this machine's side, and hosts on it."""
+    """Hosts on one switch: a bridge inside a namespace of its own (``bt<tag>-switch``), so that
+    this machine's firewall (Docker's FORWARD drop, with bridge netfilter) never sees the hosts'
+    traffic; this machine reaches them at 10.213.<n>.1 through a veth into that bridge."""
 
     def __init__(self, root: Path, tag: str) -> None:
         self.root, self.tag = root, tag
-        n = int(tag) % 250
-        self.prefix = f"10.213.{n + 1}"
-        self.bridge = f"btb{tag}"
+        self.prefix = f"10.213.{int(tag) % 250 + 1}"
+        self.switch = f"bt{tag}-switch"
         self.hosts: dict[str, Host] = {}
-        _ip("link", "add", self.bridge, "type", "bridge")
-        _ip("addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
-        _ip("link", "set", self.bridge, "up")
+        self._drop_stale()
+        _ip("netns", "add", self.switch)
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        outer = f"bt{tag}h1"  # this machine's side
+        _ip("link", "add", outer, "type", "veth", "peer", "name", "up0", "netns", self.switch)
+        _ip("addr", "add", f"{self.prefix}.1/24", "dev", outer)
+        _ip("link", "set", outer, "up")
+        _ip("-n", self.switch, "link", "set", "up0", "master", "br0", "up")
+
+    def _drop_stale(self) -> None:
+        """Namespaces a killed run of this tag left behind (no teardown ran)."""
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for ns in [line.split()[0] for line in listed.splitlines() if line.strip()]:
+            if ns.startswith(f"bt{self.tag}-"):
+                Host(ns, ns, "").kill()
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
     def add(self, name: str) -> Host:
         i = len(self.hosts) + 2
-        ns, outer = f"bt{self.tag}-{name}", f"bt{self.tag}h{i}"
+        ns, port = f"bt{self.tag}-{name}", f"p{i}"
         _ip("netns", "add", ns)
-        _ip("link", "add", outer, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("link", "set", outer, "master", self.bridge, "up")
+        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+            "netns", ns)
+        _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
         _ip("-n", ns, "addr", "add", f"{self.prefix}.{i}/24", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
         _ip("-n", ns, "link", "set", "lo", "up")
@@ -112,4 +129,5 @@ class Hosts:
         for host in self.hosts.values():
             host.kill()
             subprocess.run(["ip", "netns", "del", host.ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+        # the switch's namespace takes the bridge and every veth with it
+        subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)
