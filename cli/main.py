@@ -315,6 +315,17 @@ def _add_measuring(sub) -> None:
              "recommend one, and plot attainment against rate.", add_tune_args, cmd_tune)
 
 
+def _add_role(sub) -> None:
+    from baton.cli import role
+
+    _command(sub, "role", "switch a worker's role (prefill, decode, both) while it serves",
+             "Switch WORKER_ID to ROLE: routers put it in that role's candidate sets and it "
+             "takes new work of that role only; its running streams, leases and cached blocks "
+             "stay. Returns once the switch took effect (or fails naming why). Needs the "
+             "cluster secret ($BATON_CLUSTER_SECRET) when the cluster has one.",
+             role.add_args, role.cmd_role)
+
+
 def _add_autoscale(sub) -> None:
     from baton.control.autoscale import add_autoscale_args, cmd_autoscale
 
@@ -332,7 +343,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="baton", description="Baton: disaggregated LLM serving.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     for add in (_add_generate, _add_handoff, _add_up, _add_request, _add_status,
-                _add_measuring, _add_autoscale):
+                _add_measuring, _add_autoscale, _add_role):
         add(sub)
     for name in ("router", "worker"):  # handed to the process's own parser (see _piece)
         w = sub.add_parser(name, add_help=False,

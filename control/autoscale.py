@@ -3,9 +3,16 @@ carries them out (local processes, Ray actors, Kubernetes Deployments).
 
 Signals, per window (router-measured, so queue wait counts)::
 
-    prefill pressure = TTFT p90 / TTFT SLO
-    decode pressure  = max(TPOT p90 / TPOT SLO, KV blocks used / KV target)
+    prefill pressure = max(TTFT' p90 / TTFT SLO, prefill queue per worker / queue target)
+    decode pressure  = max(TPOT p90 / TPOT SLO, KV blocks used / KV target,
+                           decode-slot wait p90 / TTFT SLO, decode queue per worker / queue target)
                        (and TTFT p90 / TTFT SLO when there is no prefill pool: colocated)
+
+TTFT' is the time to first token less the router's own queue and the wait for a decode slot
+(``baton_ttft_prefill_side_seconds``): a request that waited because every decode worker's
+batch was full has a long TTFT, and that wait is the decode pool's, so it counts there, never
+against the prefill pool. The queues are requests waiting per worker: the prefill workers'
+engine queues; the routers' decode queues plus the decode workers' engine queues.
 
 A pool's pressure against the policy's band, with ``now`` the policy's clock::
 
@@ -65,6 +72,7 @@ class SLO:
     ttft_s: float = 2.0
     tpot_s: float = 0.1
     kv_usage: float = 0.85  # decode pool: share of KV blocks in use that counts as full
+    queue: float = 4.0  # requests waiting per worker that count as full (either pool)
 
 
 @dataclass(frozen=True)
@@ -75,6 +83,13 @@ class Signals:
     tpot_p90_s: float | None = None
     kv_usage: float | None = None  # decode pool: used / total blocks
     requests: float = 0.0  # requests that ended in the window
+    # the phase split: TTFT less the router's queue and the decode-slot wait, and that wait
+    prefill_ttft_p90_s: float | None = None
+    decode_wait_p90_s: float | None = None
+    # requests waiting per worker, now: prefill workers' queues; routers' decode queues and
+    # decode workers' queues
+    prefill_queue: float | None = None
+    decode_queue: float | None = None
 
 
 def pressures(s: Signals, slo: SLO, has_prefill_pool: bool) -> dict[str, float]:
@@ -82,10 +97,14 @@ def pressures(s: Signals, slo: SLO, has_prefill_pool: bool) -> dict[str, float]:
         return 0.0 if x is None else x / target
 
     ttft = ratio(s.ttft_p90_s, slo.ttft_s)
-    decode = max(ratio(s.tpot_p90_s, slo.tpot_s), ratio(s.kv_usage, slo.kv_usage))
+    decode = max(ratio(s.tpot_p90_s, slo.tpot_s), ratio(s.kv_usage, slo.kv_usage),
+                 ratio(s.decode_wait_p90_s, slo.ttft_s), ratio(s.decode_queue, slo.queue))
     if not has_prefill_pool:
-        return {"decode": max(decode, ttft)}
-    return {"prefill": ttft, "decode": decode}
+        return {"decode": max(decode, ttft, ratio(s.prefill_queue, slo.queue))}
+    # a router without the phase split (an older one): its whole TTFT
+    prefill_ttft = ttft if s.prefill_ttft_p90_s is None else ratio(s.prefill_ttft_p90_s,
+                                                                   slo.ttft_s)
+    return {"prefill": max(prefill_ttft, ratio(s.prefill_queue, slo.queue)), "decode": decode}
 
 
 @dataclass
@@ -258,15 +277,24 @@ class ProcessActuator:
             t.join(max(0.0, end - time.monotonic()))
 
 
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
 class KubernetesActuator:
     """The pool Deployments' ``scale`` subresource, through the official ``kubernetes`` client
     (``pip install 'baton[kubernetes]'``). Pods stop by SIGTERM, which drains a Baton worker;
     the chart gives them ``terminationGracePeriodSeconds`` above the worker's drain timeout.
-    ``deployments`` maps pool -> Deployment name."""
+    ``deployments`` maps pool -> Deployment name.
 
-    def __init__(self, namespace: str, deployments: dict[str, str], api=None) -> None:
-        self.namespace, self.deployments = namespace, deployments
-        if api is None:
+    Scaling down, the actuator chooses the pods that go (their workers run the fewest requests,
+    per ``load(pool)``: pod IP -> requests; the newest on a tie) and gives them the lowest
+    ``controller.kubernetes.io/pod-deletion-cost``, so that the ReplicaSet removes exactly those
+    (the chart's Role lets it read the Deployments and list and patch their pods)."""
+
+    def __init__(self, namespace: str, deployments: dict[str, str], api=None, core=None,
+                 load: Callable[[str], dict[str, float]] | None = None) -> None:
+        self.namespace, self.deployments, self.load = namespace, deployments, load
+        if api is None or core is None:
             try:
                 from kubernetes import client, config
             except ImportError:
@@ -276,8 +304,8 @@ class KubernetesActuator:
                 config.load_incluster_config()
             except config.ConfigException:
                 config.load_kube_config()
-            api = client.AppsV1Api()
-        self.api = api
+            api, core = api or client.AppsV1Api(), core or client.CoreV1Api()
+        self.api, self.core = api, core
 
     def _name(self, pool: str) -> str:
         try:
@@ -295,11 +323,42 @@ class KubernetesActuator:
 
     def scale(self, pool: str, n: int) -> None:
         try:
+            fewer = self.replicas(pool) - n
+        except ActuatorError as e:
+            raise ActuatorError(f"scaling {self.namespace}/{self._name(pool)} to {n}: "
+                                f"{e}") from e
+        if fewer > 0:
+            try:
+                self.choose_removed(pool, fewer)
+            except Exception as e:  # the scale-down still drains; Kubernetes picks the pods
+                log.warning("could not mark the %s pods to remove (%s): the ReplicaSet "
+                            "chooses", pool, e)
+        try:
             self.api.patch_namespaced_deployment_scale(
                 self._name(pool), self.namespace, {"spec": {"replicas": n}})
         except Exception as e:
             raise ActuatorError(f"scaling {self.namespace}/{self._name(pool)} to {n}: "
                                 f"{e}") from e
+
+    def choose_removed(self, pool: str, k: int) -> list[str]:
+        """Mark the ``k`` pods of ``pool`` to remove (lowest deletion cost) and clear the mark
+        on the others; returns their names."""
+        name = self._name(pool)
+        dep = self.api.read_namespaced_deployment(name, self.namespace)
+        selector = ",".join(f"{a}={b}" for a, b in sorted(
+            (dep.spec.selector.match_labels or {}).items()))
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector).items
+        load = self.load(pool) if self.load is not None else {}
+        newest_first = sorted(pods, key=lambda p: p.metadata.creation_timestamp, reverse=True)
+        order = sorted(newest_first, key=lambda p: load.get(p.status.pod_ip, 0.0))
+        chosen = {p.metadata.name for p in order[:k]}
+        for p in pods:
+            want = "-1000" if p.metadata.name in chosen else None
+            if (p.metadata.annotations or {}).get(DELETION_COST) != want:
+                self.core.patch_namespaced_pod(p.metadata.name, self.namespace, {
+                    "metadata": {"annotations": {DELETION_COST: want}}})
+        log.info("%s pool: removing %s (fewest requests running)", pool, sorted(chosen))
+        return sorted(chosen)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -364,6 +423,20 @@ class MetricsSignals:
         self.registry = WorkerRegistry.from_url(redis_url)
         self._snaps: deque = deque()
 
+    def running(self, pool: str) -> dict[str, float]:
+        """Requests on each of ``pool``'s workers (running and queued), by host, from the
+        latest snapshot: what a scale-down removes the idlest by."""
+        from baton.control.cluster_state import total
+
+        if not self._snaps:
+            return {}
+        roles = {pool, "both"} if pool == "decode" else {pool}
+        return {n.address.rsplit(":", 1)[0]: (total(n.samples, "baton_worker_running_requests")
+                                               or 0.0) + (total(n.samples,
+                                                                "baton_worker_queue_depth")
+                                                          or 0.0)
+                for n in self._snaps[-1].nodes if n.kind in roles}
+
     def __call__(self) -> Signals:
         from baton.control.cluster_state import collect, summarize
 
@@ -384,11 +457,19 @@ def signals_from_summary(s: dict) -> Signals:
         return max(xs) if xs else None
 
     decode = [w for w in s["workers"] if w["role"] in ("decode", "both") and w.get("kv_total")]
+    prefill = [w for w in s["workers"] if w["role"] == "prefill"]
     used = sum(w["kv_used"] or 0 for w in decode)
     tot = sum(w["kv_total"] for w in decode)
+    waiting = sum(r.get("decode_queued") or 0 for r in s["routers"]) + sum(
+        w.get("queued") or 0 for w in decode)
     return Signals(ttft_p90_s=worst("ttft"), tpot_p90_s=worst("tpot"),
                    kv_usage=used / tot if tot else None,
-                   requests=sum(r.get("requests") or 0 for r in s["routers"]))
+                   requests=sum(r.get("requests") or 0 for r in s["routers"]),
+                   prefill_ttft_p90_s=worst("ttft_prefill_side"),
+                   decode_wait_p90_s=worst("decode_wait"),
+                   prefill_queue=(sum(w.get("queued") or 0 for w in prefill) / len(prefill)
+                                  if prefill else None),
+                   decode_queue=waiting / len(decode) if decode else None)
 
 
 # ---- command line --------------------------------------------------------------------------------
@@ -401,6 +482,10 @@ def add_policy_args(g, min_default: str = "1") -> None:
     g.add_argument("--kv-target", type=float, default=0.85,
                    help="decode pool: share of KV blocks in use that counts as full "
                         "(default 0.85)")
+    g.add_argument("--queue-target", type=float, default=4.0,
+                   help="requests waiting per worker that count as full, either pool (prefill: "
+                        "its queue; decode: the routers' decode-slot queues and its own; "
+                        "default 4)")
     for pool in POOLS:
         g.add_argument(f"--min-{pool}", type=int, default=None,
                        help=f"fewest {pool} workers (default: {min_default})")
@@ -436,7 +521,7 @@ class ScalingConfig:
 
     @classmethod
     def from_args(cls, a) -> ScalingConfig:
-        return cls(SLO(a.ttft_slo, a.tpot_slo, a.kv_target),
+        return cls(SLO(a.ttft_slo, a.tpot_slo, a.kv_target, a.queue_target),
                    {p: getattr(a, f"min_{p}") for p in POOLS
                     if getattr(a, f"min_{p}") is not None},
                    {p: getattr(a, f"max_{p}") for p in POOLS},
@@ -454,9 +539,10 @@ class ScalingConfig:
                                    down_cooldown_s=self.down_cooldown_s,
                                    down_after_s=self.down_after_s)
         s = self.slo
-        if s.ttft_s <= 0 or s.tpot_s <= 0 or not 0 < s.kv_usage <= 1:
+        if s.ttft_s <= 0 or s.tpot_s <= 0 or not 0 < s.kv_usage <= 1 or s.queue <= 0:
             raise ValueError(f"want --ttft-slo ({s.ttft_s}) > 0, --tpot-slo ({s.tpot_s}) > 0, "
-                             f"0 < --kv-target ({s.kv_usage}) <= 1")
+                             f"0 < --kv-target ({s.kv_usage}) <= 1, --queue-target "
+                             f"({s.queue}) > 0")
         return out
 
 
@@ -528,7 +614,8 @@ def autoscale(cfg: AutoscaleConfig) -> int:
     try:
         pols = sc.policies(["decode"] if cfg.colocated else ["prefill", "decode"])
         ns = cfg.namespace or os.environ.get("POD_NAMESPACE", "default")
-        act = KubernetesActuator(ns, cfg.deployments)
+        signals = MetricsSignals(url, sc.window_s)
+        act = KubernetesActuator(ns, cfg.deployments, load=signals.running)
     except (ValueError, ActuatorError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -537,8 +624,7 @@ def autoscale(cfg: AutoscaleConfig) -> int:
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     set_on_signals(stop)
-    scaler = Autoscaler(Policy(pols, sc.slo), act, MetricsSignals(url, sc.window_s),
-                        sc.interval_s)
+    scaler = Autoscaler(Policy(pols, sc.slo), act, signals, sc.interval_s)
     log.info("autoscaling %s in namespace %s on %s", ", ".join(
         f"{p} {pol.min_replicas}..{pol.max_replicas}" for p, pol in pols.items()), ns, url)
     if cfg.health_port >= 0:

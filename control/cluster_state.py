@@ -106,12 +106,18 @@ def total(s: Samples | None, name: str, **labels) -> float | None:
     return sum(vals) if vals else None
 
 
-def buckets(s: Samples | None, name: str) -> list[tuple[float, float]]:
-    """A histogram's cumulative buckets, ``[(upper bound, count), ...]`` ascending."""
+def buckets(s: Samples | None, name: str, **labels) -> list[tuple[float, float]]:
+    """A histogram's cumulative buckets, ``[(upper bound, count), ...]`` ascending (of the
+    series whose labels include ``labels``, summed)."""
     if s is None:
         return []
-    out = [(float(dict(lab)["le"]), v) for (n, lab), v in s.items() if n == name + "_bucket"]
-    return sorted(out)
+    want = set(labels.items())
+    out: dict[float, float] = {}
+    for (n, lab), v in s.items():
+        if n == name + "_bucket" and want <= set(lab):
+            le = float(dict(lab)["le"])
+            out[le] = out.get(le, 0.0) + v
+    return sorted(out.items())
 
 
 def quantile(q: float, bks: list[tuple[float, float]]) -> float | None:
@@ -214,6 +220,12 @@ def _router_figures(g: Samples | None, c: Samples | None, dt: float | None) -> d
         ttft=_pcts(c, "baton_time_to_first_token_seconds"),
         tpot=_pcts(c, "baton_time_per_output_token_seconds"),
         itl=_pcts(c, "baton_inter_token_latency_seconds"),
+        # the time to first token less the router's queue and the decode-slot wait, and that
+        # wait: the autoscaler's prefill and decode signals (control/autoscale.py)
+        ttft_prefill_side=_pcts(c, "baton_ttft_prefill_side_seconds"),
+        decode_wait=_pcts(c, "baton_ttft_phase_seconds", phase="decode_wait"),
+        queued=total(g, "baton_router_queued"),
+        decode_queued=total(g, "baton_router_decode_queued"),
         index_up=total(g, "baton_prefix_index_up"))
 
 
@@ -263,8 +275,8 @@ def _rate(count: float | None, dt: float | None) -> float | None:
     return None if count is None or not dt else count / dt
 
 
-def _pcts(s: Samples | None, name: str) -> dict | None:
-    bks = buckets(s, name)
+def _pcts(s: Samples | None, name: str, **labels) -> dict | None:
+    bks = buckets(s, name, **labels)
     if not bks or bks[-1][1] <= 0:
         return None
     return {"count": bks[-1][1], **{f"p{int(q * 100)}": quantile(q, bks)

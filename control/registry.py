@@ -44,6 +44,7 @@ class WorkerRecord:
     max_num_seqs: int = 0  # its running batch's size (--max-num-seqs); 0: not told (older)
     # its tensor-parallel group: "2 ranks on cpu (pids 10 11)"; "" from older workers
     ranks: str = ""
+    role_epoch: int = 0  # role switches this worker process has made (`baton role`)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -137,6 +138,13 @@ class Registration:
     def _beat(self) -> None:
         while not self._stop.wait(self.registry.ttl_s / 3):
             self._put()
+
+    def update(self, record: WorkerRecord | RouterRecord) -> bool:
+        """Renew with ``record`` from now on, written at once; False while Redis is away (it
+        is written when Redis answers again)."""
+        self.record = record
+        self._put()
+        return self.down_since is None
 
     def _put(self, first: bool = False) -> None:
         try:

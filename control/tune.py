@@ -30,7 +30,7 @@ class TraceSlice:
     """Which requests of a trace, as `baton bench` reads them."""
 
     trace: str
-    format: str  # auto | azure | mooncake
+    format: str  # auto | azure | mooncake | baton (a router's live workload)
     requests: int
     trace_start: int
     scale: float
@@ -81,12 +81,15 @@ def load_trace(a: TraceSlice) -> list:
 
     fmt = a.format
     if fmt == "auto":
-        fmt = "mooncake" if str(a.trace).endswith((".jsonl", ".json")) else "azure"
+        fmt = _sniff(a.trace)
     toks = lg.Tokens(100, 10000, "tune")
     try:
         if fmt == "azure":
             reqs = lg.azure(a.trace, a.requests, toks, a.scale, a.max_input, a.max_output,
                             a.trace_start)
+        elif fmt == "baton":
+            reqs = lg.baton_trace(a.trace, a.requests, toks, a.max_input, a.max_output,
+                                  a.trace_start)
         else:
             reqs = lg.mooncake(a.trace, a.requests, toks, max_input=a.max_input,
                                max_output=a.max_output)
@@ -245,12 +248,28 @@ def _write(cfg: TuneConfig, profile: Profile, ev: Evaluator, rows: list[dict],
         print(f"wrote {png}")
 
 
+def _sniff(path: str) -> str:
+    """A trace's format: .csv is Azure; JSON lines with ``prompt_tokens`` are a Baton router's
+    live workload (/v1/baton/workload), other JSON lines Mooncake."""
+    if not str(path).endswith((".jsonl", ".json", ".ndjson")):
+        return "azure"
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except OSError:
+        return "mooncake"  # the reader reports the error
+    return "baton" if '"prompt_tokens"' in first else "mooncake"
+
+
 def add_tune_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--trace", required=True,
-                    help="Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or "
-                         "Mooncake JSONL (timestamp, input_length, output_length, hash_ids)")
-    ap.add_argument("--format", default="auto", choices=["auto", "azure", "mooncake"],
-                    help="trace format (default: from the extension, .jsonl is Mooncake)")
+                    help="Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens), "
+                         "Mooncake JSONL (timestamp, input_length, output_length, hash_ids), "
+                         "or a router's live workload (curl ROUTER_HTTP/v1/baton/workload)")
+    ap.add_argument("--format", default="auto",
+                    choices=["auto", "azure", "mooncake", "baton"],
+                    help="trace format (default: from the file: .csv Azure; JSON lines with "
+                         "prompt_tokens a router's workload, else Mooncake)")
     ap.add_argument("--ttft-slo", type=float, required=True, help="seconds to the first token")
     ap.add_argument("--tpot-slo", type=float, required=True, help="seconds per output token")
     ap.add_argument("--workers", type=int, default=2,

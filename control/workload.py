@@ -117,6 +117,36 @@ def mooncake(path: str | Path, n: int, tokens: Tokens, block_tokens: int = 16,
     return out
 
 
+def baton_trace(path: str | Path, n: int, tokens: Tokens, max_input: int = 2048,
+                max_output: int = 512, start: int = 0) -> list[Req]:
+    """The live workload a router exported (``/v1/baton/workload``, JSON lines: arrival,
+    prompt and output token counts, the prompt's block numbers), in arrival order from record
+    ``start``: each block number becomes its ``block_tokens`` fixed tokens (same number, same
+    tokens: prompts that shared a prefix share it again), the rest of the prompt pseudo-random;
+    arrival offsets from the first request."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    rows.sort(key=lambda r: r["at"])
+    rng = random.Random(f"baton/{tokens.salt}")
+    blocks: dict[int, list[int]] = {}
+    out: list[Req] = []
+    for r in rows[start:start + n]:
+        bt = int(r.get("block_tokens") or 16)
+        ids: list[int] = []
+        for b in r.get("blocks") or ():
+            if b not in blocks:
+                blocks[b] = tokens.random(random.Random(f"{b}/{tokens.salt}"), bt)
+            ids += blocks[b]
+        nin = max(1, min(max_input, int(r["prompt_tokens"])))
+        ids = (ids + tokens.random(rng, max(0, nin - len(ids))))[:nin]
+        nout = max(1, min(max_output, int(r["output_tokens"])))
+        out.append(Req(ids, nout, r["at"] - rows[start]["at"]))
+    return out
+
+
 def poisson(reqs: Sequence[Req], rate: float, seed: int = 0) -> list[Req]:
     """The same requests arriving as a Poisson process of ``rate`` per second."""
     rng, t, out = random.Random(seed), 0.0, []

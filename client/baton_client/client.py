@@ -82,6 +82,10 @@ class Timing:
     first_decode_step_s: float
     decode_s: float
     total_s: float
+    # before the first token, at the router: waiting for a slot (--max-concurrent), and for a
+    # decode worker with room in its batch (a decode-pool shortage; not in route_s)
+    admission_wait_s: float = 0.0
+    decode_wait_s: float = 0.0
 
 
 @dataclass
@@ -208,7 +212,8 @@ def _result(final, text: str, ids: list[int], lps: list[TokenLogprob]) -> Result
                     u.cached_tokens_host, u.cached_tokens_disk), path=final.path,
         route_reason=final.route_reason,
         timing=Timing(t.route_s, t.queue_s, t.prefill_s, t.transfer_s, t.first_token_s,
-                      t.first_decode_step_s, t.decode_s, t.total_s),
+                      t.first_decode_step_s, t.decode_s, t.total_s, t.admission_wait_s,
+                      t.decode_wait_s),
         prompt_token_ids=list(final.prompt_token_ids), prefill_worker=final.prefill_worker,
         decode_worker=final.decode_worker, retries=final.retries, logprobs=lps,
         tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in final.tool_calls],

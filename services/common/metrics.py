@@ -164,6 +164,24 @@ class TierCollector:
             yield c
 
 
+# the phases of a request's time to first token, as the router measures them (Timing fields)
+TTFT_PHASES = {
+    "admission": "waiting for a router slot, --max-concurrent",
+    "decode_wait": "waiting for a decode worker with room in its batch",
+    "route": "the routing decision",
+    "prefill_queue": "the prefill worker's queue",
+    "prefill": "the prefill worker's compute",
+    "transfer": "the KV hand-off",
+}
+
+
+def ttft_phases(t) -> dict[str, float]:
+    """A final message's Timing split into :data:`TTFT_PHASES`."""
+    return {"admission": t.admission_wait_s, "decode_wait": t.decode_wait_s,
+            "route": t.route_s, "prefill_queue": t.queue_s,
+            "prefill": max(t.prefill_s - t.queue_s, 0.0), "transfer": t.transfer_s}
+
+
 class RouterMetrics:
     """The router's request latencies, as clients see them (both APIs), and its routing
     decisions; ``index`` (a PrefixIndex, or None) adds the index's availability, ``admission``
@@ -206,6 +224,15 @@ class RouterMetrics:
         self.migrations = Counter("baton_router_migrations", "Requests moved to another decode "
                                   "worker after tokens were streamed (theirs failed).",
                                   registry=r)
+        self.phase = Histogram("baton_ttft_phase_seconds", "Where each request's time to "
+                               "first token went: " + ", ".join(
+                                   f"{k} ({v})" for k, v in TTFT_PHASES.items()) + ".",
+                               ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft_prefill_side = Histogram(
+            "baton_ttft_prefill_side_seconds", "Time to first token less the router's queue "
+            "and the decode-slot wait: what routing, the prefill worker (queue and compute), "
+            "the hand-off and the first step took. The autoscaler's prefill signal.",
+            buckets=LATENCY_BUCKETS, registry=r)
 
     def _queues(self, admission, decode_queue) -> None:
         r = self.registry
@@ -231,6 +258,10 @@ class RouterMetrics:
     def finished(self, final) -> None:
         t, u = final.timing, final.usage
         self.ttft.observe(t.first_token_s)
+        for phase, secs in ttft_phases(t).items():
+            self.phase.labels(phase).observe(secs)
+        self.ttft_prefill_side.observe(
+            max(t.first_token_s - t.admission_wait_s - t.decode_wait_s, 0.0))
         self.e2e.observe(t.total_s)
         if u.completion_tokens > 1:
             self.tpot.observe(t.decode_s / (u.completion_tokens - 1))

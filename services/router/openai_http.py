@@ -491,7 +491,7 @@ class OpenAIFront:
 
     def app(self) -> Starlette:
         routes = [Route("/v1/models", self.models), Route("/health", self.health),
-                  Route("/metrics", self.scrape),
+                  Route("/metrics", self.scrape), Route("/v1/baton/workload", self.workload),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat, methods=["POST"])]
         app = Starlette(routes=routes, exception_handlers={404: _not_found, 405: _not_found})
@@ -509,6 +509,18 @@ class OpenAIFront:
         that answer, not registry entries (``baton.services.router.liveness``)."""
         ok, body = self.orch.health()
         return _json(body, status_code=200 if ok else 503)
+
+    async def workload(self, request: Request) -> Response:
+        """The live workload (services/router/workload_log.py), one JSON record per line,
+        oldest first: a trace `baton tune --format baton` reads. 404 with --workload-window 0.
+        Needs the API key like every /v1 route."""
+        log_ = self.orch.workload
+        if log_ is None:
+            return _json({"error": {"message": "this router keeps no workload "
+                                               "(--workload-window 0)", "type": "not_found"}},
+                         status_code=404)
+        body = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in log_.export())
+        return Response(body, media_type="application/x-ndjson")
 
     async def scrape(self, request: Request) -> Response:
         self.metrics.workers.clear()

@@ -53,6 +53,7 @@ from baton.services.router.limits import (
 from baton.services.router.progress import Attempt, Sent, call_span, final_attrs, request_attrs
 from baton.services.router.routing import Decision, NoWorkerError, RoutingPolicy
 from baton.services.router.workers import Stream, WorkerError, WorkerPool
+from baton.services.router.workload_log import WorkloadLog
 from baton.v1 import worker_pb2
 from baton_client.v1 import api_pb2
 
@@ -265,6 +266,7 @@ class RouterSettings:
     stall_timeout_s: float = 30.0
     request_timeout_s: float = 600.0  # the deadline of a request whose client set none
     limits: Limits = field(default_factory=Limits)
+    workload_window_s: float = 900.0  # the live workload kept (workload_log.py); 0: none
 
     @property
     def prompt_limit(self) -> int:
@@ -283,6 +285,8 @@ class Orchestrator:
         self.decode_queue = DecodeQueue(settings.limits.max_queued)
         self.stall = StallWatch(settings.stall_timeout_s)
         self.metrics = RouterMetrics(self.policy.index, self.admission, self.decode_queue)
+        self.workload = (WorkloadLog(settings.workload_window_s)
+                         if settings.workload_window_s > 0 else None)
 
     @property
     def model(self) -> str:
@@ -335,6 +339,9 @@ class Orchestrator:
                 if msg.HasField("final"):
                     status = "OK"
                     self.metrics.finished(msg.final)
+                    if self.workload is not None:
+                        self.workload.record(msg.final, time.time() - (time.monotonic() - t0),
+                                             call.hashes.of(call.ids), call.hashes.block_size)
                     span.set(final_attrs(msg.final))
                 yield msg
         except RequestError as e:
@@ -400,8 +407,10 @@ class Orchestrator:
 
     def _admitted(self, call: _Call, caller: Caller):
         """Run the request under the admission limits (see baton.services.router.limits)."""
+        t = time.monotonic()
         try:
             with self.admission.slot(caller.key, call.left, call.waiting):
+                call.sent.admission_wait_s = time.monotonic() - t
                 call.span.event("baton.admitted")
                 yield from self._attempts(call)
         except LimitExceededError as e:
@@ -436,8 +445,10 @@ class Orchestrator:
         """The workers for this attempt; waits in the decode queue while every decode worker's
         batch is full (see baton.services.router.limits)."""
         t = time.monotonic()
+        picked = [t]  # when the last pick started: the time before it was the decode queue's
 
         def decide() -> Decision:
+            picked[0] = time.monotonic()
             try:
                 return self.policy.decide(st.ids, call.hashes.of(st.ids), call.failed)
             except NoWorkerError:  # the registry read may predate a worker's start
@@ -453,7 +464,7 @@ class Orchestrator:
             raise RequestError(Status.RESOURCE_EXHAUSTED, f"{type(e).__name__}: {e}") from None
         except WaitEndedError as e:
             raise call.ended_wait(e) from None
-        st.route(decision, t, time.monotonic())
+        st.route(decision, t, time.monotonic(), waited=picked[0] - t)
         self.metrics.routed(decision)
         return decision
 
@@ -689,13 +700,14 @@ class _PromptHashes:
         self._salt = p.cache_salt if p.HasField("cache_salt") else None
         self._hashes: bytes | None = None
         self._len = -1
+        self.block_size = 16
 
     def of(self, ids: list[int]) -> bytes | None:
         policy = self._orch.policy
         if policy.mode == "round-robin" or self._len == len(ids):
             return self._hashes
         workers = self._orch.pool.workers()
-        bs = workers[0].block_size if workers else 16
+        bs = self.block_size = workers[0].block_size if workers else 16
         self._hashes = policy.prompt_hashes(ids, self._orch.settings.fingerprint, self._salt, bs)
         self._len = len(ids)
         return self._hashes

@@ -34,6 +34,8 @@ class Sent:
         self.last_at: float | None = None
         self.migrations = 0
         self.migrated_from: list[str] = []  # the failed decode workers, in order
+        # before the first token: waiting for a router slot, and for a decode slot
+        self.admission_wait_s = self.decode_wait_s = 0.0
         # how the final message splits the answer: tool calls in this format, a thinking block
         self.tool_format: str | None = None
         self.think = False
@@ -97,8 +99,12 @@ class Attempt:
         if full.startswith(sent.text):
             sent.unsent_text = full[len(sent.text):].rstrip("\ufffd")
 
-    def route(self, decision: Decision, start: float, end: float) -> None:
-        self.decision, self.route_s = decision, end - start
+    def route(self, decision: Decision, start: float, end: float, waited: float = 0.0) -> None:
+        """The routing decision, made between ``start`` and ``end``, ``waited`` of it in the
+        decode queue (counted in the request's decode wait while no token was sent)."""
+        self.decision, self.route_s = decision, end - start - waited
+        if not self.sent.any:
+            self.sent.decode_wait_s += waited
         if self.span.recording:
             d = decision
             self.span.child("baton.route", attrs={
@@ -168,7 +174,9 @@ class Attempt:
                                   total_s=now - self.t0, route_s=self.route_s,
                                   queue_s=self.queue_s,
                                   first_decode_step_s=(sent.second_at - first
-                                                       if sent.second_at else 0.0))))
+                                                       if sent.second_at else 0.0),
+                                  admission_wait_s=sent.admission_wait_s,
+                                  decode_wait_s=sent.decode_wait_s)))
 
 
 def request_attrs(request, model: str, rid: str) -> tuple[str, dict]:

@@ -130,6 +130,11 @@ def _request_flags(g) -> None:
                         "before the router takes the request elsewhere (migrates it): a hung "
                         "worker costs this, not the whole deadline (0: wait for the deadline) "
                         "(default 30)")
+    g.add_argument("--workload-window", type=float, default=900.0,
+                   help="seconds of finished requests the router keeps as the live workload "
+                        "(lengths, counts and phase times; no prompt text or token ids), served "
+                        "at /v1/baton/workload as a trace `baton tune --format baton` reads "
+                        "(0: keep none) (default 900)")
 
 
 def _limit_flags(g) -> None:
@@ -192,6 +197,7 @@ class RouterConfig:
     max_retries: int
     max_migrations: int
     stall_timeout: float
+    workload_window: float
     limits: Limits
     max_prompt_tokens: int
     max_tokens: int
@@ -281,7 +287,7 @@ def build_orchestrator(cfg: RouterConfig, client, pool: WorkerPool,
         max_retries=cfg.max_retries, max_migrations=cfg.max_migrations,
         max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens,
         stall_timeout_s=cfg.stall_timeout, request_timeout_s=cfg.request_timeout,
-        limits=cfg.limits)
+        limits=cfg.limits, workload_window_s=cfg.workload_window)
     tokenizer = BatonTokenizer.from_json(json.loads(tok.tokenizer_json))
     return Orchestrator(pool, tokenizer, settings, policy)
 

@@ -57,6 +57,7 @@ class WorkerBoot:
     server: grpc.Server
     agent: object  # baton.transfer.agent.KVAgent
     metrics: object  # baton.services.common.metrics.WorkerMetrics
+    registration: object = None  # its Registration, once serving with --redis-url
 
     def serve(self, cfg: ServerSettings, services: list[str], on_stop,
               busy: Callable[[], bool] | None = None,
@@ -74,7 +75,7 @@ class WorkerBoot:
             print(f"BATON_METRICS {metrics_address}", flush=True)
         log.info("%s worker %s (incarnation %s) serving on %s, model fingerprint %s", self.role,
                  self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
-        registration = register(cfg, self.role, self.worker_id, self.address,
+        registration = self.registration = register(cfg, self.role, self.worker_id, self.address,
                                 self.engine.fingerprint, self.incarnation,
                                 self.engine.model_info.name, self.engine.cfg.block_size,
                                 metrics_address, self.engine.cfg.max_num_seqs,

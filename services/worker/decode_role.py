@@ -44,8 +44,9 @@ log = logging.getLogger("baton.services.decode")
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, loop: EngineLoop, reader: KVReader, worker_id: str, incarnation: str,
                  transfer_timeout_s: float, holder: KVHolder | None = None,
-                 metrics=None) -> None:
-        self.holder = holder  # role both: this worker also holds leased blocks
+                 metrics=None, gate=None) -> None:
+        self.holder = holder  # this worker also holds leased blocks (it prefills too)
+        self.gate = gate  # services.worker.role.RoleGate: None takes every decode
         self.metrics = metrics
         self.loop, self.reader, self.worker_id = loop, reader, worker_id
         self.incarnation, self.transfer_timeout_s = incarnation, transfer_timeout_s
@@ -55,6 +56,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         loop.add_tick(self.settle_quarantine)
 
     def Decode(self, request, context):
+        if self.gate is not None:
+            self.gate.refuse("decode", context)
         rid = request.request_id or uuid.uuid4().hex
         span = tracing.worker_span(context, "DecodeWorker/Decode", rid, self.worker_id, request)
         yield from tracing.traced_stream(span, context, engine_guard(
@@ -100,6 +103,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Generate(self, request, context):
         """The local path: prefill here too, then decode (colocated mode, short prompts)."""
+        if self.gate is not None:
+            self.gate.refuse("decode", context)
         t0 = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
         span = tracing.worker_span(context, "DecodeWorker/Generate", rid, self.worker_id,

@@ -34,13 +34,16 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     as "try another worker or prefill locally") instead of piling up more leased blocks."""
 
     def __init__(self, loop: EngineLoop, holder: KVHolder, worker_id: str,
-                 max_leased_blocks: int = 0) -> None:
+                 max_leased_blocks: int = 0, gate=None) -> None:
         self.loop, self.holder, self.worker_id = loop, holder, worker_id
+        self.gate = gate  # services.worker.role.RoleGate: None takes every prefill
         self.engine = loop.engine
         self.max_leased_blocks = max_leased_blocks
         self.refused = 0
 
     def Prefill(self, request, context):
+        if self.gate is not None:
+            self.gate.refuse("prefill", context)
         t0 = time.monotonic()
         rid = request.request_id or uuid.uuid4().hex
         span = tracing.worker_span(context, "PrefillWorker/Prefill", rid, self.worker_id,
@@ -135,7 +138,7 @@ def engine_spans(span, t0: float, out) -> None:
 
 
 def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot,
-                     settings: HolderSettings) -> KVHolder:
+                     settings: HolderSettings, gate=None) -> KVHolder:
     """Serve PrefillWorker and KVSource for ``loop``'s engine on ``server``: leases on its pool,
     the lease channel, and the expired-lease sweep on the engine thread. Used by prefill workers
     and by decode workers started with ``--role both``."""
@@ -150,6 +153,6 @@ def add_prefill_role(server, loop: EngineLoop, boot: WorkerBoot,
     share = settings.max_leased_share
     worker_pb2_grpc.add_PrefillWorkerServicer_to_server(
         PrefillService(loop, holder, boot.worker_id,
-                       max(1, int(share * engine.num_blocks)) if share else 0), server)
+                       max(1, int(share * engine.num_blocks)) if share else 0, gate), server)
     worker_pb2_grpc.add_KVSourceServicer_to_server(holder, server)
     return holder

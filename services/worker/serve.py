@@ -1,10 +1,12 @@
 """Starting a worker: its command line, and the serve loop of each role.
 
-``python -m baton.services.prefill --help``: a prefill worker serves ``PrefillWorker`` (Prefill,
-Info) and ``KVSource`` (Handshake, ReleaseLease) on one gRPC port; decode workers READ the leased
-blocks over NIXL. ``python -m baton.services.decode --help``: a decode worker serves
-``DecodeWorker`` (Decode, Generate, Info); with ``--role both`` the prefill role too. Each prints
-``BATON_READY <address> <worker id> <incarnation>`` once it serves.
+``python -m baton.services.prefill --help``: a prefill worker takes prompts (``PrefillWorker``)
+and holds their KV for readers (``KVSource``: Handshake, ReleaseLease); decode workers READ the
+leased blocks over NIXL. ``python -m baton.services.decode --help``: a decode worker streams
+tokens (``DecodeWorker``: Decode, Generate); with ``--role both`` it prefills too. Every worker
+serves all of these APIs and ``WorkerAdmin`` on one gRPC port, and takes new work of its current
+role only, which ``baton role`` switches while it serves. Each prints ``BATON_READY <address>
+<worker id> <incarnation>`` once it serves.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from baton.services.worker.boot import boot_worker
 from baton.services.worker.decode_role import DecodeService
 from baton.services.worker.engine_loop import EngineLoop
 from baton.services.worker.prefill_role import add_prefill_role
+from baton.services.worker.role import AdminService, RoleGate
 from baton.transfer.errors import TransferError
 from baton.transfer.reader import KVReader
 from baton.v1 import worker_pb2_grpc
@@ -66,20 +69,7 @@ def _parse(ap, argv, config) -> tuple[WorkerConfig, Faults]:
 
 def serve_prefill(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
     """A prefill worker: boot, hold prompts' KV under leases, serve until drained."""
-    boot = boot_worker(cfg)
-    loop = EngineLoop(boot.engine, faults)
-    loop.on_outputs = boot.metrics.observe_outputs
-    holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
-    loop.start()
-
-    def stop() -> None:
-        holder.shutdown()
-        loop.stop()
-        boot.agent.close()
-
-    # a drain waits for the leased blocks' readers (their release calls need this server)
-    boot.serve(cfg.server, ["baton.v1.PrefillWorker", "baton.v1.KVSource"], stop,
-               busy=lambda: len(holder.leases) > 0, died=loop.died)
+    serve_worker(cfg, faults)
 
 
 def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
@@ -96,29 +86,35 @@ def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
 
 def serve_decode(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
     """Boot, connect the peers, serve (and prefill too with ``--role both``) until drained."""
+    serve_worker(cfg, faults)
+
+
+def serve_worker(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
+    """Any role: the worker serves both worker APIs (PrefillWorker and KVSource, DecodeWorker)
+    and WorkerAdmin, and takes new work of its current role only (services/worker/role.py), so
+    `baton role` can switch it while it serves. A drain waits for the leased blocks' readers
+    (their release calls need this server)."""
     boot = boot_worker(cfg)
+    gate = RoleGate(cfg.role)
     reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,
                       faults.delay_release)
     connect_peers(reader, cfg)
     loop = EngineLoop(boot.engine, faults)
     loop.on_outputs = boot.metrics.observe_outputs
-    services = ["baton.v1.DecodeWorker"]
-    holder = None
-    if cfg.holder is not None:
-        holder = add_prefill_role(boot.server, loop, boot, cfg.holder)
-        services += ["baton.v1.PrefillWorker", "baton.v1.KVSource"]
+    holder = add_prefill_role(boot.server, loop, boot, cfg.holder or HolderSettings(), gate)
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
         DecodeService(loop, reader, boot.worker_id, boot.incarnation, cfg.transfer_timeout,
-                      holder, boot.metrics), boot.server)
+                      holder, boot.metrics, gate), boot.server)
+    worker_pb2_grpc.add_WorkerAdminServicer_to_server(
+        AdminService(gate, boot.worker_id, lambda: boot.registration), boot.server)
     loop.start()
 
     def stop() -> None:
-        if holder is not None:
-            holder.shutdown()
+        holder.shutdown()
         loop.stop()
         reader.close()
         boot.agent.close()
 
-    boot.serve(cfg.server, services, stop,
-               busy=None if holder is None else lambda: len(holder.leases) > 0,
-               died=loop.died)
+    boot.serve(cfg.server, ["baton.v1.PrefillWorker", "baton.v1.KVSource",
+                            "baton.v1.DecodeWorker", "baton.v1.WorkerAdmin"], stop,
+               busy=lambda: len(holder.leases) > 0, died=loop.died)

@@ -236,16 +236,40 @@ def test_external_redis_from_a_secret_with_tracing_and_monitoring(helm):
         assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in c["ports"]
 
 
-def test_autoscaling_renders_one_hpa_per_pool(helm):
+def test_pools_autoscale_on_batons_own_metrics_not_cpu(helm):
+    """The router on CPU (an HPA); each pool a KEDA ScaledObject whose triggers are the SLO
+    autoscaler's signals, read from Prometheus: nothing scales a pool on CPU."""
     docs = render(helm, VALUES["autoscaling"])
     hpas = by_kind(docs, "HorizontalPodAutoscaler")
-    assert set(hpas) == {"rel-baton-router", "rel-baton-prefill", "rel-baton-decode"}
-    d = hpas["rel-baton-decode"]["spec"]
-    assert (d["minReplicas"], d["maxReplicas"]) == (2, 16)
-    assert d["metrics"][0]["resource"]["target"]["averageUtilization"] == 60
-    assert d["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 60  # no flapping
-    # no RBAC: HPAs are Kubernetes' own controller; the chart grants nothing
+    assert set(hpas) == {"rel-baton-router"}
+    assert hpas["rel-baton-router"]["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    scaled = by_kind(docs, "ScaledObject")
+    assert set(scaled) == {"rel-baton-prefill", "rel-baton-decode"}
+    d = scaled["rel-baton-decode"]["spec"]
+    assert d["scaleTargetRef"] == {"name": "rel-baton-decode"}
+    assert (d["minReplicaCount"], d["maxReplicaCount"]) == (2, 16)
+    behavior = d["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] >= 60  # no flapping
+    queries = {t["metadata"]["query"]: (t["metricType"], t["metadata"]["threshold"])
+               for t in d["triggers"]}
+    assert all(t["type"] == "prometheus" and t["metadata"]["serverAddress"]
+               == "http://prometheus.monitoring:9090" for t in d["triggers"])
+    by_metric = {m: v for q, v in queries.items() for m in (
+        "vllm:num_requests_waiting", "baton_router_decode_queued", "vllm:kv_cache_usage_perc",
+        'phase="decode_wait"', "baton_time_per_output_token_seconds") if m in q}
+    assert by_metric['phase="decode_wait"'] == ("Value", "2")
+    assert by_metric["vllm:kv_cache_usage_perc"] == ("Value", "0.7")
+    assert by_metric["vllm:num_requests_waiting"] == ("AverageValue", "4")
+    assert by_metric["baton_router_decode_queued"] == ("AverageValue", "4")  # one trigger
+    assert not any("cpu" in q for q in queries)
+    p = {t["metadata"]["query"]: t for t in scaled["rel-baton-prefill"]["spec"]["triggers"]}
+    assert any("baton_ttft_prefill_side_seconds" in q for q in p)  # not the whole TTFT
+    assert any("baton_worker_queue_depth" in q and 'pod=~"rel-baton-prefill-.*"' in q for q in p)
+    # no RBAC: KEDA and HPAs are the cluster's own controllers; the chart grants nothing
     assert not [x for x in docs if x["kind"] in ("Role", "ClusterRole", "RoleBinding")]
+    out = subprocess.run([helm, "template", "rel", str(CHART), *IMAGE, "--set",
+                          "decode.autoscaling.enabled=true"], capture_output=True, text=True)
+    assert out.returncode != 0 and "decode.autoscaling.prometheus" in out.stderr
 
 
 @pytest.mark.parametrize("setting,message", [
@@ -294,12 +318,17 @@ def test_slo_autoscaler_scales_the_pools_with_least_privilege(helm):
     env = {e["name"]: e for e in c["env"]}
     assert env["BATON_REDIS_URL"]["value"].startswith("redis://:$(REDIS_PASSWORD)@rel-baton-redis:")
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
-    # RBAC: only get/patch/update the two Deployments' scale, in the release's namespace
+    # RBAC, in the release's namespace: get/patch/update the two Deployments' scale, get the
+    # two Deployments (their selectors), list and annotate pods (the pod-deletion cost that
+    # makes a scale-down remove the pod the autoscaler chose); nothing else
     (role,) = by_kind(docs, "Role").values()
-    (rule,) = role["rules"]
-    assert rule["resources"] == ["deployments/scale"]
-    assert set(rule["resourceNames"]) == {"rel-baton-prefill", "rel-baton-decode"}
-    assert set(rule["verbs"]) <= {"get", "patch", "update"}
+    scale, deployments, pods = role["rules"]
+    assert scale["resources"] == ["deployments/scale"]
+    assert set(scale["resourceNames"]) == {"rel-baton-prefill", "rel-baton-decode"}
+    assert set(scale["verbs"]) <= {"get", "patch", "update"}
+    assert deployments["resources"] == ["deployments"] and deployments["verbs"] == ["get"]
+    assert set(deployments["resourceNames"]) == {"rel-baton-prefill", "rel-baton-decode"}
+    assert pods == {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]}
     (binding,) = by_kind(docs, "RoleBinding").values()
     sa = deps["rel-baton-autoscaler"]["spec"]["template"]["spec"]["serviceAccountName"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa,
@@ -309,7 +338,8 @@ def test_slo_autoscaler_scales_the_pools_with_least_privilege(helm):
 
 def test_slo_autoscaler_refuses_the_cpu_hpas_and_bad_bounds(helm):
     base = [helm, "template", "rel", str(CHART), *IMAGE, "--set", "sloAutoscaler.enabled=true"]
-    out = subprocess.run([*base, "--set", "decode.autoscaling.enabled=true"],
+    out = subprocess.run([*base, "--set", "decode.autoscaling.enabled=true", "--set",
+                          "decode.autoscaling.prometheus=http://p:9090"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "turn prefill.autoscaling and decode.autoscaling" in out.stderr
     out = subprocess.run([*base, "--set", "sloAutoscaler.decode.minReplicas=5"],

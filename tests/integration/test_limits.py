@@ -144,6 +144,7 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
                 time.sleep(0.02)
 
         got: dict[str, list] = {}
+        finals: dict[str, object] = {}
 
         def stream(name, call):
             got[name] = []
@@ -153,6 +154,7 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
                         got[name] += m.delta.token_ids
                     if m.HasField("final"):
                         got[name].append(m.final.finish_reason)
+                        finals[name] = m.final
             except grpc.RpcError as e:
                 got[name].append(e.code().name)
 
@@ -193,6 +195,23 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
         tc.join(120)
         assert got["c"] == [*want.token_ids, "length"]
         assert queued() == 0
+        # its wait is the decode pool's, in its own field (the autoscaler's decode signal), not
+        # in the routing time nor the time the prefill side took
+        t = finals["c"].timing
+        assert 0 < t.decode_wait_s < t.first_token_s and t.route_s < t.decode_wait_s
+        text = urllib.request.urlopen(f"http://{c.router.http_address}/metrics",
+                                      timeout=30).read().decode()
+        assert 'baton_ttft_phase_seconds_count{phase="decode_wait"}' in text
+        # and the live workload has it, with its phases, as lengths and times only
+        import json
+
+        rows = [json.loads(line) for line in urllib.request.urlopen(
+            f"http://{c.router.http_address}/v1/baton/workload", timeout=30).read().decode()
+            .splitlines()]
+        mine = [r for r in rows if r["prompt_tokens"] == 30 and r["output_tokens"] == 4
+                and r["phases"]["decode_wait"] > 0]
+        assert mine and mine[0]["phases"]["decode_wait"] == round(t.decode_wait_s, 5)
+        assert mine[0]["blocks"] and "token_ids" not in mine[0]
         b.cancel()
         for th in (ta, tb):
             th.join(60)

@@ -134,7 +134,48 @@ def test_signals_from_status_summary():
                      {"role": "both", "kv_used": 10, "kv_total": 100},
                      {"role": "prefill", "kv_used": 99, "kv_total": 100}]}
     sig = signals_from_summary(s)
-    assert sig == Signals(ttft_p90_s=2.5, tpot_p90_s=0.05, kv_usage=0.2, requests=10)
+    assert sig == Signals(ttft_p90_s=2.5, tpot_p90_s=0.05, kv_usage=0.2, requests=10,
+                          prefill_queue=0.0, decode_queue=0.0)
+    # the phase split and the queues: the worst router's, and waiting requests per worker
+    s["routers"][0].update(ttft_prefill_side={"p90": 0.4}, decode_wait={"p90": 1.1},
+                           decode_queued=3)
+    s["workers"][0]["queued"], s["workers"][2]["queued"] = 1, 6
+    sig = signals_from_summary(s)
+    assert (sig.prefill_ttft_p90_s, sig.decode_wait_p90_s) == (0.4, 1.1)
+    assert (sig.prefill_queue, sig.decode_queue) == (6.0, 2.0)  # (3 + 1) over 2 decode workers
+
+
+def test_a_decode_slot_shortage_grows_decode_not_prefill():
+    """Every decode worker's batch is full: requests wait at the router for a decode slot, so
+    their TTFT is long, but the prefill side of it (TTFT less that wait) is short. The wait is
+    the decode pool's: decode grows, prefill does not (it did when TTFT alone drove prefill)."""
+    policy, clock = make_policy()
+    short_of_decode = Signals(ttft_p90_s=6.0, prefill_ttft_p90_s=0.5, decode_wait_p90_s=5.4,
+                              tpot_p90_s=0.05, kv_usage=0.4, requests=20, prefill_queue=0.0,
+                              decode_queue=3.0)
+    p = pressures(short_of_decode, SLO(ttft_s=2.0, tpot_s=0.1), has_prefill_pool=True)
+    assert p["prefill"] == pytest.approx(0.25) and p["decode"] == pytest.approx(2.7)
+    cur = {"prefill": 2, "decode": 2}
+    changes = run(policy, clock, short_of_decode, cur, 5)
+    assert [(pool, a, b) for _, pool, a, b in changes] == [("decode", 2, 6)]
+    assert cur["prefill"] == 2
+    # the same TTFT without the split (a router that does not report it) was read as prefill's
+    whole = Signals(ttft_p90_s=6.0, tpot_p90_s=0.05, kv_usage=0.4, requests=20)
+    assert pressures(whole, SLO(ttft_s=2.0, tpot_s=0.1), True)["prefill"] == pytest.approx(3.0)
+
+
+def test_queue_depth_grows_the_pool_whose_queue_it_is():
+    slo = SLO(ttft_s=2.0, tpot_s=0.1, queue=4.0)
+    prefill_backlog = Signals(ttft_p90_s=1.0, prefill_ttft_p90_s=1.0, prefill_queue=10.0,
+                              decode_queue=0.0, tpot_p90_s=0.05, kv_usage=0.2)
+    assert pressures(prefill_backlog, slo, True) == pytest.approx({"prefill": 2.5,
+                                                                   "decode": 0.5})
+    decode_backlog = Signals(ttft_p90_s=1.0, prefill_ttft_p90_s=1.0, prefill_queue=0.0,
+                             decode_queue=6.0, tpot_p90_s=0.05, kv_usage=0.2)
+    assert pressures(decode_backlog, slo, True) == pytest.approx({"prefill": 0.5,
+                                                                  "decode": 1.5})
+    # colocated: one pool, every queue its own
+    assert pressures(prefill_backlog, slo, False) == pytest.approx({"decode": 2.5})
 
 
 # ---- the process actuator ------------------------------------------------------------------------
@@ -211,9 +252,20 @@ def kube_api(url: str):
     return k8s.client.AppsV1Api(k8s.client.ApiClient(cfg))
 
 
+def core_api(url: str):
+    k8s = pytest.importorskip("kubernetes")
+    cfg = k8s.client.Configuration()
+    cfg.host = url
+    return k8s.client.CoreV1Api(k8s.client.ApiClient(cfg))
+
+
+def actuator(kube, deployments, load=None) -> KubernetesActuator:
+    return KubernetesActuator("serving", deployments, api=kube_api(kube.url),
+                              core=core_api(kube.url), load=load)
+
+
 def test_kubernetes_actuator_reads_and_patches_the_scale_subresource(kube):
-    act = KubernetesActuator("serving", {"prefill": "baton-prefill", "decode": "baton-decode"},
-                             api=kube_api(kube.url))
+    act = actuator(kube, {"prefill": "baton-prefill", "decode": "baton-decode"})
     assert act.replicas("decode") == 2 and act.replicas("prefill") == 1
     act.scale("decode", 4)
     assert kube.replicas["baton-decode"] == 4 and act.replicas("decode") == 4
@@ -223,7 +275,7 @@ def test_kubernetes_actuator_reads_and_patches_the_scale_subresource(kube):
 
 
 def test_kubernetes_actuator_errors_name_the_deployment(kube):
-    act = KubernetesActuator("serving", {"decode": "baton-missing"}, api=kube_api(kube.url))
+    act = actuator(kube, {"decode": "baton-missing"})
     with pytest.raises(ActuatorError, match="serving/baton-missing"):
         act.replicas("decode")
     with pytest.raises(ActuatorError, match="scaling serving/baton-missing to 3"):
@@ -232,10 +284,36 @@ def test_kubernetes_actuator_errors_name_the_deployment(kube):
         act.replicas("prefill")
 
 
+def test_scale_down_removes_the_pod_whose_worker_runs_the_fewest_requests(kube):
+    """Kubernetes would pick any pod (the newest); the actuator marks the idlest with the
+    lowest pod-deletion cost first, so the pod that goes (and drains) is the one it chose, and
+    a mark left from an earlier choice is cleared."""
+    pods = [p["name"] for p in kube.pods["baton-decode"]]
+    loads = {kube.pod_ip(pods[0]): 0.0, kube.pod_ip(pods[1]): 5.0}
+    act = actuator(kube, {"decode": "baton-decode"}, load=lambda pool: loads)
+    act.scale("decode", 3)  # up: nothing marked
+    assert not any(p["annotations"] for p in kube.pods["baton-decode"])
+    newest = kube.pods["baton-decode"][-1]["name"]
+    loads[kube.pod_ip(newest)] = 2.0
+    act.scale("decode", 2)
+    assert kube.deleted == [pods[0]]  # the idle one, though the oldest
+    act.scale("decode", 1)  # of the busy 5 and the newer 2: the newer goes
+    assert kube.deleted == [pods[0], newest]
+    assert [p["name"] for p in kube.pods["baton-decode"]] == [pods[1]]
+    assert kube.pods["baton-decode"][0]["annotations"] == {}
+    # without load figures: the newest goes, as Kubernetes itself would
+    kube.pods["baton-decode"][0]["annotations"]["controller.kubernetes.io/pod-deletion-cost"] \
+        = "-1000"  # a stale mark from an earlier choice
+    bare = actuator(kube, {"decode": "baton-decode"})
+    bare.scale("decode", 3)
+    bare.scale("decode", 2)
+    assert pods[1] in [p["name"] for p in kube.pods["baton-decode"]]
+    assert kube.deleted[-1] not in (pods[0], pods[1], newest)  # the pod the scale-up added
+
+
 def test_autoscaler_drives_the_kubernetes_actuator(kube):
     clock = Clock()
-    act = KubernetesActuator("serving", {"prefill": "baton-prefill", "decode": "baton-decode"},
-                             api=kube_api(kube.url))
+    act = actuator(kube, {"prefill": "baton-prefill", "decode": "baton-decode"})
     pols = {"prefill": PoolPolicy(max_replicas=3), "decode": PoolPolicy(max_replicas=3)}
     scaler = Autoscaler(Policy(pols, SLO(ttft_s=2.0, tpot_s=0.1), clock), act,
                         lambda: Signals(ttft_p90_s=1.5, tpot_p90_s=0.15, kv_usage=0.2))

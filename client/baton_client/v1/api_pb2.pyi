@@ -152,7 +152,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens_host: _Optional[int] = ..., cached_tokens_disk: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s", "route_s", "queue_s", "first_decode_step_s")
+    __slots__ = ("prefill_s", "transfer_s", "first_token_s", "decode_s", "total_s", "route_s", "queue_s", "first_decode_step_s", "admission_wait_s", "decode_wait_s")
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,8 @@ class Timing(_message.Message):
     ROUTE_S_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     prefill_s: float
     transfer_s: float
     first_token_s: float
@@ -169,7 +171,9 @@ class Timing(_message.Message):
     route_s: float
     queue_s: float
     first_decode_step_s: float
-    def __init__(self, prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., route_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ...) -> None: ...
+    admission_wait_s: float
+    decode_wait_s: float
+    def __init__(self, prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., total_s: _Optional[float] = ..., route_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., first_decode_step_s: _Optional[float] = ..., admission_wait_s: _Optional[float] = ..., decode_wait_s: _Optional[float] = ...) -> None: ...
 
 class GenerateDelta(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs")

@@ -252,3 +252,19 @@ class WorkerInfo(_message.Message):
     kv_memory: str
     kv_staged_bytes: int
     def __init__(self, worker_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., role: _Optional[str] = ..., fingerprint: _Optional[str] = ..., transports: _Optional[str] = ..., ucx_tls: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., open_fds: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., active_leases: _Optional[int] = ..., running_requests: _Optional[int] = ..., integrity_ok: _Optional[bool] = ..., integrity_error: _Optional[str] = ..., leases_granted: _Optional[int] = ..., leases_expired: _Optional[int] = ..., known_peers: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., device: _Optional[str] = ..., kv_memory: _Optional[str] = ..., kv_staged_bytes: _Optional[int] = ...) -> None: ...
+
+class SetRoleRequest(_message.Message):
+    __slots__ = ("role",)
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    def __init__(self, role: _Optional[str] = ...) -> None: ...
+
+class SetRoleResponse(_message.Message):
+    __slots__ = ("role", "previous", "epoch")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    previous: str
+    epoch: int
+    def __init__(self, role: _Optional[str] = ..., previous: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...

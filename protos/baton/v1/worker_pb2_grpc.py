@@ -25,6 +25,78 @@ if _version_not_supported:
     )
 
 
+class WorkerAdminStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SetRole = channel.unary_unary(
+                '/baton.v1.WorkerAdmin/SetRole',
+                request_serializer=baton_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=baton_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerAdminServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def SetRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=baton_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=baton_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'baton.v1.WorkerAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('baton.v1.WorkerAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerAdmin:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/baton.v1.WorkerAdmin/SetRole',
+            baton_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            baton_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class KVSourceStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -1,0 +1,79 @@
+"""The router's live workload (services/router/workload_log.py): lengths, counts and phase times
+per finished request, the prefix structure as block numbers (no token ids, no hashes), bounded
+in records and time, read back by `baton tune` (control/workload.baton_trace) as a trace whose
+prompts share exactly the prefixes the originals shared."""
+
+from __future__ import annotations
+
+import json
+
+from baton.control.tune import TraceSlice, load_trace
+from baton.control.workload import Tokens, baton_trace
+from baton.engine.block_hash import hash_chain
+from baton.services.router.workload_log import WorkloadLog
+from baton_client.v1 import api_pb2
+
+
+def final(prompt: int, out: int, ttft: float = 0.5, decode_wait: float = 0.0):
+    return api_pb2.GenerateFinal(
+        finish_reason="length", path="remote", index_cached_tokens=16,
+        usage=api_pb2.Usage(prompt_tokens=prompt, completion_tokens=out, cached_tokens=16),
+        timing=api_pb2.Timing(first_token_s=ttft, decode_s=0.01 * (out - 1), prefill_s=0.2,
+                              queue_s=0.05, transfer_s=0.01, route_s=0.001,
+                              decode_wait_s=decode_wait))
+
+
+class Clock:
+    t = 1_800_000_000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_records_hold_lengths_and_times_and_shared_prefixes_only():
+    clock = Clock()
+    log = WorkloadLog(window_s=60, clock=clock)
+    system = list(range(1000, 1064))  # 4 blocks of 16 shared by both prompts
+    a, b = system + list(range(5000, 5040)), system + list(range(7000, 7033))
+    for ids, out in ((a, 7), (b, 3)):
+        log.record(final(len(ids), out, decode_wait=0.3), clock(), hash_chain(ids[:-1], 16,
+                                                                              b"ns"), 16)
+    ra, rb = log.export()
+    assert (ra["prompt_tokens"], ra["output_tokens"], rb["prompt_tokens"]) == (104, 7, 97)
+    assert ra["blocks"][:4] == rb["blocks"][:4] and set(ra["blocks"][4:]).isdisjoint(rb["blocks"])
+    assert ra["blocks"] == list(range(6))  # small numbers in first-seen order
+    assert ra["phases"]["decode_wait"] == 0.3 and ra["phases"]["prefill"] == 0.15
+    assert ra["tpot_s"] == 0.01 and ra["index_cached_tokens"] == 16
+    text = json.dumps(log.export())
+    assert "5000" not in text and "1000" not in text  # no token ids left the router
+
+
+def test_memory_is_bounded_in_records_time_and_block_numbers():
+    clock = Clock()
+    log = WorkloadLog(window_s=100, max_records=5, max_blocks=8, clock=clock)
+    for i in range(7):
+        clock.t += 10
+        log.record(final(40, 2), clock(), hash_chain(list(range(i * 100, i * 100 + 33)), 16,
+                                                     b"ns"), 16)
+    assert len(log) == 5  # the oldest two went
+    clock.t += 85  # the window (100 s) now holds the last two
+    assert [r["at"] for r in log.export()] == [clock.t - 95, clock.t - 85]
+    assert len(log._numbers) <= 8
+
+
+def test_tune_reads_the_export_as_a_trace(tmp_path):
+    clock = Clock()
+    log = WorkloadLog(clock=clock)
+    shared = list(range(300, 332))
+    prompts = [shared + [1, 2, 3, 4, 5], list(range(900, 950)), shared + [9] * 20]
+    for i, ids in enumerate(prompts):
+        clock.t = 1_800_000_000.0 + 2.0 * i
+        log.record(final(len(ids), 5 + i), clock() - 0.5, hash_chain(ids[:-1], 16, b"n"), 16)
+    path = tmp_path / "workload.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in log.export()))
+    reqs = baton_trace(path, 10, Tokens(100, 10000, "t"))
+    assert [len(r.prompt) for r in reqs] == [37, 50, 52]
+    assert [r.max_tokens for r in reqs] == [5, 6, 7] and [r.at for r in reqs] == [0, 2, 4]
+    assert reqs[0].prompt[:32] == reqs[2].prompt[:32] != reqs[1].prompt[:32]
+    auto = load_trace(TraceSlice(str(path), "auto", 10, 0, 1.0, 2048, 512))
+    assert [len(r.prompt) for r in auto] == [37, 50, 52]  # sniffed as a Baton workload
