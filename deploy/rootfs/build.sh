@@ -12,7 +12,8 @@
 #
 # Packages come from the host: this machine's pip builds a wheelhouse (its index, mirror and
 # cache) when its Python is the root's (3.11), and the root installs from it offline; otherwise
-# the root's pip uses the network itself. BATON_DEBIAN_MIRROR picks the Debian mirror.
+# the root's pip uses the network itself. BATON_DEBIAN_MIRROR picks the Debian mirror;
+# BATON_ROOTFS_BASE=DIR starts from a base root made before (--base-only) instead of debootstrap.
 set -euo pipefail
 ROOT=${1:?usage: build.sh ROOT [--base-only]}
 BASE_ONLY=${2:-}
@@ -24,10 +25,17 @@ step() { echo "[$(date +%T)] $*" >&2; }
 [[ $(id -u) == 0 ]] || { echo "build.sh: run as root (debootstrap, chroot)" >&2; exit 2; }
 command -v debootstrap >/dev/null || { echo "build.sh: needs debootstrap" >&2; exit 2; }
 mkdir -p "$ROOT"
-step "debootstrap bookworm (minbase) into $ROOT"
-debootstrap --variant=minbase --include=python3,python3-venv,gcc,libc6-dev \
-    bookworm "$ROOT" "$MIRROR" >"$ROOT.debootstrap.log" 2>&1 \
-    || { tail -20 "$ROOT.debootstrap.log" >&2; exit 1; }
+if [[ -n "${BATON_ROOTFS_BASE:-}" && -x "$BATON_ROOTFS_BASE/usr/bin/python3" \
+      && "$BASE_ONLY" != --base-only ]]; then
+    # a base root made before (build.sh DIR --base-only; .ci/run makes one while it installs)
+    step "the base root from $BATON_ROOTFS_BASE"
+    cp -a "$BATON_ROOTFS_BASE/." "$ROOT/"
+else
+    step "debootstrap bookworm (minbase) into $ROOT"
+    debootstrap --variant=minbase --include=python3,python3-venv,gcc,libc6-dev \
+        bookworm "$ROOT" "$MIRROR" >"$ROOT.debootstrap.log" 2>&1 \
+        || { tail -20 "$ROOT.debootstrap.log" >&2; exit 1; }
+fi
 
 if [[ "$BASE_ONLY" == --base-only ]]; then
     rm -rf "$ROOT/var/cache/apt/archives"/*.deb "$ROOT/var/lib/apt/lists"/*

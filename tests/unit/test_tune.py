@@ -234,6 +234,7 @@ def test_recommendation_prefers_colocated_on_a_tie():
     assert not math.isnan(rows[0]["goodput_rps"])
 
 
+@pytest.mark.slow  # ~14 s of measuring: the fast lane's largest single test
 def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_path):
     """`baton profile` on a tiny model, with real prefill and decode worker processes, a router
     and redis-server for the hand-off and serving measurements: every table is filled (as far
