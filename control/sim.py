@@ -10,7 +10,10 @@ hand-off's reserve and commit) waits for the step in progress to end, as ``Engin
 
 A request's path, as the router takes it::
 
-    colocated:      arrive ─► worker (least in flight): prefill ─► decode ─► done
+    every path:     arrive ─► a decode worker with fewer than max_num_seqs requests in flight
+                    (least in flight); none: wait in the router's decode queue, first come
+                    first served, until a request ends on one
+    colocated:      ─► that worker: prefill ─► decode ─► done
     disaggregated:  arrive ─► prompt <= local_max tokens, or every prefill worker saturated
                        and prompt <= saturated_local_max tokens?
                        yes: decode worker prefills locally (as colocated)
@@ -111,6 +114,13 @@ class SimEngine:
         self.ops: list[Callable[[float], None]] = []
         self.busy = False
         self.inflight = 0  # the router's count of its requests here
+        self.on_free: Callable[[float], None] | None = None  # a decode slot freed
+
+    def ended(self, t: float) -> None:
+        """One of the router's requests here ended: its decode slot is free."""
+        self.inflight -= 1
+        if self.on_free is not None:
+            self.on_free(t)
 
     # -- outside work, at the next step boundary --------------------------------------------------
 
@@ -192,7 +202,7 @@ class SimEngine:
                 seq.req.finish(t)
                 self.running.remove(seq)
                 self.release(seq)
-                self.inflight -= 1
+                self.ended(t)
         self._start(t)
 
 
@@ -220,6 +230,9 @@ class Cluster:
                          for i in range(layout.prefill)]
         self.decodes = [SimEngine(self.sim, self.cost, profile, f"decode-{i}")
                         for i in range(layout.decode)]
+        for d in self.decodes:
+            d.on_free = self._slot_freed
+        self.decode_queue: deque[SimRequest] = deque()  # waiting for a decode slot
         self._turn = itertools.count()
 
     def _least(self, engines: Sequence[SimEngine], load: Callable[[SimEngine], int]):
@@ -233,8 +246,18 @@ class Cluster:
         self.sim.run()
         return list(reqs)
 
-    def _route(self, t: float, r: SimRequest) -> None:
-        d = self._least(self.decodes, lambda e: e.inflight)
+    def _slot_freed(self, t: float) -> None:
+        if self.decode_queue:
+            self._route(t, self.decode_queue.popleft(), queued=True)
+
+    def _route(self, t: float, r: SimRequest, queued: bool = False) -> None:
+        # as the router's DecodeQueue: a decode worker with room in its batch, else wait, in
+        # arrival order (a newcomer joins the line behind anyone already waiting)
+        room = [e for e in self.decodes if e.inflight < e.max_seqs]
+        if not room or (self.decode_queue and not queued):
+            self.decode_queue.append(r)
+            return
+        d = self._least(room, lambda e: e.inflight)
         d.inflight += 1
         k = self.knobs
         saturated = all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
@@ -256,7 +279,7 @@ class Cluster:
                 p.release(seq)
                 r.first = t1
                 r.finish(t1)
-                d.inflight -= 1
+                d.ended(t1)
                 return
             self.sim.at(t1 + k.rpc_s, lambda t2: d.run_op(t2, lambda t3: self._reserve(
                 t3, d, p, seq)))
@@ -284,7 +307,7 @@ class Cluster:
                 if r.max_tokens <= 1:
                     r.finish(t3)
                     d.release(seq)
-                    d.inflight -= 1
+                    d.ended(t3)
                 else:
                     d.running.append(seq)
             d.run_op(t2, commit)

@@ -298,3 +298,20 @@ def test_tier_weights_are_the_share_of_prefill_time_a_load_saves():
     assert tier_weights(p) == {"host": 0.9, "disk": 0.6, "slow": 0.0}
     p.prefill_factor = 2.0  # a serving worker prefills at half the bare engine's speed
     assert tier_weights(p)["disk"] == 0.8
+
+
+def test_decode_admission_waits_for_a_slot_as_the_router_does():
+    """max_num_seqs 2 on the one decode worker: the third request waits in the router's decode
+    queue (sent to no worker) until one of the first two ends, then runs; the batch never
+    exceeds 2. It used to join the batch as a third sequence."""
+    p = make_profile(seqs=2)
+    a, b, c = simulate(Layout(0, 1, colocated=True), p, [(20, 10, 0.0)] * 3)
+    assert c.first >= min(a.end, b.end)
+    assert c.ttft > a.ttft and c.ttft > b.ttft
+    # the same on the disaggregated path: the hand-off waits for a decode slot
+    a, b, c = simulate(Layout(1, 1), p, [(300, 10, 0.0)] * 3)
+    assert c.first >= min(a.end, b.end) and c.path == "remote"
+    # and a request arriving while others wait joins the line behind them
+    reqs = simulate(Layout(0, 1, colocated=True), make_profile(seqs=1),
+                    [(20, 5, 0.0), (20, 5, 0.001), (20, 5, 0.002)])
+    assert reqs[0].end <= reqs[1].first and reqs[1].end <= reqs[2].first
