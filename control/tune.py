@@ -14,7 +14,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from baton.control.profile import CostModel, Profile, ProfileError, default_path
@@ -185,7 +185,56 @@ def plot(rows: list[dict], ev: Evaluator, path: Path) -> Path | None:
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
+    if a.live:
+        return live(a)
+    if not a.trace:
+        print("error: give --trace FILE (or --live ROUTER: the router's own workload)",
+              file=sys.stderr)
+        return 2
     return tune(TuneConfig.from_args(a))
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    """`baton tune --live`'s settings (control/tune_live.py)."""
+
+    live: str
+    redis_url: str
+    tune: TuneConfig
+    profile: Profile
+    apply: bool
+    min_gain: float
+    min_dwell: float
+    min_requests: int
+    every: float
+    gap_s: float
+    json: bool
+    results: Path
+
+
+def live(a: argparse.Namespace) -> int:
+    from baton.control.cluster_state import find_redis_url
+    from baton.control.tune_live import run_live
+
+    a.trace = a.trace or "(live)"
+    cfg = TuneConfig.from_args(a)
+    try:
+        profile = _check(replace(cfg, workers=2))
+    except SystemExit as e:
+        print(e, file=sys.stderr)
+        return 2
+    url = a.redis_url or find_redis_url()
+    if not url:
+        print("error: --live needs the cluster's Redis for its workers: pass --redis-url (or "
+              "set BATON_REDIS_URL)", file=sys.stderr)
+        return 2
+    if a.min_gain < 0 or a.min_dwell < 0 or a.every < 0:
+        print("error: --min-gain, --min-dwell and --every must be >= 0", file=sys.stderr)
+        return 2
+    results = Path(a.results) if a.results else Path(__file__).resolve().parents[1] / "bench" \
+        / "results"
+    return run_live(LiveConfig(a.live, url, cfg, profile, a.apply, a.min_gain, a.min_dwell,
+                               a.min_requests, a.every, a.switch_gap, a.json, results))
 
 
 def _check(cfg: TuneConfig) -> Profile:
@@ -262,7 +311,7 @@ def _sniff(path: str) -> str:
 
 
 def add_tune_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--trace", required=True,
+    ap.add_argument("--trace", default=None,
                     help="Azure LLM trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens), "
                          "Mooncake JSONL (timestamp, input_length, output_length, hash_ids), "
                          "or a router's live workload (curl ROUTER_HTTP/v1/baton/workload)")
@@ -298,4 +347,29 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
                    help="as `baton router`: -1 for any length (default 256)")
     ap.add_argument("--out", default=None,
                     help="path stem for the JSON and PNG (default ./baton-tune)")
+    g = ap.add_argument_group("the live cluster (--live ROUTER)")
+    g.add_argument("--live", default=None, metavar="ROUTER",
+                   help="tune the running cluster: the router's HTTP address (its "
+                        "/v1/baton/workload is the trace; $BATON_API_KEY if it needs one), its "
+                        "registered workers the layouts (instead of --trace and --workers)")
+    g.add_argument("--redis-url", default=None,
+                   help="the cluster's Redis (default $BATON_REDIS_URL, else a local `baton "
+                        "up`'s)")
+    g.add_argument("--apply", action="store_true",
+                   help="switch roles, one worker at a time, to the recommended layout "
+                        "(`baton role`; needs $BATON_CLUSTER_SECRET when the cluster has one)")
+    g.add_argument("--min-gain", type=float, default=0.05,
+                   help="switch only for at least this predicted goodput gain (default 0.05)")
+    g.add_argument("--min-dwell", type=float, default=600.0,
+                   help="seconds since the last switch before another (default 600)")
+    g.add_argument("--min-requests", type=int, default=20,
+                   help="fewer requests in the router's window: decide nothing (default 20)")
+    g.add_argument("--every", type=float, default=0.0,
+                   help="repeat every this many seconds (default 0: once)")
+    g.add_argument("--switch-gap", type=float, default=2.0,
+                   help="seconds between two workers' switches (routers re-read the registry "
+                        "every second) (default 2)")
+    g.add_argument("--json", action="store_true", help="print each look as one JSON line")
+    g.add_argument("--results", default=None,
+                   help="where the tune validations are (default bench/results)")
     ap.add_argument("--no-plot", action="store_true")

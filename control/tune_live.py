@@ -1,0 +1,221 @@
+"""``baton tune --live ROUTER [--apply]``: the tuner on the live cluster.
+
+It reads the router's live workload (``/v1/baton/workload``: the requests of its last
+``--workload-window`` seconds, lengths and times only) and the registered workers, simulates
+every layout of those workers (each prefill:decode split, and all colocated) on that workload
+with `baton profile`'s costs, and recommends one with its predicted goodput and the error the
+last validation measured (``bench/tune_validation.py``). With ``--apply`` it switches roles to
+get there, one worker at a time (``WorkerAdmin.SetRole``, as `baton role`; the ones that gain
+decoding first, so the cluster never lacks a decoder), but only when the predicted gain is at
+least ``--min-gain`` (default 5%) and the last switch is at least ``--min-dwell`` seconds old
+(kept in Redis, so separate runs do not flap). ``--every S`` repeats it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from baton.control.sim import Layout
+
+LAST_APPLY = "baton:tune:last_apply"  # Redis: unix time of the last switch --apply made
+
+
+def current_layout(roles: dict[str, str]) -> Layout | None:
+    """The layout the workers' roles form (None: a mix with ``both`` the simulator has no
+    name for)."""
+    vals = list(roles.values())
+    n = len(vals)
+    if all(v == "both" for v in vals) or vals.count("prefill") == 0:
+        return Layout(0, n, colocated=True)  # no prefill pool: every worker prefills its own
+    if "both" in vals:
+        return None
+    return Layout(vals.count("prefill"), vals.count("decode"))
+
+
+def assignment(roles: dict[str, str], layout: Layout) -> dict[str, str]:
+    """Each worker's role in ``layout``, changing as few workers as possible."""
+    ids = sorted(roles)
+    if layout.colocated:
+        return {w: "both" for w in ids}
+    want = {"prefill": layout.prefill, "decode": layout.decode}
+    target: dict[str, str] = {}
+    for w in ids:
+        r = roles[w]
+        if want.get(r, 0) > 0:
+            target[w] = r
+            want[r] -= 1
+    for w in ids:
+        if w not in target:
+            r = "decode" if want["decode"] > 0 else "prefill"
+            target[w] = r
+            want[r] -= 1
+    return target
+
+
+def switches(roles: dict[str, str], target: dict[str, str]) -> list[tuple[str, str]]:
+    """(worker, role) to switch, in a safe order: those that start decoding before those that
+    stop, so at every step some worker decodes."""
+    changed = [(w, r) for w, r in sorted(target.items()) if roles[w] != r]
+    return sorted(changed, key=lambda wr: wr[1] == "prefill")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    best: dict  # the recommended row
+    current: dict | None  # the current layout's row (None: a mix the simulator has no name for)
+    gain: float  # predicted goodput of best over current, minus 1 (inf: current meets none)
+    act: bool  # --apply would switch now
+    reason: str
+
+
+def verdict(rows: list[dict], current: Layout | None, min_gain: float,
+            dwell_left: float) -> Verdict:
+    best = max(rows, key=lambda r: (r["goodput_rps"], r["colocated"]))  # ties: colocated
+    cur = next((r for r in rows if current is not None and r["layout"] == current.name), None)
+    if cur is best:
+        return Verdict(best, cur, 0.0, False, f"stay: {best['layout']} is predicted best")
+    if best["goodput_rps"] <= 0:
+        return Verdict(best, cur, 0.0, False, "no layout meets the SLOs at any rate searched: "
+                       "switches nothing")
+    base = cur["goodput_rps"] if cur is not None else 0.0
+    gain = best["goodput_rps"] / base - 1 if base > 0 else math.inf
+    if gain < min_gain:
+        return Verdict(best, cur, gain, False, f"predicted gain {100 * gain:.1f}% is under "
+                       f"--min-gain {100 * min_gain:.0f}%: switches nothing")
+    if dwell_left > 0:
+        return Verdict(best, cur, gain, False, f"the last switch was too recent: waits "
+                       f"{dwell_left:.0f}s more (--min-dwell)")
+    return Verdict(best, cur, gain, True, f"switch to {best['layout']} (predicted "
+                   f"{'+inf' if math.isinf(gain) else f'+{100 * gain:.1f}'}% goodput)")
+
+
+def validation_error(results: Path) -> str:
+    """The prediction error of the newest tune validation under ``results``."""
+    files = sorted(glob.glob(str(results / "tune-validation-2*.json")))
+    if not files:
+        return "no tune validation on record (python bench/tune_validation.py)"
+    d = json.loads(Path(files[-1]).read_text())
+    errs = [d["predicted"][k]["goodput_rps"] / m["goodput_rps"] - 1
+            for k, m in d["measured"].items() if m.get("goodput_rps")]
+    worst = max(errs, key=abs) if errs else float("nan")
+    return (f"the last validation predicted goodput within {100 * worst:+.0f}% of measured "
+            f"({Path(files[-1]).name})")
+
+
+def fetch_workload(router: str, dest: Path, timeout: float = 30.0) -> int:
+    """The router's live workload into ``dest``; returns its number of requests."""
+    base = router if "://" in router else f"http://{router}"
+    req = urllib.request.Request(base.rstrip("/").removesuffix("/v1") + "/v1/baton/workload")
+    key = os.environ.get("BATON_API_KEY")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        body = r.read()
+    dest.write_bytes(body)
+    return sum(1 for line in body.splitlines() if line.strip())
+
+
+def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
+          say) -> list[tuple[str, str, str]]:
+    """Switch roles one worker at a time (``gap_s`` between, for the routers' registry reads);
+    returns (worker, from, to) per switch made. Raises RuntimeError naming a refusal."""
+    import grpc
+    from baton.transfer import cluster_secret
+    from baton.v1 import worker_pb2, worker_pb2_grpc
+
+    address = {w.worker_id: w.address for w in registry.workers()}
+    done = []
+    for i, (wid, role) in enumerate(switches(roles, target)):
+        if i:
+            time.sleep(gap_s)
+        try:
+            with cluster_secret.channel(address[wid]) as ch:
+                worker_pb2_grpc.WorkerAdminStub(ch).SetRole(
+                    worker_pb2.SetRoleRequest(role=role), timeout=30)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"{wid}: {e.code().name}: {e.details()}") from None
+        say(f"switched {wid}: {roles[wid]} -> {role}")
+        done.append((wid, roles[wid], role))
+    return done
+
+
+def live_once(cfg, registry, say) -> dict:
+    """One look at the live cluster (and with cfg.apply, the switches); its summary."""
+    from baton.control.tune import Evaluator, layouts, load_trace
+
+    roles = {w.worker_id: w.role for w in registry.workers()}
+    if len(roles) < 2:
+        return {"action": "none", "reason": f"{len(roles)} worker(s): nothing to split"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "live.jsonl"
+        n = fetch_workload(cfg.live, path)
+        if n < cfg.min_requests:
+            return {"action": "none", "requests": n,
+                    "reason": f"{n} requests in the router's window, under --min-requests "
+                              f"{cfg.min_requests}: switches nothing"}
+        reqs = load_trace(replace(cfg.tune.slice, trace=str(path), format="baton",
+                                  requests=n, trace_start=0))
+    ev = Evaluator(cfg.profile, reqs, cfg.tune.search, cfg.tune.knobs)
+    rows = []
+    for layout in layouts(len(roles)):
+        goodput, _ = ev.goodput(layout)
+        rows.append({"layout": layout.name, "prefill": layout.prefill,
+                     "decode": layout.decode, "colocated": layout.colocated,
+                     "goodput_rps": goodput, "attainment_live": ev.at(layout, None)})
+    last = registry.redis.get(LAST_APPLY)
+    dwell_left = cfg.min_dwell - (time.time() - float(last)) if last else 0.0
+    cur = current_layout(roles)
+    v = verdict(rows, cur, cfg.min_gain, dwell_left)
+    out = {"requests": len(reqs), "workers": roles, "current": cur.name if cur else "mixed",
+           "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
+           "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
+           "switches": []}
+    if cfg.apply and v.act:
+        best = Layout(v.best["prefill"], v.best["decode"], v.best["colocated"])
+        out["switches"] = apply(registry, assignment(roles, best), roles, cfg.gap_s, say)
+        registry.redis.set(LAST_APPLY, str(time.time()))
+        out["action"] = "switched"
+    return out
+
+
+def report(out: dict) -> str:
+    lines = []
+    if "configurations" in out:
+        lines.append(f"{'configuration':<14} {'goodput req/s':>13} {'attain live':>12}")
+        for r in out["configurations"]:
+            mark = " (now)" if r["layout"] == out["current"] else ""
+            lines.append(f"{r['layout']:<14} {r['goodput_rps']:>13.3g} "
+                         f"{100 * r['attainment_live']:>11.0f}%{mark}")
+        lines.append(f"recommended: {out['recommended']}; {out['validation']}")
+    lines.append(f"{out['action']}: {out['reason']}")
+    lines += [f"  {w}: {a} -> {b}" for w, a, b in out.get("switches", [])]
+    return "\n".join(lines)
+
+
+def run_live(cfg) -> int:
+    from baton.control.redis_client import connect
+    from baton.control.registry import WorkerRegistry
+
+    registry = WorkerRegistry(connect(cfg.redis_url, socket_timeout=5))
+
+    def say(msg: str) -> None:
+        print(f"[baton tune --live] {msg}", file=sys.stderr, flush=True)
+
+    while True:
+        try:
+            out = live_once(cfg, registry, say)
+        except (OSError, RuntimeError) as e:  # the router or a worker did not answer
+            out = {"action": "none", "reason": f"error: {e}"}
+        print(json.dumps(out, default=str) if cfg.json else report(out), flush=True)
+        if not cfg.every:
+            return 0 if not out["reason"].startswith("error") else 1
+        time.sleep(cfg.every)

@@ -1,0 +1,82 @@
+"""`baton tune --live ROUTER --apply` against a real cluster (redis, a prefill and a decode worker
+on a tiny model, a router with its HTTP front): it reads the router's live workload and the
+registered workers, simulates both layouts of two workers and switches roles to the predicted
+best, then keeps still while the last switch is recent, or while the gain is under --min-gain.
+The costs are a synthetic profile in which a KV hand-off takes 5 s, so colocated serving must
+win on any workload: the test is about the loop acting on the live cluster, not about the
+simulator's accuracy (bench/tune_validation.py measures that)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from baton.control.registry import WorkerRegistry
+from baton_client.v1 import api_pb2, api_pb2_grpc
+
+from tests.support.cluster import Cluster
+from tests.support.profiles import make_profile
+
+pytestmark = pytest.mark.slow
+
+
+def tune(url: str, router: str, profile, *extra: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "baton.cli.main", "tune", "--live", router,
+                          "--redis-url", url, "--profile", str(profile), "--ttft-slo", "1",
+                          "--tpot-slo", "0.5", "--min-requests", "5", "--switch-gap", "0.2",
+                          "--refine", "1", "--json", *extra],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def serve(stub, n: int) -> list[str]:
+    paths = []
+    for i in range(n):
+        r = api_pb2.GenerateRequest(params=api_pb2.SamplingParams(max_tokens=6,
+                                                                     ignore_eos=True))
+        r.token_ids.ids.extend((i * 13 + 7 * k) % 390 + 5 for k in range(80))  # > 64: remote
+        final = [m.final for m in stub.Generate(r, timeout=120) if m.HasField("final")][0]
+        assert final.finish_reason == "length" and final.usage.completion_tokens == 6
+        paths.append(final.path)
+    return paths
+
+
+def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_llama, tmp_path):
+    profile = tmp_path / "profile.json"
+    make_profile(handoff=(5.0, 0.0)).save(profile)  # every hand-off 5 s: colocated must win
+    args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "256"]
+    with Cluster(prefill=1, decode=1, worker_args=args,
+                 routers=[["--http-port", "0", "--local-prefill-max-tokens", "64"]]) as c:
+        stub = api_pb2_grpc.BatonStub(c.router.channel)
+        assert set(serve(stub, 8)) == {"remote"}
+        registry = WorkerRegistry.from_url(c.redis.url)
+
+        # too little traffic in the router's window to decide on: nothing switches
+        few = tune(c.redis.url, c.router.http_address, profile, "--apply",
+                   "--min-requests", "100")
+        assert few["action"] == "none" and few["requests"] == 8
+        look = tune(c.redis.url, c.router.http_address, profile)  # no --apply: a look
+        assert look["action"] == "none" and look["current"] == "1P+1D"
+        assert look["recommended"] == "2 colocated" and look["requests"] == 8
+        assert sorted(w.role for w in registry.workers()) == ["decode", "prefill"]
+
+        went = tune(c.redis.url, c.router.http_address, profile, "--apply")
+        assert went["action"] == "switched", went["reason"]
+        assert [(s[1], s[2]) for s in went["switches"]] == [("decode", "both"),
+                                                           ("prefill", "both")]
+        assert sorted(w.role for w in registry.workers()) == ["both", "both"]
+        Cluster.wait_router_sees(c.router, both=2)
+        assert serve(stub, 4)  # and it serves on, now colocated
+
+        again = tune(c.redis.url, c.router.http_address, profile, "--apply")
+        assert again["action"] == "none" and again["reason"].startswith("stay")
+        # a different best within --min-dwell of the last switch: it waits
+        make_profile().save(profile)  # hand-offs cheap again: the split may win now
+        soon = tune(c.redis.url, c.router.http_address, profile, "--apply",
+                    "--min-gain", "0")
+        assert soon["action"] == "none"
+        assert "too recent" in soon["reason"] or soon["reason"].startswith("stay")
+        c.assert_quiet()

@@ -1,0 +1,69 @@
+"""`baton tune --live`'s decisions (control/tune_live.py): the current layout from the workers'
+roles, the fewest switches to reach another in a safe order, and when it acts (the predicted
+gain past --min-gain, the last switch older than --min-dwell). The whole loop against a real
+cluster is tests/integration/test_tune_live.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from baton.control.sim import Layout
+from baton.control.tune_live import (
+    assignment,
+    current_layout,
+    switches,
+    validation_error,
+    verdict,
+)
+
+
+def test_the_current_layout_from_the_roles():
+    assert current_layout({"a": "prefill", "b": "decode", "c": "decode"}) == Layout(1, 2)
+    assert current_layout({"a": "both", "b": "both"}) == Layout(0, 2, colocated=True)
+    assert current_layout({"a": "decode", "b": "decode"}) == Layout(0, 2, colocated=True)
+    assert current_layout({"a": "prefill", "b": "both"}) is None  # a mix
+
+
+def test_the_fewest_switches_in_a_safe_order():
+    roles = {"a": "prefill", "b": "prefill", "c": "decode"}
+    target = assignment(roles, Layout(1, 2))
+    assert sorted(target.values()) == ["decode", "decode", "prefill"]
+    assert switches(roles, target) == [("b", "decode")]  # one switch, not three
+    colo = assignment(roles, Layout(0, 3, colocated=True))
+    # every worker to both; the ones that start decoding go first
+    assert switches(roles, colo) == [("a", "both"), ("b", "both"), ("c", "both")]
+    back = {"a": "both", "b": "both", "c": "both"}
+    order = switches(back, assignment(back, Layout(2, 1)))
+    assert [r for _, r in order] == ["decode", "prefill", "prefill"]  # decoders before
+
+
+ROWS = [{"layout": "1P+1D", "prefill": 1, "decode": 1, "colocated": False, "goodput_rps": 4.0},
+        {"layout": "2 colocated", "prefill": 0, "decode": 2, "colocated": True,
+         "goodput_rps": 4.1}]
+
+
+def test_it_acts_only_past_the_gain_and_the_dwell():
+    now = Layout(1, 1)
+    small = verdict(ROWS, now, 0.05, 0.0)  # colocated predicted 2.5% better: under 5%
+    assert not small.act and "switches nothing" in small.reason
+    assert small.best["layout"] == "2 colocated" and math.isclose(small.gain, 0.025)
+    big = [dict(ROWS[0]), {**ROWS[1], "goodput_rps": 6.0}]
+    go = verdict(big, now, 0.05, 0.0)
+    assert go.act and "switch to 2 colocated" in go.reason  # "stay colocated" is an answer
+    wait = verdict(big, now, 0.05, 120.0)
+    assert not wait.act and "waits 120s" in wait.reason
+    stay = verdict(big, Layout(0, 2, colocated=True), 0.05, 0.0)
+    assert not stay.act and stay.reason.startswith("stay")
+    none = verdict([{**r, "goodput_rps": 0.0} for r in ROWS], now, 0.05, 0.0)
+    assert not none.act and "no layout meets the SLOs" in none.reason
+    mixed = verdict(big, None, 0.05, 0.0)  # a mix the simulator cannot name: any best is a gain
+    assert mixed.act and math.isinf(mixed.gain)
+
+
+def test_the_validation_error_on_record(tmp_path):
+    assert "no tune validation on record" in validation_error(tmp_path)
+    (tmp_path / "tune-validation-20261124T131351Z.json").write_text(json.dumps({
+        "predicted": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.25}},
+        "measured": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.5}}}))
+    assert "within -10% of measured" in validation_error(tmp_path)
