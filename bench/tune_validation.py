@@ -1,7 +1,8 @@
 """`baton tune`'s predictions against measurements, back to back on one machine: profile the
 engine, predict the goodput of 1 prefill + 1 decode and of 2 colocated workers for a trace slice,
 then measure both with `baton bench compare` on the same slice (same lengths, same Poisson
-arrivals, same goodput search). Results in bench/results/tune-validation-*.json.
+arrivals, same goodput search). The trace is an Azure CSV or a Mooncake JSONL (by its
+extension). Results in bench/results/tune-validation-*.json.
 
     python bench/tune_validation.py [--profile FILE] [--requests 40] [--refine 3]
         [--scale 0.25] [--max-output 128] [--ttft-slo 3] [--tpot-slo 0.1] [--dtype float32]
@@ -89,14 +90,15 @@ def configs(a, profile, slice_args: list[str]):
     from baton.bench.cli import CompareConfig, add_bench_args
     from baton.control.tune import Evaluator, TuneConfig, add_tune_args, load_trace
 
+    kind = "mooncake" if a.trace.endswith((".jsonl", ".json")) else "azure"
     ap_bench = argparse.ArgumentParser()
     add_bench_args(ap_bench)
     ca = replace(CompareConfig.from_args(ap_bench.parse_args(
-        ["compare", "--dtype", a.dtype, "--quiet", "--no-plots", "--workload", "azure",
+        ["compare", "--dtype", a.dtype, "--quiet", "--no-plots", "--workload", kind,
          "--goodput", *slice_args])), rerun=False)
     ap_tune = argparse.ArgumentParser()
     add_tune_args(ap_tune)
-    tc = TuneConfig.from_args(ap_tune.parse_args(["--format", "azure", *slice_args]))
+    tc = TuneConfig.from_args(ap_tune.parse_args(["--format", kind, *slice_args]))
     return ca, Evaluator(profile, load_trace(tc.slice), tc.search, tc.knobs)
 
 
