@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-ROLES = ("prefill", "decode", "both")
+from baton.control.registry import ROLES
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -41,12 +41,10 @@ def refusal(workers: list, worker_id: str, role: str) -> str:
 
 
 def cmd_role(a: argparse.Namespace) -> int:
-    import grpc
     from baton.control.cluster_state import find_redis_url
     from baton.control.redis_client import connect
     from baton.control.registry import WorkerRegistry
-    from baton.transfer import cluster_secret
-    from baton.v1 import worker_pb2, worker_pb2_grpc
+    from baton.control.tune_live import set_role
     from redis.exceptions import RedisError
 
     url = a.redis_url or find_redis_url()
@@ -65,12 +63,9 @@ def cmd_role(a: argparse.Namespace) -> int:
         return 1
     w = next(x for x in workers if x.worker_id == a.worker_id)
     try:
-        with cluster_secret.channel(w.address) as ch:
-            r = worker_pb2_grpc.WorkerAdminStub(ch).SetRole(
-                worker_pb2.SetRoleRequest(role=a.role), timeout=a.timeout)
-    except grpc.RpcError as e:
-        print(f"error: {a.worker_id} at {w.address}: {e.code().name}: {e.details()}",
-              file=sys.stderr)
+        r = set_role(w.address, a.role, a.timeout)
+    except RuntimeError as e:
+        print(f"error: {a.worker_id} at {w.address}: {e}", file=sys.stderr)
         return 1
     print(f"{a.worker_id}: {r.previous} -> {r.role}"
           + (f" (switch {r.epoch})" if r.previous != r.role else " (unchanged)"))

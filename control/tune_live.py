@@ -124,25 +124,34 @@ def fetch_workload(router: str, dest: Path, timeout: float = 30.0) -> int:
     return sum(1 for line in body.splitlines() if line.strip())
 
 
-def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
-          say) -> list[tuple[str, str, str]]:
-    """Switch roles one worker at a time (``gap_s`` between, for the routers' registry reads);
-    returns (worker, from, to) per switch made. Raises RuntimeError naming a refusal."""
+def set_role(address: str, role: str, timeout: float = 30.0):
+    """A worker's ``WorkerAdmin.SetRole`` (with this process's cluster secret): its answer;
+    raises RuntimeError naming the status when it refuses or does not answer."""
     import grpc
     from baton.transfer import cluster_secret
     from baton.v1 import worker_pb2, worker_pb2_grpc
 
+    try:
+        with cluster_secret.channel(address) as ch:
+            return worker_pb2_grpc.WorkerAdminStub(ch).SetRole(
+                worker_pb2.SetRoleRequest(role=role), timeout=timeout)
+    except grpc.RpcError as e:
+        raise RuntimeError(f"{e.code().name}: {e.details()}") from None
+
+
+def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
+          say) -> list[tuple[str, str, str]]:
+    """Switch roles one worker at a time (``gap_s`` between, for the routers' registry reads);
+    returns (worker, from, to) per switch made. Raises RuntimeError naming a refusal."""
     address = {w.worker_id: w.address for w in registry.workers()}
     done = []
     for i, (wid, role) in enumerate(switches(roles, target)):
         if i:
             time.sleep(gap_s)
         try:
-            with cluster_secret.channel(address[wid]) as ch:
-                worker_pb2_grpc.WorkerAdminStub(ch).SetRole(
-                    worker_pb2.SetRoleRequest(role=role), timeout=30)
-        except grpc.RpcError as e:
-            raise RuntimeError(f"{wid}: {e.code().name}: {e.details()}") from None
+            set_role(address[wid], role)
+        except RuntimeError as e:
+            raise RuntimeError(f"{wid}: {e}") from None
         say(f"switched {wid}: {roles[wid]} -> {role}")
         done.append((wid, roles[wid], role))
     return done

@@ -15,11 +15,10 @@ import logging
 import threading
 
 import grpc
+from baton.control.registry import ROLES
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("baton.services.role")
-
-ROLES = ("prefill", "decode", "both")
 
 
 class RoleGate:

@@ -35,7 +35,7 @@ def prefill_main(argv: list[str] | None = None) -> None:
         "Baton prefill worker: computes prompts' KV and first token, and holds the KV blocks "
         "under a lease until a decode worker has read them over NIXL.")
     HolderSettings.add_flags(handoff, full=True)
-    serve_prefill(*_parse(ap, argv, WorkerConfig.prefill))
+    serve_worker(*_parse(ap, argv, WorkerConfig.prefill))
 
 
 def decode_main(argv: list[str] | None = None) -> None:
@@ -54,7 +54,7 @@ def decode_main(argv: list[str] | None = None) -> None:
                    help="both: also be a prefill worker (PrefillWorker and KVSource on the same "
                         "engine), for colocated pools (default decode)")
     HolderSettings.add_flags(g, full=False)  # --lease-ttl, for --role both
-    serve_decode(*_parse(ap, argv, WorkerConfig.decode))
+    serve_worker(*_parse(ap, argv, WorkerConfig.decode))
 
 
 def _parse(ap, argv, config) -> tuple[WorkerConfig, Faults]:
@@ -67,11 +67,6 @@ def _parse(ap, argv, config) -> tuple[WorkerConfig, Faults]:
         ap.error(str(e))
 
 
-def serve_prefill(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
-    """A prefill worker: boot, hold prompts' KV under leases, serve until drained."""
-    serve_worker(cfg, faults)
-
-
 def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
     """Handshake with (and probe) every ``--peers`` prefill worker; exits 2 on a mismatch."""
     for peer in cfg.peers:
@@ -82,11 +77,6 @@ def connect_peers(reader: KVReader, cfg: WorkerConfig) -> None:
             log.error("refusing to start: peer %s: %s", peer, e)
             raise SystemExit(2) from e
         log.info("peer %s ready; UCX transports in use: %s", peer, transports or "unknown")
-
-
-def serve_decode(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
-    """Boot, connect the peers, serve (and prefill too with ``--role both``) until drained."""
-    serve_worker(cfg, faults)
 
 
 def serve_worker(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
