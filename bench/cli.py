@@ -413,7 +413,7 @@ def add_bench_args(ap: argparse.ArgumentParser) -> None:
     c.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="the disaggregated router's setting (default: the router's)")
     c.add_argument("--router-args", default="",
-                   help="extra flags for the disaggregated setup's router, e.g. "
+                   help="extra flags for every setup's router, e.g. "
                         "\"--prefill-saturation 2\" (see `baton router --help`)")
     c.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
                    help="also measure this OpenAI-compatible server (e.g. vLLM) with the same "

@@ -60,10 +60,9 @@ class Setup:
             router = ["--redis-url", redis_url, "--http-port", "-1"]
             if kind == "colocated":  # every request on one worker, as `baton up --colocated`
                 router += ["--local-prefill-max-tokens", str(1 << 30)]
-            else:
-                if a.local_prefill_max_tokens is not None:
-                    router += ["--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
-                router += shlex.split(a.router_args)
+            elif a.local_prefill_max_tokens is not None:
+                router += ["--local-prefill-max-tokens", str(a.local_prefill_max_tokens)]
+            router += shlex.split(a.router_args)
             self.router = WorkerProcess("router", router)
             self.procs.append(self.router)
         except BaseException:

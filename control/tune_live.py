@@ -42,10 +42,13 @@ def current_layout(roles: dict[str, str]) -> Layout | None:
 
 
 def assignment(roles: dict[str, str], layout: Layout) -> dict[str, str]:
-    """Each worker's role in ``layout``, changing as few workers as possible."""
+    """Each worker's role in ``layout``, changing as few workers as possible. Colocated is every
+    worker a decoder with no prefill pool: the router then prefills each request where it
+    decodes (the simulator's colocated layout, and `baton bench compare`'s). All ``both`` would
+    not be: the router prefills a long prompt on another ``both`` worker and hands it over."""
     ids = sorted(roles)
     if layout.colocated:
-        return {w: "both" for w in ids}
+        return {w: "decode" for w in ids}
     want = {"prefill": layout.prefill, "decode": layout.decode}
     target: dict[str, str] = {}
     for w in ids:

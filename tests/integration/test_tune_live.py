@@ -65,11 +65,10 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
 
         went = tune(c.redis.url, c.router.http_address, profile, "--apply")
         assert went["action"] == "switched", went["reason"]
-        assert [(s[1], s[2]) for s in went["switches"]] == [("decode", "both"),
-                                                           ("prefill", "both")]
-        assert sorted(w.role for w in registry.workers()) == ["both", "both"]
-        Cluster.wait_router_sees(c.router, both=2)
-        assert serve(stub, 4)  # and it serves on, now colocated
+        assert [(s[1], s[2]) for s in went["switches"]] == [("prefill", "decode")]
+        assert sorted(w.role for w in registry.workers()) == ["decode", "decode"]
+        Cluster.wait_router_sees(c.router, decode=2, prefill=0)
+        assert set(serve(stub, 4)) == {"local"}  # and it serves on, now colocated
 
         again = tune(c.redis.url, c.router.http_address, profile, "--apply")
         assert again["action"] == "none" and again["reason"].startswith("stay")

@@ -31,8 +31,8 @@ def test_the_fewest_switches_in_a_safe_order():
     assert sorted(target.values()) == ["decode", "decode", "prefill"]
     assert switches(roles, target) == [("b", "decode")]  # one switch, not three
     colo = assignment(roles, Layout(0, 3, colocated=True))
-    # every worker to both; the ones that start decoding go first
-    assert switches(roles, colo) == [("a", "both"), ("b", "both"), ("c", "both")]
+    # every worker a decoder (no prefill pool: each prefills its own requests)
+    assert switches(roles, colo) == [("a", "decode"), ("b", "decode")]
     back = {"a": "both", "b": "both", "c": "both"}
     order = switches(back, assignment(back, Layout(2, 1)))
     assert [r for _, r in order] == ["decode", "prefill", "prefill"]  # decoders before

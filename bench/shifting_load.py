@@ -1,0 +1,281 @@
+"""A load whose mix shifts, against each fixed layout of two workers and against the live tuner.
+
+One trace of phases (default: prefill-heavy -> decode-heavy -> prefill-heavy, 4 minutes each,
+Poisson arrivals at each phase's rate) is sent, back to back and alone on the machine, to:
+
+- ``1P+1D``: a prefill and a decode worker (`baton bench compare`'s disaggregated setup);
+- ``2 colocated``: two workers that prefill their own requests (its colocated setup);
+- ``live``: starts as 1P+1D while ``baton tune --live ROUTER --apply`` runs beside it for the
+  whole trace and switches roles when it predicts a gain.
+
+Each setup gets a fresh Redis and workers pinned one per core (one torch thread), the same
+router flags (``--workload-window``, the HTTP front the tuner reads), the same lengths and
+arrival times (fresh prompt tokens per run, so no run finds another's prefix cache). Goodput
+is the requests that met both SLOs per second of the trace; also per phase, failed requests,
+and the tuner's every look and switch. JSON in bench/results/shifting-load-*.json.
+
+    python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live]
+        [--tuner-every 30] [--tuner-min-dwell 90] [--window 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from baton.bench.common import RESULTS, machine, write_result
+
+SETUPS = ("1P+1D", "2 colocated", "live")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    rate: float  # requests per second
+
+
+# Fixed before the first run (with the SLOs): prefill-heavy is Azure-code-like (long prompts,
+# short answers), decode-heavy chat-like (short prompts, long answers); rates near the two
+# layouts' capacity for each mix on the 2-core machine.
+PHASES = (Phase("prefill-heavy", (1000, 2000), (16, 64), 0.7),
+          Phase("decode-heavy", (64, 256), (128, 256), 5.0),
+          Phase("prefill-heavy", (1000, 2000), (16, 64), 0.7))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=4.0, help="each phase (default 4)")
+    ap.add_argument("--only", default=",".join(SETUPS),
+                    help=f"comma-separated setups (default {','.join(SETUPS)})")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--profile", default=str(RESULTS / "tune-validation-profile.json"),
+                    help="the tuner's costs (`baton profile`; default the validation's)")
+    ap.add_argument("--ttft-slo", type=float, default=4.0)
+    ap.add_argument("--tpot-slo", type=float, default=0.1)
+    ap.add_argument("--window", type=float, default=60.0,
+                    help="the routers' --workload-window: what the tuner sees (seconds)")
+    ap.add_argument("--tuner-every", type=float, default=30.0)
+    ap.add_argument("--tuner-min-dwell", type=float, default=90.0)
+    ap.add_argument("--tuner-min-gain", type=float, default=0.05)
+    ap.add_argument("--tuner-refine", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def trace(phases, minutes: float, seed: int) -> list[tuple[int, int, float, int]]:
+    """(prompt tokens, output tokens, arrival s, phase index) for every request."""
+    rng, out, start = random.Random(seed), [], 0.0
+    for i, ph in enumerate(phases):
+        t, end = start, start + minutes * 60
+        while True:
+            t += rng.expovariate(ph.rate)
+            if t >= end:
+                break
+            out.append((rng.randint(*ph.input_len), rng.randint(*ph.output_len), t, i))
+        start = end
+    return out
+
+
+def config(a: argparse.Namespace, kind: str):
+    """`baton bench compare`'s settings for one setup: the same workers and router flags."""
+    from baton.bench.cli import CompareConfig, add_bench_args
+
+    ap = argparse.ArgumentParser()
+    add_bench_args(ap)
+    args = ["compare", "--dtype", a.dtype, "--quiet", "--no-plots", "--prefill", "1",
+            "--decode", "1", "--colocated", "2", "--max-input", "2048",
+            "--router-args", f"--workload-window {a.window} --http-port 0"]
+    if a.model:
+        args += ["--model", a.model]
+    return replace(CompareConfig.from_args(ap.parse_args(args)), only=kind)
+
+
+class Tuner:
+    """`baton tune --live ROUTER --apply --every S --json` beside the trace; its looks."""
+
+    def __init__(self, a: argparse.Namespace, router_http: str, redis_url: str) -> None:
+        cmd = [sys.executable, "-m", "baton.cli.main", "tune", "--live", router_http,
+               "--redis-url", redis_url, "--apply", "--json", "--profile", a.profile,
+               "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
+               "--every", str(a.tuner_every), "--min-dwell", str(a.tuner_min_dwell),
+               "--min-gain", str(a.tuner_min_gain), "--refine", str(a.tuner_refine),
+               "--max-input", "2048", "--max-output", "256"]
+        self.cmd, self.looks, self.t0 = cmd, [], time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                look = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            look["at_s"] = time.monotonic() - self.t0
+            self.looks.append(look)
+            print(f"  tuner at {look['at_s']:.0f}s: {look['action']}: {look['reason']}",
+                  file=sys.stderr, flush=True)
+
+    def stop(self) -> dict:
+        self.proc.terminate()
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+        self._reader.join(timeout=5)
+        switches = [s + [look["at_s"]] for look in self.looks
+                    for s in look.get("switches", [])]
+        return {"command": self.cmd, "looks": self.looks, "switches": switches,
+                "switch_count": len(switches), "stderr_tail": (err or "")[-2000:]}
+
+
+def run_setup(a: argparse.Namespace, name: str, shape, phases) -> dict:
+    from baton.bench import loadgen as lg
+    from baton.bench.compare import Setup
+    from baton.control.redis_server import EmbeddedRedis
+
+    kind = "colocated" if name == "2 colocated" else "disaggregated"
+    cfg = config(a, kind)
+    tokens = lg.Tokens(100, 10000, f"shifting-{name}-{time.time()}")
+    rng = random.Random(f"{a.seed}/{tokens.salt}")
+    reqs = [lg.Req(tokens.random(rng, p), o, t) for p, o, t, _ in shape]
+    redis = EmbeddedRedis().start()
+    tuner = None
+    try:
+        setup = Setup(cfg, kind, redis.url)
+        target = lg.GrpcTarget(setup.router.address)
+        try:
+            lg.run(target, lg.synthetic(2, (32, 32), (4, 4), lg.Tokens(salt="warm")), 1)
+            if name == "live":
+                tuner = Tuner(a, setup.router.http_address, redis.url)
+            records, wall = lg.run(target, reqs, progress=_progress(name, len(reqs)))
+            roles = _roles(redis.url)
+            tuned = tuner.stop() if tuner else None
+        finally:
+            if tuner and tuner.proc.poll() is None:
+                tuner.proc.kill()
+            target.close()
+            setup.stop()
+    finally:
+        redis.stop()
+    return _score(a, name, records, wall, shape, phases, tuned, roles)
+
+
+def _roles(url: str) -> list[str]:
+    from baton.control.registry import WorkerRegistry
+
+    return sorted(w.role for w in WorkerRegistry.from_url(url).workers())
+
+
+def _progress(name: str, total: int):
+    last = [0.0]
+
+    def say(done: int, n: int) -> None:
+        if time.monotonic() - last[0] > 30 or done == n:
+            last[0] = time.monotonic()
+            print(f"  {name}: {done}/{total} done", file=sys.stderr, flush=True)
+    return say
+
+
+def _score(a, name, records, wall, shape, phases, tuned, roles) -> dict:
+    from baton.bench import loadgen as lg
+
+    duration = len(phases) * a.minutes * 60
+    per_phase = []
+    for i, ph in enumerate(phases):
+        rs = [r for r, s in zip(records, shape) if s[3] == i]
+        s = lg.summarize(rs, a.minutes * 60, a.ttft_slo, a.tpot_slo)
+        good = sum(lg.meets(r, a.ttft_slo, a.tpot_slo) for r in rs)
+        per_phase.append({"phase": ph.name, "requests": len(rs), "met_slo": good,
+                          "goodput_rps": good / (a.minutes * 60), "attainment": s["attainment"],
+                          "failed": len(rs) - s["succeeded"], "errors": s["errors"],
+                          "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"]})
+    good = sum(lg.meets(r, a.ttft_slo, a.tpot_slo) for r in records)
+    failed = sum(r.error is not None for r in records)
+    out = {"setup": name, "requests": len(records), "met_slo": good,
+           "goodput_rps": good / duration, "attainment": good / len(records) if records else 0,
+           "failed": failed, "wall_s": wall, "phases": per_phase, "roles_at_end": roles}
+    if tuned is not None:
+        out["tuner"] = tuned
+    return out
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    names = [n.strip() for n in a.only.split(",") if n.strip()]
+    bad = [n for n in names if n not in SETUPS]
+    if bad or not names:
+        print(f"error: --only: unknown setup(s) {bad}; choose from {', '.join(SETUPS)}",
+              file=sys.stderr)
+        return 2
+    if "live" in names and not Path(a.profile).is_file():
+        print(f"error: --profile {a.profile}: no such file (run `baton profile`)",
+              file=sys.stderr)
+        return 2
+    shape = trace(PHASES, a.minutes, a.seed)
+    print(f"{len(shape)} requests in {len(PHASES)} phases of {a.minutes:g} min: "
+          + ", ".join(f"{p.name} {p.rate:g}/s" for p in PHASES), file=sys.stderr)
+    results = []
+    for name in names:
+        print(f"== {name}", file=sys.stderr, flush=True)
+        results.append(run_setup(a, name, shape, PHASES))
+    summary = summarize(results)
+    print(table(results, summary))
+    path = write_result("shifting-load", {
+        "machine": machine(), "args": vars(a), "argv": sys.argv,
+        "phases": [vars(p) for p in PHASES], "results": results, "summary": summary})
+    print(f"wrote {path}")
+    return 0
+
+
+def summarize(results: list[dict]) -> dict:
+    fixed = [r for r in results if r["setup"] != "live"]
+    live = next((r for r in results if r["setup"] == "live"), None)
+    out: dict = {"failed_requests": sum(r["failed"] for r in results)}
+    if live and fixed:
+        best = max(fixed, key=lambda r: r["goodput_rps"])
+        worst = min(fixed, key=lambda r: r["goodput_rps"])
+        for key, ref in (("over_worst_fixed", worst), ("over_best_fixed", best)):
+            out[key] = (live["goodput_rps"] / ref["goodput_rps"] if ref["goodput_rps"]
+                        else None)
+        out["best_fixed"], out["worst_fixed"] = best["setup"], worst["setup"]
+        out["target_over_worst_1_1"] = (out["over_worst_fixed"] is not None
+                                        and out["over_worst_fixed"] >= 1.1)
+        out["target_over_best_0_97"] = (out["over_best_fixed"] is not None
+                                        and out["over_best_fixed"] >= 0.97)
+        out["switches"] = live.get("tuner", {}).get("switch_count")
+    return out
+
+
+def table(results: list[dict], summary: dict) -> str:
+    names = [p["phase"] for p in results[0]["phases"]] if results else []
+    lines = [f"{'setup':<12} {'goodput/s':>9} {'attain':>7} {'failed':>6}  "
+             + "  ".join(f"{n[:14]:>14}" for n in names)]
+    for r in results:
+        lines.append(f"{r['setup']:<12} {r['goodput_rps']:>9.3f} {100 * r['attainment']:>6.0f}% "
+                     f"{r['failed']:>6}  " + "  ".join(
+                         f"{100 * (p['attainment'] or 0):>13.0f}%" for p in r["phases"]))
+    if "over_worst_fixed" in summary:
+        w, b = summary["over_worst_fixed"], summary["over_best_fixed"]
+        lines.append(f"live tuner: {w if w is None else f'{w:.2f}'}x the worst fixed layout "
+                     f"({summary['worst_fixed']}; target >= 1.1), "
+                     f"{b if b is None else f'{b:.2f}'}x the best ({summary['best_fixed']}; "
+                     f"target >= 0.97), {summary['switches']} switches")
+    lines.append(f"failed requests: {summary['failed_requests']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
