@@ -121,8 +121,8 @@ def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
 
 def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                     say: Callable[[str], None] = print,
-                    max_model_len: int = 1 << 30,
-                    vocab: int = 10000) -> tuple[list[dict], list[dict], list[dict]]:
+                    max_model_len: int = 1 << 30, vocab: int = 10000, device: str = "cpu",
+                    tp: int = 1) -> tuple[list[dict], list[dict], list[dict]]:
     """Real prefill and decode worker processes (one core each): per prompt size, the time from
     the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
     the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
@@ -136,7 +136,9 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
     grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
-    common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1",
+    common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1", "--device", device,
+              "--tensor-parallel-size", str(tp),
+              *(["--gpu-memory-utilization", "0.3"] if device.startswith("cuda") else []),
               "--num-blocks", str(max(4 * (max(handoffs, default=0) // 16 + 2),
                                       *(b * ((c + SERVED_TOKENS[1]) // 16 + 4)
                                         for c, b in grid)))]
@@ -149,7 +151,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     rows = []
     # stops the processes (last started first), then Redis, on every way out
     with contextlib.ExitStack() as stack:
-        prefill, decode, router, remote = _start_cluster(stack, common, cores)
+        prefill, decode, router, remote = _start_cluster(stack, common, _groups(cores, tp))
         for n in handoffs:
             rows.append(_handoff_time(prefill, decode, prompts, n, params, repeats))
             say(f"hand-off {n:5d} tokens ({rows[-1]['bytes'] / 2**20:6.1f} MiB): "
@@ -191,8 +193,8 @@ def _say_served(say, served: list[dict], busy: list[dict], sizes) -> None:
             f"{statistics.median(ss) * 1000 if ss else float('nan'):8.2f} ms")
 
 
-def _start_cluster(stack: contextlib.ExitStack, common: list[str], cores: list[int]):
-    """Redis, a prefill and a decode worker (a core each) and two routers, each stopped by
+def _start_cluster(stack: contextlib.ExitStack, common: list[str], groups: list[set[int]]):
+    """Redis, a prefill and a decode worker (a core group each) and two routers, each stopped by
     ``stack``: (prefill, decode, the streams' router, the busy prompts' router)."""
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.launch.local import WorkerProcess
@@ -205,8 +207,8 @@ def _start_cluster(stack: contextlib.ExitStack, common: list[str], cores: list[i
         stack.callback(proc.stop)
         return proc
 
-    prefill = start("prefill", common, {cores[0]})
-    decode = start("decode", [*common, "--peers", prefill.address], {cores[1 % len(cores)]})
+    prefill = start("prefill", common, groups[0])
+    decode = start("decode", [*common, "--peers", prefill.address], groups[1])
     # the streams' router prefills every prompt on the decode worker, so the streams are all
     # decoding by the timed window; the busy prompts take the remote path through a router of
     # their own: prefill, KV hand-off, lease release, decode, as in a cluster
@@ -310,7 +312,7 @@ def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
         return statistics.median(ex.map(one, requests))
 
 
-def neighbor_load(model: str, dtype: str, cores: str) -> None:
+def neighbor_load(model: str, dtype: str, cores: str, device: str = "cpu") -> None:
     """What a busy worker does to its neighbours' caches and memory bandwidth: one engine
     (one thread, pinned to ``cores``) serving 512-token prompts with 64 tokens each, eight in
     flight, until it is killed. Run by :func:`run_profile` in a process of its own."""
@@ -319,7 +321,8 @@ def neighbor_load(model: str, dtype: str, cores: str) -> None:
     from baton.engine.params import SamplingParams
 
     os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-    engine = LLMEngine.from_path(model or None, EngineConfig(dtype=dtype, num_threads=1))
+    engine = LLMEngine.from_path(model or None, _engine_config(EngineConfig, dtype, device,
+                                                              share=0.3))
     prompts = _Prompts(min(engine.model_config.vocab_size, 30000))
     params = SamplingParams(max_tokens=64, ignore_eos=True, detokenize=False)
     n = min(512, engine.max_model_len - 64)
@@ -334,7 +337,8 @@ def neighbor_load(model: str, dtype: str, cores: str) -> None:
 
 
 @contextlib.contextmanager
-def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[str], None]):
+def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[str], None],
+               device: str = "cpu"):
     """:func:`neighbor_load` on ``cores`` (none: nothing) for the duration of a ``with``."""
     import subprocess
 
@@ -345,7 +349,8 @@ def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[s
     say(f"starting a busy engine on core(s) {cores_arg} as the neighbour ...")
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from baton.bench.profile import neighbor_load; "
-         "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg], stdout=subprocess.PIPE)
+         "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg, device],
+        stdout=subprocess.PIPE)
     try:
         if proc.stdout.readline().strip() != b"ready":
             raise ProfileError("the neighbour load did not start (see its error above)")
@@ -393,26 +398,58 @@ def measure_tiers(engine, repeats: int = 3, say: Callable[[str], None] = print) 
     return out
 
 
+def resolve_device(device: str) -> str:
+    """``--device`` as a worker resolves it (auto: cuda when a GPU is visible, else cpu);
+    raises ProfileError for a GPU this process cannot see."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ProfileError(f"--device {device}: no GPU is visible to this process "
+                           "(CUDA_VISIBLE_DEVICES, the driver, or a CPU-only build of torch)")
+    return device
+
+
+def _engine_config(EngineConfig, dtype: str, device: str, share: float = 0.4, tp: int = 1):
+    """One torch thread (per rank), on ``device``; on a GPU a ``share`` of its memory, so the
+    engine, its neighbour and the hand-off's two workers fit on one GPU together."""
+    kw = {"gpu_memory_utilization": share} if device.startswith("cuda") else {}
+    return EngineConfig(dtype=dtype, num_threads=1, device=device, tensor_parallel_size=tp,
+                        **kw)
+
+
+def _groups(cores: list[int], tp: int) -> list[set[int]]:
+    """Two groups of ``tp`` cores (the engine's, or the prefill worker's, then the neighbour's
+    or the decode worker's), wrapping round ``cores`` when there are fewer than 2 x tp."""
+    return [{cores[(g * tp + i) % len(cores)] for i in range(tp)} for g in range(2)]
+
+
 def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                 handoff: bool = True, say: Callable[[str], None] = print,
-                neighbors: bool = True) -> Profile:
+                neighbors: bool = True, device: str = "cpu", tp: int = 1) -> Profile:
     """Measure this machine: the engine in this process pinned to ``cores[0]`` with one torch
     thread (as `baton bench compare` and `baton up --threads 1` run workers), then the hand-off.
     With ``neighbors``, an engine as busy as a serving worker runs on the other cores meanwhile:
     near its goodput every worker of a cluster is busy, and on a 2-core VM a busy neighbour made
-    a 1024-token prefill 8-13% slower than on an idle machine."""
+    a 1024-token prefill 8-13% slower than on an idle machine. ``device``: where the engine,
+    the neighbour and the workers run (cpu, cuda, cuda:N; the workers' --device), recorded in
+    the profile: costs measured on one device say nothing of another. ``tp``: measure a
+    worker of that many ranks (each on a core of its own on the CPU), for a pool of that
+    tensor-parallel size in `baton tune`."""
     import torch
     from baton.bench.common import machine
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
 
-    others = sorted(set(cores[1:]) - {cores[0]}) if neighbors else []
+    mine = _groups(cores, tp)[0]
+    others = sorted(set(cores) - mine)[:tp] if neighbors else []
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    os.sched_setaffinity(0, {cores[0]})
+    os.sched_setaffinity(0, mine)  # the group's followers start from it
     try:
-        say(f"loading the model ({dtype}) ...")
-        engine = LLMEngine.from_path(model, EngineConfig(dtype=dtype, num_threads=1))
-        with _neighbors(model, dtype, others, say):
+        say(f"loading the model ({dtype}, {device}) ...")
+        engine = LLMEngine.from_path(model, _engine_config(EngineConfig, dtype, device, tp=tp))
+        with _neighbors(model, dtype, others, say, device):
             costs = measure_engine(engine, repeats, say)
             costs["tier_load"] = measure_tiers(engine, repeats, say)
     finally:  # the caller's cores and threads back (its later workers pin themselves)
@@ -423,12 +460,14 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
                 max_num_batched_tokens=engine.cfg.max_num_batched_tokens,
                 max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
                 kv_bytes_per_token=engine.block_nbytes // engine.cfg.block_size,
-                neighbors=others, machine=machine(), **costs)
+                neighbors=others, machine=machine(), device=device, tensor_parallel_size=tp,
+                **costs)
     engine_len, vocab = engine.max_model_len, engine.model_config.vocab_size
+    engine.close()  # a group's followers end with it
     del engine
     if handoff:
         p.handoff, p.served, p.served_prefill = measure_workers(
-            model, dtype, cores, repeats, say, engine_len, vocab)
+            model, dtype, cores, repeats, say, engine_len, vocab, device, tp)
         _serving_factors(p, say)
     weights = tier_weights(p)
     if weights:
@@ -466,8 +505,16 @@ def cmd_profile(a) -> int:
         print(f"[baton profile {time.monotonic() - t0:5.1f}s] {msg}", file=sys.stderr,
               flush=True)
 
+    try:
+        device = resolve_device(a.device)
+    except ProfileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.tensor_parallel_size < 1:
+        print("error: --tensor-parallel-size must be >= 1", file=sys.stderr)
+        return 2
     p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say,
-                    not a.idle_neighbors)
+                    not a.idle_neighbors, device, a.tensor_parallel_size)
     path = p.save(a.out or default_path())
     cm = CostModel(p)
     for k, v in cm.summary().items():
@@ -479,6 +526,14 @@ def cmd_profile(a) -> int:
 def add_profile_args(ap) -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default SmolLM2)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default=os.environ.get("BATON_DEVICE", "auto"),
+                    help="where to measure, as the workers' --device: cpu, cuda, cuda:N, or "
+                         "auto (cuda when a GPU is visible, else cpu; default $BATON_DEVICE, "
+                         "else auto). The profile records it; `baton tune --live` refuses a "
+                         "profile from another kind of device than its workers'")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="measure a worker of N ranks (`baton worker --tensor-parallel-size "
+                         "N`), for `baton tune --tp-profile` (default 1)")
     ap.add_argument("--cores", default=None,
                     help="comma-separated cores: the engine runs on the first, the hand-off's "
                          "prefill and decode workers on the first two (default: this process's)")

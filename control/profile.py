@@ -92,6 +92,8 @@ class Profile:
     # KV tiers: loading blocks back into the pool, {tier, blocks, bytes, s} (kv_tiers.TierStore)
     tier_load: list[dict] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
+    device: str = "cpu"  # where it was measured (`baton profile --device`)
+    tensor_parallel_size: int = 1  # ranks of the worker measured (`--tensor-parallel-size`)
     version: int = VERSION
 
     def save(self, path: str | Path) -> Path:
@@ -196,6 +198,8 @@ class CostModel:
             self.handoff_fixed = statistics.fmean(ys)
         self.kv_bytes_per_token = p.kv_bytes_per_token
         self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
+        self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
+                              if r.get("blocks")}
 
     def tok(self, n: int) -> float:
         """Per-token work of a step that runs ``n`` tokens (no attention)."""
@@ -222,6 +226,10 @@ class CostModel:
         it."""
         return sum(self.engine_step(k, _pairs(k, done), [])
                    for k, done in _chunks(n, self.budget))
+
+    def tier_load_s(self, tier: str) -> float:
+        """Loading one block back into the pool from ``tier`` (host, disk); 0 unmeasured."""
+        return self._tier_block_s.get(tier, 0.0)
 
     def handoff(self, tokens: int) -> float:
         return self.handoff_fixed + self.handoff_per_byte * tokens * self.kv_bytes_per_token

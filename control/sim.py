@@ -21,16 +21,26 @@ A request's path, as the router takes it::
                             ─► hand-off (profile) ─► commit: the client sees the first token
                             ─► decode ─► done
 
-Not modelled: prefix-cache hits (the traces' prompts are unique token streams), preemption (a
-step that cannot get a block for a running request stops admitting instead), network between
-machines (the profile's hand-off is whatever it measured).
+Prefix caching: each engine holds the full blocks of the prompts it prefilled or received
+(least recently used out first, ``num_blocks`` of them; with tier sizes in :class:`Knobs`, what
+the pool evicts goes to a host tier, then a disk tier), as the prefix index sees the workers.
+The router scores candidates as it does with the index (its default weights: prefix hits, with
+tier blocks discounted, requests in flight, queue, free KV); a hit is not computed again, a tier
+hit costs its load time (the profile's ``tier_load``), and the P/D decision counts only the
+tokens the chosen decode worker lacks. A worker's tensor-parallel size is its profile's: each
+pool may have its own (:class:`Layout`'s ``prefill_tp``, ``decode_tp``).
+
+Not modelled: preemption (a step that cannot get a block for a running request stops
+admitting instead), network between machines (the profile's hand-off is whatever it measured),
+blocks shared between a running request and the cache (the cache is bounded by the pool's size
+on its own).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,15 +52,24 @@ from baton.control.workload import Record, meets
 @dataclass(frozen=True)
 class Layout:
     """``prefill`` prefill workers and ``decode`` decode workers; ``prefill == 0`` with
-    ``colocated`` is colocated serving (every worker prefills and decodes its own requests)."""
+    ``colocated`` is colocated serving (every worker prefills and decodes its own requests).
+    ``prefill_tp``, ``decode_tp``: each pool's workers' tensor-parallel size (a worker is a
+    group of that many ranks, costed by the profile measured at that size)."""
 
     prefill: int
     decode: int
     colocated: bool = False
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def name(self) -> str:
-        return f"{self.decode} colocated" if self.colocated else f"{self.prefill}P+{self.decode}D"
+        if self.colocated:
+            return f"{self.decode} colocated" + (f" (TP{self.decode_tp})"
+                                                  if self.decode_tp > 1 else "")
+        if self.prefill_tp == self.decode_tp == 1:
+            return f"{self.prefill}P+{self.decode}D"
+        return f"{self.prefill}P(TP{self.prefill_tp})+{self.decode}D(TP{self.decode_tp})"
 
     @property
     def workers(self) -> int:
@@ -65,6 +84,7 @@ class SimRequest(Record):
 
     error: str | None = "unfinished"
     path: str = ""
+    keys: tuple = ()  # its prompt's full blocks, each keyed by the prefix up to its end
 
     def finish(self, t: float) -> None:
         self.end, self.output_tokens, self.error = t, self.max_tokens, None
@@ -80,6 +100,7 @@ class _Seq:
     generated: int = 0
     blocks: int = 0
     on_done: Callable[[float], None] | None = None  # prefill-only: the first token is out
+    load_s: float = 0.0  # tier blocks to load before its first chunk
 
     @property
     def num_tokens(self) -> int:
@@ -103,11 +124,51 @@ class Sim:
             fn(self.now)
 
 
+class PrefixCache:
+    """The prompt blocks one engine holds: its pool, then its host and disk tiers (each least
+    recently used out first, into the next)."""
+
+    TIERS = ("pool", "host", "disk")
+
+    def __init__(self, pool: int, host: int = 0, disk: int = 0) -> None:
+        self.caps = dict(zip(self.TIERS, (pool, host, disk)))
+        self.held: dict[str, OrderedDict] = {t: OrderedDict() for t in self.TIERS}
+
+    def match(self, keys: Sequence) -> dict[str, int]:
+        """Blocks of the longest held prefix of ``keys``, per tier."""
+        out = dict.fromkeys(self.TIERS, 0)
+        for k in keys:
+            tier = next((t for t in self.TIERS if k in self.held[t]), None)
+            if tier is None:
+                break
+            out[tier] += 1
+        return out
+
+    def insert(self, keys: Sequence) -> None:
+        for k in keys:
+            for t in self.TIERS[1:]:
+                self.held[t].pop(k, None)
+            self._put("pool", k)
+
+    def _put(self, tier: str, k) -> None:
+        held = self.held[tier]
+        held[k] = None
+        held.move_to_end(k)
+        while len(held) > self.caps[tier]:
+            old, _ = held.popitem(last=False)
+            i = self.TIERS.index(tier)
+            if i + 1 < len(self.TIERS) and self.caps[self.TIERS[i + 1]] > 0:
+                self._put(self.TIERS[i + 1], old)
+
+
 class SimEngine:
-    def __init__(self, sim: Sim, cost: CostModel, p: Profile, name: str) -> None:
+    def __init__(self, sim: Sim, cost: CostModel, p: Profile, name: str,
+                 tiers: tuple[int, int] = (0, 0)) -> None:
         self.sim, self.cost, self.name = sim, cost, name
         self.budget, self.max_seqs = p.max_num_batched_tokens, p.max_num_seqs
         self.bs = p.block_size
+        self.num_blocks = p.num_blocks
+        self.cache = PrefixCache(p.num_blocks, *tiers)
         self.free_blocks = p.num_blocks
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
@@ -163,8 +224,8 @@ class SimEngine:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens, budget)
-            if not self.take_blocks(seq, n):
+            n = min(seq.num_tokens - seq.computed, budget)  # a held prefix is not computed
+            if not self.take_blocks(seq, seq.computed + n):
                 break
             self.waiting.popleft()
             self.running.append(seq)
@@ -183,7 +244,11 @@ class SimEngine:
         self.busy = True
         chunks = [(n, s.computed) for s, n in batch if s.computed < s.req.prompt_tokens]
         decodes = [s.computed for s, n in batch if s.computed >= s.req.prompt_tokens]
-        self.sim.at(t + self.cost.step(chunks, decodes), lambda t2: self._end(batch, t2))
+        loads = sum(s.load_s for s, _ in batch)
+        for s, _ in batch:
+            s.load_s = 0.0
+        self.sim.at(t + loads + self.cost.step(chunks, decodes),
+                    lambda t2: self._end(batch, t2))
 
     def _end(self, batch: list[tuple[_Seq, int]], t: float) -> None:
         for seq, n in batch:
@@ -191,6 +256,8 @@ class SimEngine:
             if seq.computed < seq.num_tokens:
                 continue  # a prompt chunk: no token yet
             seq.generated += 1
+            if seq.generated == 1:
+                self.cache.insert(seq.req.keys)
             if seq.generated == 1 and seq.prefill_only:
                 self.running.remove(seq)  # blocks stay pinned until the hand-off frees them
                 if seq.on_done is not None:
@@ -214,31 +281,63 @@ class Knobs:
     prefill_saturation: int = 8
     saturated_local_max_tokens: int = 256  # < 0: any length
     rpc_s: float = 0.001  # one gRPC hop between processes on one machine
+    # the router's scorer weights with the index (routing.DEFAULT_WEIGHTS, _TIER_WEIGHTS)
+    weights: tuple[tuple[str, float], ...] = (("prefix", 3.0), ("inflight", 1.0),
+                                              ("queue", 1.0), ("kv", 0.5))
+    tier_weights: tuple[tuple[str, float], ...] = (("host", 0.95), ("disk", 0.8))
+    host_tier_blocks: int = 0  # each worker's --kv-host-tier-gb, in blocks
+    disk_tier_blocks: int = 0  # each worker's --kv-disk-tier-gb, in blocks
 
 
 class Cluster:
-    """Simulated workers of one :class:`Layout` and the router's decisions."""
+    """Simulated workers of one :class:`Layout` and the router's decisions. ``profiles``: the
+    profile per tensor-parallel size, for pools whose size is not ``profile``'s."""
 
     def __init__(self, layout: Layout, profile: Profile, cost: CostModel | None = None,
-                 knobs: Knobs | None = None) -> None:
+                 knobs: Knobs | None = None, profiles: dict[int, Profile] | None = None) -> None:
         self.layout, self.p = layout, profile
-        self.cost = cost or CostModel(profile)
-        self.knobs = knobs or Knobs()
-        self._saturated_local_max = saturated_limit(self.knobs.saturated_local_max_tokens)
+        self.knobs = k = knobs or Knobs()
+        self._saturated_local_max = saturated_limit(k.saturated_local_max_tokens)
         self.sim = Sim()
-        self.prefills = [SimEngine(self.sim, self.cost, profile, f"prefill-{i}")
-                         for i in range(layout.prefill)]
-        self.decodes = [SimEngine(self.sim, self.cost, profile, f"decode-{i}")
-                        for i in range(layout.decode)]
+        by_tp = {profile.tensor_parallel_size: (profile, cost or CostModel(profile))}
+        for tp, q in (profiles or {}).items():
+            by_tp.setdefault(tp, (q, CostModel(q)))
+
+        def engines(role: str, n: int, tp: int) -> list[SimEngine]:
+            if tp not in by_tp:
+                raise ValueError(f"no profile at tensor-parallel size {tp} for the {role} pool "
+                                 f"(have {sorted(by_tp)})")
+            q, c = by_tp[tp]
+            return [SimEngine(self.sim, c, q, f"{role}-{i}",
+                              (k.host_tier_blocks, k.disk_tier_blocks)) for i in range(n)]
+
+        self.prefills = engines("prefill", layout.prefill, layout.prefill_tp)
+        self.decodes = engines("decode", layout.decode, layout.decode_tp)
         for d in self.decodes:
             d.on_free = self._slot_freed
         self.decode_queue: deque[SimRequest] = deque()  # waiting for a decode slot
         self._turn = itertools.count()
+        self._tier_w = dict(k.tier_weights)
+        total = sum(w for _, w in k.weights)
+        self._weights = {name: w / total for name, w in k.weights}
 
-    def _least(self, engines: Sequence[SimEngine], load: Callable[[SimEngine], int]):
-        low = min(load(e) for e in engines)
-        tied = [e for e in engines if load(e) == low]
-        return tied[next(self._turn) % len(tied)]
+    def _score(self, e: SimEngine, hits: dict[str, int], n_blocks: int) -> float:
+        """The router's score with the index (routing.SCORERS, its default weights)."""
+        w = self._weights
+        prefix = ((hits["pool"] + self._tier_w.get("host", 0) * hits["host"]
+                   + self._tier_w.get("disk", 0) * hits["disk"]) / n_blocks if n_blocks else 0.0)
+        return (w.get("prefix", 0) * prefix + w.get("inflight", 0) / (1 + e.inflight)
+                + w.get("queue", 0) / (1 + len(e.waiting))
+                + w.get("kv", 0) * e.free_blocks / max(1, e.num_blocks))
+
+    def _best(self, engines: Sequence[SimEngine], keys: tuple) -> tuple[SimEngine, dict]:
+        """The highest-scored engine (ties in turn) and its hits."""
+        hits = [e.cache.match(keys) for e in engines]
+        scores = [self._score(e, h, len(keys)) for e, h in zip(engines, hits)]
+        top = max(scores)
+        tied = [i for i, sc in enumerate(scores) if sc >= top - 1e-9]
+        i = tied[next(self._turn) % len(tied)]
+        return engines[i], hits[i]
 
     def run(self, reqs: Sequence[SimRequest]) -> list[SimRequest]:
         for r in reqs:
@@ -250,6 +349,17 @@ class Cluster:
         if self.decode_queue:
             self._route(t, self.decode_queue.popleft(), queued=True)
 
+    def _seq(self, e: SimEngine, r: SimRequest, hits: dict[str, int], **kw) -> _Seq:
+        """``r`` on ``e`` with its held prefix not computed again (a tier's blocks loaded);
+        at least the last prompt token is computed, for the logits."""
+        cached = min(sum(hits.values()) * e.bs, r.prompt_tokens - 1)
+        load = 0.0
+        for k in r.keys[:cached // e.bs]:  # the blocks used, in order: most recently used now
+            tier = next(t for t in PrefixCache.TIERS if k in e.cache.held[t])
+            e.cache.held[tier].move_to_end(k)
+            load += e.cost.tier_load_s(tier) if tier != "pool" else 0.0
+        return _Seq(r, computed=cached, load_s=load, **kw)
+
     def _route(self, t: float, r: SimRequest, queued: bool = False) -> None:
         # as the router's DecodeQueue: a decode worker with room in its batch, else wait, in
         # arrival order (a newcomer joins the line behind anyone already waiting)
@@ -257,21 +367,22 @@ class Cluster:
         if not room or (self.decode_queue and not queued):
             self.decode_queue.append(r)
             return
-        d = self._least(room, lambda e: e.inflight)
+        d, d_hits = self._best(room, r.keys)
         d.inflight += 1
         k = self.knobs
         saturated = all(e.inflight + len(e.waiting) >= k.prefill_saturation > 0
                         for e in self.prefills)
-        path, _ = pd_path(r.prompt_tokens, bool(self.prefills) and not self.layout.colocated,
+        path, _ = pd_path(r.prompt_tokens - sum(d_hits.values()) * d.bs,
+                          bool(self.prefills) and not self.layout.colocated,
                           saturated, k.local_prefill_max_tokens, self._saturated_local_max)
         if path == "local":
             r.path = "local"
-            d.submit(t, _Seq(r))
+            d.submit(t, self._seq(d, r, d_hits))
             return
         r.path = "remote"
-        p = self._least(self.prefills, lambda e: e.inflight)
+        p, p_hits = self._best(self.prefills, r.keys)
         p.inflight += 1
-        seq = _Seq(r, prefill_only=True)
+        seq = self._seq(p, r, p_hits, prefill_only=True)
 
         def prefilled(t1: float) -> None:
             p.inflight -= 1
@@ -304,6 +415,7 @@ class Cluster:
 
             def commit(t3: float) -> None:
                 r.first = t3
+                d.cache.insert(r.keys)
                 if r.max_tokens <= 1:
                     r.finish(t3)
                     d.release(seq)
@@ -312,17 +424,31 @@ class Cluster:
                     d.running.append(seq)
             d.run_op(t2, commit)
 
-        self.sim.at(t + self.cost.handoff(r.prompt_tokens), transferred)
+        self.sim.at(t + p.cost.handoff(r.prompt_tokens), transferred)
 
 
 # ---- attainment and goodput ----------------------------------------------------------------------
 
 
-def simulate(layout: Layout, profile: Profile, shape: Sequence[tuple[int, int, float]],
-             knobs: Knobs | None = None, cost: CostModel | None = None) -> list[SimRequest]:
-    """``shape``: (prompt tokens, output tokens, arrival seconds) per request."""
-    reqs = [SimRequest(p, o, at) for p, o, at in shape]
-    return Cluster(layout, profile, cost, knobs).run(reqs)
+def simulate(layout: Layout, profile: Profile, shape: Sequence[tuple],
+             knobs: Knobs | None = None, cost: CostModel | None = None,
+             profiles: dict[int, Profile] | None = None) -> list[SimRequest]:
+    """``shape``: (prompt tokens, output tokens, arrival seconds[, the prompt's block keys])
+    per request (:func:`block_keys`)."""
+    reqs = [SimRequest(x[0], x[1], x[2], keys=tuple(x[3]) if len(x) > 3 else ())
+            for x in shape]
+    return Cluster(layout, profile, cost, knobs, profiles).run(reqs)
+
+
+def block_keys(prompt: Sequence[int], block_size: int) -> tuple:
+    """A key per full block of ``prompt``, each standing for the whole prefix up to the block's
+    end (two prompts share the first k keys exactly when they share their first k blocks), as
+    the engine's block hashes do."""
+    keys, h = [], 0
+    for i in range(block_size, len(prompt) + 1, block_size):
+        h = hash((h, tuple(prompt[i - block_size:i])))
+        keys.append(h)
+    return tuple(keys)
 
 
 def attainment(reqs: Sequence[SimRequest], ttft_slo: float, tpot_slo: float) -> float:

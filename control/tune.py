@@ -18,11 +18,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from baton.control.profile import CostModel, Profile, ProfileError, default_path
-from baton.control.sim import Knobs, Layout, attainment, simulate
+from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
 
 
-def layouts(n: int) -> list[Layout]:
-    return [Layout(p, n - p) for p in range(1, n)] + [Layout(0, n, colocated=True)]
+def layouts(n: int, prefill_tp: int = 1, decode_tp: int = 1) -> list[Layout]:
+    """Every split of ``n`` workers, and all colocated (at the decode pool's TP size)."""
+    return ([Layout(p, n - p, False, prefill_tp, decode_tp) for p in range(1, n)]
+            + [Layout(0, n, True, decode_tp, decode_tp)])
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ class TuneConfig:
     profile: str | None
     out: str | None
     plot: bool
+    tp_profiles: tuple[str, ...] = ()  # more profiles, at other tensor-parallel sizes
+    prefill_tp: int | None = None  # None: the profile's size
+    decode_tp: int | None = None
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> TuneConfig:
@@ -71,8 +76,11 @@ class TuneConfig:
                    Search(a.ttft_slo, a.tpot_slo, a.attainment, a.start_rate, a.max_rate,
                           a.min_rate, a.refine, a.seed),
                    Knobs(a.local_prefill_max_tokens, a.prefill_saturation,
-                         saturated_local_max_tokens=a.saturated_local_max_tokens),
-                   a.workers, a.profile, a.out, not a.no_plot)
+                         saturated_local_max_tokens=a.saturated_local_max_tokens,
+                         host_tier_blocks=a.host_tier_blocks,
+                         disk_tier_blocks=a.disk_tier_blocks),
+                   a.workers, a.profile, a.out, not a.no_plot, tuple(a.tp_profile),
+                   a.prefill_tp, a.decode_tp)
 
 
 def load_trace(a: TraceSlice) -> list:
@@ -101,23 +109,32 @@ def load_trace(a: TraceSlice) -> list:
     return reqs
 
 
-def shape(reqs) -> list[tuple[int, int, float]]:
-    return [(len(r.prompt), r.max_tokens, r.at) for r in reqs]
+def shape(reqs, keys: list[tuple] | None = None) -> list[tuple]:
+    """(prompt tokens, output tokens, arrival[, block keys]) per request, for the simulator."""
+    if keys is None:
+        return [(len(r.prompt), r.max_tokens, r.at) for r in reqs]
+    return [(len(r.prompt), r.max_tokens, r.at, k) for r, k in zip(reqs, keys)]
 
 
 class Evaluator:
-    """Attainment of one layout at a Poisson rate (or the trace's own times), and its goodput."""
+    """Attainment of one layout at a Poisson rate (or the trace's own times), and its goodput.
+    ``profiles``: more profiles, one per tensor-parallel size a layout's pools may use."""
 
-    def __init__(self, profile: Profile, reqs, search: Search, knobs: Knobs) -> None:
+    def __init__(self, profile: Profile, reqs, search: Search, knobs: Knobs,
+                 profiles: dict[int, Profile] | None = None) -> None:
         self.p, self.cost, self.reqs = profile, CostModel(profile), reqs
         self.search = search
         self.knobs = knobs
+        self.profiles = profiles
+        # the prompts' shared prefixes, as the engines' block hashes see them
+        self.keys = [block_keys(r.prompt, profile.block_size) for r in reqs]
 
     def at(self, layout: Layout, rate: float | None) -> float:
         from baton.control import workload as lg
 
         reqs = self.reqs if rate is None else lg.poisson(self.reqs, rate, self.search.seed)
-        done = simulate(layout, self.p, shape(reqs), self.knobs, self.cost)
+        done = simulate(layout, self.p, shape(reqs, self.keys), self.knobs, self.cost,
+                        self.profiles)
         return attainment(done, self.search.ttft_slo, self.search.tpot_slo)
 
     def goodput(self, layout: Layout) -> tuple[float, list[tuple[float, float]]]:
@@ -166,7 +183,8 @@ def plot(rows: list[dict], ev: Evaluator, path: Path) -> Path | None:
     rates = [lo * (hi / lo) ** (i / 23) for i in range(24)]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in rows:
-        layout = Layout(r["prefill"], r["decode"], r["colocated"])
+        layout = Layout(r["prefill"], r["decode"], r["colocated"], r.get("prefill_tp", 1),
+                        r.get("decode_tp", 1))
         ax.plot(rates, [100 * ev.at(layout, x) for x in rates], marker=".",
                 label=f"{r['layout']} (goodput {r['goodput_rps']:.3g}/s)")
     ax.axhline(100 * ev.search.attainment, color="grey", ls="--", lw=0.8)
@@ -202,6 +220,7 @@ class LiveConfig:
     redis_url: str
     tune: TuneConfig
     profile: Profile
+    profiles: dict  # tensor-parallel size -> Profile (tp_profiles)
     apply: bool
     min_gain: float
     min_dwell: float
@@ -220,6 +239,7 @@ def live(a: argparse.Namespace) -> int:
     cfg = TuneConfig.from_args(a)
     try:
         profile = _check(replace(cfg, workers=2))
+        by_tp = tp_profiles(cfg, profile)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
@@ -233,7 +253,7 @@ def live(a: argparse.Namespace) -> int:
         return 2
     results = Path(a.results) if a.results else Path(__file__).resolve().parents[1] / "bench" \
         / "results"
-    return run_live(LiveConfig(a.live, url, cfg, profile, a.apply, a.min_gain, a.min_dwell,
+    return run_live(LiveConfig(a.live, url, cfg, profile, by_tp, a.apply, a.min_gain, a.min_dwell,
                                a.min_requests, a.every, a.switch_gap, a.json, results))
 
 
@@ -251,22 +271,52 @@ def _check(cfg: TuneConfig) -> Profile:
         raise SystemExit(f"error: {e}{hint}") from None
 
 
+def tp_profiles(cfg: TuneConfig, main: Profile) -> dict[int, Profile]:
+    """The profile per tensor-parallel size (``--profile`` and every ``--tp-profile``);
+    SystemExit(2) for an unreadable one, two of one size, another device or dtype than the
+    main profile's, or a pool size no profile measured."""
+    out = {main.tensor_parallel_size: main}
+    for path in cfg.tp_profiles:
+        try:
+            q = Profile.load(path)
+        except ProfileError as e:
+            raise SystemExit(f"error: --tp-profile: {e}") from None
+        if q.tensor_parallel_size in out:
+            raise SystemExit(f"error: --tp-profile {path}: a second profile at tensor-parallel "
+                             f"size {q.tensor_parallel_size}")
+        if (q.device.split(":")[0], q.dtype) != (main.device.split(":")[0], main.dtype):
+            raise SystemExit(f"error: --tp-profile {path} was measured on {q.device} "
+                             f"({q.dtype}), the --profile on {main.device} ({main.dtype})")
+        out[q.tensor_parallel_size] = q
+    for flag, tp in (("--prefill-tp", cfg.prefill_tp), ("--decode-tp", cfg.decode_tp)):
+        if tp is not None and tp not in out:
+            raise SystemExit(f"error: {flag} {tp}: no profile at that tensor-parallel size "
+                             f"(have {sorted(out)}; `baton profile --tensor-parallel-size "
+                             f"{tp}`, then --tp-profile FILE)")
+    return out
+
+
 def tune(cfg: TuneConfig) -> int:
     try:
         profile = _check(cfg)
+        by_tp = tp_profiles(cfg, profile)
     except SystemExit as e:
         print(e, file=sys.stderr)
         return 2
     reqs = load_trace(cfg.slice)
-    ev = Evaluator(profile, reqs, cfg.search, cfg.knobs)
+    ev = Evaluator(profile, reqs, cfg.search, cfg.knobs, by_tp)
     span = reqs[-1].at - reqs[0].at
     trace_rate = (len(reqs) - 1) / span if span > 0 else None
     rows = []
     t0 = time.monotonic()
-    for layout in layouts(cfg.workers):
+    own = profile.tensor_parallel_size
+    print(f"[baton tune] costs measured on {profile.device} ({profile.dtype}, "
+          f"TP {sorted(by_tp)})", file=sys.stderr)
+    for layout in layouts(cfg.workers, cfg.prefill_tp or own, cfg.decode_tp or own):
         goodput, points = ev.goodput(layout)
         rows.append({"layout": layout.name, "prefill": layout.prefill, "decode": layout.decode,
-                     "colocated": layout.colocated, "goodput_rps": goodput, "points": points,
+                     "colocated": layout.colocated, "prefill_tp": layout.prefill_tp,
+                     "decode_tp": layout.decode_tp, "goodput_rps": goodput, "points": points,
                      "attainment_at_trace_rate": ev.at(layout, None)})
         print(f"[baton tune {time.monotonic() - t0:5.1f}s] {layout.name}: goodput "
               f"{goodput:.3g} req/s ({len(points)} rates simulated)", file=sys.stderr,
@@ -287,9 +337,12 @@ def _write(cfg: TuneConfig, profile: Profile, ev: Evaluator, rows: list[dict],
     result = {"trace": cfg.slice.trace, "requests": len(ev.reqs), "trace_rate_rps": trace_rate,
               "slo": {"ttft_s": s.ttft_slo, "tpot_s": s.tpot_slo, "attainment": s.attainment},
               "profile": {"path": str(cfg.profile or default_path()), "dtype": profile.dtype,
+                          "device": profile.device,
+                          "tensor_parallel_size": profile.tensor_parallel_size,
                           "machine": profile.machine, **CostModel(profile).summary()},
               "args": {**asdict(cfg.slice), **asdict(s), **asdict(cfg.knobs),
-                       "workers": cfg.workers, "profile": cfg.profile, "out": cfg.out},
+                       "workers": cfg.workers, "profile": cfg.profile, "out": cfg.out,
+                       "tp_profiles": cfg.tp_profiles},
               "configurations": rows, "recommendation": rec}
     Path(f"{stem}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(f"wrote {stem}.json")
@@ -326,6 +379,14 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--profile", default=None,
                     help="`baton profile`'s file (default $BATON_CACHE_DIR/profile.json, else "
                          "~/.cache/baton/profile.json)")
+    ap.add_argument("--tp-profile", action="append", default=[], metavar="FILE",
+                    help="a profile at another tensor-parallel size (`baton profile "
+                         "--tensor-parallel-size N`), for a pool of that size; repeatable")
+    ap.add_argument("--prefill-tp", type=int, default=None,
+                    help="the prefill pool's tensor-parallel size (default: --profile's)")
+    ap.add_argument("--decode-tp", type=int, default=None,
+                    help="the decode (and colocated) pool's tensor-parallel size (default: "
+                         "--profile's)")
     g = ap.add_argument_group("trace slice (as `baton bench` reads it)")
     g.add_argument("--requests", type=int, default=200, help="requests used (default 200)")
     g.add_argument("--trace-start", type=int, default=0, help="first row (Azure)")
@@ -340,11 +401,16 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--min-rate", type=float, default=None)
     g.add_argument("--refine", type=int, default=4, help="bisection steps (default 4)")
     g.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
-    g = ap.add_argument_group("router settings simulated")
+    g = ap.add_argument_group("router and worker settings simulated")
     g.add_argument("--local-prefill-max-tokens", type=int, default=64)
     g.add_argument("--prefill-saturation", type=int, default=8)
     g.add_argument("--saturated-local-max-tokens", type=int, default=256,
                    help="as `baton router`: -1 for any length (default 256)")
+    g.add_argument("--host-tier-blocks", type=int, default=0,
+                   help="each worker's host KV tier, in blocks (--kv-host-tier-gb; default 0): "
+                        "prefixes the pool evicts stay there, loaded back at its measured cost")
+    g.add_argument("--disk-tier-blocks", type=int, default=0,
+                   help="each worker's disk KV tier, in blocks (--kv-disk-tier-gb; default 0)")
     ap.add_argument("--out", default=None,
                     help="path stem for the JSON and PNG (default ./baton-tune)")
     g = ap.add_argument_group("the live cluster (--live ROUTER)")

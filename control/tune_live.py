@@ -17,6 +17,7 @@ import glob
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -29,16 +30,16 @@ from baton.control.sim import Layout
 LAST_APPLY = "baton:tune:last_apply"  # Redis: unix time of the last switch --apply made
 
 
-def current_layout(roles: dict[str, str]) -> Layout | None:
-    """The layout the workers' roles form (None: a mix with ``both`` the simulator has no
-    name for)."""
+def current_layout(roles: dict[str, str], tp: int = 1) -> Layout | None:
+    """The layout the workers' roles form, each worker ``tp`` ranks (None: a mix with ``both``
+    the simulator has no name for)."""
     vals = list(roles.values())
     n = len(vals)
     if all(v == "both" for v in vals) or vals.count("prefill") == 0:
-        return Layout(0, n, colocated=True)  # no prefill pool: every worker prefills its own
+        return Layout(0, n, True, tp, tp)  # no prefill pool: every worker prefills its own
     if "both" in vals:
         return None
-    return Layout(vals.count("prefill"), vals.count("decode"))
+    return Layout(vals.count("prefill"), vals.count("decode"), False, tp, tp)
 
 
 def assignment(roles: dict[str, str], layout: Layout) -> dict[str, str]:
@@ -99,6 +100,38 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
                        f"{dwell_left:.0f}s more (--min-dwell)")
     return Verdict(best, cur, gain, True, f"switch to {best['layout']} (predicted "
                    f"{'+inf' if math.isinf(gain) else f'+{100 * gain:.1f}'}% goodput)")
+
+
+def worker_groups(ranks: dict[str, str]) -> dict[str, tuple[int, str]]:
+    """Each worker's tensor-parallel size and device kind from its registry ``ranks``
+    ("2 ranks on cuda:0 (pids ...)"); an older worker that does not say: (1, "")."""
+    out = {}
+    for w, text in ranks.items():
+        m = re.match(r"(\d+) ranks? on (\w+)", text or "")
+        out[w] = (int(m.group(1)), m.group(2)) if m else (1, "")
+    return out
+
+
+def pick_profile(profiles: dict, groups: dict[str, tuple[int, str]]):
+    """The profile for these workers: all of one tensor-parallel size, on the device kind the
+    profile was measured on. Raises ValueError naming what does not match."""
+    sizes = sorted({tp for tp, _ in groups.values()})
+    if len(sizes) > 1:
+        raise ValueError(f"the workers have tensor-parallel sizes {sizes}: the live tuner "
+                         "switches workers of one size (each pool's size is fixed by its "
+                         "processes); `baton tune --trace` compares pools of different sizes")
+    profile = profiles.get(sizes[0]) if sizes else None
+    if profile is None:
+        raise ValueError(f"the workers run at tensor-parallel size {sizes[0]}, and no profile "
+                         f"is at that size (have {sorted(profiles)}): `baton profile "
+                         f"--tensor-parallel-size {sizes[0]}`, then --tp-profile FILE")
+    kinds = {kind for _, kind in groups.values() if kind}
+    mine = profile.device.split(":")[0]
+    if kinds and kinds != {mine}:
+        raise ValueError(f"the profile was measured on {profile.device}, the workers run on "
+                         f"{', '.join(sorted(kinds))}: `baton profile --device "
+                         f"{sorted(kinds)[0]}` on their machine")
+    return profile
 
 
 def validation_error(results: Path) -> str:
@@ -164,9 +197,15 @@ def live_once(cfg, registry, say) -> dict:
     """One look at the live cluster (and with cfg.apply, the switches); its summary."""
     from baton.control.tune import Evaluator, layouts, load_trace
 
-    roles = {w.worker_id: w.role for w in registry.workers()}
+    records = registry.workers()
+    roles = {w.worker_id: w.role for w in records}
     if len(roles) < 2:
         return {"action": "none", "reason": f"{len(roles)} worker(s): nothing to split"}
+    try:
+        profile = pick_profile(cfg.profiles, worker_groups({w.worker_id: w.ranks
+                                                            for w in records}))
+    except ValueError as e:
+        return {"action": "none", "reason": f"switches nothing: {e}"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "live.jsonl"
         n = fetch_workload(cfg.live, path)
@@ -176,23 +215,24 @@ def live_once(cfg, registry, say) -> dict:
                               f"{cfg.min_requests}: switches nothing"}
         reqs = load_trace(replace(cfg.tune.slice, trace=str(path), format="baton",
                                   requests=n, trace_start=0))
-    ev = Evaluator(cfg.profile, reqs, cfg.tune.search, cfg.tune.knobs)
+    ev = Evaluator(profile, reqs, cfg.tune.search, cfg.tune.knobs)
     rows = []
-    for layout in layouts(len(roles)):
+    tp = profile.tensor_parallel_size
+    for layout in layouts(len(roles), tp, tp):
         goodput, _ = ev.goodput(layout)
         rows.append({"layout": layout.name, "prefill": layout.prefill,
                      "decode": layout.decode, "colocated": layout.colocated,
                      "goodput_rps": goodput, "attainment_live": ev.at(layout, None)})
     last = registry.redis.get(LAST_APPLY)
     dwell_left = cfg.min_dwell - (time.time() - float(last)) if last else 0.0
-    cur = current_layout(roles)
+    cur = current_layout(roles, tp)
     v = verdict(rows, cur, cfg.min_gain, dwell_left)
     out = {"requests": len(reqs), "workers": roles, "current": cur.name if cur else "mixed",
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
            "switches": []}
     if cfg.apply and v.act:
-        best = Layout(v.best["prefill"], v.best["decode"], v.best["colocated"])
+        best = Layout(v.best["prefill"], v.best["decode"], v.best["colocated"], tp, tp)
         out["switches"] = apply(registry, assignment(roles, best), roles, cfg.gap_s, say)
         registry.redis.set(LAST_APPLY, str(time.time()))
         out["action"] = "switched"

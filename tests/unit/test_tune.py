@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from baton.control.profile import CostModel, Profile, ProfileError, prefill_throughput_factor
-from baton.control.sim import Knobs, Layout, attainment, simulate
+from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
 
 from tests.support.profiles import make_profile, tok
 
@@ -227,8 +227,9 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert out.returncode == 0, out.stderr
     assert "prefill  1024 tokens" in out.stderr and "decode batch" in out.stderr
     p = Profile.load(tmp_path / "p.json")
-    others = sorted(os.sched_getaffinity(0))[1:]
+    others = sorted(os.sched_getaffinity(0))[1:2]
     assert p.neighbors == others  # measured beside a busy engine wherever there is a core for it
+    assert (p.device, p.tensor_parallel_size) == ("cpu", 1)  # --device auto: no GPU here
     assert ("as the neighbour" in out.stderr) == bool(others)
     assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]
     assert p.decode and p.prefill_long
@@ -295,3 +296,98 @@ def test_decode_admission_waits_for_a_slot_as_the_router_does():
     reqs = simulate(Layout(0, 1, colocated=True), make_profile(seqs=1),
                     [(20, 5, 0.0), (20, 5, 0.001), (20, 5, 0.002)])
     assert reqs[0].end <= reqs[1].first and reqs[1].end <= reqs[2].first
+
+
+# ---- prefix hits, KV tiers, TP per pool, the profile's device -----------------------------------
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 31 * i) % 5000 + 100 for i in range(n)]
+
+
+def test_a_held_prefix_is_not_prefilled_again_and_the_router_goes_where_it_is():
+    p, a, b = make_profile(), _prompt(1, 320), _prompt(2, 320)
+    shape = [(320, 2, 0.0, block_keys(a, 16)), (320, 2, 5.0, block_keys(b, 16)),
+             (320, 2, 10.0, block_keys(a, 16)), (320, 2, 15.0, block_keys(b, 16))]
+    first_a, first_b, again_a, again_b = simulate(Layout(0, 2, colocated=True), p, shape)
+    assert first_a.ttft == pytest.approx(0.004 + tok(320))  # all computed
+    # each again on the worker that holds it (the prefix term outweighs the others), whose
+    # engine computes only the last token for the logits
+    for r in (again_a, again_b):
+        assert r.ttft == pytest.approx(0.004 + tok(1))
+    unkeyed = simulate(Layout(0, 2, colocated=True), p, [x[:3] for x in shape])
+    assert unkeyed[2].ttft == pytest.approx(0.004 + tok(320))  # no keys, no hits
+
+
+def test_the_pd_decision_counts_only_what_the_decode_worker_lacks():
+    keys = block_keys(_prompt(3, 320), 16)
+    first, again = simulate(Layout(1, 1), make_profile(), [(320, 3, 0.0, keys),
+                                                          (320, 3, 5.0, keys)])
+    # the hand-off left the prompt's blocks on the decode worker: 0 new tokens, local
+    assert (first.path, again.path) == ("remote", "local")
+
+
+def test_evicted_prefixes_come_back_from_a_host_tier_at_its_load_cost():
+    """A 30-block pool: B's 20 blocks push A's first 10 out. With a host tier they are loaded
+    back (1 ms a block, as profiled) and nothing is computed again; without one, A's prefix is
+    gone from its first block on and all of it is computed."""
+    p = dataclasses.replace(make_profile(blocks=30), tier_load=[
+        {"tier": "host", "blocks": 64, "bytes": 64 * 16000, "s": 0.064}])
+    a, b = block_keys(_prompt(4, 320), 16), block_keys(_prompt(5, 320), 16)
+    shape = [(320, 2, 0.0, a), (320, 2, 5.0, b), (320, 2, 10.0, a)]
+    *_, tiered = simulate(Layout(0, 1, True), p, shape, Knobs(host_tier_blocks=100))
+    # 19 blocks used (the last token is computed), A's first 10 from the host tier
+    assert tiered.ttft == pytest.approx(0.004 + 10 * 0.001 + tok(1))
+    *_, lost = simulate(Layout(0, 1, True), p, shape)
+    assert lost.ttft == pytest.approx(0.004 + tok(320))
+
+
+def test_each_pool_is_costed_at_its_own_tensor_parallel_size():
+    one = make_profile()
+    two = dataclasses.replace(make_profile(), tensor_parallel_size=2, prefill=[
+        {"tokens": n, "requests": 1, "s": tok(n) / 2} for n in (1, 16, 256, 1024)])
+    (r1,) = simulate(Layout(1, 1), one, [(300, 3, 0.0)])
+    (r2,) = simulate(Layout(1, 1, False, 2, 1), one, [(300, 3, 0.0)], profiles={2: two})
+    assert Layout(1, 1, False, 2, 1).name == "1P(TP2)+1D(TP1)"
+    saved = CostModel(one).step([(300, 0)], []) - CostModel(two).step([(300, 0)], [])
+    assert saved > 0 and r1.ttft - r2.ttft == pytest.approx(saved)  # the TP2 prefill
+    assert r1.tpot == pytest.approx(r2.tpot)  # the decode pool is TP1 in both
+    with pytest.raises(ValueError, match="no profile at tensor-parallel size 2"):
+        simulate(Layout(1, 1, False, 2, 1), one, [(300, 3, 0.0)])
+
+
+def _tune(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "tune", "--trace",
+         str(DATA / "azure_llm_2023_conv-head50.csv"), "--ttft-slo", "2", "--tpot-slo", "0.05",
+         "--requests", "20", "--scale", "0.25", "--no-plot", *args],
+        capture_output=True, text=True, timeout=300)
+
+
+def test_baton_tune_sizes_each_pool_from_its_profile(tmp_path):
+    one = make_profile(per_seq=0.002).save(tmp_path / "tp1.json")
+    two = dataclasses.replace(make_profile(per_seq=0.001), tensor_parallel_size=2).save(
+        tmp_path / "tp2.json")
+    out = _tune("--profile", str(one), "--tp-profile", str(two), "--decode-tp", "2",
+                "--out", str(tmp_path / "t"))
+    assert out.returncode == 0, out.stderr
+    res = json.loads((tmp_path / "t.json").read_text())
+    assert {r["layout"] for r in res["configurations"]} == {"1P(TP1)+1D(TP2)",
+                                                         "2 colocated (TP2)"}
+    assert "costs measured on cpu (float32, TP [1, 2])" in out.stderr
+    missing = _tune("--profile", str(one), "--prefill-tp", "4")
+    assert missing.returncode == 2 and "--prefill-tp 4: no profile at that" in missing.stderr
+    gpu = dataclasses.replace(make_profile(), tensor_parallel_size=2, device="cuda").save(
+        tmp_path / "gpu.json")
+    mixed = _tune("--profile", str(one), "--tp-profile", str(gpu))
+    assert mixed.returncode == 2 and "measured on cuda" in mixed.stderr
+
+
+def test_baton_profile_refuses_a_gpu_it_cannot_see():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    out = subprocess.run([sys.executable, "-m", "baton.cli.main", "profile", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--device cuda: no GPU is visible" in out.stderr

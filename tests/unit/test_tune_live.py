@@ -5,9 +5,11 @@ cluster is tests/integration/test_tune_live.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
+import pytest
 from baton.control.sim import Layout
 from baton.control.tune_live import (
     assignment,
@@ -16,6 +18,8 @@ from baton.control.tune_live import (
     validation_error,
     verdict,
 )
+
+from tests.support.profiles import make_profile
 
 
 def test_the_current_layout_from_the_roles():
@@ -67,3 +71,21 @@ def test_the_validation_error_on_record(tmp_path):
         "predicted": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.25}},
         "measured": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.5}}}))
     assert "within -10% of measured" in validation_error(tmp_path)
+
+
+def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device():
+    from baton.control.tune_live import pick_profile, worker_groups
+
+    groups = worker_groups({"a": "2 ranks on cpu (pids 10 11)", "b": "2 ranks on cpu (pids 12 13)",
+                            "c": ""})
+    assert groups == {"a": (2, "cpu"), "b": (2, "cpu"), "c": (1, "")}
+    one, two = make_profile(), dataclasses.replace(make_profile(), tensor_parallel_size=2)
+    pair = {w: groups[w] for w in ("a", "b")}
+    assert pick_profile({1: one, 2: two}, pair) is two
+    with pytest.raises(ValueError, match="no profile is at that size"):
+        pick_profile({1: one}, pair)
+    with pytest.raises(ValueError, match=r"tensor-parallel sizes \[1, 2\]"):
+        pick_profile({1: one, 2: two}, groups)
+    with pytest.raises(ValueError, match="measured on cpu, the workers run on cuda"):
+        pick_profile({1: one}, {"a": (1, "cuda"), "b": (1, "cuda")})
+    assert current_layout({"a": "prefill", "b": "decode"}, 2).name == "1P(TP2)+1D(TP2)"
