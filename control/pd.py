@@ -11,6 +11,12 @@ for a decode worker to prefill without stalling its streams (at most ``saturated
 
 from __future__ import annotations
 
+# The router's default scorer weights with the index (`baton router --scorers`) and what a
+# block in a KV tier is worth against one in the pool: here, beside the P/D decision, because
+# the router (services/router/routing.py) and the simulator (control/sim.py) both use them.
+DEFAULT_SCORER_WEIGHTS = {"prefix": 3.0, "inflight": 1.0, "queue": 1.0, "kv": 0.5}
+DEFAULT_TIER_WEIGHTS = {"host": 0.95, "disk": 0.8}
+
 # reasons, per path
 FEW_NEW_TOKENS = "few-new-tokens"  # local: the decode worker lacks at most the threshold
 NO_PREFILL_WORKER = "no-prefill-worker"  # local: none registered (or all failed / colocated)

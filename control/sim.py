@@ -44,7 +44,12 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from baton.control.pd import pd_path, saturated_limit
+from baton.control.pd import (
+    DEFAULT_SCORER_WEIGHTS,
+    DEFAULT_TIER_WEIGHTS,
+    pd_path,
+    saturated_limit,
+)
 from baton.control.profile import CostModel, Profile
 from baton.control.workload import Record, meets
 
@@ -281,10 +286,9 @@ class Knobs:
     prefill_saturation: int = 8
     saturated_local_max_tokens: int = 256  # < 0: any length
     rpc_s: float = 0.001  # one gRPC hop between processes on one machine
-    # the router's scorer weights with the index (routing.DEFAULT_WEIGHTS, _TIER_WEIGHTS)
-    weights: tuple[tuple[str, float], ...] = (("prefix", 3.0), ("inflight", 1.0),
-                                              ("queue", 1.0), ("kv", 0.5))
-    tier_weights: tuple[tuple[str, float], ...] = (("host", 0.95), ("disk", 0.8))
+    # the router's scorer weights with the index, and its tier weights (its defaults)
+    weights: tuple[tuple[str, float], ...] = tuple(DEFAULT_SCORER_WEIGHTS.items())
+    tier_weights: tuple[tuple[str, float], ...] = tuple(DEFAULT_TIER_WEIGHTS.items())
     host_tier_blocks: int = 0  # each worker's --kv-host-tier-gb, in blocks
     disk_tier_blocks: int = 0  # each worker's --kv-disk-tier-gb, in blocks
 

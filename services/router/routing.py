@@ -39,6 +39,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from baton.control.pd import (  # noqa: F401 (the reasons are part of the routing API)
+    DEFAULT_SCORER_WEIGHTS,
+    DEFAULT_TIER_WEIGHTS,
     FEW_NEW_TOKENS,
     MANY_NEW_TOKENS,
     NO_PREFILL_WORKER,
@@ -52,15 +54,12 @@ from baton.engine.block_hash import hash_chain, namespace_for
 from baton.services.router.limits import PoolFullError
 
 MODES = ("cache-aware", "least-loaded", "round-robin")
-DEFAULT_WEIGHTS = "prefix=3,inflight=1,queue=1,kv=0.5"
+DEFAULT_WEIGHTS = ",".join(f"{k}={v:g}" for k, v in DEFAULT_SCORER_WEIGHTS.items())
 
 
 
 class NoWorkerError(Exception):
     pass
-
-
-DEFAULT_TIER_WEIGHTS = {"host": 0.95, "disk": 0.8}
 
 
 @dataclass(frozen=True)
