@@ -10,24 +10,30 @@ import itertools
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 from baton.control.profile import (
     BUSY_CLIENTS,
+    BUSY_OUTPUT,
     BUSY_PROMPTS,
     DECODE_GRID,
     HANDOFF_TOKENS,
     LONG_PROMPTS,
     PREFILL_PROMPT,
+    PREFILL_STREAMS,
     PREFILL_TOKENS,
+    SATURATED_PROMPTS,
     SERVED,
+    SERVED_ROUNDS,
     SERVED_TOKENS,
+    STREAM_OUTPUT,
     CostModel,
     Profile,
     ProfileError,
     default_path,
-    prefill_throughput_factor,
+    prefill_factors,
     tier_weights,
 )
 
@@ -127,9 +133,9 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
     the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
     router, as clients reach it, while requests of :data:`BUSY_PROMPTS` tokens take the
-    remote path one after another (each prompt's prefill call, as the router times it). Both
-    workers busy, the routers and the clients share their cores, as in a cluster near its
-    goodput."""
+    remote path one after another (both workers busy, the routers and the clients sharing their
+    cores, as in a cluster near its goodput); then the prefill worker saturated on its own
+    (:func:`_saturated_prefill`: each prompt's prefill call, as the router times it)."""
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
     from baton_client.v1 import api_pb2_grpc
@@ -160,9 +166,17 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         fits = [n for n in LONG_PROMPTS if n < max_model_len]
         sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
-        with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes) as busy:
+        with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes):
             served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
-                      for c, b in grid]
+                      for _ in range(SERVED_ROUNDS) for c, b in grid]
+        busy = []
+        for streams in PREFILL_STREAMS:
+            say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
+                f"{'/'.join(map(str, sizes))} tokens, {BUSY_OUTPUT} tokens out each, "
+                f"{streams} other streams meanwhile ...")
+            busy += _saturated_prefill(busy_stub, rstub, _Prompts(min(vocab, 10000),
+                                                                  seed=2 + len(busy)),
+                                       sizes, streams)
     _say_served(say, served, busy, sizes)
     return rows, served, busy
 
@@ -189,7 +203,7 @@ def _say_served(say, served: list[dict], busy: list[dict], sizes) -> None:
             f"{r['s'] * 1000:8.2f} ms a token")
     for n in sizes:
         ss = [r["s"] for r in busy if r["tokens"] == n]
-        say(f"served prefill {n:5d} tokens meanwhile: {len(ss)} prompts, median "
+        say(f"served prefill {n:5d} tokens, queue never empty: {len(ss)} prompts, median "
             f"{statistics.median(ss) * 1000 if ss else float('nan'):8.2f} ms")
 
 
@@ -243,36 +257,43 @@ def _handoff_time(prefill, decode, prompts, n: int, params, repeats: int) -> dic
 
 
 @contextlib.contextmanager
-def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int = BUSY_CLIENTS):
+def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int = BUSY_CLIENTS,
+                  output: int = 2, enough: tuple[int, threading.Event] | None = None):
     """Keeps the prefill worker busy for the duration of a ``with``: ``clients`` threads send
-    requests of ``sizes``-token prompts in turn, 2 tokens each, through ``rstub`` (a router that
-    sends every prompt to the prefill worker). Yields the list it fills with each prompt's
-    prefill call (the router's ``prefill_s`` less the prefill worker's queue) and the wall time
-    its prefill ended (``end``), each client's first round left out (warm-up)."""
-    import threading
+    requests of ``sizes``-token prompts in turn, ``output`` tokens each, through ``rstub`` (a
+    router that sends every prompt to the prefill worker). Yields the list it fills with each
+    prompt's prefill call (the router's ``prefill_s`` less the prefill worker's queue) and the
+    wall time its prefill ended (``end``), each client's first round left out (warm-up).
+    ``enough`` (N, event): the event is set once N prompts are in the list, or a client failed."""
     from concurrent.futures import ThreadPoolExecutor
 
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
 
-    params = params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True))
+    params = params_to_proto(SamplingParams(max_tokens=output, ignore_eos=True))
     rows: list[dict] = []
     stop = threading.Event()
     lock = threading.Lock()
 
     def run(client: int) -> None:
-        for i in itertools.count(client):
-            if stop.is_set() or not sizes:
-                return
-            n = sizes[i % len(sizes)]
-            with lock:
-                ids = prompts(n)
-            sent = time.monotonic()
-            t = _remote_prefill_timing(rstub, ids, params)
-            if i >= client + len(sizes):
+        try:
+            for i in itertools.count(client):
+                if stop.is_set() or not sizes:
+                    return
+                n = sizes[i % len(sizes)]
                 with lock:
-                    rows.append({"tokens": n, "s": t.prefill_s - t.queue_s,
-                                 "end": sent + t.route_s + t.prefill_s})
+                    ids = prompts(n)
+                sent = time.monotonic()
+                t = _remote_prefill_timing(rstub, ids, params)
+                if i >= client + len(sizes):
+                    with lock:
+                        rows.append({"tokens": n, "s": t.prefill_s - t.queue_s,
+                                     "end": sent + t.route_s + t.prefill_s})
+                        if enough is not None and len(rows) >= enough[0]:
+                            enough[1].set()
+        finally:  # a failed client ends the wait too (its error is raised on the way out)
+            if enough is not None and not stop.is_set():
+                enough[1].set()
 
     with ThreadPoolExecutor(clients) as ex:
         done = [ex.submit(run, c) for c in range(clients)]
@@ -284,6 +305,63 @@ def _busy_prefill(rstub, prompts: _Prompts, sizes: Sequence[int], clients: int =
             error = d.exception()
             if error is not None:
                 raise ProfileError(f"the busy prefill worker failed: {error}") from error
+
+
+def _saturated_prefill(busy_stub, rstub, prompts: _Prompts, sizes: Sequence[int],
+                       streams: int) -> list[dict]:
+    """:data:`SATURATED_PROMPTS` prompts' rows (as :func:`_busy_prefill`'s) from the prefill
+    worker with its queue never empty, each prompt's hand-off and :data:`BUSY_OUTPUT` tokens
+    decoded and streamed to its client, while ``streams`` other streams run through ``rstub``
+    (decoded on the decode worker: the router and the clients relay their tokens on the
+    machine's cores); each row carries the window's ``streamed_tps``, those streams' tokens a
+    second."""
+    enough = threading.Event()
+    with _streaming(rstub, prompts, streams) as count:
+        t0, n0 = time.monotonic(), count[0]
+        with _busy_prefill(busy_stub, prompts, sizes, output=BUSY_OUTPUT,
+                           enough=(SATURATED_PROMPTS, enough)) as rows:
+            enough.wait()
+        tps = (count[0] - n0) / (time.monotonic() - t0)
+    return [{**r, "streams": streams, "streamed_tps": round(tps, 1)} for r in rows]
+
+
+@contextlib.contextmanager
+def _streaming(rstub, prompts: _Prompts, streams: int, ctx: int = 256):
+    """``streams`` Generate streams of ``ctx``-token prompts, each followed by another as it
+    ends, for the duration of a ``with``; yields a one-item list counting their tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from baton.engine.params import SamplingParams
+    from baton.services.common.protocol import params_to_proto
+    from baton_client.v1 import api_pb2
+
+    params = params_to_proto(SamplingParams(max_tokens=STREAM_OUTPUT, ignore_eos=True))
+    count, stop, lock = [0], threading.Event(), threading.Lock()
+
+    def run() -> None:
+        while not stop.is_set():
+            with lock:
+                ids = prompts(ctx)
+            call = rstub.Generate(api_pb2.GenerateRequest(
+                token_ids=api_pb2.TokenIds(ids=ids), params=params), timeout=300)
+            for m in call:
+                if m.HasField("delta"):
+                    with lock:
+                        count[0] += len(m.delta.token_ids)
+                if stop.is_set():
+                    call.cancel()
+                    break
+
+    with ThreadPoolExecutor(max(1, streams)) as ex:
+        done = [ex.submit(run) for _ in range(streams)]
+        try:
+            yield count
+        finally:
+            stop.set()
+        for d in done:
+            error = d.exception()
+            if error is not None and "Cancelled" not in str(error):
+                raise ProfileError(f"a stream beside the prefill worker failed: {error}")
 
 
 def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
@@ -486,13 +564,13 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
         r["model_s"] = engine_cost.engine_prompt(r["tokens"])
     if p.served:
         p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
-    through = prefill_throughput_factor(p.served_prefill, engine_cost.engine_prompt)
-    p.prefill_factor = through if through is not None else p.serving_factor
-    if p.served_prefill:
-        say("served prefill, one prompt at a time (for comparison): "
-            f"{statistics.median(r['s'] / r['model_s'] for r in p.served_prefill):.3f} "
-            "of the bare engine's time")
+    fit = prefill_factors(p.served_prefill, engine_cost.engine_prompt)
+    if fit is None:
+        p.prefill_factor, p.prefill_stream_factor = p.serving_factor, 0.0
+    else:
+        p.prefill_factor, p.prefill_stream_factor = fit
     say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
+        f"+ {p.prefill_stream_factor * 100:.4f} per 100 tokens a second streamed meanwhile "
         "(a serving worker's time over the bare engine's)")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from baton.bench.common import RESULTS, machine, write_result
 
@@ -127,7 +127,7 @@ def report(a, profile, slice_args, predicted: dict, measured: dict) -> dict:
         print(f"{name}: attainment measured/simulated at " + ", ".join(
             f"{r:.3g}/s {100 * x:.0f}/{100 * y:.0f}%" for r, x, y in sorted(pairs)))
     return {"machine": machine(), "args": vars(a), "slice": slice_args,
-            "cost_model": CostModel(profile).summary(), "rows": rows,
+            "cost_model": CostModel(profile).summary(), "profile": asdict(profile), "rows": rows,
             "predicted": predicted, "measured": measured,
             "predicted_winner": winner["predicted_rps"],
             "measured_winner": winner["measured_rps"],

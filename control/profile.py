@@ -15,20 +15,28 @@ Four measurements, each the median of a few repeats:
 * **serving**: B concurrent streams through a router to the real decode worker, their time per
   token against the bare engine's decode step for the same batch (``serving_factor``), while
   requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker, KV
-  hand-off, decode worker), sent by four clients so the prefill worker always has the next prompt
-  queued (with two, each client's hand-off and decode left it idle between some prompts): its
-  throughput (the wall time between the first and last prefill completions over the bare engine's
-  time for the prompts completed in between) gives ``prefill_factor``. Timed one prompt at a time,
-  with the queue empty, the factor came out ~1.0 while the simulator's TTFT near saturation was
-  several times short of the measured one. A worker's steps share its core with its gRPC streams,
-  detokenizing and NIXL, and the machine with the router, the clients and the other worker; the
-  two factors scale every simulated step. Without them the simulator was ~10% optimistic per
-  decode step and ~15% per prompt on a 2-core VM, which near a TPOT SLO moved predicted goodputs
-  by 30-50%. (Measured with the prefill worker idle, the decode factor came out ~4% lower: the
-  router and clients had a core to themselves.) A factor of its own for the decode attention,
-  fitted by least squares over the five points, came out 1.06-1.27 against 1.01-1.16 for the rest
-  of the step in four profiles, with no consistent difference and no better predictions: one
-  factor it is.
+  hand-off, decode worker), so both workers are busy as near the cluster's goodput. Then the
+  prefill worker saturated on its own: the same prompts sent by four clients so its queue is
+  never empty (with two, each client's hand-off and decode left it idle between some prompts),
+  each decoding 16 tokens streamed back to its client, nothing else running; its throughput
+  (the wall time between the first and last of 30 prefill completions over the bare engine's
+  time for the prompts completed in between) gives ``prefill_factor``. A worker's steps share
+  its core with its gRPC streams, detokenizing and NIXL, and the machine with the router, the
+  clients and the other worker; the two factors scale every simulated step. Each factor is
+  measured where it decides goodput: the decode factor with the decode worker full and the
+  prefill worker busy; the prefill factor with the prefill worker the bottleneck, when the
+  decode side serves only what it hands over. (Measured during the decode streams, 4-16 of
+  them through the router, the prefill factor came out 1.17-1.25 on a 2-core VM, against
+  1.07-1.12 on its own, and the simulator under-predicted a 1 prefill + 1 decode pair's
+  goodput by 17-31%: those streams are not there when the prefill worker is the bottleneck.
+  Timed one prompt at a time, with the queue empty, it came out ~1.0, and the simulator's
+  TTFT near saturation was several times short of the measured one.) Without the factors the
+  simulator was ~10% optimistic per decode step and ~15% per prompt on a 2-core VM, which
+  near a TPOT SLO moved predicted goodputs by 30-50%. (Measured with the prefill worker idle,
+  the decode factor came out ~4% lower: the router and clients had a core to themselves.) A
+  factor of its own for the decode attention, fitted by least squares over the five points,
+  came out 1.06-1.27 against 1.01-1.16 for the rest of the step in four profiles, with no
+  consistent difference and no better predictions: one factor it is.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -52,7 +60,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-VERSION = 3  # 2: the prefill factor; 3: the prefill factor from throughput under a queue
+VERSION = 4  # 2: the prefill factor; 3: from throughput under a queue; 4: measured on its own
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 LONG_PROMPTS = (256, 512, 1024, 2048)
@@ -62,9 +70,17 @@ HANDOFF_TOKENS = (64, 256, 1024)
 # (context, concurrent streams) on a real worker: short and long contexts, small and large
 # batches (the ratio moves by ±5% from one to the next; the median of five is steadier)
 SERVED = ((128, 16), (384, 8), (768, 4), (768, 12), (1536, 8))
+SERVED_ROUNDS = 2  # the grid twice, the median of ten: one point moved 1.16 -> 1.63 between
+# two profiles on a 2-core VM, and the median of five 1.15 -> 1.29
 SERVED_TOKENS = (12, 36)  # the window of each stream timed: every stream decoding by then
 BUSY_PROMPTS = (512, 1024, 2048)  # the prefill worker's prompts meanwhile, in turn
 BUSY_CLIENTS = 4  # clients sending them: the prefill worker's queue is never empty
+BUSY_OUTPUT = 16  # tokens each of them decodes and streams back, for the prefill factor
+SATURATED_PROMPTS = 24  # prompts timed per window of the prefill factor (~25 s on a 2-core VM)
+# the windows' other streams through the router, in turn (none, then as many as the largest
+# served batch): the prefill factor's rise with the tokens streamed meanwhile
+PREFILL_STREAMS = (0, 16, 0, 16)
+STREAM_OUTPUT = 128  # tokens each of those streams decodes before the next one starts
 
 
 @dataclass
@@ -89,6 +105,8 @@ class Profile:
     serving_factor: float = 1.0  # a serving decode worker's step over the bare engine's
     served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
+    # its rise per token a second streamed to clients meanwhile (router and clients share cores)
+    prefill_stream_factor: float = 0.0
     # KV tiers: loading blocks back into the pool, {tier, blocks, bytes, s} (kv_tiers.TierStore)
     tier_load: list[dict] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
@@ -198,6 +216,7 @@ class CostModel:
             self.handoff_fixed = statistics.fmean(ys)
         self.kv_bytes_per_token = p.kv_bytes_per_token
         self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
+        self.prefill_stream_factor = p.prefill_stream_factor
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
                               if r.get("blocks")}
 
@@ -205,14 +224,17 @@ class CostModel:
         """Per-token work of a step that runs ``n`` tokens (no attention)."""
         return _interp(self._tx, self._ty, n) if n > 0 else 0.0
 
-    def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int]) -> float:
+    def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int],
+             streamed_tps: float = 0.0) -> float:
         """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
-        request, ``decode_ctxs`` = context length per decoding request."""
+        request, ``decode_ctxs`` = context length per decoding request, ``streamed_tps`` the
+        tokens a second the cluster streams to its clients meanwhile."""
         p, d = sum(c[0] for c in chunks), len(decode_ctxs)
         if not p + d:
             return 0.0
         pairs = sum(_pairs(k, done) for k, done in chunks)
-        factor = (p * self.prefill_factor + d * self.serving_factor) / (p + d)
+        prefill = self.prefill_factor + self.prefill_stream_factor * streamed_tps
+        factor = (p * prefill + d * self.serving_factor) / (p + d)
         return factor * self.engine_step(p + d, pairs, decode_ctxs)
 
     def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
@@ -236,6 +258,7 @@ class CostModel:
 
     def summary(self) -> dict:
         return {"serving_factor": self.serving_factor, "prefill_factor": self.prefill_factor,
+                "prefill_stream_factor_per_tps": self.prefill_stream_factor,
                 "attn_prefill_s_per_pair": self.attn_prefill,
                 "decode_s_per_sequence": self.per_seq,
                 "attn_decode_s_per_context_token": self.attn_decode,
@@ -256,6 +279,30 @@ def prefill_throughput_factor(rows: Sequence[dict], engine_prompt: Callable[[int
         return None
     work = sum(engine_prompt(r["tokens"]) for r in done[1:])
     return (done[-1]["end"] - done[0]["end"]) / work
+
+
+def prefill_factors(rows: Sequence[dict], engine_prompt: Callable[[int], float]
+                    ) -> tuple[float, float] | None:
+    """(factor with nothing streamed, its rise per token a second streamed): a least-squares
+    line through the throughput factor of each window of ``rows`` ({tokens, end, streams,
+    streamed_tps}: the windows are told apart by ``streams``, in order), the rise never
+    negative; None without a window of three completions."""
+    windows: list[list[dict]] = []
+    for r in rows:
+        if not windows or windows[-1][0].get("streams") != r.get("streams"):
+            windows.append([])
+        windows[-1].append(r)
+    points = [(statistics.fmean(r.get("streamed_tps", 0.0) for r in w), f) for w in windows
+              if (f := prefill_throughput_factor(w, engine_prompt)) is not None]
+    if not points:
+        return None
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    if len(set(xs)) < 2:
+        return statistics.fmean(ys), 0.0
+    fit = statistics.linear_regression(xs, ys)
+    if fit.slope <= 0:
+        return statistics.fmean(ys), 0.0
+    return fit.intercept, fit.slope
 
 
 def tier_weights(p: Profile) -> dict[str, float]:

@@ -113,12 +113,29 @@ class _Seq:
 
 
 class Sim:
-    """The event queue."""
+    """The event queue, and the tokens the cluster streams to its clients (the router and the
+    clients relay them on the machine's cores: a prefill step's cost rises with their rate)."""
+
+    STREAM_WINDOW_S = 1.0  # the rate is of the tokens streamed this long before
 
     def __init__(self) -> None:
         self.now = 0.0
         self._q: list = []
         self._n = itertools.count()
+        self._streamed: deque[tuple[float, int]] = deque()
+        self._streamed_n = 0
+
+    def streamed(self, t: float, n: int) -> None:
+        """``n`` tokens went out to clients at ``t``."""
+        if n:
+            self._streamed.append((t, n))
+            self._streamed_n += n
+
+    def stream_rate(self, t: float) -> float:
+        """Tokens a second streamed to clients over the window before ``t``."""
+        while self._streamed and self._streamed[0][0] <= t - self.STREAM_WINDOW_S:
+            self._streamed_n -= self._streamed.popleft()[1]
+        return self._streamed_n / self.STREAM_WINDOW_S
 
     def at(self, t: float, fn: Callable[[float], None]) -> None:
         heapq.heappush(self._q, (t, next(self._n), fn))
@@ -252,10 +269,12 @@ class SimEngine:
         loads = sum(s.load_s for s, _ in batch)
         for s, _ in batch:
             s.load_s = 0.0
-        self.sim.at(t + loads + self.cost.step(chunks, decodes),
+        self.sim.at(t + loads + self.cost.step(chunks, decodes, self.sim.stream_rate(t)),
                     lambda t2: self._end(batch, t2))
 
     def _end(self, batch: list[tuple[_Seq, int]], t: float) -> None:
+        self.sim.streamed(t, sum(1 for seq, n in batch if not seq.prefill_only
+                                 and seq.computed + n >= seq.num_tokens))
         for seq, n in batch:
             seq.computed += n
             if seq.computed < seq.num_tokens:

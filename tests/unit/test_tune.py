@@ -12,7 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from baton.control.profile import CostModel, Profile, ProfileError, prefill_throughput_factor
+from baton.control.profile import (
+    PREFILL_STREAMS,
+    SATURATED_PROMPTS,
+    CostModel,
+    Profile,
+    ProfileError,
+    prefill_factors,
+    prefill_throughput_factor,
+)
 from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
 
 from tests.support.profiles import make_profile, tok
@@ -235,16 +243,23 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.decode and p.prefill_long
     assert [r["tokens"] for r in p.handoff] == [64, 256]  # 1024 does not fit the context
     assert p.handoff[1]["bytes"] == 4 * p.handoff[0]["bytes"] > 0
-    assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128), (8, 384)]  # they fit
+    assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128), (8, 384)] * 2  # fit
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served)
     assert p.serving_factor == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served))
-    # the prefill worker prefilled its largest long prompt that fits, over and over, meanwhile
-    # by several clients, so the factor is its throughput with a queue
-    assert len(p.served_prefill) >= 3 and {r["tokens"] for r in p.served_prefill} == {256}
+    # the prefill worker prefilled its largest long prompt that fits, over and over, sent by
+    # several clients so its queue never emptied, in windows with and without other streams
+    # through the router; the factor and its rise are a line through the windows' throughput
+    windows = [(k, [r for r in p.served_prefill if r["streams"] == k])
+               for k in sorted({r["streams"] for r in p.served_prefill})]
+    assert [k for k, _ in windows] == sorted(set(PREFILL_STREAMS))
+    assert all(len(rows) >= SATURATED_PROMPTS * PREFILL_STREAMS.count(k) for k, rows in windows)
+    assert all(r["streamed_tps"] > 0 for r in windows[-1][1])  # those streams ran meanwhile
+    assert {r["tokens"] for r in p.served_prefill} == {256}
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served_prefill)
-    assert p.prefill_factor == pytest.approx(
-        prefill_throughput_factor(p.served_prefill, CostModel(p).engine_prompt))
+    assert (p.prefill_factor, p.prefill_stream_factor) == pytest.approx(
+        prefill_factors(p.served_prefill, CostModel(p).engine_prompt))
+    assert p.prefill_factor > 0 and p.prefill_stream_factor >= 0
     assert "serving factors" in out.stderr and "served prefill   256 tokens" in out.stderr
     assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
     cm = CostModel(p)
@@ -265,6 +280,57 @@ def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed()
     rows.append({"tokens": 300, "end": 13.0})
     assert prefill_throughput_factor(rows, lambda n: n / 250) == pytest.approx(3.0 / 3.2)
     assert prefill_throughput_factor(rows[:2], lambda n: 1.0) is None
+
+
+def test_prefill_factors_are_a_line_through_each_windows_throughput_against_streaming():
+    def window(streams: int, tps: float, t0: float, factor: float) -> list[dict]:
+        # three 250-token prompts (1 s each on the bare engine) ending ``factor`` s apart
+        return [{"tokens": 250, "end": t0 + i * factor, "streams": streams,
+                 "streamed_tps": tps} for i in range(3)]
+
+    engine = lambda n: n / 250  # noqa: E731
+    rows = (window(0, 2.0, 0, 1.1) + window(16, 402.0, 10, 1.5) + window(0, 2.0, 20, 1.1)
+            + window(16, 402.0, 30, 1.5))
+    f0, rise = prefill_factors(rows, engine)
+    assert rise == pytest.approx(0.4 / 400)  # 1.1 at 2 tokens/s, 1.5 at 402
+    assert f0 == pytest.approx(1.1 - 2 * 0.4 / 400)
+    # windows alike in their streaming: their mean, no rise
+    assert prefill_factors(window(0, 0.0, 0, 1.1) + window(4, 0.0, 10, 1.3), engine) == (
+        pytest.approx(1.2), 0.0)
+    # a factor that falls with streaming is noise, not a saving: the mean, no rise
+    assert prefill_factors(window(0, 0.0, 0, 1.3) + window(16, 400.0, 10, 1.1), engine) == (
+        pytest.approx(1.2), 0.0)
+    assert prefill_factors(window(0, 0.0, 0, 1.1)[:2], engine) is None
+
+
+def test_a_prefill_step_costs_more_while_the_cluster_streams_tokens():
+    p = dataclasses.replace(make_profile(), prefill_factor=1.1, prefill_stream_factor=0.001,
+                            serving_factor=1.2)
+    cm, bare = CostModel(p), CostModel(dataclasses.replace(p, prefill_factor=1.0,
+                                                           prefill_stream_factor=0.0,
+                                                           serving_factor=1.0))
+    chunk = [(256, 0)]
+    assert cm.step(chunk, []) == pytest.approx(1.1 * bare.step(chunk, []))
+    assert cm.step(chunk, [], streamed_tps=300) == pytest.approx(1.4 * bare.step(chunk, []))
+    assert cm.step([], [64] * 8, streamed_tps=300) == pytest.approx(1.2 * bare.step([], [64] * 8))
+
+
+def test_the_simulator_slows_prefill_by_the_tokens_it_streams():
+    """Same prompts; long outputs stream tokens while later prompts prefill, and with a
+    streaming rise in the profile those prompts take longer to their first token."""
+    base = make_profile()
+    rising = dataclasses.replace(base, prefill_stream_factor=0.01)
+    shape = [(512, 200, i * 0.05) for i in range(20)]  # prompt, output, arrival
+    ttft = {}
+    for name, p in (("flat", base), ("rising", rising)):
+        done = simulate(Layout(1, 1), p, shape)
+        assert all(r.error is None for r in done)
+        ttft[name] = sum(r.first - r.sent for r in done)
+    assert ttft["rising"] > 1.2 * ttft["flat"]
+    # with one-token outputs nothing streams while prompts prefill: the rise costs nothing
+    short = [(n, 1, t) for n, _, t in shape]
+    assert [r.first for r in simulate(Layout(1, 1), rising, short)] == pytest.approx(
+        [r.first for r in simulate(Layout(1, 1), base, short)])
 
 
 def test_tier_weights_are_the_share_of_prefill_time_a_load_saves():
