@@ -29,6 +29,7 @@ from baton.control.profile import (
     SERVED_ROUNDS,
     SERVED_TOKENS,
     STREAM_OUTPUT,
+    STREAM_PROMPT,
     CostModel,
     Profile,
     ProfileError,
@@ -326,7 +327,7 @@ def _saturated_prefill(busy_stub, rstub, prompts: _Prompts, sizes: Sequence[int]
 
 
 @contextlib.contextmanager
-def _streaming(rstub, prompts: _Prompts, streams: int, ctx: int = 256):
+def _streaming(rstub, prompts: _Prompts, streams: int, ctx: int = STREAM_PROMPT):
     """``streams`` Generate streams of ``ctx``-token prompts, each followed by another as it
     ends, for the duration of a ``with``; yields a one-item list counting their tokens."""
     from concurrent.futures import ThreadPoolExecutor
