@@ -15,28 +15,31 @@ Four measurements, each the median of a few repeats:
 * **serving**: B concurrent streams through a router to the real decode worker, their time per
   token against the bare engine's decode step for the same batch (``serving_factor``), while
   requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker, KV
-  hand-off, decode worker), so both workers are busy as near the cluster's goodput. Then the
-  prefill worker saturated on its own: the same prompts sent by four clients so its queue is
-  never empty (with two, each client's hand-off and decode left it idle between some prompts),
-  each decoding 16 tokens streamed back to its client, nothing else running; its throughput
-  (the wall time between the first and last of 30 prefill completions over the bare engine's
-  time for the prompts completed in between) gives ``prefill_factor``. A worker's steps share
-  its core with its gRPC streams, detokenizing and NIXL, and the machine with the router, the
-  clients and the other worker; the two factors scale every simulated step. Each factor is
-  measured where it decides goodput: the decode factor with the decode worker full and the
-  prefill worker busy; the prefill factor with the prefill worker the bottleneck, when the
-  decode side serves only what it hands over. (Measured during the decode streams, 4-16 of
-  them through the router, the prefill factor came out 1.17-1.25 on a 2-core VM, against
-  1.07-1.12 on its own, and the simulator under-predicted a 1 prefill + 1 decode pair's
-  goodput by 17-31%: those streams are not there when the prefill worker is the bottleneck.
-  Timed one prompt at a time, with the queue empty, it came out ~1.0, and the simulator's
-  TTFT near saturation was several times short of the measured one.) Without the factors the
-  simulator was ~10% optimistic per decode step and ~15% per prompt on a 2-core VM, which
-  near a TPOT SLO moved predicted goodputs by 30-50%. (Measured with the prefill worker idle,
-  the decode factor came out ~4% lower: the router and clients had a core to themselves.) A
-  factor of its own for the decode attention, fitted by least squares over the five points,
-  came out 1.06-1.27 against 1.01-1.16 for the rest of the step in four profiles, with no
-  consistent difference and no better predictions: one factor it is.
+  hand-off, decode worker), so both workers are busy as near the cluster's goodput (the grid
+  twice: the median of ten points). Then the prefill worker saturated: the same prompts sent by
+  four clients so its queue is never empty (with two, each client's hand-off and decode left it
+  idle between some prompts), each decoding 16 tokens streamed back to its client, in four
+  windows of 24 prompts, alternately with nothing else running and with 16 more streams
+  through the router (16-token prompts, 128 tokens out: the decode worker decodes, as for the
+  remote path). Each window's throughput (the wall time between its first and last prefill
+  completions over the bare engine's time for the prompts completed in between) against the
+  tokens a second streamed meanwhile gives a line (:func:`prefill_factors`): ``prefill_factor``
+  with nothing streamed and ``prefill_stream_factor``, its rise per token a second. A worker's
+  steps share its core with its gRPC streams, detokenizing and NIXL, and the machine with the
+  router, the clients and the other worker, who relay every streamed token; the factors scale
+  every simulated step, the prefill one at the tokens the simulated cluster streamed in the
+  second before. (Measured as one number while the decode grid's streams ran, the prefill
+  factor came out 1.17-1.25 on a 2-core VM and the simulator under-predicted a 1 prefill + 1
+  decode pair's goodput by 17-31%; on its own it comes out 0.92-0.97 with a rise of
+  0.027-0.037 per 100 tokens a second, 3-4x less than with 256-token streams that the decode
+  worker prefilled as well. Timed one prompt at a time, with the queue empty, it came out ~1.0,
+  and the simulator's TTFT near saturation was several times short of the measured one.)
+  Without the factors the simulator was ~10% optimistic per decode step and ~15% per prompt on
+  a 2-core VM, which near a TPOT SLO moved predicted goodputs by 30-50%. (Measured with the
+  prefill worker idle, the decode factor came out ~4% lower: the router and clients had a core
+  to themselves.) A factor of its own for the decode attention, fitted by least squares over
+  the five points, came out 1.06-1.27 against 1.01-1.16 for the rest of the step in four
+  profiles, with no consistent difference and no better predictions: one factor it is.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -48,7 +51,8 @@ Four measurements, each the median of a few repeats:
 where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
 prefill table and the other coefficients are least-squares fits of what is left; the whole is
 multiplied by the two factors weighed by the step's tokens:
-``(P * prefill_factor + D * serving_factor) / (P + D)``.
+``(P * (prefill_factor + prefill_stream_factor * streamed tokens/s) + D * serving_factor)
+/ (P + D)``.
 """
 
 from __future__ import annotations
