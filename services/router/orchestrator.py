@@ -335,13 +335,17 @@ class Orchestrator:
                          _PromptHashes(self, request))
             call.sent.tool_format, call.sent.think = answer_shape(request,
                                                                   self.tokenizer.chat_template)
+            arrived = time.time() - (time.monotonic() - t0)
+            if self.workload is not None:
+                self.workload.arrive(rid, arrived, len(call.ids), call.params.max_tokens,
+                                     call.hashes.of(call.ids), call.hashes.block_size)
             for msg in self._admitted(call, caller):
                 if msg.HasField("final"):
                     status = "OK"
                     self.metrics.finished(msg.final)
                     if self.workload is not None:
-                        self.workload.record(msg.final, time.time() - (time.monotonic() - t0),
-                                             call.hashes.of(call.ids), call.hashes.block_size)
+                        self.workload.record(msg.final, arrived, call.hashes.of(call.ids),
+                                             call.hashes.block_size, rid)
                     span.set(final_attrs(msg.final))
                 yield msg
         except RequestError as e:
@@ -353,6 +357,8 @@ class Orchestrator:
             else:
                 self.metrics.failed(status)
                 span.end(error=status)
+                if self.workload is not None:
+                    self.workload.forget(rid)
 
     def _response_format(self, request: api_pb2.GenerateRequest) -> None:
         """The gRPC API's ``response_format_json`` as the request's grammar."""

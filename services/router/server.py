@@ -131,8 +131,9 @@ def _request_flags(g) -> None:
                         "worker costs this, not the whole deadline (0: wait for the deadline) "
                         "(default 30)")
     g.add_argument("--workload-window", type=float, default=900.0,
-                   help="seconds of finished requests the router keeps as the live workload "
-                        "(lengths, counts and phase times; no prompt text or token ids), served "
+                   help="seconds of requests (by arrival; running ones too) the router keeps "
+                        "as the live workload (lengths, counts and phase times; no prompt text "
+                        "or token ids), served "
                         "at /v1/baton/workload as a trace `baton tune --format baton` reads "
                         "(0: keep none) (default 900)")
 

@@ -1,5 +1,9 @@
-"""The live workload, as the router saw it: one record per finished request, kept for a rolling
-window, exported as a trace ``baton tune`` reads (``--format baton``).
+"""The live workload, as the router saw it: one record per request that arrived within a rolling
+window, exported as a trace ``baton tune`` reads (``--format baton``). A request still running is
+in it too (``"in_flight": true``): under overload most of the window's arrivals have not
+finished, and a log of finished requests alone would show the tuner an idle cluster. Its output
+length is not known yet: the window's finished requests' mean, at most its ``max_tokens`` (all
+of its ``max_tokens`` while none has finished).
 
 A record holds lengths, counts and times only: arrival time, prompt and output token counts,
 cached tokens (what the workers reused, what the index predicted), the path and finish reason,
@@ -8,9 +12,9 @@ no token ids leave the router: the prompt's prefix structure is kept as block nu
 prompt block's hash replaced by a small integer in first-seen order (two prompts that share
 their first k blocks share their first k numbers, and nothing else can be read from them).
 
-Memory is bounded: at most ``max_records`` records (the oldest go first) and those within
-``window_s``; the hash-to-number map forgets its least recently used entries past
-``max_blocks``.
+Memory is bounded: at most ``max_records`` finished records (the oldest go first) and as many
+running ones, those that arrived within ``window_s``; the hash-to-number map forgets its least
+recently used entries past ``max_blocks``.
 """
 
 from __future__ import annotations
@@ -29,14 +33,33 @@ class WorkloadLog:
                  max_blocks: int = 200_000, clock=time.time) -> None:
         self.window_s, self.max_records, self.max_blocks = window_s, max_records, max_blocks
         self.clock = clock
-        self._records: deque[dict] = deque(maxlen=max_records)
+        self._records: deque[dict] = deque(maxlen=max_records)  # in the order they finished
+        self._open: OrderedDict[str, dict] = OrderedDict()  # running, by the router's id
         self._numbers: OrderedDict[bytes, int] = OrderedDict()
         self._next = 0
         self._lock = threading.Lock()
 
-    def record(self, final, arrived: float, hashes: bytes | None, block_size: int) -> None:
+    def arrive(self, rid: str, arrived: float, prompt_tokens: int, max_tokens: int,
+               hashes: bytes | None, block_size: int) -> None:
+        """A request the router admitted (``rid``: the router's id for it; ``arrived``: unix
+        seconds); it stays in flight until :meth:`record` or :meth:`forget`."""
+        rec: dict = {"at": round(arrived, 4), "prompt_tokens": prompt_tokens,
+                     "max_tokens": max_tokens, "block_tokens": block_size}
+        with self._lock:
+            rec["blocks"] = self._number(hashes)
+            self._open[rid] = rec
+            if len(self._open) > self.max_records:
+                self._open.popitem(last=False)
+
+    def forget(self, rid: str) -> None:
+        """A request that ended without finishing (failed, cancelled): no record."""
+        with self._lock:
+            self._open.pop(rid, None)
+
+    def record(self, final, arrived: float, hashes: bytes | None, block_size: int,
+               rid: str | None = None) -> None:
         """One finished request: its final message, its arrival (unix seconds) and its prompt's
-        block hashes (None when routing did not hash it)."""
+        block hashes (None when routing did not hash it); ``rid`` ends its :meth:`arrive`."""
         t, u = final.timing, final.usage
         out = u.completion_tokens
         rec = {"at": round(arrived, 4), "prompt_tokens": u.prompt_tokens, "output_tokens": out,
@@ -47,7 +70,10 @@ class WorkloadLog:
                "phases": {k: round(v, 5) for k, v in ttft_phases(t).items()},
                "block_tokens": block_size}
         with self._lock:
-            rec["blocks"] = self._number(hashes)
+            opened = self._open.pop(rid, None) if rid is not None else None
+            if rec["at"] < self.clock() - self.window_s:
+                return  # it arrived before the window: not part of it
+            rec["blocks"] = opened["blocks"] if opened else self._number(hashes)
             self._records.append(rec)
             self._expire()
 
@@ -72,12 +98,21 @@ class WorkloadLog:
         oldest = self.clock() - self.window_s
         while self._records and self._records[0]["at"] < oldest:
             self._records.popleft()
+        while self._open and next(iter(self._open.values()))["at"] < oldest:
+            self._open.popitem(last=False)
 
     def export(self) -> list[dict]:
-        """The window's records, oldest first."""
+        """The window's records by arrival, oldest first: finished ones, then (at their
+        arrival) those in flight with their output length estimated."""
         with self._lock:
             self._expire()
-            return list(self._records)
+            oldest = self.clock() - self.window_s
+            done = [r for r in self._records if r["at"] >= oldest]  # finish order != arrival
+            running = list(self._open.values())
+        mean = sum(r["output_tokens"] for r in done) / len(done) if done else None
+        rows = done + [{**r, "in_flight": True, "output_tokens": max(1, round(min(
+            r["max_tokens"], mean if mean is not None else r["max_tokens"])))} for r in running]
+        return sorted(rows, key=lambda r: r["at"])
 
     def __len__(self) -> int:
         with self._lock:

@@ -5,6 +5,7 @@ while decode workers are slow to take its leased blocks, the router then prefill
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -158,6 +159,11 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
             except grpc.RpcError as e:
                 got[name].append(e.code().name)
 
+        def workload():
+            return [json.loads(line) for line in urllib.request.urlopen(
+                f"http://{c.router.http_address}/v1/baton/workload", timeout=30).read()
+                .decode().splitlines()]
+
         def start(name, request):
             call = stub.Generate(request, timeout=300)
             th = threading.Thread(target=stream, args=(name, call))
@@ -184,6 +190,10 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
         info = decode.info()
         assert info.running_requests == 2 and info.handoffs_in_flight == 0  # not sent
         assert got["c"] == []
+        # the live workload shows the tuner the requests still running and waiting (under
+        # overload most are), not only the finished; the cancelled one is not in it
+        running = [r for r in workload() if r.get("in_flight") and r["prompt_tokens"] == 30]
+        assert sorted(r["max_tokens"] for r in running) == [4, 400, 400]
 
         with pytest.raises(grpc.RpcError) as e:  # --max-queued 1 already waits
             list(stub.Generate(req(30, 4, start=11), timeout=60))
@@ -202,16 +212,13 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
         text = urllib.request.urlopen(f"http://{c.router.http_address}/metrics",
                                       timeout=30).read().decode()
         assert 'baton_ttft_phase_seconds_count{phase="decode_wait"}' in text
-        # and the live workload has it, with its phases, as lengths and times only
-        import json
-
-        rows = [json.loads(line) for line in urllib.request.urlopen(
-            f"http://{c.router.http_address}/v1/baton/workload", timeout=30).read().decode()
-            .splitlines()]
+        # and the live workload has it, finished, with its phases, as lengths and times only
+        rows = workload()
         mine = [r for r in rows if r["prompt_tokens"] == 30 and r["output_tokens"] == 4
-                and r["phases"]["decode_wait"] > 0]
-        assert mine and mine[0]["phases"]["decode_wait"] == round(t.decode_wait_s, 5)
+                and not r.get("in_flight")]
+        assert len(mine) == 1 and mine[0]["phases"]["decode_wait"] == round(t.decode_wait_s, 5)
         assert mine[0]["blocks"] and "token_ids" not in mine[0]
+        assert [r["max_tokens"] for r in rows if r.get("in_flight")] in ([], [400])  # b's
         b.cancel()
         for th in (ta, tb):
             th.join(60)

@@ -77,3 +77,31 @@ def test_tune_reads_the_export_as_a_trace(tmp_path):
     assert reqs[0].prompt[:32] == reqs[2].prompt[:32] != reqs[1].prompt[:32]
     auto = load_trace(TraceSlice(str(path), "auto", 10, 0, 1.0, 2048, 512))
     assert [len(r.prompt) for r in auto] == [37, 50, 52]  # sniffed as a Baton workload
+
+
+def test_running_requests_are_in_the_window_with_their_output_estimated():
+    """Under overload most of the window's arrivals have not finished: the export holds them
+    (the tuner would see an idle cluster otherwise), by arrival, their output length the
+    finished ones' mean capped by their max_tokens; a request that arrived before the window
+    and finishes now is not in it; a cancelled one leaves no record."""
+    clock = Clock()
+    log = WorkloadLog(window_s=60, clock=clock)
+    t0 = clock.t
+    log.arrive("old", t0, 500, 64, None, 16)
+    clock.t += 30
+    for i, (rid, max_tokens) in enumerate((("a", 100), ("b", 8), ("c", 1000), ("gone", 9))):
+        log.arrive(rid, clock() + i, 40 + i, max_tokens, None, 16)
+    rows = log.export()
+    assert [r["prompt_tokens"] for r in rows] == [500, 40, 41, 42, 43]
+    assert all(r["in_flight"] for r in rows)
+    assert [r["output_tokens"] for r in rows] == [64, 100, 8, 1000, 9]  # none finished yet
+    clock.t += 40  # "old" arrived 70 s ago: out of the window, finished or not
+    log.record(final(500, 64), t0, None, 16, "old")
+    log.record(final(40, 20), t0 + 30, None, 16, "a")
+    log.forget("gone")
+    rows = log.export()
+    assert [(r["prompt_tokens"], r["output_tokens"], r.get("in_flight", False)) for r in rows] \
+        == [(40, 20, False), (41, 8, True), (42, 20, True)]  # mean 20, b's cap 8
+    assert rows[1]["max_tokens"] == 8 and "ttft_s" not in rows[1]
+    clock.t += 45  # the running ones arrived more than 60 s ago now
+    assert log.export() == [] and len(log._open) == 0
