@@ -451,9 +451,15 @@ class _LocalCluster:
         if self.a.redis_url is not None:
             self.url_redacted = redact(self.a.redis_url)
             return self.a.redis_url
-        self.redis = EmbeddedRedis(host).start()
+        # listening beyond loopback, the registry (where routers find workers) needs a
+        # password: one per cluster, in the URL the processes get in their environment
+        password = None if is_loopback(host) else secrets.token_urlsafe(24)
+        self.redis = EmbeddedRedis(host, password=password).start()
         self.url_redacted = redact(self.redis.url)
-        self.say(f"redis-server on {self.redis.url}")
+        self.say(f"redis-server on {self.url_redacted}" + (
+            " (password generated; the whole URL, for workers started elsewhere, is in "
+            f"{_state_path()}, readable by this user only)"
+            if password else ""))
         return self.redis.url
 
     def _restart_redis(self):
@@ -638,6 +644,24 @@ class _LocalCluster:
             ray.shutdown()
         if procs or self.redis:
             self.say("stopped")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) listens on loopback only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _state_path():
+    from baton.control.cluster_state import state_file
+
+    return state_file()
 
 
 def _leave_address(redis_url: str, router, restarts: list | None = None):

@@ -95,6 +95,13 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
     if gain < min_gain:
         return Verdict(best, cur, gain, False, f"predicted gain {100 * gain:.1f}% is under "
                        f"--min-gain {100 * min_gain:.0f}%: switches nothing")
+    live, now = best.get("attainment_live"), cur.get("attainment_live") if cur else None
+    if live is not None and now is not None and live < now:
+        # its goodput (the highest Poisson rate it sustains) is higher, but at the window's
+        # own arrival times (a backlog, a burst) it serves fewer requests than the layout now
+        return Verdict(best, cur, gain, False, f"{best['layout']} would serve the live window "
+                       f"worse ({100 * live:.0f}% meeting the SLOs at its own arrival times, "
+                       f"against {100 * now:.0f}% now): switches nothing")
     if dwell_left > 0:
         return Verdict(best, cur, gain, False, f"the last switch was too recent: waits "
                        f"{dwell_left:.0f}s more (--min-dwell)")

@@ -449,7 +449,8 @@ def run_redis_container(c: dict, tmp_path: Path, password: str, data: Path | Non
     if not bindir.exists():
         bindir.mkdir()
         (bindir / "redis-server").symlink_to(redis_server_binary())
-    proc = subprocess.Popen(["sh", "-c", script], env={
+    # in its own directory: a redis-server with no --dir saves dump.rdb where it runs
+    proc = subprocess.Popen(["sh", "-c", script], cwd=conf, env={
         "PATH": f"{bindir}:{os.environ['PATH']}", "REDIS_PASSWORD": password})
     client = redis.Redis(port=port, password=password)
     for _ in range(600):  # up to a minute for a slow machine; fails only on a hang

@@ -65,6 +65,20 @@ def test_it_acts_only_past_the_gain_and_the_dwell():
     assert mixed.act and math.isinf(mixed.gain)
 
 
+def test_it_never_switches_to_a_layout_that_serves_the_live_window_worse():
+    """The shifting-load run of 2026-11-27 07:06: past a decode-heavy burst, 1P+1D's goodput
+    (the Poisson rate it sustains) was predicted 4.0 against colocated's 3.0, yet at the
+    window's own arrival times (the burst's backlog) it met the SLOs for 47% of the requests
+    against colocated's 94%; the tuner switched, and switched back 90 s later."""
+    rows = [{**ROWS[0], "goodput_rps": 4.0, "attainment_live": 0.47},
+            {**ROWS[1], "goodput_rps": 3.0, "attainment_live": 0.94}]
+    v = verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0)
+    assert not v.act and "would serve the live window worse (47%" in v.reason
+    assert v.best["layout"] == "1P+1D" and math.isclose(v.gain, 1 / 3)  # still reported
+    rows[0]["attainment_live"] = 0.94  # as good at the live times, better at higher rates
+    assert verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0).act
+
+
 def test_the_validation_error_on_record(tmp_path):
     assert "no tune validation on record" in validation_error(tmp_path)
     (tmp_path / "tune-validation-20261124T131351Z.json").write_text(json.dumps({

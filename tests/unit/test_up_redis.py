@@ -1,0 +1,42 @@
+"""`baton up`'s embedded Redis: on loopback it needs no password (only this machine's users
+reach it); listening beyond loopback (`--host 0.0.0.0`, Ray) it requires a password generated
+per cluster, which reaches the processes in the URL of their environment and is never printed.
+Without it anyone who reached the port could rewrite the registry routers pick workers from."""
+
+from __future__ import annotations
+
+import time
+import types
+
+import pytest
+import redis
+from baton.cli import up
+
+
+@pytest.mark.parametrize("host, loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("localhost", True),
+    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("node-7.example", False)])
+def test_which_hosts_are_loopback_only(host, loopback):
+    assert up.is_loopback(host) is loopback
+
+
+def test_an_embedded_redis_beyond_loopback_requires_a_generated_password(capsys):
+    cluster = up._LocalCluster.__new__(up._LocalCluster)  # only what _start_redis reads
+    cluster.a, cluster.t0 = types.SimpleNamespace(redis_url=None), time.monotonic()
+    url = cluster._start_redis("0.0.0.0")
+    try:
+        password = cluster.redis.password
+        assert password and len(password) >= 24 and f":{password}@" in url
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=cluster.redis.port).ping()
+        assert redis.Redis(host="127.0.0.1", port=cluster.redis.port, password=password).ping()
+        out = capsys.readouterr().out
+        assert "password generated" in out and password not in out
+    finally:
+        cluster.redis.stop()
+    url = cluster._start_redis("127.0.0.1")  # loopback: as before, no password
+    try:
+        assert cluster.redis.password is None
+        assert redis.Redis(host="127.0.0.1", port=cluster.redis.port).ping()
+    finally:
+        cluster.redis.stop()
