@@ -446,7 +446,9 @@ class _LocalCluster:
         return a.host if self.ray_local else ray.util.get_node_ip_address()
 
     def _start_redis(self, host: str) -> str:
+        from baton.control.cluster_state import state_file
         from baton.control.redis_server import EmbeddedRedis
+        from baton.services.common.process import is_loopback
 
         if self.a.redis_url is not None:
             self.url_redacted = redact(self.a.redis_url)
@@ -458,7 +460,7 @@ class _LocalCluster:
         self.url_redacted = redact(self.redis.url)
         self.say(f"redis-server on {self.url_redacted}" + (
             " (password generated; the whole URL, for workers started elsewhere, is in "
-            f"{_state_path()}, readable by this user only)"
+            f"{state_file()}, readable by this user only)"
             if password else ""))
         return self.redis.url
 
@@ -644,24 +646,6 @@ class _LocalCluster:
             ray.shutdown()
         if procs or self.redis:
             self.say("stopped")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a name or an address) listens on loopback only."""
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _state_path():
-    from baton.control.cluster_state import state_file
-
-    return state_file()
 
 
 def _leave_address(redis_url: str, router, restarts: list | None = None):

@@ -344,8 +344,7 @@ class Orchestrator:
                     status = "OK"
                     self.metrics.finished(msg.final)
                     if self.workload is not None:
-                        self.workload.record(msg.final, arrived, call.hashes.of(call.ids),
-                                             call.hashes.block_size, rid)
+                        self.workload.record(msg.final, arrived, rid=rid)  # arrive()'s blocks
                     span.set(final_attrs(msg.final))
                 yield msg
         except RequestError as e:

@@ -56,10 +56,11 @@ class WorkloadLog:
         with self._lock:
             self._open.pop(rid, None)
 
-    def record(self, final, arrived: float, hashes: bytes | None, block_size: int,
+    def record(self, final, arrived: float, hashes: bytes | None = None, block_size: int = 16,
                rid: str | None = None) -> None:
-        """One finished request: its final message, its arrival (unix seconds) and its prompt's
-        block hashes (None when routing did not hash it); ``rid`` ends its :meth:`arrive`."""
+        """One finished request: its final message and its arrival (unix seconds); ``rid`` ends
+        its :meth:`arrive`, whose block numbers it keeps; without one, its prompt's block hashes
+        (None when routing did not hash it) and their block size."""
         t, u = final.timing, final.usage
         out = u.completion_tokens
         rec = {"at": round(arrived, 4), "prompt_tokens": u.prompt_tokens, "output_tokens": out,
@@ -67,12 +68,12 @@ class WorkloadLog:
                "path": final.path, "finish_reason": final.finish_reason,
                "ttft_s": round(t.first_token_s, 5),
                "tpot_s": round(t.decode_s / (out - 1), 6) if out > 1 else None,
-               "phases": {k: round(v, 5) for k, v in ttft_phases(t).items()},
-               "block_tokens": block_size}
+               "phases": {k: round(v, 5) for k, v in ttft_phases(t).items()}}
         with self._lock:
             opened = self._open.pop(rid, None) if rid is not None else None
             if rec["at"] < self.clock() - self.window_s:
                 return  # it arrived before the window: not part of it
+            rec["block_tokens"] = opened["block_tokens"] if opened else block_size
             rec["blocks"] = opened["blocks"] if opened else self._number(hashes)
             self._records.append(rec)
             self._expire()
