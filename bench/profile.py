@@ -6,6 +6,7 @@ then real prefill and decode worker processes for the KV hand-off and the servin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import statistics
@@ -75,7 +76,7 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
             engine.step()
 
     prefill_step([8])  # warm-up
-    out: dict = {"prefill": [], "prefill_long": [], "decode": []}
+    out: dict = {"prefill": [], "prefill_long": [], "decode": [], "decode_fresh": []}
     k = PREFILL_PROMPT
     for n in PREFILL_TOKENS:
         lengths = [k] * (n // k) + ([n % k] if n % k else [])
@@ -87,15 +88,22 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
         s = _median_time(lambda k=n: prefill_step([k]), repeats)
         out["prefill_long"].append({"tokens": n, "s": s})
         say(f"prefill one {n:5d}-token prompt:       {s * 1000:8.2f} ms")
-    for ctx, batches in DECODE_GRID.items():
-        if ctx + 3 * repeats * len(batches) + 8 > limit:
-            say(f"decode at context {ctx}: skipped (the model's context is {limit + 1})")
-            continue
-        fits = [b for b in batches if b <= engine.cfg.max_num_seqs
-                and b * (ctx // bs + 2) <= engine.num_blocks]
-        for batch, s in _decode_steps(engine, prompts, fits, ctx, 3 * repeats):
-            out["decode"].append({"batch": batch, "context": ctx, "s": s})
-            say(f"decode batch {batch:3d} x context {ctx:5d}:    {s * 1000:8.2f} ms")
+    # the decode grid on the pool as it is (each request's blocks side by side, as on the
+    # profile's freshly started workers: the serving factor's reference), then scattered, as a
+    # pool long in service is (the cost model's decode steps)
+    for key in ("decode_fresh", "decode"):
+        if key == "decode":
+            engine.kv.pool.scatter()
+        for ctx, batches in DECODE_GRID.items():
+            if ctx + 3 * repeats * len(batches) + 8 > limit:
+                say(f"decode at context {ctx}: skipped (the model's context is {limit + 1})")
+                continue
+            fits = [b for b in batches if b <= engine.cfg.max_num_seqs
+                    and b * (ctx // bs + 2) <= engine.num_blocks]
+            for batch, s in _decode_steps(engine, prompts, fits, ctx, 3 * repeats):
+                out[key].append({"batch": batch, "context": ctx, "s": s})
+                say(f"decode batch {batch:3d} x context {ctx:5d}, "
+                    f"{'scattered' if key == 'decode' else 'fresh'} pool: {s * 1000:8.2f} ms")
     return out
 
 
@@ -558,9 +566,12 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
 def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     """A serving worker's time over the bare engine's, for decode and prefill (into ``p``)."""
     engine_cost = CostModel(p)
+    # the profile's workers are freshly started, their pools unscattered: their decode steps
+    # against the bare engine's on a fresh pool
+    fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
     for r in p.served:
         mid = r["context"] + sum(SERVED_TOKENS) // 2
-        r["model_s"] = engine_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
+        r["model_s"] = fresh_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
     for r in p.served_prefill:
         r["model_s"] = engine_cost.engine_prompt(r["tokens"])
     if p.served:

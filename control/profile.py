@@ -8,38 +8,47 @@ Four measurements, each the median of a few repeats:
   plus single long prompts up to 2048 tokens (chunked under the token budget, as the scheduler
   runs them), whose extra time over the same tokens batched is their attention.  Prompts of 16
   tokens would carry a per-prompt cost that hides attention up to ~512 tokens.
-* **decode step**: B running requests of context C each, one token each;
+* **decode step**: B running requests of context C each, one token each, on a scattered pool
+  (:meth:`baton.engine.kv_cache.BlockPool.scatter`): a pool long in service hands out blocks in
+  the order requests ended, so a sequence's blocks lie all over it, and on a 2-vCPU Zen 4 a step
+  of 12 requests at 768 tokens took ~25% longer than with each request's blocks side by side (4
+  requests ~13%; a 2048-token prefill ~2%). The grid is measured on the fresh pool as well
+  (``decode_fresh``): the profile's workers are freshly started, so the serving factor is their
+  time over that. (With both on the fresh pool, a 1 prefill + 1 decode pair measured after a
+  goodput search's 8 req/s run streamed at a median TPOT 3-50% above a fresh cluster's at the
+  same rate and the simulator's, and the search's goodput came out 11-22% under the
+  simulator's on an Azure conversation slice; sampled with py-spy, the two decode workers
+  differed only in the attention's share of the time.)
 * **KV hand-off**: real prefill and decode worker processes; the time from the prefill RPC's
   answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
   the KV bytes.
-* **serving**: B concurrent streams through a router to the real decode worker, their time per
-  token against the bare engine's decode step for the same batch (``serving_factor``), while
-  requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker, KV
-  hand-off, decode worker), so both workers are busy as near the cluster's goodput (the grid
-  twice: the median of ten points). Then the prefill worker saturated: the same prompts sent by
-  four clients so its queue is never empty (with two, each client's hand-off and decode left it
-  idle between some prompts), each decoding 16 tokens streamed back to its client, in four
-  windows of 24 prompts, alternately with nothing else running and with 16 more streams
-  through the router (16-token prompts, 128 tokens out: the decode worker decodes, as for the
-  remote path). Each window's throughput (the wall time between its first and last prefill
-  completions over the bare engine's time for the prompts completed in between) against the
-  tokens a second streamed meanwhile gives a line (:func:`prefill_factors`): ``prefill_factor``
-  with nothing streamed and ``prefill_stream_factor``, its rise per token a second. A worker's
-  steps share its core with its gRPC streams, detokenizing and NIXL, and the machine with the
-  router, the clients and the other worker, who relay every streamed token; the factors scale
-  every simulated step, the prefill one at the tokens the simulated cluster streamed in the
-  second before. (Measured as one number while the decode grid's streams ran, the prefill
-  factor came out 1.17-1.25 on a 2-core VM and the simulator under-predicted a 1 prefill + 1
-  decode pair's goodput by 17-31%; on its own it comes out 0.92-0.97 with a rise of
-  0.027-0.037 per 100 tokens a second, 3-4x less than with 256-token streams that the decode
-  worker prefilled as well. Timed one prompt at a time, with the queue empty, it came out ~1.0,
-  and the simulator's TTFT near saturation was several times short of the measured one.)
-  Without the factors the simulator was ~10% optimistic per decode step and ~15% per prompt on
-  a 2-core VM, which near a TPOT SLO moved predicted goodputs by 30-50%. (Measured with the
-  prefill worker idle, the decode factor came out ~4% lower: the router and clients had a core
-  to themselves.) A factor of its own for the decode attention, fitted by least squares over
-  the five points, came out 1.06-1.27 against 1.01-1.16 for the rest of the step in four
-  profiles, with no consistent difference and no better predictions: one factor it is.
+* **serving**: B concurrent streams through a router to the real decode worker, their time per token
+  against the bare engine's decode step for the same batch on a fresh pool (``serving_factor``),
+  while requests of 512, 1024 and 2048 prompt tokens take the remote path in turn (prefill worker,
+  KV hand-off, decode worker), so both workers are busy as near the cluster's goodput (the grid
+  twice: the median of ten points). Then the prefill worker saturated: the same prompts sent by four
+  clients so its queue is never empty (with two, each client's hand-off and decode left it idle
+  between some prompts), each decoding 16 tokens streamed back to its client, in four windows of 24
+  prompts, alternately with nothing else running and with 16 more streams through the router
+  (16-token prompts, 128 tokens out: the decode worker decodes, as for the remote path). Each
+  window's throughput (the wall time between its first and last prefill completions over the bare
+  engine's time for the prompts completed in between) against the tokens a second streamed meanwhile
+  gives a line (:func:`prefill_factors`): ``prefill_factor`` with nothing streamed and
+  ``prefill_stream_factor``, its rise per token a second. A worker's steps share its core with its
+  gRPC streams, detokenizing and NIXL, and the machine with the router, the clients and the other
+  worker, who relay every streamed token; the factors scale every simulated step, the prefill one at
+  the tokens the simulated cluster streamed in the second before. (Measured as one number while the
+  decode grid's streams ran, the prefill factor came out 1.17-1.25 on a 2-core VM and the simulator
+  under-predicted a 1 prefill + 1 decode pair's goodput by 17-31%; on its own it comes out 0.92-0.97
+  with a rise of 0.027-0.037 per 100 tokens a second, 3-4x less than with 256-token streams that the
+  decode worker prefilled as well. Timed one prompt at a time, with the queue empty, it came out
+  ~1.0, and the simulator's TTFT near saturation was several times short of the measured one.)
+  Without the factors the simulator was ~10% optimistic per decode step and ~15% per prompt on a
+  2-core VM, which near a TPOT SLO moved predicted goodputs by 30-50%. (Measured with the prefill
+  worker idle, the decode factor came out ~4% lower: the router and clients had a core to
+  themselves.) A factor of its own for the decode attention, fitted by least squares over the five
+  points, came out 1.06-1.27 against 1.01-1.16 for the rest of the step in four profiles, with no
+  consistent difference and no better predictions: one factor it is.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -64,7 +73,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-VERSION = 4  # 2: the prefill factor; 3: from throughput under a queue; 4: measured on its own
+# 2: the prefill factor; 3: from throughput under a queue; 4: measured on its own; 5: decode
+# steps on a scattered pool
+VERSION = 5
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 LONG_PROMPTS = (256, 512, 1024, 2048)
@@ -105,7 +116,8 @@ class Profile:
     kv_bytes_per_token: int
     prefill: list[dict] = field(default_factory=list)  # {tokens, requests, s}
     prefill_long: list[dict] = field(default_factory=list)  # {tokens, s}
-    decode: list[dict] = field(default_factory=list)  # {batch, context, s}
+    decode: list[dict] = field(default_factory=list)  # {batch, context, s}, scattered pool
+    decode_fresh: list[dict] = field(default_factory=list)  # the same on a fresh pool
     handoff: list[dict] = field(default_factory=list)  # {tokens, bytes, s}
     router_s: float = 0.004  # router work + two gRPC hops per request (bench/router_latency.py)
     neighbors: list[int] = field(default_factory=list)  # cores kept busy while measuring

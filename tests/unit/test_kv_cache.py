@@ -2,7 +2,7 @@
 
 import pytest
 from baton.engine.block_hash import hash_block, namespace_for
-from baton.engine.kv_cache import BlockPool, KVCacheManager
+from baton.engine.kv_cache import BlockPool, KVBlock, KVCacheManager
 from baton.engine.params import SamplingParams
 from baton.engine.request import Request
 
@@ -144,3 +144,24 @@ def test_events_follow_what_the_prefix_cache_can_find():
     assert kv.pool.reset_prefix_cache()
     assert list(kv.pool.events) == [(CLEARED, None)]
     assert KVCacheManager(2, 4).pool.events is None  # off by default
+
+
+def test_scatter_reorders_the_free_blocks_and_keeps_the_cache():
+    """A scattered pool (as `baton profile` times decode on) hands out the same free blocks in
+    a seeded random order; a cached free block stays findable and integrity holds."""
+    def scattered(seed: int) -> tuple[BlockPool, KVBlock, list[int]]:
+        pool = BlockPool(64)
+        [cached] = pool.get_new_blocks(1)
+        pool.cache_block(cached, b"h")
+        pool.free_blocks([cached])
+        before = list(pool.free_queue)
+        pool.scatter(seed)
+        assert sorted(pool.free_queue) == sorted(before) and list(pool.free_queue) != before
+        return pool, cached, list(pool.free_queue)
+
+    pool, cached, order = scattered(3)
+    assert scattered(3)[2] == order and scattered(4)[2] != order  # seeded
+    pool.check_integrity()
+    assert pool.get_cached_block(b"h") is cached
+    taken = [b.block_id for b in pool.get_new_blocks(8)]
+    assert taken == order[:8] and taken != sorted(taken)  # allocation follows the new order

@@ -15,6 +15,7 @@ import pytest
 from baton.control.profile import (
     PREFILL_STREAMS,
     SATURATED_PROMPTS,
+    SERVED_TOKENS,
     CostModel,
     Profile,
     ProfileError,
@@ -241,10 +242,18 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert ("as the neighbour" in out.stderr) == bool(others)
     assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]
     assert p.decode and p.prefill_long
+    # the decode grid twice: on the pool as it was, then scattered (the cost model's)
+    assert [(r["batch"], r["context"]) for r in p.decode_fresh] == [
+        (r["batch"], r["context"]) for r in p.decode]
+    assert "scattered pool" in out.stderr and "fresh pool" in out.stderr
     assert [r["tokens"] for r in p.handoff] == [64, 256]  # 1024 does not fit the context
     assert p.handoff[1]["bytes"] == 4 * p.handoff[0]["bytes"] > 0
     assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128), (8, 384)] * 2  # fit
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served)
+    fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh))  # the workers' reference
+    assert [r["model_s"] for r in p.served] == pytest.approx(
+        [fresh.engine_step(r["batch"], 0, [r["context"] + sum(SERVED_TOKENS) // 2] * r["batch"])
+         for r in p.served])
     assert p.serving_factor == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served))
     # the prefill worker prefilled its largest long prompt that fits, over and over, sent by
