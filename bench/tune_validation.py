@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 from baton.bench.common import RESULTS, machine, write_result
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default=None, help="use this profile instead of measuring one")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -35,7 +35,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--start-rate", type=float, default=1.0,
                     help="the goodput search's first rate, req/s (both searches)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
-    return ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def slice_args(a: argparse.Namespace) -> list[str]:
+    """The trace slice, SLOs and search, as both commands' flags."""
+    return ["--trace", a.trace, "--requests", str(a.requests),
+            "--trace-start", str(a.trace_start), "--scale", str(a.scale),
+            "--max-input", str(a.max_input), "--max-output", str(a.max_output),
+            "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
+            "--refine", str(a.refine), "--start-rate", str(a.start_rate)]
 
 
 def main() -> None:
@@ -55,12 +64,7 @@ def main() -> None:
     else:
         profile = run_profile(None, a.dtype, [0, 1], 3, True, say)
         say(f"profile saved to {profile.save(RESULTS / 'tune-validation-profile.json')}")
-    slice_args = ["--trace", a.trace, "--requests", str(a.requests),
-                  "--trace-start", str(a.trace_start), "--scale", str(a.scale),
-                  "--max-input", str(a.max_input), "--max-output", str(a.max_output),
-                  "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
-                  "--refine", str(a.refine), "--start-rate", str(a.start_rate)]
-    ca, ev = configs(a, profile, slice_args)
+    ca, ev = configs(a, profile, slice_args(a))
     layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     predicted = {}
     for name, layout in layouts.items():
@@ -79,7 +83,7 @@ def main() -> None:
     for name, m in measured.items():
         m["simulated_at_measured_rates"] = [
             (rate, att, ev.at(layouts[name], rate)) for rate, att in m["points"]]
-    result = report(a, profile, slice_args, predicted, measured)
+    result = report(a, profile, slice_args(a), predicted, measured)
     print(f"wrote {write_result('tune-validation', result)}")
 
 

@@ -1,0 +1,98 @@
+"""One layout of `python bench/tune_validation.py`'s, measured at chosen rates on one cluster
+(started once, the rates in the order given) beside the simulator on the same requests and
+arrival times, request by request: attainment, which SLO failed, TTFT and TPOT percentiles,
+the router's TTFT phases (remote path) and the path each request took, measured and simulated.
+Where the validation's goodputs disagree, this says at which rate, in which phase, and whether a
+fresh cluster agrees (run the rates alone, then after a higher one). Results in
+bench/results/sim-check-*.json.
+
+    python bench/sim_check.py --profile bench/results/tune-validation-profile.json \\
+        --layout disaggregated --rates 4.5,8,4.5 [the validation's slice flags]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from baton.bench.common import machine, write_result
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+def compare(rows: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
+    """Measured against simulated over ``rows`` ({ttft, tpot, path, stages, sim_ttft, sim_tpot,
+    sim_path} per request)."""
+    def fails(t, p) -> tuple[bool, bool]:
+        return t is None or t > ttft_slo, p is not None and p > tpot_slo
+
+    out: dict = {}
+    for side, (t, p, path) in {"measured": ("ttft", "tpot", "path"),
+                               "simulated": ("sim_ttft", "sim_tpot", "sim_path")}.items():
+        f = [fails(r[t], r[p]) for r in rows]
+        out[side] = {
+            "attainment": sum(not (a or b) for a, b in f) / len(rows),
+            "ttft_failed": sum(a for a, _ in f), "tpot_failed": sum(b for _, b in f),
+            "ttft_p50_p90": [_pct([r[t] for r in rows if r[t] is not None], q) for q in (.5, .9)],
+            "tpot_p50_p90": [_pct([r[p] for r in rows if r[p] is not None], q) for q in (.5, .9)],
+            "paths": {k: sum(r[path] == k for r in rows) for k in ("local", "remote")}}
+    remote = [r["stages"] for r in rows if r["path"] == "remote" and r["stages"]]
+    if remote:
+        out["measured"]["remote_ttft_phases_mean_s"] = {
+            k: statistics.fmean(s.get(k, 0.0) for s in remote) for k in sorted(remote[0])}
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    from baton.bench import loadgen as lg
+    from baton.bench import tune_validation as tv
+    from baton.bench.cli import workload
+    from baton.bench.compare import _open_target
+    from baton.control import workload as cw
+    from baton.control.profile import Profile
+    from baton.control.sim import Layout, simulate
+    from baton.control.tune import shape
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layout", default="disaggregated", choices=["disaggregated", "colocated"])
+    ap.add_argument("--rates", default="4.5,8,4.5", help="comma-separated req/s, in order")
+    extra, rest = ap.parse_known_args()
+    a = tv.parse_args(rest)
+    if not a.profile:
+        ap.error("--profile is required (a `baton profile` file)")
+    profile = Profile.load(a.profile)
+    slice_args = tv.slice_args(a)
+    ca, ev = tv.configs(a, profile, slice_args)
+    layout = Layout(1, 1) if extra.layout == "disaggregated" else Layout(0, 2, True)
+    runs: list[dict] = []
+    target, close = _open_target(ca, ("baton", extra.layout))
+    try:
+        lg.run(target, lg.synthetic(2, (32, 32), (4, 4), lg.Tokens(*ca.workload.vocab, "warm")), 1)
+        for rate in (float(x) for x in extra.rates.split(",")):
+            salt = f"sim-check/{len(runs)}/{time.time_ns()}"
+            recs, _ = lg.run(target, lg.poisson(workload(ca.workload, salt), rate,
+                                                ca.workload.seed), 0)
+            sim = simulate(layout, ev.p, shape(cw.poisson(ev.reqs, rate, ev.search.seed),
+                                               ev.keys), ev.knobs, ev.cost, ev.profiles)
+            rows = [{"prompt": r.prompt_tokens, "ttft": r.ttft, "tpot": r.tpot, "path": r.path,
+                     "stages": r.stages, "error": r.error, "sim_ttft": s.ttft,
+                     "sim_tpot": s.tpot, "sim_path": s.path} for r, s in zip(recs, sim)]
+            runs.append({"rate": rate, **compare(rows, a.ttft_slo, a.tpot_slo), "requests": rows})
+            m, s = runs[-1]["measured"], runs[-1]["simulated"]
+            print(f"{rate:g} req/s: attainment measured {100 * m['attainment']:.0f}% simulated "
+                  f"{100 * s['attainment']:.0f}%; TTFT failed {m['ttft_failed']}/"
+                  f"{s['ttft_failed']}, TPOT failed {m['tpot_failed']}/{s['tpot_failed']}",
+                  flush=True)
+    finally:
+        close()
+    result = {"machine": machine(), "layout": extra.layout, "args": vars(a), "runs": runs}
+    print(f"wrote {write_result('sim-check', result)}")
+
+
+if __name__ == "__main__":
+    main()
