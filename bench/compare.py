@@ -108,8 +108,7 @@ def run_compare(a: CompareConfig) -> list[dict] | None:
         print(f"== {name}", file=sys.stderr)
         target, close = _open_target(a, targets[name])
         try:
-            lg.run(target, lg.synthetic(2, (32, 32), (4, 4),
-                                        lg.Tokens(*a.workload.vocab, "warm")), 1)
+            lg.warm_up(target, a.workload.vocab)
             results.append(measure(target, a.workload, load, name, progress))
         finally:
             (close or target.close)()

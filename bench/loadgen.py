@@ -254,6 +254,12 @@ class ClosedLoop:
 # ---- metrics -------------------------------------------------------------------------------------
 
 
+def warm_up(target: Callable[[Req], Record], vocab: tuple[int, int] = (100, 10000)) -> None:
+    """Two short requests, one at a time, before a measured run (first calls pay connection
+    set-up and the workers' first-step costs)."""
+    run(target, synthetic(2, (32, 32), (4, 4), Tokens(*vocab, "warm")), 1)
+
+
 def stats(xs: Sequence[float]) -> dict:
     if not xs:
         return {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None}

@@ -157,7 +157,7 @@ def run_setup(a: argparse.Namespace, name: str, shape, phases) -> dict:
         setup = Setup(cfg, kind, redis.url)
         target = lg.GrpcTarget(setup.router.address)
         try:
-            lg.run(target, lg.synthetic(2, (32, 32), (4, 4), lg.Tokens(salt="warm")), 1)
+            lg.warm_up(target)
             if name == "live":
                 tuner = Tuner(a, setup.router.http_address, redis.url)
             records, wall = lg.run(target, reqs, progress=_progress(name, len(reqs)))

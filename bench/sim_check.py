@@ -15,12 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from baton.bench.common import machine, write_result
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+from baton.bench.common import machine, pct, write_result
 
 
 def compare(rows: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
@@ -36,8 +31,8 @@ def compare(rows: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
         out[side] = {
             "attainment": sum(not (a or b) for a, b in f) / len(rows),
             "ttft_failed": sum(a for a, _ in f), "tpot_failed": sum(b for _, b in f),
-            "ttft_p50_p90": [_pct([r[t] for r in rows if r[t] is not None], q) for q in (.5, .9)],
-            "tpot_p50_p90": [_pct([r[p] for r in rows if r[p] is not None], q) for q in (.5, .9)],
+            "ttft_p50_p90": [pct([r[t] for r in rows if r[t] is not None], q) for q in (.5, .9)],
+            "tpot_p50_p90": [pct([r[p] for r in rows if r[p] is not None], q) for q in (.5, .9)],
             "paths": {k: sum(r[path] == k for r in rows) for k in ("local", "remote")}}
     remote = [r["stages"] for r in rows if r["path"] == "remote" and r["stages"]]
     if remote:
@@ -66,13 +61,12 @@ def main() -> None:
     if not a.profile:
         ap.error("--profile is required (a `baton profile` file)")
     profile = Profile.load(a.profile)
-    slice_args = tv.slice_args(a)
-    ca, ev = tv.configs(a, profile, slice_args)
+    ca, ev = tv.configs(a, profile, tv.slice_args(a))
     layout = Layout(1, 1) if extra.layout == "disaggregated" else Layout(0, 2, True)
     runs: list[dict] = []
     target, close = _open_target(ca, ("baton", extra.layout))
     try:
-        lg.run(target, lg.synthetic(2, (32, 32), (4, 4), lg.Tokens(*ca.workload.vocab, "warm")), 1)
+        lg.warm_up(target, ca.workload.vocab)
         for rate in (float(x) for x in extra.rates.split(",")):
             salt = f"sim-check/{len(runs)}/{time.time_ns()}"
             recs, _ = lg.run(target, lg.poisson(workload(ca.workload, salt), rate,

@@ -64,7 +64,8 @@ def main() -> None:
     else:
         profile = run_profile(None, a.dtype, [0, 1], 3, True, say)
         say(f"profile saved to {profile.save(RESULTS / 'tune-validation-profile.json')}")
-    ca, ev = configs(a, profile, slice_args(a))
+    flags = slice_args(a)
+    ca, ev = configs(a, profile, flags)
     layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     predicted = {}
     for name, layout in layouts.items():
@@ -83,7 +84,7 @@ def main() -> None:
     for name, m in measured.items():
         m["simulated_at_measured_rates"] = [
             (rate, att, ev.at(layouts[name], rate)) for rate, att in m["points"]]
-    result = report(a, profile, slice_args(a), predicted, measured)
+    result = report(a, profile, flags, predicted, measured)
     print(f"wrote {write_result('tune-validation', result)}")
 
 
