@@ -14,10 +14,13 @@ Four measurements, each the median of a few repeats:
   of 12 requests at 768 tokens took ~25% longer than with each request's blocks side by side (4
   requests ~13%; a 2048-token prefill ~2%). The grid is measured on the fresh pool as well
   (``decode_fresh``): the profile's workers are freshly started, so the serving factor is their
-  time over that. (With both on the fresh pool, a 1 prefill + 1 decode pair measured after a
-  goodput search's 8 req/s run streamed at a median TPOT 3-50% above a fresh cluster's at the
-  same rate and the simulator's, and the search's goodput came out 11-22% under the
-  simulator's on an Azure conversation slice; sampled with py-spy, the two decode workers
+  time over that. The two grids are timed in turn, three rounds, each point the median over
+  them: timed one after the other, a slow minute of a 2-core VM once put the fresh grid up to
+  33% above the scattered one (serving factor 0.79), and the simulator under-predicted a
+  colocated pair's TPOT by a third. (With both on the fresh pool, a 1 prefill + 1 decode pair
+  measured after a goodput search's 8 req/s run streamed at a median TPOT 3-50% above a fresh
+  cluster's at the same rate and the simulator's, and the search's goodput came out 11-22% under
+  the simulator's on an Azure conversation slice; sampled with py-spy, the two decode workers
   differed only in the attention's share of the time.)
 * **KV hand-off**: real prefill and decode worker processes; the time from the prefill RPC's
   answer to the decode stream's first token (reserve, NIXL READ, lease release, commit), against
@@ -81,6 +84,7 @@ PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 LONG_PROMPTS = (256, 512, 1024, 2048)
 # per context length, the decode batches measured (largest first: one prefill, then shrink)
 DECODE_GRID = {128: (64, 16, 4, 1), 768: (12, 4, 1)}
+DECODE_ROUNDS = 3  # the fresh and the scattered grid in turn, each point the median of these
 HANDOFF_TOKENS = (64, 256, 1024)
 # (context, concurrent streams) on a real worker: short and long contexts, small and large
 # batches (the ratio moves by ±5% from one to the next; the median of five is steadier)

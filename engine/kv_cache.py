@@ -112,6 +112,12 @@ class BlockPool:
         random.Random(seed).shuffle(items)
         self.free_queue = OrderedDict(items)
 
+    def unscatter(self) -> None:
+        """Put the free queue in block-id order, as a fresh pool hands its blocks out (each
+        sequence's side by side): ``baton profile`` times the fresh and the scattered pool in
+        turn, so both see the machine at the same moments."""
+        self.free_queue = OrderedDict(sorted(self.free_queue.items()))
+
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take a reference on prefix-cache hits, reviving them from the free queue if needed."""
         for block in blocks:

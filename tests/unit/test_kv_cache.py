@@ -165,3 +165,8 @@ def test_scatter_reorders_the_free_blocks_and_keeps_the_cache():
     assert pool.get_cached_block(b"h") is cached
     taken = [b.block_id for b in pool.get_new_blocks(8)]
     assert taken == order[:8] and taken != sorted(taken)  # allocation follows the new order
+    pool.free_blocks(pool.blocks[i] for i in taken)
+    pool.unscatter()  # a fresh pool's order again: blocks side by side, the cache kept
+    assert list(pool.free_queue) == sorted(order) and pool.get_cached_block(b"h") is cached
+    pool.check_integrity()
+    assert [b.block_id for b in pool.get_new_blocks(3)] == sorted(order)[:3]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from baton.control.profile import (
+    DECODE_ROUNDS,
     PREFILL_STREAMS,
     SATURATED_PROMPTS,
     SERVED_TOKENS,
@@ -242,9 +243,13 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert ("as the neighbour" in out.stderr) == bool(others)
     assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]
     assert p.decode and p.prefill_long
-    # the decode grid twice: on the pool as it was, then scattered (the cost model's)
+    # the decode grid on a fresh and on a scattered pool (the cost model's), timed in turn,
+    # each point the median of its rounds
     assert [(r["batch"], r["context"]) for r in p.decode_fresh] == [
         (r["batch"], r["context"]) for r in p.decode]
+    lines = [ln for ln in out.stderr.splitlines() if "decode batch" in ln]
+    assert len(lines) == len(p.decode) + len(p.decode_fresh)
+    assert all(ln.split("(rounds ")[1].count(",") == DECODE_ROUNDS - 1 for ln in lines)
     assert "scattered pool" in out.stderr and "fresh pool" in out.stderr
     assert [r["tokens"] for r in p.handoff] == [64, 256]  # 1024 does not fit the context
     assert p.handoff[1]["bytes"] == 4 * p.handoff[0]["bytes"] > 0
