@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from baton.control.redis_client import redact
 from baton.control.registry import WorkerRegistry
 
 
@@ -191,7 +192,8 @@ def summarize(cur: Snapshot, base: Snapshot | None = None) -> dict:
     ``base`` (the window), or since each process started without a base."""
     dt = cur.at - base.at if base else None
     prev = {n.id: n.samples for n in base.nodes} if base else {}
-    out = {"at": cur.at, "redis_url": cur.redis_url, "window_s": dt, "routers": [],
+    # the URL without its password: `baton status` prints this, and its JSON gets pasted
+    out = {"at": cur.at, "redis_url": redact(cur.redis_url), "window_s": dt, "routers": [],
            "workers": []}
     for n in cur.nodes:
         g = n.samples  # gauges: now

@@ -5,6 +5,7 @@ metrics are missing. The command against a live cluster is in tests/integration/
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -83,6 +84,16 @@ def test_the_table_names_processes_without_metrics():
     text = status.render(cluster_state.summarize(cluster_state.Snapshot(100.0, "redis://x", nodes)))
     assert "router-a" in text and "no metrics" in text and "decode-a" in text
     assert "1 decode; routers: 1" in text
+
+
+def test_the_redis_password_is_not_printed():
+    # `baton status` (text and --json) shows the cluster's Redis, never its password
+    nodes = [cluster_state.Node("router", "router-a", "h:1", "", 0.0, "m")]
+    summary = cluster_state.summarize(cluster_state.Snapshot(
+        100.0, "redis://:s3cret-pw@10.0.0.5:6379/0", nodes))
+    text, as_json = status.render(summary), json.dumps(summary)
+    for out in (text, as_json):
+        assert "s3cret-pw" not in out and "redis://:***@10.0.0.5:6379/0" in out
 
 
 def test_a_worker_with_kv_tiers_shows_a_line_per_tier():
