@@ -96,6 +96,13 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
     # (measured one after the other on a 2-core VM, the fresh grid once came out up to 33%
     # above the scattered one, its serving factor 0.79, and the simulator under-predicted a
     # colocated pair's TPOT by a third)
+    grid: dict[int, list[int]] = {}  # context -> the batches that fit
+    for ctx, batches in DECODE_GRID.items():
+        if ctx + 3 * repeats * len(batches) + 8 > limit:
+            say(f"decode at context {ctx}: skipped (the model's context is {limit + 1})")
+            continue
+        grid[ctx] = [b for b in batches if b <= engine.cfg.max_num_seqs
+                     and b * (ctx // bs + 2) <= engine.num_blocks]
     times: dict[tuple[str, int, int], list[float]] = {}
     for rnd in range(DECODE_ROUNDS):
         for key in ("decode_fresh", "decode"):
@@ -103,14 +110,7 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
                 engine.kv.pool.scatter(rnd)
             else:
                 engine.kv.pool.unscatter()
-            for ctx, batches in DECODE_GRID.items():
-                if ctx + 3 * repeats * len(batches) + 8 > limit:
-                    if rnd == 0 and key == "decode":
-                        say(f"decode at context {ctx}: skipped (the model's context is "
-                            f"{limit + 1})")
-                    continue
-                fits = [b for b in batches if b <= engine.cfg.max_num_seqs
-                        and b * (ctx // bs + 2) <= engine.num_blocks]
+            for ctx, fits in grid.items():
                 for batch, t in _decode_steps(engine, prompts, fits, ctx, 3 * repeats):
                     times.setdefault((key, ctx, batch), []).append(t)
     for (key, ctx, batch), ts in times.items():
