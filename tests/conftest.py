@@ -7,6 +7,31 @@ import pytest
 import torch
 from baton.bench.tiny_model import CORPUS, make_hf_model, write_tokenizer  # noqa: F401
 
+# The modules that take longest, longest first: `pytest -n 2 --dist loadfile
+# --no-loadscope-reorder` (README) hands whole modules to the two workers in collection order,
+# so these start first and the short ones fill in behind them, instead of a 4-minute module
+# starting last while the other worker idles. Seconds per module (setup, calls, teardown) in
+# `pytest -n 2 --dist loadfile --durations=120` on the 2-vCPU VM of docs/testing.md (2026-11-27);
+# a module missing here only runs later, and a stale order costs time, never a result.
+HEAVY_MODULES = [
+    "tests/integration/test_smollm2.py",  # 237 s: transformers' reference generations
+    "tests/integration/test_cluster.py",  # 193
+    "tests/chaos/test_faults.py",  # 153
+    "tests/integration/test_transfer.py",  # 153
+    "tests/integration/test_gemma3.py",  # 140
+    "tests/integration/test_hosts.py",  # 138 (debootstrap root, network namespaces)
+    "tests/integration/test_tensor_parallel_cluster.py",  # 81
+    "tests/unit/test_fp8.py",  # 77
+    "tests/integration/test_redis_outage.py",  # 71
+    "tests/integration/test_families_cluster.py",  # 65
+    "tests/unit/test_triton_engine.py",  # 65
+    "tests/chaos/test_baton_up.py",  # 63
+    "tests/integration/test_bench.py",  # 51
+    "tests/integration/test_worker_lifecycle.py",  # 47
+    "tests/integration/test_access.py",  # 40
+    "tests/unit/test_tune.py",  # 39
+]
+
 
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
@@ -14,6 +39,10 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu") is not None:
                 item.add_marker(skip)
+    rank = {m: i for i, m in enumerate(HEAVY_MODULES)}
+    # stable: the tests of one module keep their order (module-scoped fixtures), the rest of
+    # the modules theirs
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from baton.services.common.config import HolderSettings, WorkerConfig, worker_parser
 from baton.services.common.faults import NONE as NO_FAULTS
 from baton.services.common.faults import Faults
-from baton.services.worker.boot import boot_worker
-from baton.services.worker.decode_role import DecodeService
-from baton.services.worker.engine_loop import EngineLoop
-from baton.services.worker.prefill_role import add_prefill_role
-from baton.services.worker.role import AdminService, RoleGate
 from baton.transfer.errors import TransferError
-from baton.transfer.reader import KVReader
-from baton.v1 import worker_pb2_grpc
 
+if TYPE_CHECKING:
+    from baton.transfer.reader import KVReader
+
+# the engine (torch), NIXL and gRPC load in serve_worker, after the command line is checked:
+# `--help` and a bad flag answer in a fraction of a second, not after torch's ~2 s import
 log = logging.getLogger("baton.services")
 
 
@@ -84,6 +83,14 @@ def serve_worker(cfg: WorkerConfig, faults: Faults = NO_FAULTS) -> None:
     and WorkerAdmin, and takes new work of its current role only (services/worker/role.py), so
     `baton role` can switch it while it serves. A drain waits for the leased blocks' readers
     (their release calls need this server)."""
+    from baton.services.worker.boot import boot_worker
+    from baton.services.worker.decode_role import DecodeService
+    from baton.services.worker.engine_loop import EngineLoop
+    from baton.services.worker.prefill_role import add_prefill_role
+    from baton.services.worker.role import AdminService, RoleGate
+    from baton.transfer.reader import KVReader
+    from baton.v1 import worker_pb2_grpc
+
     boot = boot_worker(cfg)
     gate = RoleGate(cfg.role)
     reader = KVReader(boot.agent, boot.engine.fingerprint, boot.worker_id,

@@ -42,6 +42,7 @@ def _metric(address: str, name: str) -> list[str]:
     return [ln for ln in text.splitlines() if ln.startswith(name)]
 
 
+@pytest.mark.slow  # a worker pair, ~10 s: the fast lane keeps the flag checks below
 def test_a_cpu_pool_is_registered_as_dram_and_moves_unstaged(tiny_llama):
     path = str(tiny_llama[0])
     prompts, expected = _reference(path)
@@ -60,6 +61,7 @@ def test_a_cpu_pool_is_registered_as_dram_and_moves_unstaged(tiny_llama):
         pair.stop()
 
 
+@pytest.mark.slow  # a worker pair, ~6 s
 def test_staged_handoffs_give_the_same_tokens_and_say_they_were_staged(tiny_llama):
     """``--kv-staging always``: the holder copies the leased blocks into its registered host
     mirror, the reader READs mirror to mirror and copies them into its pool. Same tokens; the
