@@ -27,6 +27,13 @@ def _range(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _draws(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be >= 1")
+    return n
+
+
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("workload")
     g.add_argument("--workload", default="synthetic",
@@ -76,6 +83,10 @@ def add_load_args(ap: argparse.ArgumentParser) -> None:
                    help="--goodput: stop halving here; a target failing even this rate has "
                         "goodput 0 (default --start-rate / 64)")
     g.add_argument("--refine", type=int, default=3, help="--goodput: bisection steps")
+    g.add_argument("--draws", type=_draws, default=1,
+                   help="--rate/--goodput: run each rate this many times, each with its own "
+                        "Poisson arrivals (seeds --seed, --seed+1, ...); a rate's attainment is "
+                        "over all of them (default 1)")
     s = ap.add_argument_group("SLOs")
     s.add_argument("--ttft-slo", type=float, default=2.0, help="seconds (default 2)")
     s.add_argument("--tpot-slo", type=float, default=0.2, help="seconds per token (default 0.2)")
@@ -130,6 +141,7 @@ class Load:
     ttft_slo: float
     tpot_slo: float
     attainment: float
+    draws: int = 1
 
 
 @dataclass(frozen=True)
@@ -233,11 +245,11 @@ def measure(target, wl: Workload, a: Load, name: str, progress: Progress) -> dic
     search; returns the JSON-able result."""
     runs: list[dict] = []
 
-    def once(rate: float | None, label: str) -> dict:
+    def once(rate: float | None, label: str, draw: int = 0) -> dict:
         salt = f"{name}/{len(runs)}/{time.time_ns()}"  # no run finds another's prompts cached
         reqs = workload(wl, salt)
         if rate is not None:
-            reqs = lg.poisson(reqs, rate, wl.seed)
+            reqs = lg.poisson(reqs, rate, wl.seed + draw)
         elif a.speedup:
             reqs = lg.speed_up(reqs, a.speedup)
         elif wl.workload not in ("azure", "mooncake") and not a.concurrency:
@@ -254,12 +266,22 @@ def measure(target, wl: Workload, a: Load, name: str, progress: Progress) -> dic
               f"{'-' if t is None else f'{t * 1000:.0f} ms'}", file=sys.stderr, flush=True)
         return s
 
+    def at_rate(rate: float, label: str) -> float:
+        """The attainment over ``a.draws`` runs at ``rate``, each its own Poisson draw (the
+        same number of requests each: the mean of theirs)."""
+        got = [once(rate, label + (f", draw {k + 1}/{a.draws}" if a.draws > 1 else ""), k)
+               for k in range(a.draws)]
+        return sum(s["attainment"] or 0.0 for s in got) / len(got)
+
     if a.goodput:
         goodput, points = lg.find_goodput(
-            lambda r: once(r, f"{r:.3g} req/s")["attainment"], a.start_rate, a.attainment,
+            lambda r: at_rate(r, f"{r:.3g} req/s"), a.start_rate, a.attainment,
             max_rate=a.max_rate, refine=a.refine, min_rate=a.min_rate)
         return {"target": name, "goodput_rps": goodput, "points": points, "runs": runs}
-    label = (f"{a.rate} req/s" if a.rate else f"trace x{a.speedup}" if a.speedup
+    if a.rate:
+        at_rate(a.rate, f"{a.rate} req/s")
+        return {"target": name, "runs": runs}
+    label = (f"trace x{a.speedup}" if a.speedup
              else f"{a.concurrency} concurrent" if a.concurrency else "default")
     once(a.rate, label)
     return {"target": name, "runs": runs}

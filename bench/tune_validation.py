@@ -6,7 +6,7 @@ extension). Results in bench/results/tune-validation-*.json.
 
     python bench/tune_validation.py [--profile FILE] [--requests 40] [--refine 3]
         [--scale 0.25] [--max-output 128] [--ttft-slo 3] [--tpot-slo 0.1] [--dtype float32]
-        [--start-rate 1]
+        [--start-rate 1] [--draws 1]
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--refine", type=int, default=3)
     ap.add_argument("--start-rate", type=float, default=1.0,
                     help="the goodput search's first rate, req/s (both searches)")
+    ap.add_argument("--draws", type=int, default=1,
+                    help="Poisson draws per rate, measured and simulated alike: a rate's "
+                         "attainment over all of them (default 1)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
     return ap.parse_args(argv)
 
@@ -44,7 +47,8 @@ def slice_args(a: argparse.Namespace) -> list[str]:
             "--trace-start", str(a.trace_start), "--scale", str(a.scale),
             "--max-input", str(a.max_input), "--max-output", str(a.max_output),
             "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
-            "--refine", str(a.refine), "--start-rate", str(a.start_rate)]
+            "--refine", str(a.refine), "--start-rate", str(a.start_rate),
+            "--draws", str(a.draws)]
 
 
 def main() -> None:

@@ -52,6 +52,7 @@ class Search:
     min_rate: float | None
     refine: int
     seed: int
+    draws: int = 1  # Poisson draws per rate (seeds seed, seed+1, ...), attainment over all
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class TuneConfig:
         return cls(TraceSlice(a.trace, a.format, a.requests, a.trace_start, a.scale,
                               a.max_input, a.max_output),
                    Search(a.ttft_slo, a.tpot_slo, a.attainment, a.start_rate, a.max_rate,
-                          a.min_rate, a.refine, a.seed),
+                          a.min_rate, a.refine, a.seed, a.draws),
                    Knobs(a.local_prefill_max_tokens, a.prefill_saturation,
                          saturated_local_max_tokens=a.saturated_local_max_tokens,
                          host_tier_blocks=a.host_tier_blocks,
@@ -132,7 +133,13 @@ class Evaluator:
     def at(self, layout: Layout, rate: float | None) -> float:
         from baton.control import workload as lg
 
-        reqs = self.reqs if rate is None else lg.poisson(self.reqs, rate, self.search.seed)
+        if rate is None:
+            return self._attainment(layout, self.reqs)
+        draws = [lg.poisson(self.reqs, rate, self.search.seed + k)
+                 for k in range(self.search.draws)]
+        return sum(self._attainment(layout, reqs) for reqs in draws) / len(draws)
+
+    def _attainment(self, layout: Layout, reqs) -> float:
         done = simulate(layout, self.p, shape(reqs, self.keys), self.knobs, self.cost,
                         self.profiles)
         return attainment(done, self.search.ttft_slo, self.search.tpot_slo)
@@ -264,6 +271,8 @@ def _check(cfg: TuneConfig) -> Profile:
                          "worker)")
     if cfg.search.ttft_slo <= 0 or cfg.search.tpot_slo <= 0:
         raise SystemExit("error: --ttft-slo and --tpot-slo must be > 0 seconds")
+    if cfg.search.draws < 1:
+        raise SystemExit(f"error: --draws {cfg.search.draws}: must be >= 1")
     try:
         return Profile.load(cfg.profile or default_path())
     except ProfileError as e:
@@ -401,6 +410,9 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--min-rate", type=float, default=None)
     g.add_argument("--refine", type=int, default=4, help="bisection steps (default 4)")
     g.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
+    g.add_argument("--draws", type=int, default=1,
+                   help="Poisson draws per rate (seeds --seed, --seed+1, ...), the attainment "
+                        "over all of them, as `baton bench --draws` (default 1)")
     g = ap.add_argument_group("router and worker settings simulated")
     g.add_argument("--local-prefill-max-tokens", type=int, default=64)
     g.add_argument("--prefill-saturation", type=int, default=8)

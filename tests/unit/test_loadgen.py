@@ -176,3 +176,57 @@ def test_closed_loop_counts_successes_errors_and_short_outputs():
     assert whats.count("UNAVAILABLE") == (n + 1) // 3
     assert whats.count("short: 7 of 8 tokens") == (n + 2) // 3
     assert loop.ok == n // 3
+
+
+def test_each_rate_is_measured_over_its_draws_each_with_its_own_arrivals():
+    # `baton bench --goodput --draws 2`: every rate the search tries runs twice, the same
+    # requests with the Poisson arrivals of seeds --seed and --seed+1, and the search goes by
+    # the attainment over both
+    import argparse
+    import threading
+    import time as _time
+
+    from baton.bench.cli import Progress, RunConfig, add_bench_args, measure
+
+    ap = argparse.ArgumentParser()
+    add_bench_args(ap)
+    cfg = RunConfig.from_args(ap.parse_args(
+        ["run", "grpc://unused", "--workload", "synthetic", "--requests", "6",
+         "--input-len", "4:8", "--output-len", "2:2", "--seed", "5", "--goodput",
+         "--start-rate", "400", "--max-rate", "400", "--min-rate", "200", "--refine", "0",
+         "--ttft-slo", "1", "--tpot-slo", "1", "--draws", "2", "--quiet"]))
+    seen, lock = [], threading.Lock()
+
+    def target(req):
+        with lock:
+            seen.append(req)
+            n = len(seen)
+        t = _time.monotonic()
+        return lg.Record(len(req.prompt), req.max_tokens, t, t + 0.001, t + 0.002,
+                         [t + 0.001, t + 0.002], req.max_tokens,
+                         "UNAVAILABLE" if n % 3 == 0 else None)  # a third fail: both rates do
+
+    res = measure(target, cfg.workload, cfg.load, "t", Progress(True))
+    assert res["goodput_rps"] == 0.0
+    assert [rate for rate, _ in res["points"]] == [400, 200]
+    runs = res["runs"]
+    assert [r["label"] for r in runs] == ["400 req/s, draw 1/2", "400 req/s, draw 2/2",
+                                          "200 req/s, draw 1/2", "200 req/s, draw 2/2"]
+    for (_, att), pair in zip(res["points"], (runs[:2], runs[2:])):
+        assert att == pytest.approx((pair[0]["attainment"] + pair[1]["attainment"]) / 2)
+    # each draw its own arrivals: the seeds 5 and 6 at each rate
+    by_run = [sorted(r.at for r in seen[i * 6:(i + 1) * 6]) for i in range(4)]
+    for i, (rate, seed) in enumerate([(400, 5), (400, 6), (200, 5), (200, 6)]):
+        assert by_run[i] == pytest.approx([r.at for r in lg.poisson(seen[:6], rate, seed)])
+    assert by_run[0] != by_run[1]
+
+
+def test_draws_must_be_at_least_one():
+    import argparse
+
+    from baton.bench.cli import add_bench_args
+
+    ap = argparse.ArgumentParser()
+    add_bench_args(ap)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["run", "grpc://unused", "--rate", "1", "--draws", "0"])

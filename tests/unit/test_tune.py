@@ -471,3 +471,24 @@ def test_baton_profile_refuses_a_gpu_it_cannot_see():
     out = subprocess.run([sys.executable, "-m", "baton.cli.main", "profile", "--device", "cuda"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--device cuda: no GPU is visible" in out.stderr
+
+
+def test_a_rates_simulated_attainment_is_over_its_draws():
+    # `baton tune --draws 2` (and the validation's simulated side): the attainment at a rate is
+    # the mean over the Poisson arrivals of seeds --seed and --seed+1, as `baton bench --draws`
+    # measures it
+    from baton.control.tune import Evaluator, Search, TraceSlice, load_trace
+
+    reqs = load_trace(TraceSlice(str(DATA / "azure_llm_2023_conv-head50.csv"), "azure", 40, 0,
+                                 0.25, 1024, 64))
+    prof = make_profile(per_seq=0.002, attn_decode=1e-5)
+
+    def ev(seed: int, draws: int) -> Evaluator:
+        return Evaluator(prof, reqs, Search(0.5, 0.05, 0.9, 1.0, 64.0, None, 3, seed, draws),
+                         Knobs())
+
+    layout = Layout(1, 1)
+    one = [ev(seed, 1).at(layout, 12.0) for seed in (3, 4)]
+    assert one[0] != one[1]  # the two draws differ at this rate: the mean is not one of them
+    assert ev(3, 2).at(layout, 12.0) == pytest.approx(sum(one) / 2)
+    assert ev(3, 2).at(layout, None) == ev(3, 1).at(layout, None)  # the trace's own times
