@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import os
 
+from baton.cli.up import threads_each  # no torch
+
 # The cores shared out among the pytest workers (`-n 2` on two cores: one torch thread each),
-# for this process and, through OMP_NUM_THREADS, the processes it starts that set no --threads.
-# With torch's default (a thread per core) in every worker, each OpenMP parallel region
-# spin-waits for threads the other worker's computation has descheduled: on the 2-vCPU VM,
-# test_smollm2 and test_cluster on two workers took 473 s (866 s of CPU) instead of 153 s (243 s).
-_CORES = len(os.sched_getaffinity(0))
-_SHARE = max(1, _CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-if _SHARE < _CORES:
-    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
+# as `baton up` shares them among its workers, for this process and, through OMP_NUM_THREADS,
+# the processes it starts that set no --threads. With torch's default (a thread per core) in
+# every worker, each OpenMP parallel region spin-waits for threads the other worker's
+# computation has descheduled: on the 2-vCPU VM, test_smollm2 and test_cluster on two workers
+# took 473 s (866 s of CPU) instead of 153 s (243 s).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_each(_XDIST_WORKERS)))
 
 import pytest  # noqa: E402 (after OMP_NUM_THREADS, which torch reads as it loads)
 import torch  # noqa: E402
 
-if _SHARE < _CORES and "OMP_NUM_THREADS" in os.environ:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # if torch had loaded before
+if _XDIST_WORKERS > 1:  # if torch had loaded before
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from baton.bench.tiny_model import (  # noqa: E402, F401
     CORPUS,
