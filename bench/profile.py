@@ -24,6 +24,7 @@ from baton.control.profile import (
     HANDOFF_TOKENS,
     LONG_PROMPTS,
     PREFILL_PROMPT,
+    PREFILL_ROUNDS,
     PREFILL_STREAMS,
     PREFILL_TOKENS,
     SATURATED_PROMPTS,
@@ -41,13 +42,17 @@ from baton.control.profile import (
 )
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
+def _times(fn: Callable[[], None], repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _median_time(fn: Callable[[], None], repeats: int) -> float:
+    return statistics.median(_times(fn, repeats))
 
 
 class _Prompts:
@@ -76,12 +81,23 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
         while engine.has_unfinished():  # one step, or a long prompt's chunks
             engine.step()
 
-    prefill_step([8])  # warm-up
     out: dict = {"prefill": [], "prefill_long": [], "decode": [], "decode_fresh": []}
     k = PREFILL_PROMPT
-    for n in PREFILL_TOKENS:
-        lengths = [k] * (n // k) + ([n % k] if n % k else [])
-        s = _median_time(lambda ls=lengths: prefill_step(ls), repeats)
+    sizes = {n: [k] * (n // k) + ([n % k] if n % k else []) for n in PREFILL_TOKENS}
+    # warm-up: every size once, untimed. After one 8-token prompt only, the first rounds of
+    # the 1- and 4-token steps on a 2-vCPU VM came out 20% above the later ones (30 ms against
+    # 25), the decode grid's batch-1 steps 25-27 ms: tok(1) above a lone decode step, and the
+    # simulator's lone decode steps 35-45% too slow (a colocated pair's TPOT 45 ms against 29)
+    for lengths in sizes.values():
+        prefill_step(lengths)
+    # then PREFILL_ROUNDS rounds over the sizes, each point the median over all of them, so a
+    # slow moment of the machine lands on every size alike rather than on a few
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(PREFILL_ROUNDS):
+        for n, lengths in sizes.items():
+            samples[n] += _times(lambda ls=lengths: prefill_step(ls), repeats)
+    for n, lengths in sizes.items():
+        s = statistics.median(samples[n])
         out["prefill"].append({"tokens": n, "requests": len(lengths), "s": s})
         say(f"prefill {n:5d} tokens in {len(lengths):3d} prompts: {s * 1000:8.2f} ms")
     limit = engine.max_model_len - 1  # room for the token each request samples

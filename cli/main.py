@@ -304,8 +304,8 @@ def _add_measuring(sub) -> None:
              "Time the engine (one core, one torch thread, as workers run under `baton bench "
              "compare`): prefill against batched tokens, decode steps against batch size and "
              "context, and the KV hand-off between real prefill and decode worker processes "
-             "against bytes. Writes the profile `baton tune` reads (takes about two minutes "
-             "for SmolLM2).", add_profile_args, cmd_profile)
+             "against bytes. Writes the profile `baton tune` reads (about 11 minutes for "
+             "SmolLM2 on a 2-vCPU VM).", add_profile_args, cmd_profile)
     _command(sub, "tune", "recommend a prefill:decode split (or colocated) for a trace and "
              "SLOs, by simulation",
              "Simulate the trace on every split of --workers workers into prefill and decode "

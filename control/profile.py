@@ -7,7 +7,10 @@ Four measurements, each the median of a few repeats:
   small and the time is the per-token work: weights, MLP, projections), N = 1 .. 1024;
   plus single long prompts up to 2048 tokens (chunked under the token budget, as the scheduler
   runs them), whose extra time over the same tokens batched is their attention.  Prompts of 16
-  tokens would carry a per-prompt cost that hides attention up to ~512 tokens.
+  tokens would carry a per-prompt cost that hides attention up to ~512 tokens. The table is
+  measured warm (every size once, untimed) and in rounds over the sizes, each point the median
+  over them: its small rows are a decode step's per-token work too, and measured cold they came
+  out above the decode grid's own batch-1 steps.
 * **decode step**: B running requests of context C each, one token each, on a scattered pool
   (:meth:`baton.engine.kv_cache.BlockPool.scatter`): a pool long in service hands out blocks in
   the order requests ended, so a sequence's blocks lie all over it, and on a 2-vCPU Zen 4 a step
@@ -77,10 +80,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # 2: the prefill factor; 3: from throughput under a queue; 4: measured on its own; 5: decode
-# steps on a scattered pool
-VERSION = 5
+# steps on a scattered pool; 6: the batched prefill table measured warm, in rounds
+VERSION = 6
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
+PREFILL_ROUNDS = 3  # the table's sizes in turn, each point the median over the rounds
 LONG_PROMPTS = (256, 512, 1024, 2048)
 # per context length, the decode batches measured (largest first: one prefill, then shrink)
 DECODE_GRID = {128: (64, 16, 4, 1), 768: (12, 4, 1)}

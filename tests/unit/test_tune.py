@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 from baton.control.profile import (
     DECODE_ROUNDS,
+    PREFILL_PROMPT,
+    PREFILL_ROUNDS,
     PREFILL_STREAMS,
+    PREFILL_TOKENS,
     SATURATED_PROMPTS,
     SERVED_TOKENS,
     CostModel,
@@ -283,6 +286,45 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert bare.step([(64, 0)] * 16, []) == pytest.approx(big["s"], rel=0.5)  # the engine's own
     assert cm.step([(64, 0)] * 16, []) == pytest.approx(p.prefill_factor
                                                         * bare.step([(64, 0)] * 16, []))
+
+
+def test_the_batched_prefill_table_is_timed_warm_and_in_rounds(tiny_engine, monkeypatch):
+    """`baton profile`'s batched prefill table on a real (tiny) engine: every size prefilled
+    once untimed, then PREFILL_ROUNDS rounds over the sizes, each timed ``repeats`` times per
+    round (timed cold, one size after the other, its 1- and 4-token rows came out above the
+    decode grid's batch-1 steps on a 2-vCPU VM)."""
+    import baton.bench.profile as bp
+
+    eng = tiny_engine(num_kv_blocks=320, block_size=16)
+    log, timing = [], []
+    add = eng.add_request
+
+    def logged_add(**kw):
+        log.append((len(kw["prompt_token_ids"]), bool(timing)))
+        return add(**kw)
+
+    times = bp._times
+
+    def timed(fn, repeats):
+        timing.append(1)
+        try:
+            return times(fn, repeats)
+        finally:
+            timing.pop()
+
+    monkeypatch.setattr(eng, "add_request", logged_add)
+    monkeypatch.setattr(bp, "_times", timed)
+    out = bp.measure_engine(eng, repeats=2, say=lambda s: None)
+    k = PREFILL_PROMPT
+    sizes = [[k] * (n // k) + ([n % k] if n % k else []) for n in PREFILL_TOKENS]
+    warm = [(n, False) for lengths in sizes for n in lengths]
+    rounds = [(n, True) for _ in range(PREFILL_ROUNDS) for lengths in sizes
+              for _ in range(2) for n in lengths]
+    assert log[:len(warm) + len(rounds)] == warm + rounds
+    assert [r["tokens"] for r in out["prefill"]] == list(PREFILL_TOKENS)
+    assert all(r["s"] > 0 for r in out["prefill"])
+    assert not eng.has_unfinished() and eng.kv.pool.num_free_blocks == eng.num_blocks
+    eng.check_integrity()
 
 
 def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed():
