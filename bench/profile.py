@@ -86,8 +86,9 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
     sizes = {n: [k] * (n // k) + ([n % k] if n % k else []) for n in PREFILL_TOKENS}
     # warm-up: every size once, untimed. After one 8-token prompt only, the first rounds of
     # the 1- and 4-token steps on a 2-vCPU VM came out 20% above the later ones (30 ms against
-    # 25), the decode grid's batch-1 steps 25-27 ms: tok(1) above a lone decode step, and the
-    # simulator's lone decode steps 35-45% too slow (a colocated pair's TPOT 45 ms against 29)
+    # 25), the decode grid's batch-1 steps 25-27 ms: tok(1) above a lone decode step, the cost
+    # model's batch-1 decode steps 34-43% above its own grid, and a colocated pair's simulated
+    # median TPOT 47 ms against a measured 29-30
     for lengths in sizes.values():
         prefill_step(lengths)
     # then PREFILL_ROUNDS rounds over the sizes, each point the median over all of them, so a
