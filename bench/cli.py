@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from baton.bench import loadgen as lg
+from baton.control.workload import draws_arg
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
@@ -25,13 +26,6 @@ def _range(text: str) -> tuple[int, int]:
     if a < 1 or b < a:
         raise argparse.ArgumentTypeError(f"{text!r}: want 1 <= LO <= HI")
     return a, b
-
-
-def _draws(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n}: must be >= 1")
-    return n
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -83,7 +77,7 @@ def add_load_args(ap: argparse.ArgumentParser) -> None:
                    help="--goodput: stop halving here; a target failing even this rate has "
                         "goodput 0 (default --start-rate / 64)")
     g.add_argument("--refine", type=int, default=3, help="--goodput: bisection steps")
-    g.add_argument("--draws", type=_draws, default=1,
+    g.add_argument("--draws", type=draws_arg, default=1,
                    help="--rate/--goodput: run each rate this many times, each with its own "
                         "Poisson arrivals (seeds --seed, --seed+1, ...); a rate's attainment is "
                         "over all of them (default 1)")

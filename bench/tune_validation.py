@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, replace
 
 from baton.bench.common import RESULTS, machine, write_result
+from baton.control.workload import draws_arg
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--refine", type=int, default=3)
     ap.add_argument("--start-rate", type=float, default=1.0,
                     help="the goodput search's first rate, req/s (both searches)")
-    ap.add_argument("--draws", type=int, default=1,
+    ap.add_argument("--draws", type=draws_arg, default=1,
                     help="Poisson draws per rate, measured and simulated alike: a rate's "
                          "attainment over all of them (default 1)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")

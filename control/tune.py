@@ -19,6 +19,7 @@ from pathlib import Path
 
 from baton.control.profile import CostModel, Profile, ProfileError, default_path
 from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
+from baton.control.workload import draws_arg
 
 
 def layouts(n: int, prefill_tp: int = 1, decode_tp: int = 1) -> list[Layout]:
@@ -271,8 +272,6 @@ def _check(cfg: TuneConfig) -> Profile:
                          "worker)")
     if cfg.search.ttft_slo <= 0 or cfg.search.tpot_slo <= 0:
         raise SystemExit("error: --ttft-slo and --tpot-slo must be > 0 seconds")
-    if cfg.search.draws < 1:
-        raise SystemExit(f"error: --draws {cfg.search.draws}: must be >= 1")
     try:
         return Profile.load(cfg.profile or default_path())
     except ProfileError as e:
@@ -410,7 +409,7 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--min-rate", type=float, default=None)
     g.add_argument("--refine", type=int, default=4, help="bisection steps (default 4)")
     g.add_argument("--seed", type=int, default=0, help="Poisson arrivals' seed")
-    g.add_argument("--draws", type=int, default=1,
+    g.add_argument("--draws", type=draws_arg, default=1,
                    help="Poisson draws per rate (seeds --seed, --seed+1, ...), the attainment "
                         "over all of them, as `baton bench --draws` (default 1)")
     g = ap.add_argument_group("router and worker settings simulated")

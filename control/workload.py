@@ -8,6 +8,7 @@ highest rate at which a share of requests do.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import random
@@ -154,6 +155,15 @@ def poisson(reqs: Sequence[Req], rate: float, seed: int = 0) -> list[Req]:
         out.append(Req(r.prompt, r.max_tokens, t))
         t += rng.expovariate(rate)
     return out
+
+
+def draws_arg(text: str) -> int:
+    """``--draws``' argparse type (`baton bench`, `baton tune`, the validation): Poisson draws
+    per rate, at least one."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be >= 1")
+    return n
 
 
 def speed_up(reqs: Sequence[Req], factor: float) -> list[Req]:

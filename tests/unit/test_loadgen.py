@@ -230,3 +230,11 @@ def test_draws_must_be_at_least_one():
     add_bench_args(ap)
     with pytest.raises(SystemExit):
         ap.parse_args(["run", "grpc://unused", "--rate", "1", "--draws", "0"])
+    from baton.bench.tune_validation import parse_args
+    from baton.control.tune import add_tune_args
+
+    tune = argparse.ArgumentParser()
+    add_tune_args(tune)
+    for parse in (tune.parse_args, parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--draws", "0"])
