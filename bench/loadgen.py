@@ -74,6 +74,7 @@ class GrpcTarget:
                     rec.output_tokens += len(delta.token_ids)
             rec.end = time.monotonic()
             rec.path, rec.stages = stream.result.path, ttft_stages(stream.result)
+            rec.cached_tokens = stream.result.usage.cached_tokens
         except BatonError as e:
             rec.error = e.code.name
         return rec

@@ -1,7 +1,8 @@
 """One layout of `python bench/tune_validation.py`'s, measured at chosen rates on one cluster
 (started once, the rates in the order given) beside the simulator on the same requests and
 arrival times, request by request: attainment, which SLO failed, TTFT and TPOT percentiles,
-the router's TTFT phases (remote path) and the path each request took, measured and simulated.
+the router's TTFT phases (remote path), the path each request took and the prompt tokens its
+worker reused from its prefix cache, measured and simulated.
 Where the validation's goodputs disagree, this says at which rate, in which phase, and whether a
 fresh cluster agrees (run the rates alone, then after a higher one). Results in
 bench/results/sim-check-*.json.
@@ -19,21 +20,25 @@ from baton.bench.common import machine, pct, write_result
 
 
 def compare(rows: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
-    """Measured against simulated over ``rows`` ({ttft, tpot, path, stages, sim_ttft, sim_tpot,
-    sim_path} per request)."""
+    """Measured against simulated over ``rows`` ({ttft, tpot, path, stages, cached, sim_ttft,
+    sim_tpot, sim_path, sim_cached} per request)."""
     def fails(t, p) -> tuple[bool, bool]:
         return t is None or t > ttft_slo, p is not None and p > tpot_slo
 
     out: dict = {}
-    for side, (t, p, path) in {"measured": ("ttft", "tpot", "path"),
-                               "simulated": ("sim_ttft", "sim_tpot", "sim_path")}.items():
+    for side, (t, p, path, c) in {
+            "measured": ("ttft", "tpot", "path", "cached"),
+            "simulated": ("sim_ttft", "sim_tpot", "sim_path", "sim_cached")}.items():
         f = [fails(r[t], r[p]) for r in rows]
         out[side] = {
             "attainment": sum(not (a or b) for a, b in f) / len(rows),
             "ttft_failed": sum(a for a, _ in f), "tpot_failed": sum(b for _, b in f),
             "ttft_p50_p90": [pct([r[t] for r in rows if r[t] is not None], q) for q in (.5, .9)],
             "tpot_p50_p90": [pct([r[p] for r in rows if r[p] is not None], q) for q in (.5, .9)],
-            "paths": {k: sum(r[path] == k for r in rows) for k in ("local", "remote")}}
+            "paths": {k: sum(r[path] == k for r in rows) for k in ("local", "remote")},
+            # prompt tokens reused from a prefix cache, of all prompt tokens; requests with a hit
+            "cached_share": (sum(r[c] or 0 for r in rows) / max(sum(r["prompt"] for r in rows), 1)),
+            "requests_with_hits": sum(bool(r[c]) for r in rows)}
     remote = [r["stages"] for r in rows if r["path"] == "remote" and r["stages"]]
     if remote:
         out["measured"]["remote_ttft_phases_mean_s"] = {
@@ -74,13 +79,16 @@ def main() -> None:
             sim = simulate(layout, ev.p, shape(cw.poisson(ev.reqs, rate, ev.search.seed),
                                                ev.keys), ev.knobs, ev.cost, ev.profiles)
             rows = [{"prompt": r.prompt_tokens, "ttft": r.ttft, "tpot": r.tpot, "path": r.path,
-                     "stages": r.stages, "error": r.error, "sim_ttft": s.ttft,
-                     "sim_tpot": s.tpot, "sim_path": s.path} for r, s in zip(recs, sim)]
+                     "stages": r.stages, "error": r.error, "cached": r.cached_tokens,
+                     "sim_ttft": s.ttft, "sim_tpot": s.tpot, "sim_path": s.path,
+                     "sim_cached": s.cached_tokens} for r, s in zip(recs, sim)]
             runs.append({"rate": rate, **compare(rows, a.ttft_slo, a.tpot_slo), "requests": rows})
             m, s = runs[-1]["measured"], runs[-1]["simulated"]
             print(f"{rate:g} req/s: attainment measured {100 * m['attainment']:.0f}% simulated "
                   f"{100 * s['attainment']:.0f}%; TTFT failed {m['ttft_failed']}/"
-                  f"{s['ttft_failed']}, TPOT failed {m['tpot_failed']}/{s['tpot_failed']}",
+                  f"{s['ttft_failed']}, TPOT failed {m['tpot_failed']}/{s['tpot_failed']}, "
+                  f"prompt tokens cached {100 * m['cached_share']:.0f}%/"
+                  f"{100 * s['cached_share']:.0f}%",
                   flush=True)
     finally:
         close()

@@ -381,6 +381,7 @@ class Cluster:
             tier = next(t for t in PrefixCache.TIERS if k in e.cache.held[t])
             e.cache.held[tier].move_to_end(k)
             load += e.cost.tier_load_s(tier) if tier != "pool" else 0.0
+        r.cached_tokens = cached
         return _Seq(r, computed=cached, load_s=load, **kw)
 
     def _route(self, t: float, r: SimRequest, queued: bool = False) -> None:

@@ -187,6 +187,7 @@ class Record:
     # Baton's gRPC API only: the router's path and its account of the first token's time
     path: str | None = None
     stages: dict[str, float] | None = None
+    cached_tokens: int | None = None  # prompt tokens the worker reused (its pool or tiers)
 
     @property
     def ttft(self) -> float | None:

@@ -437,6 +437,8 @@ def test_a_held_prefix_is_not_prefilled_again_and_the_router_goes_where_it_is():
     # engine computes only the last token for the logits
     for r in (again_a, again_b):
         assert r.ttft == pytest.approx(0.004 + tok(1))
+        assert r.cached_tokens == 319  # recorded as the gRPC API's usage.cached_tokens
+    assert first_a.cached_tokens == first_b.cached_tokens == 0
     unkeyed = simulate(Layout(0, 2, colocated=True), p, [x[:3] for x in shape])
     assert unkeyed[2].ttft == pytest.approx(0.004 + tok(320))  # no keys, no hits
 
