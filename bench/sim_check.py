@@ -37,7 +37,7 @@ def compare(rows: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
             "tpot_p50_p90": [pct([r[p] for r in rows if r[p] is not None], q) for q in (.5, .9)],
             "paths": {k: sum(r[path] == k for r in rows) for k in ("local", "remote")},
             # prompt tokens reused from a prefix cache, of all prompt tokens; requests with a hit
-            "cached_share": (sum(r[c] or 0 for r in rows) / max(sum(r["prompt"] for r in rows), 1)),
+            "cached_share": sum(r[c] or 0 for r in rows) / max(sum(r["prompt"] for r in rows), 1),
             "requests_with_hits": sum(bool(r[c]) for r in rows)}
     remote = [r["stages"] for r in rows if r["path"] == "remote" and r["stages"]]
     if remote:

@@ -221,20 +221,22 @@ def test_each_rate_is_measured_over_its_draws_each_with_its_own_arrivals():
     assert by_run[0] != by_run[1]
 
 
-def test_draws_must_be_at_least_one():
+def test_draws_must_be_at_least_one(capsys):
+    """`baton bench`, `baton tune` and the validation refuse `--draws 0` by name, and take 1
+    with the same other arguments (so the refusal is the draws', not a missing argument's)."""
     import argparse
 
     from baton.bench.cli import add_bench_args
-
-    ap = argparse.ArgumentParser()
-    add_bench_args(ap)
-    with pytest.raises(SystemExit):
-        ap.parse_args(["run", "grpc://unused", "--rate", "1", "--draws", "0"])
     from baton.bench.tune_validation import parse_args
     from baton.control.tune import add_tune_args
 
-    tune = argparse.ArgumentParser()
+    bench, tune = argparse.ArgumentParser(), argparse.ArgumentParser()
+    add_bench_args(bench)
     add_tune_args(tune)
-    for parse in (tune.parse_args, parse_args):
+    for parse, rest in ((bench.parse_args, ["run", "grpc://unused", "--rate", "1"]),
+                        (tune.parse_args, ["--ttft-slo", "1", "--tpot-slo", "0.1"]),
+                        (parse_args, [])):
+        assert parse([*rest, "--draws", "1"]).draws == 1
         with pytest.raises(SystemExit):
-            parse(["--draws", "0"])
+            parse([*rest, "--draws", "0"])
+        assert "--draws: 0: must be >= 1" in capsys.readouterr().err
