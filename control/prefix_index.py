@@ -439,8 +439,21 @@ class PrefixIndex:
                 op[1].set()
 
     def close(self) -> None:
+        """Stop the writer as a router that dies would: its claims still written expire by TTL."""
         self._stop.set()
         self._ops.put(("sync", threading.Event()))
+
+    def retire(self, timeout: float = 2.0) -> None:
+        """A router leaving gracefully: release the claims it still holds, write every claim and
+        release made so far (within ``timeout``), then stop. Without it the releases of the
+        last requests it finished could die with the process and count those requests in
+        flight on their workers, for every router, until the TTL ran out."""
+        with self._lock:
+            keys = list(self._claims)
+        for k in keys:
+            self.release(k)
+        self.flush(timeout)
+        self.close()
 
     # ---- availability ----------------------------------------------------------------------------
 

@@ -353,7 +353,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{host}:{http_address.rsplit(':', 1)[1]}" if http_address else "",
         orchestrator.model, tls=bool(cfg.tls))).start()
     drain = announce(address, f"router-{cfg.host}-{port}", new_incarnation())
-    serve_forever(server, tracing.shutdown, registration, cfg.drain_timeout, health=health,
+
+    def on_stop() -> None:
+        if orchestrator.policy.index is not None:
+            orchestrator.policy.index.retire()  # its in-flight counts leave with it
+        tracing.shutdown()
+
+    serve_forever(server, on_stop, registration, cfg.drain_timeout, health=health,
                   drain=drain)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import redis
-from baton.control.prefix_index import PrefixIndex, index_key
+from baton.control.prefix_index import PrefixIndex, index_key, inflight_key
 from baton.control.redis_server import EmbeddedRedis
 from baton.engine.block_hash import hash_blocks, namespace_for
 from baton.engine.kv_cache import CLEARED, EVICTED, STORED
@@ -142,6 +142,23 @@ def test_inflight_counts_are_shared_released_and_expire(client):
     end = time.monotonic() + 4
     while r2.signals([], w)[0].inflight and time.monotonic() < end:
         time.sleep(0.1)
+    assert [s.inflight for s in r2.signals([], w)] == [0, 0]
+    r2.close()
+
+
+def test_a_router_that_retires_leaves_no_claims_behind(client):
+    # a router stopped gracefully right after its last requests finished: their releases (and
+    # a claim still held) must reach Redis, not count those requests on the workers for a TTL
+    w = [rec("a"), rec("b")]
+    r1 = PrefixIndex(client, "r1", inflight_ttl_s=60.0, write_delay_s=0.5)
+    r2 = PrefixIndex(client, "r2")
+    r1.claim("q1", ["a"])
+    r1.claim("q2", ["a", "b"])
+    r1.flush()
+    assert [s.inflight for s in r2.signals([], w)] == [2, 1]
+    r1.release("q1")  # not written yet: the batch waits half a second
+    r1.retire()
+    assert client.zcard(inflight_key("a")) == client.zcard(inflight_key("b")) == 0
     assert [s.inflight for s in r2.signals([], w)] == [0, 0]
     r2.close()
 
