@@ -8,7 +8,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 import grpc
@@ -46,11 +46,15 @@ def serve_forever(server: grpc.Server, on_stop, registration=None,
                   drain_timeout: float = 30.0, health=None,
                   busy: Callable[[], bool] | None = None,
                   died: threading.Event | None = None,
-                  drain: threading.Event | None = None) -> None:
+                  drain: threading.Event | None = None,
+                  also: Sequence[Callable[[float], None]] = ()) -> None:
     """Block until SIGTERM/SIGINT (``drain``, from :func:`announce`), then drain: deregister
     (routers stop sending work), wait while ``busy()`` (work that still needs RPCs in: a
     prefill worker's leased blocks wait for their readers' release calls), refuse new RPCs,
     let the ones in flight finish, run ``on_stop``, return. All of it within ``drain_timeout``.
+    ``also``: the process's other servers (the router's HTTP front), each called with the
+    seconds left when the gRPC server starts its grace, in a thread of its own: it stops
+    accepting, finishes what it serves and returns within that time.
 
     ``died`` set (the engine thread stopped on an error) does the same at once, without
     waiting for ``busy``, and then exits 1: the worker cannot serve any more, and its
@@ -77,7 +81,14 @@ def serve_forever(server: grpc.Server, on_stop, registration=None,
     deadline = time.monotonic() + drain_timeout
     while not crashed and busy is not None and busy() and time.monotonic() < deadline:
         time.sleep(0.05)
-    server.stop(grace=max(0.0, deadline - time.monotonic())).wait()
+    grace = max(0.0, deadline - time.monotonic())
+    others = [threading.Thread(target=stop, args=(grace,), name="drain-other", daemon=True)
+              for stop in also]
+    for t in others:
+        t.start()
+    server.stop(grace=grace).wait()
+    for t in others:
+        t.join(max(0.0, deadline - time.monotonic()))
     on_stop()
     if crashed:
         raise SystemExit(1)

@@ -307,10 +307,11 @@ def grpc_server(cfg: RouterConfig):
     return server, server.add_insecure_port(f"{cfg.host}:{cfg.port}")
 
 
-def http_front(cfg: RouterConfig, orchestrator: Orchestrator) -> str:
-    """Start the OpenAI front (unless ``--http-port -1``); its address, or ""."""
+def http_front(cfg: RouterConfig, orchestrator: Orchestrator):
+    """Start the OpenAI front (unless ``--http-port -1``): (its server, its address), or
+    (None, "")."""
     if cfg.http_port < 0:
-        return ""
+        return None, ""
     from baton.services.router.openai_http import serve_http
 
     http = serve_http(orchestrator, cfg.host, cfg.http_port, keys=cfg.keys, tls=cfg.tls,
@@ -318,7 +319,7 @@ def http_front(cfg: RouterConfig, orchestrator: Orchestrator) -> str:
     address = f"{cfg.host}:{http.port}"
     log.info("OpenAI-compatible HTTP on %s://%s/v1", "https" if cfg.tls else "http", address)
     print(f"BATON_HTTP {address}", flush=True)
-    return address
+    return http, address
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     server.start()
     address = f"{cfg.host}:{port}"
     log.info("router serving %s on %s", orchestrator.model, address)
-    http_address = http_front(cfg, orchestrator)
+    http, http_address = http_front(cfg, orchestrator)
     # in the registry for `baton status` (routers do not route to each other)
     host = advertised_host(cfg)
     registration = Registration(WorkerRegistry(client), RouterRecord(
@@ -359,8 +360,9 @@ def main(argv: list[str] | None = None) -> None:
             orchestrator.policy.index.retire()  # its in-flight counts leave with it
         tracing.shutdown()
 
+    # a drain finishes the HTTP front's streams as it does the gRPC server's
     serve_forever(server, on_stop, registration, cfg.drain_timeout, health=health,
-                  drain=drain)
+                  drain=drain, also=[http.stop] if http is not None else [])
 
 
 if __name__ == "__main__":

@@ -443,6 +443,47 @@ def test_sigterm_under_load_fails_nothing(cluster, engine):
     cluster.assert_quiet()
 
 
+def test_a_draining_router_finishes_its_streams_on_both_apis(cluster, engine):
+    """SIGTERM to a router with a gRPC stream and a longer OpenAI stream (the official client)
+    open: both run to their last token, equal to the engine's, and the router exits 0 once the
+    HTTP stream is done, not when the gRPC server has drained."""
+    import openai
+
+    router = cluster.start_router("--http-port", "0")
+    text = "Once upon a time, in a village by the river,"
+    ids = engine.tokenizer.encode(text)
+    short, long = (engine.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+                   for n in (40, 200))
+    call = api_pb2_grpc.BatonStub(router.channel).Generate(
+        request("text", text, 40, ignore_eos=True), timeout=120)
+    client = openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="none",
+                           max_retries=0)
+    chunks = iter(client.completions.create(model="SmolLM2-135M-Instruct", prompt=text,
+                                            max_tokens=200, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    got_ids, http_text, finish = [], "", None
+    while not http_text:  # both are decoding
+        c = next(chunks)
+        http_text += c.choices[0].text if c.choices else ""
+    first = next(call)
+    assert first.HasField("delta")
+    got_ids += first.delta.token_ids
+    router.proc.send_signal(signal.SIGTERM)
+    for msg in call:
+        got_ids += (msg.delta.token_ids if msg.HasField("delta")
+                    else msg.final.last_delta.token_ids)
+        if msg.HasField("final"):
+            assert msg.final.finish_reason == "length"
+    for c in chunks:
+        if c.choices:
+            http_text += c.choices[0].text
+            finish = c.choices[0].finish_reason or finish
+    assert got_ids == short.token_ids
+    assert http_text == long.text and finish == "length"
+    assert router.proc.wait(40) == 0
+    router.stop()
+
+
 def test_sigkill_decode_before_first_token_is_retried(cluster, engine):
     victim = cluster.decode[0]
     kind, text = PROMPTS[4]
