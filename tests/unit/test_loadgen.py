@@ -108,6 +108,10 @@ def test_goodput_search_brackets_then_bisects():
     assert len(lg.find_goodput(lambda r: 0.0, start=1.0)[1]) == 7  # down to start / 64
     # everything passes: the cap
     assert lg.find_goodput(lambda r: 1.0, start=1.0, max_rate=8.0)[0] == 8.0
+    # exactly at the target, as a mean over two draws rounds it (86% and 94%): a pass
+    assert (0.86 + 0.94) / 2 < 0.9
+    assert lg.find_goodput(lambda r: (0.86 + 0.94) / 2 if r <= 2 else 0.5, start=1.0,
+                           refine=0)[0] == 2.0
 
 
 def test_poisson_arrivals_have_the_rate():
