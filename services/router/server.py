@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from baton.control.prefix_index import PrefixIndex
 from baton.control.registry import Registration, RouterRecord, WorkerRegistry
@@ -42,6 +43,9 @@ from baton.services.router.routing import (
 )
 from baton.services.router.workers import WorkerPool
 from baton_client.v1 import api_pb2_grpc
+
+if TYPE_CHECKING:  # the HTTP front imports uvicorn; a router with --http-port -1 never does
+    from baton.services.router.openai_http import HttpServer
 
 log = logging.getLogger("baton.services.router")
 
@@ -307,7 +311,7 @@ def grpc_server(cfg: RouterConfig):
     return server, server.add_insecure_port(f"{cfg.host}:{cfg.port}")
 
 
-def http_front(cfg: RouterConfig, orchestrator: Orchestrator):
+def http_front(cfg: RouterConfig, orchestrator: Orchestrator) -> tuple[HttpServer | None, str]:
     """Start the OpenAI front (unless ``--http-port -1``): (its server, its address), or
     (None, "")."""
     if cfg.http_port < 0:
