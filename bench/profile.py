@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import os
 import statistics
 import sys
@@ -163,6 +164,60 @@ def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
         engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
+    return out
+
+
+def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
+                say: Callable[[str], None] = print) -> dict:
+    """This machine's speed now against the day ``p`` was measured: its largest batched
+    prefill step and its batch-16 decode step at context 128 on a fresh pool, timed again as
+    :func:`run_profile` timed them (the engine pinned to ``cores[0]``, one thread, a busy
+    neighbour on ``cores[1]``). A shared VM's speed drifts by tens of percent in an hour; a
+    validation measured while it ran slower than its profile says so, rather than counting the
+    drift as the simulator's error. Ratios above 1: slower now."""
+    import torch
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
+    ref_prefill = max(p.prefill, key=lambda x: x["tokens"])
+    ref_decode = next((x for x in p.decode_fresh if x["batch"] == 16 and x["context"] == 128),
+                      None)
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {cores[0]})
+    try:
+        engine = LLMEngine.from_path(None if p.model.startswith("default") else p.model,
+                                     _engine_config(EngineConfig, p.dtype, p.device))
+        prompts = _Prompts(min(engine.model_config.vocab_size, 30000), seed=7)
+        from baton.engine.params import SamplingParams
+
+        one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+        k, n = PREFILL_PROMPT, ref_prefill["tokens"]
+        lengths = [k] * (n // k) + ([n % k] if n % k else [])
+
+        def prefill_step() -> None:
+            for m in lengths:
+                engine.add_request(prompt_token_ids=prompts(m), params=one)
+            while engine.has_unfinished():
+                engine.step()
+
+        with _neighbors(None if p.model.startswith("default") else p.model, p.dtype,
+                        sorted(set(cores) - {cores[0]})[:1] if p.neighbors else [], say,
+                        p.device):
+            prefill_step()  # warm-up
+            pre = _median_time(prefill_step, repeats)
+            dec = (dict(_decode_steps(engine, prompts, [16], 128, 3 * repeats)).get(16)
+                   if ref_decode else None)
+        engine.close()
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    out = {"prefill_tokens": n, "prefill_s": pre, "prefill_ratio": pre / ref_prefill["s"],
+           "decode_16x128_s": dec,
+           "decode_ratio": dec / ref_decode["s"] if dec and ref_decode else None}
+    say(f"machine speed against the profile: {n}-token prefill step {pre * 1000:.0f} ms "
+        f"({out['prefill_ratio']:.2f}x the profile's)"
+        + (f", decode batch 16 {dec * 1000:.1f} ms ({out['decode_ratio']:.2f}x)"
+           if out["decode_ratio"] else ""))
     return out
 
 
@@ -635,6 +690,19 @@ def cmd_profile(a) -> int:
     if a.tensor_parallel_size < 1:
         print("error: --tensor-parallel-size must be >= 1", file=sys.stderr)
         return 2
+    if a.check:
+        try:
+            p = Profile.load(a.check)
+        except (OSError, ValueError, ProfileError) as e:
+            print(f"error: --check {a.check}: {e}", file=sys.stderr)
+            return 2
+        if p.device.split(":")[0] != device.split(":")[0]:
+            print(f"error: --check {a.check}: the profile was measured on {p.device}, this "
+                  f"check would run on {device} (pass --device {p.device})", file=sys.stderr)
+            return 2
+        out = speed_probe(p, cores, max(a.repeats, 3), say)
+        print(json.dumps(out))
+        return 0
     p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say,
                     not a.idle_neighbors, device, a.tensor_parallel_size)
     path = p.save(a.out or default_path())
@@ -666,6 +734,11 @@ def add_profile_args(ap) -> None:
     ap.add_argument("--no-handoff", action="store_true",
                     help="skip the worker measurements (hand-off and serving factor: no worker "
                          "processes, no NIXL; the factor stays 1)")
+    ap.add_argument("--check", metavar="PROFILE", default=None,
+                    help="write no profile: time PROFILE's largest prefill step and a decode "
+                         "step again on --cores and print this machine's speed against the day "
+                         "it was measured (ratios above 1: slower now; re-profile when they "
+                         "are far from 1, as a shared VM's can be within the hour)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "
                          "~/.cache/baton/profile.json)")

@@ -1,8 +1,10 @@
 """`baton tune`'s predictions against measurements, back to back on one machine: profile the
 engine, predict the goodput of 1 prefill + 1 decode and of 2 colocated workers for a trace slice,
 then measure both with `baton bench compare` on the same slice (same lengths, same Poisson
-arrivals, same goodput search). The trace is an Azure CSV or a Mooncake JSONL (by its
-extension). Results in bench/results/tune-validation-*.json.
+arrivals, same goodput search). Before and after measuring, the profile's largest prefill step
+and a decode step are timed again (`machine_speed`: the machine's drift from its profile). The
+trace is an Azure CSV or a Mooncake JSONL (by its extension). Results in
+bench/results/tune-validation-*.json.
 
     python bench/tune_validation.py [--profile FILE] [--requests 40] [--refine 3]
         [--scale 0.25] [--max-output 128] [--ttft-slo 3] [--tpot-slo 0.1] [--dtype float32]
@@ -54,7 +56,7 @@ def slice_args(a: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     from baton.bench.compare import run_compare
-    from baton.bench.profile import run_profile
+    from baton.bench.profile import run_profile, speed_probe
     from baton.control.profile import Profile
     from baton.control.sim import Layout
 
@@ -77,19 +79,23 @@ def main() -> None:
         goodput, points = ev.goodput(layout)
         predicted[name] = {"layout": layout.name, "goodput_rps": goodput, "points": points}
         say(f"predicted {layout.name}: goodput {goodput:.3g} req/s")
-    measured = {}
+    measured, speed = {}, {}
     if not a.skip_measure:
+        # the machine's speed against the profile's, before and after: a drift is the
+        # machine's, not the simulator's error
+        speed["before"] = speed_probe(profile, [0, 1], say=say)
         say("measuring both setups with `baton bench compare` ...")
         for res in run_compare(ca) or []:
             measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
                                        "points": res["points"]}
             say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
+        speed["after"] = speed_probe(profile, [0, 1], say=say)
     # attainment at every rate the real search ran, measured against simulated: better
     # conditioned than the goodput (one request more or less can move a goodput a lot)
     for name, m in measured.items():
         m["simulated_at_measured_rates"] = [
             (rate, att, ev.at(layouts[name], rate)) for rate, att in m["points"]]
-    result = report(a, profile, flags, predicted, measured)
+    result = {**report(a, profile, flags, predicted, measured), "machine_speed": speed}
     print(f"wrote {write_result('tune-validation', result)}")
 
 

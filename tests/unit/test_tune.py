@@ -205,6 +205,23 @@ def test_baton_tune_prints_a_table_a_recommendation_and_writes_json_and_png(tmp_
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
+def test_baton_profile_check_refuses_another_device_and_a_missing_file(tmp_path, capsys):
+    """`baton profile --check` times nothing on a device the profile was not measured on, and
+    names an unreadable profile."""
+    import argparse
+
+    from baton.bench.profile import add_profile_args, cmd_profile
+
+    ap = argparse.ArgumentParser()
+    add_profile_args(ap)
+    gpu = dataclasses.replace(make_profile(), device="cuda").save(tmp_path / "gpu.json")
+    assert cmd_profile(ap.parse_args(["--check", str(gpu), "--device", "cpu"])) == 2
+    assert "measured on cuda" in capsys.readouterr().err
+    assert cmd_profile(ap.parse_args(["--check", str(tmp_path / "none.json"),
+                                      "--device", "cpu"])) == 2
+    assert "none.json" in capsys.readouterr().err
+
+
 def test_baton_tune_names_a_missing_profile(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "baton.cli.main", "tune", "--trace",
@@ -292,6 +309,20 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert bare.attn_prefill >= 0
     assert cm.step([(64, 0)] * 16, []) == pytest.approx(p.prefill_factor
                                                         * bare.step([(64, 0)] * 16, []))
+    # `baton profile --check`: the same machine against that profile, no profile written
+    before = (tmp_path / "p.json").read_bytes()
+    check = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "profile", "--check", str(tmp_path / "p.json"),
+         "--repeats", "1"], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr
+    speed = json.loads(check.stdout.splitlines()[-1])
+    assert speed["prefill_tokens"] == 1024
+    assert speed["prefill_ratio"] == pytest.approx(speed["prefill_s"] / big["s"])
+    ref = next(r for r in p.decode_fresh if (r["batch"], r["context"]) == (16, 128))
+    assert speed["decode_ratio"] == pytest.approx(speed["decode_16x128_s"] / ref["s"])
+    assert speed["prefill_s"] > 0 and speed["decode_16x128_s"] > 0
+    assert "machine speed against the profile" in check.stderr
+    assert (tmp_path / "p.json").read_bytes() == before
 
 
 def test_the_batched_prefill_table_is_timed_warm_and_in_rounds(tiny_engine, monkeypatch):
