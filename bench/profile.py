@@ -178,18 +178,17 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
     import torch
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
+    from baton.engine.params import SamplingParams
 
+    model = None if p.model.startswith("default") else p.model  # run_profile's name for None
     ref_prefill = max(p.prefill, key=lambda x: x["tokens"])
     ref_decode = next((x for x in p.decode_fresh if x["batch"] == 16 and x["context"] == 128),
                       None)
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {cores[0]})
     try:
-        engine = LLMEngine.from_path(None if p.model.startswith("default") else p.model,
-                                     _engine_config(EngineConfig, p.dtype, p.device))
+        engine = LLMEngine.from_path(model, _engine_config(EngineConfig, p.dtype, p.device))
         prompts = _Prompts(min(engine.model_config.vocab_size, 30000), seed=7)
-        from baton.engine.params import SamplingParams
-
         one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
         k, n = PREFILL_PROMPT, ref_prefill["tokens"]
         lengths = [k] * (n // k) + ([n % k] if n % k else [])
@@ -200,9 +199,11 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
             while engine.has_unfinished():
                 engine.step()
 
-        with _neighbors(None if p.model.startswith("default") else p.model, p.dtype,
-                        sorted(set(cores) - {cores[0]})[:1] if p.neighbors else [], say,
-                        p.device):
+        others = sorted(set(cores) - {cores[0]})[:1] if p.neighbors else []
+        if p.neighbors and not others:
+            say("the profile was measured beside a busy neighbour; with one core there is none "
+                "now, so this machine looks faster than it serves")
+        with _neighbors(model, p.dtype, others, say, p.device):
             prefill_step()  # warm-up
             pre = _median_time(prefill_step, repeats)
             dec = (dict(_decode_steps(engine, prompts, [16], 128, 3 * repeats)).get(16)
@@ -211,8 +212,8 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
     finally:
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
-    out = {"prefill_tokens": n, "prefill_s": pre, "prefill_ratio": pre / ref_prefill["s"],
-           "decode_16x128_s": dec,
+    out = {"neighbour": bool(others), "prefill_tokens": n, "prefill_s": pre,
+           "prefill_ratio": pre / ref_prefill["s"], "decode_16x128_s": dec,
            "decode_ratio": dec / ref_decode["s"] if dec and ref_decode else None}
     say(f"machine speed against the profile: {n}-token prefill step {pre * 1000:.0f} ms "
         f"({out['prefill_ratio']:.2f}x the profile's)"

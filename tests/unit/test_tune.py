@@ -317,6 +317,7 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert check.returncode == 0, check.stderr
     speed = json.loads(check.stdout.splitlines()[-1])
     assert speed["prefill_tokens"] == 1024
+    assert speed["neighbour"] == bool(others)  # as the profile was measured
     assert speed["prefill_ratio"] == pytest.approx(speed["prefill_s"] / big["s"])
     ref = next(r for r in p.decode_fresh if (r["batch"], r["context"]) == (16, 128))
     assert speed["decode_ratio"] == pytest.approx(speed["decode_16x128_s"] / ref["s"])
