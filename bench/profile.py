@@ -68,6 +68,24 @@ class _Prompts:
         return [self.rng.randrange(100, self.vocab) for _ in range(n)]
 
 
+DEFAULT_MODEL = "default (SmolLM2-135M-Instruct)"  # a profile's model name for --model unset
+
+
+def _prefill_lengths(n: int) -> list[int]:
+    """The prompt lengths of the batched prefill table's ``n``-token step (PREFILL_PROMPT-token
+    prompts, the remainder last)."""
+    k = PREFILL_PROMPT
+    return [k] * (n // k) + ([n % k] if n % k else [])
+
+
+def _prefill_step(engine, prompts: _Prompts, lengths: list[int], params) -> None:
+    """One prompt per length, prefilled: one step, or a long prompt's chunks."""
+    for n in lengths:
+        engine.add_request(prompt_token_ids=prompts(n), params=params)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print) -> dict:
     """Batched prefill, long prefill and decode step times of ``engine`` (an LLMEngine)."""
     from baton.engine.params import SamplingParams
@@ -77,14 +95,10 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
     bs = engine.cfg.block_size
 
     def prefill_step(lengths: list[int]) -> None:
-        for n in lengths:
-            engine.add_request(prompt_token_ids=prompts(n), params=one)
-        while engine.has_unfinished():  # one step, or a long prompt's chunks
-            engine.step()
+        _prefill_step(engine, prompts, lengths, one)
 
     out: dict = {"prefill": [], "prefill_long": [], "decode": [], "decode_fresh": []}
-    k = PREFILL_PROMPT
-    sizes = {n: [k] * (n // k) + ([n % k] if n % k else []) for n in PREFILL_TOKENS}
+    sizes = {n: _prefill_lengths(n) for n in PREFILL_TOKENS}
     # warm-up: every size once, untimed. After one 8-token prompt only, the first rounds of
     # the 1- and 4-token steps on a 2-vCPU VM came out 20% above the later ones (30 ms against
     # 25), the decode grid's batch-1 steps 25-27 ms: tok(1) above a lone decode step, the cost
@@ -180,36 +194,30 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
     from baton.engine.engine import LLMEngine
     from baton.engine.params import SamplingParams
 
-    model = None if p.model.startswith("default") else p.model  # run_profile's name for None
+    model = None if p.model == DEFAULT_MODEL else p.model
     ref_prefill = max(p.prefill, key=lambda x: x["tokens"])
     ref_decode = next((x for x in p.decode_fresh if x["batch"] == 16 and x["context"] == 128),
                       None)
+    n, lengths = ref_prefill["tokens"], _prefill_lengths(ref_prefill["tokens"])
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    others = sorted(set(cores) - {cores[0]})[:1] if p.neighbors else []
+    if p.neighbors and not others:
+        say("the profile was measured beside a busy neighbour; with one core there is none "
+            "now, so this machine looks faster than it serves")
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {cores[0]})
+    engine = None
     try:
         engine = LLMEngine.from_path(model, _engine_config(EngineConfig, p.dtype, p.device))
         prompts = _Prompts(min(engine.model_config.vocab_size, 30000), seed=7)
-        one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
-        k, n = PREFILL_PROMPT, ref_prefill["tokens"]
-        lengths = [k] * (n // k) + ([n % k] if n % k else [])
-
-        def prefill_step() -> None:
-            for m in lengths:
-                engine.add_request(prompt_token_ids=prompts(m), params=one)
-            while engine.has_unfinished():
-                engine.step()
-
-        others = sorted(set(cores) - {cores[0]})[:1] if p.neighbors else []
-        if p.neighbors and not others:
-            say("the profile was measured beside a busy neighbour; with one core there is none "
-                "now, so this machine looks faster than it serves")
         with _neighbors(model, p.dtype, others, say, p.device):
-            prefill_step()  # warm-up
-            pre = _median_time(prefill_step, repeats)
+            _prefill_step(engine, prompts, lengths, one)  # warm-up
+            pre = _median_time(lambda: _prefill_step(engine, prompts, lengths, one), repeats)
             dec = (dict(_decode_steps(engine, prompts, [16], 128, 3 * repeats)).get(16)
                    if ref_decode else None)
-        engine.close()
     finally:
+        if engine is not None:
+            engine.close()
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
     out = {"neighbour": bool(others), "prefill_tokens": n, "prefill_s": pre,
@@ -630,7 +638,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     finally:  # the caller's cores and threads back (its later workers pin themselves)
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(threads)
-    p = Profile(model=model or "default (SmolLM2-135M-Instruct)", dtype=dtype, threads=1,
+    p = Profile(model=model or DEFAULT_MODEL, dtype=dtype, threads=1,
                 block_size=engine.cfg.block_size,
                 max_num_batched_tokens=engine.cfg.max_num_batched_tokens,
                 max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
@@ -694,7 +702,7 @@ def cmd_profile(a) -> int:
     if a.check:
         try:
             p = Profile.load(a.check)
-        except (OSError, ValueError, ProfileError) as e:
+        except ProfileError as e:  # unreadable, another version, malformed
             print(f"error: --check {a.check}: {e}", file=sys.stderr)
             return 2
         if p.device.split(":")[0] != device.split(":")[0]:
