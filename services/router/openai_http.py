@@ -860,8 +860,25 @@ class HttpServer:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, let the requests in flight finish (within ``timeout``), then close
+        the connections left. Those are idle keep-alive ones, and uvicorn waits for each to
+        close: over TLS a close waits for the client's close_notify, up to the event loop's
+        30 s SSL shutdown timeout, which a client's idle pool (httpx, the openai client) never
+        sends. Without the abort every drain of an HTTPS router with such a client took its
+        whole timeout."""
+        deadline = time.monotonic() + timeout
         self._server.should_exit = True
-        self._thread.join(timeout)
+        state = self._server.server_state
+        # uvicorn has closed its listening sockets (no new requests) and its task set holds
+        # the requests in flight
+        while self._thread.is_alive() and time.monotonic() < deadline and (
+                any(s.is_serving() for s in getattr(self._server, "servers", ())) or state.tasks):
+            time.sleep(0.02)
+        for conn in list(state.connections):
+            transport = getattr(conn, "transport", None)
+            if transport is not None:
+                conn.loop.call_soon_threadsafe(transport.abort)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def serve_http(orchestrator: Orchestrator, host: str, port: int, keys: ApiKeys | None = None,
