@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +20,29 @@ from baton import PARENT_ENV, PIN_CPUS_ENV
 
 class WorkerStartError(RuntimeError):
     pass
+
+
+# The log folders WorkerProcess made itself (no ``log_dir`` given), with their workers: at this
+# process's exit the folder of a worker that ended as asked (exit 0, or stopped or killed through
+# its WorkerProcess) goes; one that failed, died of another's signal or still runs keeps its log,
+# and the exit says where.
+_OWN_LOG_DIRS: list[tuple[WorkerProcess, Path]] = []
+
+
+def _tidy_own_log_dirs() -> None:
+    kept = []
+    for w, d in _OWN_LOG_DIRS:
+        if w.ended_as_asked():
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            rc = w.proc.poll()
+            kept.append(f"{w.log_path} ({w.role}, "
+                        f"{'still running' if rc is None else f'exit {rc}'})")
+    if kept:
+        print("baton: worker logs kept: " + "; ".join(kept), file=sys.stderr)
+
+
+atexit.register(_tidy_own_log_dirs)
 
 
 def spawn(cmd: list[str], env: dict, *, stdout=None, stderr=None, cpus: set[int] | None = None,
@@ -45,7 +70,11 @@ class WorkerProcess:
                  die_with_parent: bool = False, cpus: set[int] | None = None) -> None:
         """``cpus``: pin the process to these cores (benchmarks give setups equal cores)."""
         self.role = role
-        log_dir = Path(log_dir or tempfile.mkdtemp(prefix="baton-workers-"))
+        self._asked_to_end = False
+        if log_dir is None:
+            log_dir = Path(tempfile.mkdtemp(prefix="baton-workers-"))
+            _OWN_LOG_DIRS.append((self, log_dir))
+        log_dir = Path(log_dir)
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
@@ -95,8 +124,15 @@ class WorkerProcess:
             self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
+    def ended_as_asked(self) -> bool:
+        """Exited 0, or ended by :meth:`stop` or :meth:`kill` (a worker already dead when
+        they were called did not end as asked)."""
+        rc = self.proc.poll()
+        return rc is not None and (rc == 0 or self._asked_to_end)
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
+            self._asked_to_end = True
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
@@ -107,6 +143,7 @@ class WorkerProcess:
 
     def kill(self) -> None:
         if self.proc.poll() is None:
+            self._asked_to_end = True
             self.proc.kill()
             self.proc.wait()
         self._close()

@@ -3,9 +3,13 @@ drain on SIGTERM (deregister, refuse new work, finish what they have, exit 0).""
 
 from __future__ import annotations
 
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -134,3 +138,31 @@ def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, 
         with pytest.raises(grpc.RpcError):  # gone: nothing answers for it any more
             health.Check(health_pb2.HealthCheckRequest(), timeout=5)
         c.assert_quiet()
+
+
+TIDY_SCRIPT = """
+import os, signal, sys
+from baton.services.launch.local import WorkerProcess
+args = ["--model", sys.argv[1], "--num-blocks", "16", "--threads", "1"]
+stopped, killed, crashed = (WorkerProcess("decode", args) for _ in range(3))
+stopped.stop()
+killed.kill()
+os.kill(crashed.pid, signal.SIGKILL)  # not through its WorkerProcess: a crash to look into
+crashed.proc.wait()
+crashed.stop()  # already dead: this stop did not end it
+print(stopped.log_path.parent, killed.log_path.parent, crashed.log_path)
+"""
+
+
+def test_worker_logs_in_their_own_folders_go_at_exit_unless_the_worker_failed(tiny_llama):
+    """WorkerProcess without ``log_dir`` logs into a temporary folder: at the parent's exit the
+    folders of workers stopped or killed through it go (test runs and benchmarks left hundreds
+    in /tmp); a worker that died otherwise keeps its log, and the exit names it."""
+    out = subprocess.run([sys.executable, "-c", TIDY_SCRIPT, str(tiny_llama[0])],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    stopped, killed, crashed = map(Path, out.stdout.split())
+    assert not stopped.exists() and not killed.exists()
+    assert crashed.is_file() and "serving on" in crashed.read_text()
+    assert f"worker logs kept: {crashed} (decode, exit -9)" in out.stderr
+    shutil.rmtree(crashed.parent)
