@@ -66,7 +66,11 @@ def serve_forever(server: grpc.Server, on_stop, registration=None,
     if died is not None:
         threading.Thread(target=lambda: (died.wait(), done.set()), name="engine-watch",
                          daemon=True).start()
-    done.wait()
+    # a timed wait: a process-directed signal can land on another thread (the kernel picks the
+    # main thread only when nothing is pending on it); its C handler then only flags it, and the
+    # Python handler runs on the main thread's next bytecode, which a bare wait() never reaches
+    while not done.wait(0.25):
+        pass
     crashed = died is not None and died.is_set()
     if crashed:
         log.error("the engine thread died: deregistering, NOT_SERVING, exiting 1 so that "

@@ -80,3 +80,27 @@ def test_workers_started_and_stopped_many_times_never_abort(grpc_running, tiny_l
             w.stop()
         assert w.proc.returncode == 0, (i, w.log_tail())
         assert "epoll_wait error" not in w.log_path.read_text(errors="replace"), i
+
+
+def test_a_sigterm_delivered_to_another_thread_still_drains_the_worker(tiny_llama, tmp_path):
+    """SIGTERM sent to the process lands on a thread the kernel picks: the main thread only
+    when no signal is pending on it. Sent here to one of the worker's other threads (tgkill),
+    as it was once in CI (a worker ignored `stop()` for 10 s and was killed), it still drains:
+    the main thread's timed wait reaches the Python handler."""
+    import ctypes
+    import signal
+
+    from baton.services.launch.local import WorkerProcess
+
+    w = WorkerProcess("decode", ["--model", str(tiny_llama[0]), "--num-blocks", "16",
+                                 "--threads", "1"], log_dir=str(tmp_path))
+    try:
+        assert w.info().num_blocks == 16
+        tid = next(int(t) for t in os.listdir(f"/proc/{w.pid}/task") if int(t) != w.pid)
+        libc = ctypes.CDLL(None, use_errno=True)
+        SYS_TGKILL = {"x86_64": 234, "aarch64": 131}[os.uname().machine]
+        assert libc.syscall(SYS_TGKILL, w.pid, tid, signal.SIGTERM) == 0, ctypes.get_errno()
+        assert w.proc.wait(60) == 0, w.log_tail()
+        assert "drained; exiting" in w.log_tail()
+    finally:
+        w.stop()
