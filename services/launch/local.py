@@ -71,10 +71,11 @@ class WorkerProcess:
         """``cpus``: pin the process to these cores (benchmarks give setups equal cores)."""
         self.role = role
         self._asked_to_end = False
-        if log_dir is None:
+        if log_dir:
+            log_dir = Path(log_dir)
+        else:
             log_dir = Path(tempfile.mkdtemp(prefix="baton-workers-"))
             _OWN_LOG_DIRS.append((self, log_dir))
-        log_dir = Path(log_dir)
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]

@@ -38,13 +38,9 @@ SECRET = "cluster-s3cret-for-the-client-tests"
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"),
-                    "-subj", "/CN=localhost", "-addext",
-                    "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True)
-    return d / "cert.pem", d / "key.pem"
+    from tests.support.tls import self_signed_cert
+
+    return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import contextlib
 import http.client
 import socket
 import ssl
-import subprocess
 import threading
 
 import pytest
@@ -17,6 +16,8 @@ from baton.services.router.openai_http import HttpServer
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
+
+from tests.support.tls import self_signed_cert
 
 
 class _Front:
@@ -40,12 +41,7 @@ class _Front:
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"),
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
-    return str(d / "cert.pem"), str(d / "key.pem")
+    return tuple(map(str, self_signed_cert(tmp_path_factory.mktemp("tls"))))
 
 
 def test_stop_finishes_the_request_in_flight_and_closes_idle_tls_connections(tls):
