@@ -71,11 +71,13 @@ class EmbeddedRedis:
         while True:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode(errors="replace")[-500:]
+                self.stop()  # its folder too: a failed start (a port in use) leaves nothing
                 raise RedisStartError(f"redis-server exited with {self.proc.returncode}: {err}")
             try:
-                if client.ping():
+                # and still ours: on a port something else holds, the ping may reach that
+                if client.ping() and self.proc.poll() is None:
                     break
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):  # not yet, or not a Redis
                 pass
             if time.monotonic() > end:
                 self.stop()

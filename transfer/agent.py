@@ -45,6 +45,8 @@ from baton.transfer.errors import (
     TransferError,
 )
 
+from baton import LOG_DIR_ENV
+
 log = logging.getLogger("baton.transfer")
 
 _LOCAL = "NIXL_INIT_AGENT"
@@ -66,7 +68,11 @@ def configure_ucx(log_dir: str | os.PathLike | None = None,
 
     ``loopback_only`` (a worker that serves on a loopback address): UCX uses the loopback
     device only (``UCX_NET_DEVICES=lo`` unless set), so it opens no listening socket on the
-    machine's other interfaces; shared memory and CMA still carry the KV blocks."""
+    machine's other interfaces; shared memory and CMA still carry the KV blocks.
+
+    The log goes into ``log_dir``, else the folder of the process's own logs that its launcher
+    named (``$BATON_LOG_DIR``: a worker's log folder, kept or removed with its log), else the
+    temporary folder; the agent removes it when it closes."""
     if loopback_only:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     # UCX turns cuda_ipc GETs (our READs of another process's VRAM) off unless the GPU has
@@ -75,7 +81,7 @@ def configure_ucx(log_dir: str | os.PathLike | None = None,
     os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     if "UCX_LOG_FILE" in os.environ and "BATON_UCX_LOG" not in os.environ:
         return None
-    d = Path(log_dir or tempfile.gettempdir())
+    d = Path(log_dir or os.environ.get(LOG_DIR_ENV) or tempfile.gettempdir())
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"baton-ucx.{os.getpid()}.log"
     os.environ["UCX_PROTO_INFO"] = "y"

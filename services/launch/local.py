@@ -15,7 +15,7 @@ from pathlib import Path
 from baton.transfer import cluster_secret
 from baton.v1 import worker_pb2, worker_pb2_grpc
 
-from baton import PARENT_ENV, PIN_CPUS_ENV
+from baton import LOG_DIR_ENV, PARENT_ENV, PIN_CPUS_ENV
 
 
 class WorkerStartError(RuntimeError):
@@ -79,7 +79,8 @@ class WorkerProcess:
         self.log_path = log_dir / f"{role}-{time.time_ns()}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (lives as long as the worker)
         cmd = [sys.executable, "-m", f"baton.services.{role}", "--port", "0", *args]
-        env = {**os.environ, **(env or {})}
+        # the worker's UCX log beside its own (transfer/agent.py): kept or removed with it
+        env = {**os.environ, LOG_DIR_ENV: str(log_dir), **(env or {})}
         self._secret = cluster_secret.from_env(env)
         self.proc = spawn(cmd, env, stdout=subprocess.PIPE, stderr=self._log, cpus=cpus,
                           die_with_parent=die_with_parent)

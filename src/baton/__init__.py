@@ -21,6 +21,8 @@ def cache_dir() -> Path:
 
 # what a launcher asks of the process it starts, in its environment (see adopt_launch_settings)
 PIN_CPUS_ENV, PARENT_ENV = "BATON_PIN_CPUS", "BATON_DIE_WITH_PARENT"
+# the folder of the process's own logs: its UCX protocol log goes there too (transfer/agent.py)
+LOG_DIR_ENV = "BATON_LOG_DIR"
 
 
 def adopt_launch_settings() -> None:

@@ -3,6 +3,7 @@ drain on SIGTERM (deregister, refuse new work, finish what they have, exit 0).""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -141,16 +142,18 @@ def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, 
 
 
 TIDY_SCRIPT = """
-import os, signal, sys
+import json, os, signal, sys
 from baton.services.launch.local import WorkerProcess
 args = ["--model", sys.argv[1], "--num-blocks", "16", "--threads", "1"]
-stopped, killed, crashed = (WorkerProcess("decode", args) for _ in range(3))
+stopped, killed, crashed = workers = [WorkerProcess("decode", args) for _ in range(3)]
+held = [sorted(os.listdir(w.log_path.parent)) for w in workers]  # while they serve
 stopped.stop()
 killed.kill()
 os.kill(crashed.pid, signal.SIGKILL)  # not through its WorkerProcess: a crash to look into
 crashed.proc.wait()
 crashed.stop()  # already dead: this stop did not end it
-print(stopped.log_path.parent, killed.log_path.parent, crashed.log_path)
+print(json.dumps({"logs": [str(w.log_path) for w in workers],
+                  "pids": [w.pid for w in workers], "held": held}))
 """
 
 
@@ -161,8 +164,13 @@ def test_worker_logs_in_their_own_folders_go_at_exit_unless_the_worker_failed(ti
     out = subprocess.run([sys.executable, "-c", TIDY_SCRIPT, str(tiny_llama[0])],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    stopped, killed, crashed = map(Path, out.stdout.split())
-    assert not stopped.exists() and not killed.exists()
+    got = json.loads(out.stdout)
+    stopped, killed, crashed = map(Path, got["logs"])
+    # each worker's UCX log is in its folder beside its log (not in the temporary folder)
+    for log, pid, held in zip(got["logs"], got["pids"], got["held"]):
+        assert held == sorted([Path(log).name, f"baton-ucx.{pid}.log"])
+    assert not stopped.parent.exists() and not killed.parent.exists()
     assert crashed.is_file() and "serving on" in crashed.read_text()
+    assert (crashed.parent / f"baton-ucx.{got['pids'][2]}.log").is_file()  # kept with it
     assert f"worker logs kept: {crashed} (decode, exit -9)" in out.stderr
     shutil.rmtree(crashed.parent)

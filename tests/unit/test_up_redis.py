@@ -5,6 +5,8 @@ Without it anyone who reached the port could rewrite the registry routers pick w
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import types
 
@@ -41,3 +43,18 @@ def test_an_embedded_redis_beyond_loopback_requires_a_generated_password(capsys)
         assert redis.Redis(host="127.0.0.1", port=cluster.redis.port).ping()
     finally:
         cluster.redis.stop()
+
+
+def test_a_redis_that_cannot_start_leaves_no_folder_behind():
+    """A port already taken: redis-server exits at once, the error says why, and its working
+    folder goes with it (`baton up` retrying a restart on a busy port left one per try)."""
+    from baton.control.redis_server import EmbeddedRedis, RedisStartError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = EmbeddedRedis(port=taken.getsockname()[1])
+        assert os.path.isdir(r._dir)
+        with pytest.raises(RedisStartError, match="exited with"):
+            r.start(timeout=30)
+        assert not os.path.exists(r._dir)
