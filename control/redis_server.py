@@ -65,8 +65,9 @@ class EmbeddedRedis:
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         import redis
 
+        # no retries inside a ping (redis-py 6+ retries a timeout for ~16 s): this loop retries
         client = redis.Redis(host=self.host, port=self.port, password=self.password,
-                             socket_timeout=1)
+                             socket_timeout=1, retry=None)
         end = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
