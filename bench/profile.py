@@ -39,6 +39,8 @@ from baton.control.profile import (
     ProfileError,
     default_path,
     prefill_factors,
+    prefill_throughput_factor,
+    prefill_windows,
     tier_weights,
 )
 
@@ -246,15 +248,8 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     from baton_client.v1 import api_pb2_grpc
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
-    grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
-    common = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1", "--device", device,
-              "--tensor-parallel-size", str(tp),
-              *(["--gpu-memory-utilization", "0.3"] if device.startswith("cuda") else []),
-              "--num-blocks", str(max(4 * (max(handoffs, default=0) // 16 + 2),
-                                      *(b * ((c + SERVED_TOKENS[1]) // 16 + 4)
-                                        for c, b in grid)))]
-    if model:
-        common += ["--model", model]
+    grid = _served_grid(max_model_len)
+    common = _worker_args(model, dtype, device, tp, handoffs, grid)
     say("starting a prefill and a decode worker and a router for the hand-off and serving "
         "measurements ...")
     prompts = _Prompts(min(vocab, 10000))
@@ -284,6 +279,79 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
                                        sizes, streams)
     _say_served(say, served, busy, sizes)
     return rows, served, busy
+
+
+def _served_grid(max_model_len: int) -> list[tuple[int, int]]:
+    """The (context, streams) points of :data:`SERVED` a model of ``max_model_len`` fits."""
+    return [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
+
+
+def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: list[int],
+                 grid: list[tuple[int, int]]) -> list[str]:
+    """The measuring workers' flags: one thread, no metrics, a pool that holds the largest
+    hand-off and every stream of the served grid."""
+    args = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1", "--device", device,
+            "--tensor-parallel-size", str(tp),
+            *(["--gpu-memory-utilization", "0.3"] if device.startswith("cuda") else []),
+            "--num-blocks", str(max(4 * (max(handoffs, default=0) // 16 + 2),
+                                    *(b * ((c + SERVED_TOKENS[1]) // 16 + 4) for c, b in grid)))]
+    return [*args, "--model", model] if model else args
+
+
+def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = print) -> dict:
+    """This machine's serving factors now against ``p``'s: real workers as :func:`measure_workers`
+    starts them, the served decode grid once (the prefill worker busy meanwhile) and one window
+    of the prefill worker saturated with nothing else streaming, each against ``p``'s bare
+    engine. The bare engine's speed (:func:`speed_probe`) can hold while a serving worker's
+    overheads move: on a 2-core VM two profiles of one day timed the bare engine within 1% and
+    the serving factors 6-9% apart. Ratios above 1: slower now. ~2 minutes on a 2-vCPU VM."""
+    from baton.engine.loader import load_config
+    from baton_client.v1 import api_pb2_grpc
+
+    if not p.served or not p.served_prefill:
+        raise ProfileError("the profile has no serving measurements (measured with "
+                           "--no-handoff): nothing to check them against")
+    model = None if p.model == DEFAULT_MODEL else p.model
+    tp = p.tensor_parallel_size
+    engine_cost = CostModel(p)
+    fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
+    grid = list(dict.fromkeys((r["context"], r["batch"]) for r in p.served))  # one round
+    sizes = sorted({r["tokens"] for r in p.served_prefill})
+    common = _worker_args(model, p.dtype, p.device, tp, [], grid)
+    vocab = min(load_config(model).vocab_size, 10000)  # as measure_workers draws its prompts
+    prompts = _Prompts(vocab)
+    say("starting a prefill and a decode worker and two routers for the serving check ...")
+    with contextlib.ExitStack() as stack:
+        _, _, router, remote = _start_cluster(stack, common, _groups(cores, tp))
+        rstub = api_pb2_grpc.BatonStub(router.channel)
+        busy_stub = api_pb2_grpc.BatonStub(remote.channel)
+        with _busy_prefill(busy_stub, _Prompts(vocab, seed=1), sizes):
+            served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
+                      for c, b in grid]
+        say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
+            f"{'/'.join(map(str, sizes))} tokens, {BUSY_OUTPUT} tokens out each ...")
+        busy = _saturated_prefill(busy_stub, rstub, _Prompts(vocab, seed=2), sizes, 0)
+
+    def decode_factor(rows) -> float:
+        return statistics.median(
+            r["s"] / fresh_cost.engine_step(r["batch"], 0,
+                                            [r["context"] + sum(SERVED_TOKENS) // 2] * r["batch"])
+            for r in rows)
+
+    was_prefill = [f for w in prefill_windows(p.served_prefill) if not w[0].get("streams")
+                   if (f := prefill_throughput_factor(w, engine_cost.engine_prompt)) is not None]
+    out = {"decode_factor": decode_factor(served), "decode_factor_profile": decode_factor(p.served),
+           "prefill_factor": prefill_throughput_factor(busy, engine_cost.engine_prompt),
+           "prefill_factor_profile": statistics.fmean(was_prefill) if was_prefill else None}
+    out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
+    out["prefill_ratio"] = (out["prefill_factor"] / out["prefill_factor_profile"]
+                            if out["prefill_factor"] and out["prefill_factor_profile"] else None)
+    say(f"serving factors against the profile's: decode {out['decode_factor']:.3f} "
+        f"({out['decode_ratio']:.2f}x the profile's {out['decode_factor_profile']:.3f})"
+        + (f", prefill with nothing streamed {out['prefill_factor']:.3f} "
+           f"({out['prefill_ratio']:.2f}x the profile's {out['prefill_factor_profile']:.3f})"
+           if out["prefill_ratio"] else ""))
+    return out
 
 
 def _remote_prefill_timing(rstub, ids: list[int], params):
@@ -699,6 +767,9 @@ def cmd_profile(a) -> int:
     if a.tensor_parallel_size < 1:
         print("error: --tensor-parallel-size must be >= 1", file=sys.stderr)
         return 2
+    if a.serving and not a.check:
+        print("error: --serving checks a profile: pass --check PROFILE", file=sys.stderr)
+        return 2
     if a.check:
         try:
             p = Profile.load(a.check)
@@ -709,7 +780,13 @@ def cmd_profile(a) -> int:
             print(f"error: --check {a.check}: the profile was measured on {p.device}, this "
                   f"check would run on {device} (pass --device {p.device})", file=sys.stderr)
             return 2
+        if a.serving and not (p.served and p.served_prefill):
+            print(f"error: --check {a.check} --serving: the profile has no serving "
+                  "measurements (measured with --no-handoff)", file=sys.stderr)
+            return 2
         out = speed_probe(p, cores, max(a.repeats, 3), say)
+        if a.serving:
+            out["serving"] = serving_probe(p, cores, say)
         print(json.dumps(out))
         return 0
     p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say,
@@ -748,6 +825,11 @@ def add_profile_args(ap) -> None:
                          "step again on --cores and print this machine's speed against the day "
                          "it was measured (ratios above 1: slower now; re-profile when they "
                          "are far from 1, as a shared VM's can be within the hour)")
+    ap.add_argument("--serving", action="store_true",
+                    help="with --check: also start real workers and measure the serving factors "
+                         "(the served decode grid once, one window of the prefill worker "
+                         "saturated) against the profile's; they can move while the bare "
+                         "engine's speed holds (~2 min more on a 2-vCPU VM)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "
                          "~/.cache/baton/profile.json)")

@@ -2,13 +2,14 @@
 engine, predict the goodput of 1 prefill + 1 decode and of 2 colocated workers for a trace slice,
 then measure both with `baton bench compare` on the same slice (same lengths, same Poisson
 arrivals, same goodput search). Before and after measuring, the profile's largest prefill step
-and a decode step are timed again (`machine_speed`: the machine's drift from its profile). The
+and a decode step are timed again (`machine_speed`: the machine's drift from its profile; with
+`--serving-check`, the serving factors too, before measuring). The
 trace is an Azure CSV or a Mooncake JSONL (by its extension). Results in
 bench/results/tune-validation-*.json.
 
     python bench/tune_validation.py [--profile FILE] [--requests 40] [--refine 3]
         [--scale 0.25] [--max-output 128] [--ttft-slo 3] [--tpot-slo 0.1] [--dtype float32]
-        [--start-rate 1] [--draws 1]
+        [--start-rate 1] [--draws 1] [--serving-check]
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draws", type=draws_arg, default=1,
                     help="Poisson draws per rate, measured and simulated alike: a rate's "
                          "attainment over all of them (default 1)")
+    ap.add_argument("--serving-check", action="store_true",
+                    help="before measuring, also the serving factors against the profile's "
+                         "(`baton profile --check --serving`, ~2 min)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
     return ap.parse_args(argv)
 
@@ -56,7 +60,7 @@ def slice_args(a: argparse.Namespace) -> list[str]:
 
 def main() -> None:
     from baton.bench.compare import run_compare
-    from baton.bench.profile import run_profile, speed_probe
+    from baton.bench.profile import run_profile, serving_probe, speed_probe
     from baton.control.profile import Profile
     from baton.control.sim import Layout
 
@@ -84,6 +88,8 @@ def main() -> None:
         # the machine's speed against the profile's, before and after: a drift is the
         # machine's, not the simulator's error
         speed["before"] = speed_probe(profile, [0, 1], say=say)
+        if a.serving_check:  # the serving overheads too: they move while the engine's hold
+            speed["before"]["serving"] = serving_probe(profile, [0, 1], say=say)
         say("measuring both setups with `baton bench compare` ...")
         for res in run_compare(ca) or []:
             measured[res["target"]] = {"goodput_rps": res["goodput_rps"],

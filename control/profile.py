@@ -309,18 +309,25 @@ def prefill_throughput_factor(rows: Sequence[dict], engine_prompt: Callable[[int
     return (done[-1]["end"] - done[0]["end"]) / work
 
 
+def prefill_windows(rows: Sequence[dict]) -> list[list[dict]]:
+    """``rows`` ({tokens, end, streams, ...}) in their windows: consecutive rows of one
+    ``streams`` count."""
+    windows: list[list[dict]] = []
+    for r in rows:
+        if not windows or windows[-1][0].get("streams") != r.get("streams"):
+            windows.append([])
+        windows[-1].append(r)
+    return windows
+
+
 def prefill_factors(rows: Sequence[dict], engine_prompt: Callable[[int], float]
                     ) -> tuple[float, float] | None:
     """(factor with nothing streamed, its rise per token a second streamed): a least-squares
     line through the throughput factor of each window of ``rows`` ({tokens, end, streams,
     streamed_tps}: the windows are told apart by ``streams``, in order), the rise never
     negative; None without a window of three completions."""
-    windows: list[list[dict]] = []
-    for r in rows:
-        if not windows or windows[-1][0].get("streams") != r.get("streams"):
-            windows.append([])
-        windows[-1].append(r)
-    points = [(statistics.fmean(r.get("streamed_tps", 0.0) for r in w), f) for w in windows
+    points = [(statistics.fmean(r.get("streamed_tps", 0.0) for r in w), f)
+              for w in prefill_windows(rows)
               if (f := prefill_throughput_factor(w, engine_prompt)) is not None]
     if not points:
         return None

@@ -69,22 +69,25 @@ class EmbeddedRedis:
         client = redis.Redis(host=self.host, port=self.port, password=self.password,
                              socket_timeout=1, retry=None)
         end = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")[-500:]
-                self.stop()  # its folder too: a failed start (a port in use) leaves nothing
-                raise RedisStartError(f"redis-server exited with {self.proc.returncode}: {err}")
-            try:
-                # and still ours: on a port something else holds, the ping may reach that
-                if client.ping() and self.proc.poll() is None:
-                    break
-            except (redis.ConnectionError, redis.TimeoutError):  # not yet, or not a Redis
-                pass
-            if time.monotonic() > end:
-                self.stop()
-                raise RedisStartError(f"redis-server did not answer on {self.url} in {timeout}s")
-            time.sleep(0.05)
-        client.close()
+        try:  # the client's socket is closed on every way out, a failed start too
+            while True:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode(errors="replace")[-500:]
+                    self.stop()  # its folder too: a failed start (a port in use) leaves nothing
+                    raise RedisStartError(f"redis-server exited with {self.proc.returncode}: {err}")
+                try:
+                    # and still ours: on a port something else holds, the ping may reach that
+                    if client.ping() and self.proc.poll() is None:
+                        break
+                except redis.RedisError:  # not yet, or not a Redis, or another's (AUTH fails)
+                    pass
+                if time.monotonic() > end:
+                    self.stop()
+                    raise RedisStartError(
+                        f"redis-server did not answer on {self.url} in {timeout}s")
+                time.sleep(0.05)
+        finally:
+            client.close()
         return self
 
     def _config(self) -> str:

@@ -25,6 +25,7 @@ from baton.control.profile import (
     ProfileError,
     prefill_factors,
     prefill_throughput_factor,
+    prefill_windows,
 )
 from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
 
@@ -220,6 +221,14 @@ def test_baton_profile_check_refuses_another_device_and_a_missing_file(tmp_path,
     assert cmd_profile(ap.parse_args(["--check", str(tmp_path / "none.json"),
                                       "--device", "cpu"])) == 2
     assert "none.json" in capsys.readouterr().err
+    # --serving checks a profile's serving factors: none without --check, none to check in a
+    # profile measured without workers
+    assert cmd_profile(ap.parse_args(["--serving", "--device", "cpu"])) == 2
+    assert "pass --check PROFILE" in capsys.readouterr().err
+    bare = dataclasses.replace(make_profile(), served=[], served_prefill=[])
+    assert cmd_profile(ap.parse_args(["--check", str(bare.save(tmp_path / "bare.json")),
+                                      "--serving", "--device", "cpu"])) == 2
+    assert "no serving measurements" in capsys.readouterr().err
 
 
 def test_baton_tune_names_a_missing_profile(tmp_path):
@@ -323,6 +332,23 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert speed["decode_ratio"] == pytest.approx(speed["decode_16x128_s"] / ref["s"])
     assert speed["prefill_s"] > 0 and speed["decode_16x128_s"] > 0
     assert "machine speed against the profile" in check.stderr
+    assert (tmp_path / "p.json").read_bytes() == before
+    # with --serving, the serving factors again on real workers, against the profile's: the
+    # profile's own, computed as the profile computed them
+    check = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "profile", "--check", str(tmp_path / "p.json"),
+         "--repeats", "1", "--serving"], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr
+    serving = json.loads(check.stdout.splitlines()[-1])["serving"]
+    assert serving["decode_factor_profile"] == pytest.approx(p.serving_factor)
+    assert serving["decode_factor"] > 0 and serving["decode_ratio"] == pytest.approx(
+        serving["decode_factor"] / p.serving_factor)
+    idle = [w for w in prefill_windows(p.served_prefill) if w[0]["streams"] == 0]
+    assert serving["prefill_factor_profile"] == pytest.approx(statistics.fmean(
+        prefill_throughput_factor(w, CostModel(p).engine_prompt) for w in idle))
+    assert serving["prefill_factor"] > 0 and serving["prefill_ratio"] == pytest.approx(
+        serving["prefill_factor"] / serving["prefill_factor_profile"])
+    assert "serving factors against the profile's" in check.stderr
     assert (tmp_path / "p.json").read_bytes() == before
 
 
