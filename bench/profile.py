@@ -248,7 +248,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     from baton_client.v1 import api_pb2_grpc
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
-    grid = _served_grid(max_model_len)
+    grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
     common = _worker_args(model, dtype, device, tp, handoffs, grid)
     say("starting a prefill and a decode worker and a router for the hand-off and serving "
         "measurements ...")
@@ -279,11 +279,6 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
                                        sizes, streams)
     _say_served(say, served, busy, sizes)
     return rows, served, busy
-
-
-def _served_grid(max_model_len: int) -> list[tuple[int, int]]:
-    """The (context, streams) points of :data:`SERVED` a model of ``max_model_len`` fits."""
-    return [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
 
 
 def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: list[int],
@@ -332,15 +327,11 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
             f"{'/'.join(map(str, sizes))} tokens, {BUSY_OUTPUT} tokens out each ...")
         busy = _saturated_prefill(busy_stub, rstub, _Prompts(vocab, seed=2), sizes, 0)
 
-    def decode_factor(rows) -> float:
-        return statistics.median(
-            r["s"] / fresh_cost.engine_step(r["batch"], 0,
-                                            [r["context"] + sum(SERVED_TOKENS) // 2] * r["batch"])
-            for r in rows)
-
     was_prefill = [f for w in prefill_windows(p.served_prefill) if not w[0].get("streams")
                    if (f := prefill_throughput_factor(w, engine_cost.engine_prompt)) is not None]
-    out = {"decode_factor": decode_factor(served), "decode_factor_profile": decode_factor(p.served),
+    out = {"decode_factor": statistics.median(r["s"] / _served_model_s(fresh_cost, r)
+                                              for r in served),
+           "decode_factor_profile": p.serving_factor,
            "prefill_factor": prefill_throughput_factor(busy, engine_cost.engine_prompt),
            "prefill_factor_profile": statistics.fmean(was_prefill) if was_prefill else None}
     out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
@@ -727,6 +718,13 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     return p
 
 
+def _served_model_s(fresh_cost: CostModel, row: dict) -> float:
+    """The bare engine's decode step (on a fresh pool) for a served row's streams, at the middle
+    of the window :func:`_served_itl` times."""
+    mid = row["context"] + sum(SERVED_TOKENS) // 2
+    return fresh_cost.engine_step(row["batch"], 0, [mid] * row["batch"])
+
+
 def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     """A serving worker's time over the bare engine's, for decode and prefill (into ``p``)."""
     engine_cost = CostModel(p)
@@ -734,8 +732,7 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     # against the bare engine's on a fresh pool
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
     for r in p.served:
-        mid = r["context"] + sum(SERVED_TOKENS) // 2
-        r["model_s"] = fresh_cost.engine_step(r["batch"], 0, [mid] * r["batch"])
+        r["model_s"] = _served_model_s(fresh_cost, r)
     for r in p.served_prefill:
         r["model_s"] = engine_cost.engine_prompt(r["tokens"])
     if p.served:
