@@ -251,8 +251,14 @@ def measure(target, wl: Workload, a: Load, name: str, progress: Progress) -> dic
         progress.start(f"{name} {label}")
         records, wall = lg.run(target, reqs, a.concurrency or 0, progress)
         s = lg.summarize(records, wall, a.ttft_slo, a.tpot_slo)
-        s.update(rate=rate, label=label, ttft_values=[r.ttft for r in records if r.ttft],
-                 tpot_values=[r.tpot for r in records if r.tpot])
+        s.update(rate=rate, label=label, draw=draw,
+                 ttft_values=[r.ttft for r in records if r.ttft],
+                 tpot_values=[r.tpot for r in records if r.tpot],
+                 # per request, in order: [TPOT, its first token's compute (loadgen's
+                 # "prefill" stage), path], null where it failed: what a router's live window
+                 # measures, for control/calibrate.py
+                 observed=[None if r.error else [r.tpot, (r.stages or {}).get("prefill"),
+                                                 r.path] for r in records])
         runs.append(s)
         t = s["ttft_s"]["p90"]
         print(f"  {name} {label}: {s['succeeded']}/{s['requests']} ok, attainment "

@@ -84,17 +84,21 @@ class GrpcTarget:
 
 
 def ttft_stages(result) -> dict[str, float]:
-    """Where the router says a request's first token went, in seconds. Remote path: routing,
-    the prefill worker's queue, its prefill, the KV hand-off, and the rest until the decode
-    worker's first chunk (it admits the request and streams the prefill's token at its next
-    step). Local path: routing, the decode worker's queue, and its prefill."""
+    """Where the router says a request's first token went, in seconds. Both paths: the router's
+    waits (``wait``: for a slot, --max-concurrent, and for a decode worker with room in its
+    batch) and routing. Remote path: the prefill worker's queue, its prefill, the KV hand-off,
+    and the rest until the decode worker's first chunk (it admits the request and streams the
+    prefill's token at its next step). Local path: the decode worker's queue, and its
+    prefill."""
     t = result.timing
+    wait = getattr(t, "admission_wait_s", 0.0) + getattr(t, "decode_wait_s", 0.0)
     if result.path == "local":
-        return {"route": t.route_s, "queue": t.queue_s,
-                "prefill": max(t.first_token_s - t.route_s - t.queue_s, 0.0)}
-    return {"route": t.route_s, "queue": t.queue_s, "prefill": max(t.prefill_s - t.queue_s, 0.0),
-            "transfer": t.transfer_s,
-            "decode_first": max(t.first_token_s - t.route_s - t.prefill_s - t.transfer_s, 0.0)}
+        return {"wait": wait, "route": t.route_s, "queue": t.queue_s,
+                "prefill": max(t.first_token_s - wait - t.route_s - t.queue_s, 0.0)}
+    return {"wait": wait, "route": t.route_s, "queue": t.queue_s,
+            "prefill": max(t.prefill_s - t.queue_s, 0.0), "transfer": t.transfer_s,
+            "decode_first": max(t.first_token_s - wait - t.route_s - t.prefill_s
+                                - t.transfer_s, 0.0)}
 
 
 class OpenAITarget:

@@ -3,7 +3,10 @@ engine, predict the goodput of 1 prefill + 1 decode and of 2 colocated workers f
 then measure both with `baton bench compare` on the same slice (same lengths, same Poisson
 arrivals, same goodput search). Before and after measuring, the profile's largest prefill step
 and a decode step are timed again (`machine_speed`: the machine's drift from its profile; with
-`--serving-check`, the serving factors too, before measuring). The
+`--serving-check`, the serving factors too, before measuring). Then, as `baton tune --live`
+would, the profile calibrated on each setup's measured requests at one rate (the highest it
+served at the target attainment; control/calibrate.py) and both setups' goodput predicted
+with it (`calibrated`): what the live tuner, watching one layout, predicts for the other. The
 trace is an Azure CSV or a Mooncake JSONL (by its extension). Results in
 bench/results/tune-validation-*.json.
 
@@ -93,7 +96,7 @@ def main() -> None:
         say("measuring both setups with `baton bench compare` ...")
         for res in run_compare(ca) or []:
             measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
-                                       "points": res["points"]}
+                                       "points": res["points"], "runs": res["runs"]}
             say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
         speed["after"] = speed_probe(profile, [0, 1], say=say)
     # attainment at every rate the real search ran, measured against simulated: better
@@ -101,8 +104,61 @@ def main() -> None:
     for name, m in measured.items():
         m["simulated_at_measured_rates"] = [
             (rate, att, ev.at(layouts[name], rate)) for rate, att in m["points"]]
-    result = {**report(a, profile, flags, predicted, measured), "machine_speed": speed}
+    calibrated = {name: calibrated_predictions(ev, layouts, name, m["runs"], say)
+                  for name, m in measured.items()}
+    for m in measured.values():
+        del m["runs"]
+    result = {**report(a, profile, flags, predicted, measured), "machine_speed": speed,
+              "calibrated": calibrated}
+    if calibrated:
+        print_calibrated(calibrated, measured)
     print(f"wrote {write_result('tune-validation', result)}")
+
+
+def calibration_run(runs: list[dict], attainment: float) -> dict | None:
+    """The run a live tuner would have watched: the highest rate the setup served at
+    ``attainment`` or better (near its goodput, as a busy cluster), else its lowest rate."""
+    rated = [r for r in runs if r.get("rate") and r.get("observed")]
+    ok = [r for r in rated if (r.get("attainment") or 0) >= attainment]
+    if ok:
+        return max(ok, key=lambda r: r["rate"])
+    return min(rated, key=lambda r: r["rate"], default=None)
+
+
+def calibrated_predictions(ev, layouts: dict, name: str, runs: list[dict], say) -> dict:
+    """`baton tune --live`'s view: the profile calibrated on ``name``'s measured requests at
+    one rate (:func:`calibration_run`), then every layout's goodput predicted with it."""
+    from baton.control import workload as cw
+    from baton.control.calibrate import Observed, calibrate
+    from baton.control.tune import Evaluator, shape
+
+    run = calibration_run(runs, ev.search.attainment)
+    if run is None:
+        return {"error": "no measured run with per-request observations"}
+    reqs = cw.poisson(ev.reqs, run["rate"], ev.search.seed + run.get("draw", 0))
+    observed = [None if o is None else Observed(o[0], o[1], o[2]) for o in run["observed"]]
+    cal = calibrate(ev.p, layouts[name], shape(reqs, ev.keys), observed, ev.knobs)
+    say(f"calibrated on {name} at {run['rate']:.3g} req/s: {cal.line()}")
+    out = {"rate": run["rate"], "attainment": run["attainment"], **cal.summary(),
+           "predicted": {}}
+    cev = Evaluator(cal.profile, ev.reqs, ev.search, ev.knobs, ev.profiles)
+    for other, layout in layouts.items():
+        goodput, points = cev.goodput(layout)
+        out["predicted"][other] = {"goodput_rps": goodput, "points": points}
+        say(f"  predicted {layout.name} with it: goodput {goodput:.3g} req/s")
+    return out
+
+
+def print_calibrated(calibrated: dict, measured: dict) -> None:
+    print("\ncalibrated on           setup                  predicted  measured   error")
+    for name, c in calibrated.items():
+        for other, p in c.get("predicted", {}).items():
+            m = measured.get(other, {}).get("goodput_rps")
+            p["error"] = (p["goodput_rps"] - m) / m if m else None
+            e = "-" if p["error"] is None else f"{100 * p['error']:+.0f}%"
+            print(f"{name + ' @' + format(c['rate'], '.3g'):<23} {other:<22} "
+                  f"{p['goodput_rps']:>9.3g} {'-' if m is None else format(m, '.3g'):>9} "
+                  f"{e:>7}")
 
 
 def configs(a, profile, slice_args: list[str]):

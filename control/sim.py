@@ -90,6 +90,10 @@ class SimRequest(Record):
     error: str | None = "unfinished"
     path: str = ""
     keys: tuple = ()  # its prompt's full blocks, each keyed by the prefix up to its end
+    # the first token's compute, from the prefill's first step to its end: the prefill worker's
+    # (remote path: the router's "prefill" TTFT phase, its Prefill call less the worker's
+    # queue) or the decode worker's (local path)
+    prefill_s: float | None = None
 
     def finish(self, t: float) -> None:
         self.end, self.output_tokens, self.error = t, self.max_tokens, None
@@ -106,6 +110,7 @@ class _Seq:
     blocks: int = 0
     on_done: Callable[[float], None] | None = None  # prefill-only: the first token is out
     load_s: float = 0.0  # tier blocks to load before its first chunk
+    started: float | None = None  # the start of its first step
 
     @property
     def num_tokens(self) -> int:
@@ -269,6 +274,8 @@ class SimEngine:
         loads = sum(s.load_s for s, _ in batch)
         for s, _ in batch:
             s.load_s = 0.0
+            if s.started is None:
+                s.started = t
         self.sim.at(t + loads + self.cost.step(chunks, decodes, self.sim.stream_rate(t)),
                     lambda t2: self._end(batch, t2))
 
@@ -289,6 +296,8 @@ class SimEngine:
                 continue
             if seq.generated == 1 and seq.req.first is None:
                 seq.req.first = t
+                if seq.req.path == "local":
+                    seq.req.prefill_s = t - seq.started
             if seq.generated >= seq.req.max_tokens:
                 seq.req.finish(t)
                 self.running.remove(seq)
@@ -410,6 +419,7 @@ class Cluster:
 
         def prefilled(t1: float) -> None:
             p.inflight -= 1
+            r.prefill_s = t1 - seq.started
             if r.max_tokens <= 1:  # the first token ends it: nothing to hand off
                 p.release(seq)
                 r.first = t1

@@ -4,11 +4,14 @@ It reads the router's live workload (``/v1/baton/workload``: the requests of its
 ``--workload-window`` seconds, lengths and times only) and the registered workers, simulates
 every layout of those workers (each prefill:decode split, and all colocated) on that workload
 with `baton profile`'s costs, and recommends one with its predicted goodput and the error the
-last validation measured (``bench/tune_validation.py``). With ``--apply`` it switches roles to
-get there, one worker at a time (``WorkerAdmin.SetRole``, as `baton role`; the ones that gain
-decoding first, so the cluster never lacks a decoder), but only when the predicted gain is at
-least ``--min-gain`` (default 5%) and the last switch is at least ``--min-dwell`` seconds old
-(kept in Redis, so separate runs do not flap). ``--every S`` repeats it.
+last validation measured (``bench/tune_validation.py``). First it calibrates the profile on the
+window (control/calibrate.py: the serving factors that make the layout the workers run now,
+simulated on the window's arrivals, give its measured TPOT and first-token compute; a profile's
+factors drift by the hour on a shared VM; ``--no-calibrate`` keeps them as measured). With
+``--apply`` it switches roles to get there, one worker at a time (``WorkerAdmin.SetRole``, as
+`baton role`; the ones that gain decoding first, so the cluster never lacks a decoder), but only
+when the predicted gain is at least ``--min-gain`` (default 5%) and the last switch is at least
+``--min-dwell`` seconds old (kept in Redis, so separate runs do not flap). ``--every S`` repeats it.
 """
 
 from __future__ import annotations
@@ -202,7 +205,9 @@ def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
 
 def live_once(cfg, registry, say) -> dict:
     """One look at the live cluster (and with cfg.apply, the switches); its summary."""
-    from baton.control.tune import Evaluator, layouts, load_trace
+    from baton.control.calibrate import calibrate, from_window
+    from baton.control.sim import block_keys
+    from baton.control.tune import Evaluator, layouts, load_trace, shape
 
     records = registry.workers()
     roles = {w.worker_id: w.role for w in records}
@@ -222,9 +227,19 @@ def live_once(cfg, registry, say) -> dict:
                               f"{cfg.min_requests}: switches nothing"}
         reqs = load_trace(replace(cfg.tune.slice, trace=str(path), format="baton",
                                   requests=n, trace_start=0))
+        window = sorted((json.loads(line) for line in path.read_text().splitlines()
+                         if line.strip()), key=lambda r: r["at"])  # as load_trace orders it
+    tp = profile.tensor_parallel_size
+    cur = current_layout(roles, tp)
+    calibration = None
+    if cfg.calibrate and cur is not None:
+        cal = calibrate(profile, cur, shape(reqs, [block_keys(r.prompt, profile.block_size)
+                                                   for r in reqs]),
+                        from_window(window), cfg.tune.knobs)
+        profile, calibration = cal.profile, cal
+        say(cal.line())
     ev = Evaluator(profile, reqs, cfg.tune.search, cfg.tune.knobs)
     rows = []
-    tp = profile.tensor_parallel_size
     for layout in layouts(len(roles), tp, tp):
         goodput, _ = ev.goodput(layout)
         rows.append({"layout": layout.name, "prefill": layout.prefill,
@@ -232,12 +247,15 @@ def live_once(cfg, registry, say) -> dict:
                      "goodput_rps": goodput, "attainment_live": ev.at(layout, None)})
     last = registry.redis.get(LAST_APPLY)
     dwell_left = cfg.min_dwell - (time.time() - float(last)) if last else 0.0
-    cur = current_layout(roles, tp)
     v = verdict(rows, cur, cfg.min_gain, dwell_left)
     out = {"requests": len(reqs), "workers": roles, "current": cur.name if cur else "mixed",
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
-           "switches": []}
+           "switches": [],
+           "calibration": (calibration.summary() if calibration is not None else
+                           {"applied": False, "notes": [
+                               "--no-calibrate" if not cfg.calibrate else
+                               "the workers' roles match no layout"]})}
     if cfg.apply and v.act:
         best = Layout(v.best["prefill"], v.best["decode"], v.best["colocated"], tp, tp)
         out["switches"] = apply(registry, assignment(roles, best), roles, cfg.gap_s, say)
@@ -255,6 +273,12 @@ def report(out: dict) -> str:
             lines.append(f"{r['layout']:<14} {r['goodput_rps']:>13.3g} "
                          f"{100 * r['attainment_live']:>11.0f}%{mark}")
         lines.append(f"recommended: {out['recommended']}; {out['validation']}")
+        cal = out.get("calibration") or {}
+        if cal.get("applied"):
+            lines.append(f"calibrated on the live window: decode factor x{cal['decode_ratio']:.3f}"
+                         f", prefill factor x{cal['prefill_ratio']:.3f}")
+        elif cal:
+            lines.append("not calibrated: " + "; ".join(cal.get("notes") or []))
     lines.append(f"{out['action']}: {out['reason']}")
     lines += [f"  {w}: {a} -> {b}" for w, a, b in out.get("switches", [])]
     return "\n".join(lines)

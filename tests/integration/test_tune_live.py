@@ -61,6 +61,9 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         look = tune(c.redis.url, c.router.http_address, profile)  # no --apply: a look
         assert look["action"] == "none" and look["current"] == "1P+1D"
         assert look["recommended"] == "2 colocated" and look["requests"] == 8
+        # eight requests are too few to calibrate the profile's factors on: it says so
+        assert not look["calibration"]["applied"]
+        assert any("fewer than 10" in n for n in look["calibration"]["notes"])
         assert sorted(w.role for w in registry.workers()) == ["decode", "prefill"]
 
         went = tune(c.redis.url, c.router.http_address, profile, "--apply")

@@ -39,10 +39,19 @@ def test_the_routers_account_of_the_first_token_by_path():
     # remote: the prefill worker's queue is inside prefill_s; the rest is the decode worker's
     remote = lg.ttft_stages(result("remote", route_s=0.001, queue_s=0.2, prefill_s=0.5,
                                    transfer_s=0.01, first_token_s=0.6))
-    assert remote == pytest.approx({"route": 0.001, "queue": 0.2, "prefill": 0.3,
+    assert remote == pytest.approx({"wait": 0.0, "route": 0.001, "queue": 0.2, "prefill": 0.3,
                                     "transfer": 0.01, "decode_first": 0.089})
     local = lg.ttft_stages(result("local", route_s=0.001, queue_s=0.1, first_token_s=0.4))
-    assert local == pytest.approx({"route": 0.001, "queue": 0.1, "prefill": 0.299})
+    assert local == pytest.approx({"wait": 0.0, "route": 0.001, "queue": 0.1, "prefill": 0.299})
+    # the router's waits (its slots, a decode slot) come before routing, on either path: not
+    # the decode worker's prefill nor its first step
+    local = lg.ttft_stages(result("local", route_s=0.001, queue_s=0.1, first_token_s=0.7,
+                                  admission_wait_s=0.1, decode_wait_s=0.2))
+    assert local == pytest.approx({"wait": 0.3, "route": 0.001, "queue": 0.1, "prefill": 0.299})
+    remote = lg.ttft_stages(result("remote", route_s=0.001, queue_s=0.2, prefill_s=0.5,
+                                   transfer_s=0.01, first_token_s=0.85, decode_wait_s=0.25))
+    assert remote["wait"] == pytest.approx(0.25)
+    assert remote["decode_first"] == pytest.approx(0.089)
 
     recs = []
     for q in (0.1, 0.2, 0.3):

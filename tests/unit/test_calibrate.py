@@ -1,0 +1,157 @@
+"""The live tuner's calibration (control/calibrate.py): a window measured on a cluster whose
+serving factors differ from its profile's is simulated on the layout it ran, and the factors
+that reproduce its median TPOT and first-token compute are found again; what it cannot
+measure it keeps, and a correction too large to be drift is refused. The "measured" windows
+here are the simulator's own on a profile with known factors (the real router's window is
+tests/integration/test_tune_live.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+
+import pytest
+from baton.control.calibrate import Observed, calibrate, from_window
+from baton.control.profile import CostModel
+from baton.control.sim import Layout, attainment, simulate
+from baton.control.tune import shape
+from baton.control.workload import Req, poisson
+
+from tests.support.profiles import make_profile
+
+
+def window(n: int = 60, rate: float = 2.0, seed: int = 1) -> list[tuple]:
+    rng = random.Random(seed)
+    reqs = [Req([rng.randrange(5, 500) for _ in range(rng.randint(80, 400))],
+                rng.randint(8, 40), 0.0) for _ in range(n)]
+    return shape(poisson(reqs, rate, seed))
+
+
+def scaled(p, kd: float, kp: float):
+    return dataclasses.replace(p, serving_factor=p.serving_factor * kd,
+                               prefill_factor=p.prefill_factor * kp,
+                               prefill_stream_factor=p.prefill_stream_factor * kp)
+
+
+def mean(obs: list[Observed], key: str) -> float:
+    return statistics.fmean(getattr(o, key) for o in obs if getattr(o, key))
+
+
+def measured(layout, p, sh) -> list[Observed]:
+    return [Observed(r.tpot, r.prefill_s, r.path) for r in simulate(layout, p, sh)]
+
+
+@pytest.mark.parametrize("layout", [Layout(1, 1), Layout(0, 2, True)], ids=lambda x: x.name)
+@pytest.mark.parametrize("kd,kp", [(1.2, 1.2), (0.9, 1.15), (1.1, 0.85)])
+def test_the_factors_the_window_was_served_at_are_found_again(layout, kd, kp):
+    p = make_profile(attn_decode=2e-6, per_seq=5e-4)
+    sh = window()
+    cal = calibrate(p, layout, sh, measured(layout, scaled(p, kd, kp), sh))
+    assert cal.applied, cal.notes
+    # two colocated workers run prompts and decodes in the same steps: the two factors trade
+    # off a little against each other there
+    assert cal.decode_ratio == pytest.approx(kd, rel=0.05)
+    assert cal.prefill_ratio == pytest.approx(kp, rel=0.05)
+    assert cal.prefill_path == ("remote" if layout.prefill else "local")
+    assert cal.profile.serving_factor == pytest.approx(p.serving_factor * cal.decode_ratio)
+    assert cal.profile.prefill_stream_factor == pytest.approx(
+        p.prefill_stream_factor * cal.prefill_ratio)
+    # the calibrated profile serves the window as it was measured
+    again, ref = measured(layout, cal.profile, sh), measured(layout, scaled(p, kd, kp), sh)
+    for key in ("tpot_s", "prefill_s"):
+        assert mean(again, key) == pytest.approx(mean(ref, key), rel=0.03)
+
+
+def test_a_window_that_matches_changes_nothing():
+    p, sh = make_profile(), window()
+    cal = calibrate(p, Layout(1, 1), sh, measured(Layout(1, 1), p, sh))
+    assert not cal.applied and cal.profile is p and cal.rounds == 1
+    assert "none needed" in cal.line()
+
+
+def test_what_the_window_does_not_measure_is_kept():
+    p, sh = make_profile(), window()
+    layout = Layout(1, 1)
+    obs = [Observed(o.tpot_s, None, o.path) for o in measured(layout, scaled(p, 1.3, 1.0), sh)]
+    cal = calibrate(p, layout, sh, obs)
+    assert cal.decode_ratio == pytest.approx(1.3, rel=0.03) and cal.prefill_ratio == 1.0
+    assert any("prefill factors kept" in n for n in cal.notes)
+    # too few finished requests: nothing at all
+    few = [o if i < 9 else None for i, o in enumerate(measured(layout, scaled(p, 1.3, 1.3),
+                                                               sh))]
+    cal = calibrate(p, layout, sh, few)
+    assert not cal.applied and cal.profile is p
+    assert any("decode factor kept" in n for n in cal.notes)
+    with pytest.raises(ValueError, match="observations for"):
+        calibrate(p, layout, sh, few[:-1])
+
+
+def test_a_correction_too_large_for_drift_is_refused():
+    p, sh = make_profile(), window()
+    layout = Layout(1, 1)
+    cal = calibrate(p, layout, sh, measured(layout, scaled(p, 3.0, 3.0), sh))
+    assert not cal.applied and cal.profile is p
+    assert any("re-run `baton profile`" in n for n in cal.notes), cal.notes
+
+
+def test_the_simulated_first_token_compute_on_each_path():
+    p = make_profile()
+    cost = CostModel(p)
+    long, short = (300, 5, 0.0), (40, 5, 10.0)  # remote, then local (under 64 tokens)
+    done = simulate(Layout(1, 1), p, [long, short])
+    assert [r.path for r in done] == ["remote", "local"]
+    # alone on their workers: the prompt's one step
+    assert done[0].prefill_s == pytest.approx(cost.step([(300, 0)], []))
+    assert done[1].prefill_s == pytest.approx(cost.step([(40, 0)], []))
+
+
+def test_the_routers_window_as_observations():
+    rows = [{"at": 1.0, "path": "remote", "ttft_s": 0.9, "tpot_s": 0.02,
+             "phases": {"admission": 0.0, "decode_wait": 0.1, "route": 0.001,
+                        "prefill_queue": 0.2, "prefill": 0.5, "transfer": 0.01}},
+            {"at": 2.0, "path": "local", "ttft_s": 0.7, "tpot_s": None,
+             "phases": {"admission": 0.1, "decode_wait": 0.2, "route": 0.001,
+                        "prefill_queue": 0.1, "prefill": 0.0, "transfer": 0.0}},
+            {"at": 3.0, "in_flight": True, "output_tokens": 7}]
+    got = from_window(rows)
+    assert got[0] == Observed(0.02, 0.5, "remote")
+    assert got[1].path == "local" and got[1].tpot_s is None
+    assert got[1].prefill_s == pytest.approx(0.299)  # the first token less the waits
+    assert got[2] is None
+
+
+def test_the_validation_predicts_with_the_profile_calibrated_on_one_setups_run():
+    """bench/tune_validation.py's calibrated predictions: the run a live tuner would have
+    watched (the highest rate at the target attainment), its factors found again, and each
+    setup's goodput predicted with them as with the factors it was served at."""
+    from baton.bench.tune_validation import calibrated_predictions, calibration_run
+    from baton.control.sim import Knobs
+    from baton.control.tune import Evaluator, Search
+    from baton.control.workload import poisson as cw_poisson
+
+    p = make_profile(attn_decode=2e-6, per_seq=5e-4)
+    rng = random.Random(3)
+    reqs = [Req([rng.randrange(5, 500) for _ in range(rng.randint(80, 400))],
+                rng.randint(8, 40), 0.0) for _ in range(40)]
+    search = Search(ttft_slo=2.0, tpot_slo=0.018, attainment=0.9, start_rate=1.0,
+                    max_rate=64, min_rate=None, refine=3, seed=0)
+    ev = Evaluator(p, reqs, search, Knobs())
+    true = Evaluator(scaled(p, 1.15, 1.1), reqs, search, Knobs())
+    layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
+    runs = []
+    for rate in (0.5, 1.0, 2.0, 4.0):  # served at the true factors, as bench/cli.py records
+        done = simulate(Layout(1, 1), true.p, shape(cw_poisson(reqs, rate, 0), ev.keys))
+        runs.append({"rate": rate, "draw": 0, "attainment": attainment(done, 2.0, 0.018),
+                     "observed": [[r.tpot, r.prefill_s, r.path] for r in done]})
+    watched = max((r for r in runs if r["attainment"] >= 0.9), key=lambda r: r["rate"])
+    assert calibration_run(runs, 0.9) is watched and watched["rate"] > 0.5
+    assert calibration_run([{**r, "attainment": 0.1} for r in runs], 0.9)["rate"] == 0.5
+    out = calibrated_predictions(ev, layouts, "baton-disaggregated", runs, lambda _: None)
+    assert out["rate"] == watched["rate"] and out["applied"]
+    assert out["decode_ratio"] == pytest.approx(1.15, rel=0.03)
+    assert out["prefill_ratio"] == pytest.approx(1.1, rel=0.03)
+    for name, layout in layouts.items():
+        want = true.goodput(layout)[0]
+        assert ev.goodput(layout)[0] > 1.2 * want  # the profile as measured: optimistic
+        assert out["predicted"][name]["goodput_rps"] == pytest.approx(want, rel=0.1)
