@@ -237,7 +237,7 @@ class LiveConfig:
     gap_s: float
     json: bool
     results: Path
-    calibrate: bool = True  # the profile's factors scaled to the window first (calibrate.py)
+    calibrate: bool = False  # the profile's factors scaled to the window first (calibrate.py)
 
 
 def live(a: argparse.Namespace) -> int:
@@ -264,7 +264,7 @@ def live(a: argparse.Namespace) -> int:
         / "results"
     return run_live(LiveConfig(a.live, url, cfg, profile, by_tp, a.apply, a.min_gain, a.min_dwell,
                                a.min_requests, a.every, a.switch_gap, a.json, results,
-                               not a.no_calibrate))
+                               a.calibrate))
 
 
 def _check(cfg: TuneConfig) -> Profile:
@@ -448,10 +448,11 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--switch-gap", type=float, default=2.0,
                    help="seconds between two workers' switches (routers re-read the registry "
                         "every second) (default 2)")
-    g.add_argument("--no-calibrate", action="store_true",
-                   help="simulate with the profile's serving factors as measured (default: "
-                        "scale them first so the current layout, simulated on the window, "
-                        "gives the window's measured median TPOT and prefill compute)")
+    g.add_argument("--calibrate", action="store_true",
+                   help="experimental: scale the profile's serving factors first so the current "
+                        "layout, simulated on the window, gives the window's measured TPOT and "
+                        "first-token compute (its first validation made predictions worse: "
+                        "docs/routing.md)")
     g.add_argument("--json", action="store_true", help="print each look as one JSON line")
     g.add_argument("--results", default=None,
                    help="where the tune validations are (default bench/results)")

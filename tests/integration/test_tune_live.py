@@ -58,7 +58,8 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         few = tune(c.redis.url, c.router.http_address, profile, "--apply",
                    "--min-requests", "100")
         assert few["action"] == "none" and few["requests"] == 8
-        look = tune(c.redis.url, c.router.http_address, profile)  # no --apply: a look
+        # no --apply: a look
+        look = tune(c.redis.url, c.router.http_address, profile, "--calibrate")
         assert look["action"] == "none" and look["current"] == "1P+1D"
         assert look["recommended"] == "2 colocated" and look["requests"] == 8
         # eight requests are too few to calibrate the profile's factors on: it says so

@@ -84,7 +84,14 @@ def test_the_validation_error_on_record(tmp_path):
     (tmp_path / "tune-validation-20261124T131351Z.json").write_text(json.dumps({
         "predicted": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.25}},
         "measured": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.5}}}))
-    assert "within -10% of measured" in validation_error(tmp_path)
+    assert "within -10% of measured (" in validation_error(tmp_path)
+    (tmp_path / "tune-validation-20261124T141351Z.json").write_text(json.dumps({
+        "predicted": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.25}},
+        "measured": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.5}},
+        "calibrated": {"d": {"predicted": {"d": {"error": 0.02}, "c": {"error": -0.07}}},
+                       "c": {"error": "no measured run with per-request observations"}}}))
+    assert ("within -10% of measured, -7% calibrated on a measured run as --calibrate"
+            in validation_error(tmp_path))
 
 
 def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device():
