@@ -130,7 +130,7 @@ def calibrated_predictions(ev, layouts: dict, name: str, runs: list[dict], say) 
     one rate (:func:`calibration_run`), then every layout's goodput predicted with it."""
     from baton.control import workload as cw
     from baton.control.calibrate import Observed, calibrate
-    from baton.control.tune import Evaluator, shape
+    from baton.control.tune import shape
 
     run = calibration_run(runs, ev.search.attainment)
     if run is None:
@@ -141,7 +141,7 @@ def calibrated_predictions(ev, layouts: dict, name: str, runs: list[dict], say) 
     say(f"calibrated on {name} at {run['rate']:.3g} req/s: {cal.line()}")
     out = {"rate": run["rate"], "attainment": run["attainment"], **cal.summary(),
            "predicted": {}}
-    cev = Evaluator(cal.profile, ev.reqs, ev.search, ev.knobs, ev.profiles)
+    cev = ev.with_profile(cal.profile)
     for other, layout in layouts.items():
         goodput, points = cev.goodput(layout)
         out["predicted"][other] = {"goodput_rps": goodput, "points": points}

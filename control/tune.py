@@ -11,6 +11,7 @@ measurement of the same trace slice are comparable point for point.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -130,6 +131,13 @@ class Evaluator:
         self.profiles = profiles
         # the prompts' shared prefixes, as the engines' block hashes see them
         self.keys = [block_keys(r.prompt, profile.block_size) for r in reqs]
+
+    def with_profile(self, profile: Profile) -> Evaluator:
+        """The same requests, search and knobs on ``profile`` (same block size: the prompts'
+        keys are kept)."""
+        ev = copy.copy(self)
+        ev.p, ev.cost = profile, CostModel(profile)
+        return ev
 
     def at(self, layout: Layout, rate: float | None) -> float:
         from baton.control import workload as lg

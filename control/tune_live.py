@@ -210,7 +210,6 @@ def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
 def live_once(cfg, registry, say) -> dict:
     """One look at the live cluster (and with cfg.apply, the switches); its summary."""
     from baton.control.calibrate import calibrate, from_window
-    from baton.control.sim import block_keys
     from baton.control.tune import Evaluator, layouts, load_trace, shape
 
     records = registry.workers()
@@ -231,18 +230,18 @@ def live_once(cfg, registry, say) -> dict:
                               f"{cfg.min_requests}: switches nothing"}
         reqs = load_trace(replace(cfg.tune.slice, trace=str(path), format="baton",
                                   requests=n, trace_start=0))
-        window = sorted((json.loads(line) for line in path.read_text().splitlines()
-                         if line.strip()), key=lambda r: r["at"])  # as load_trace orders it
-    tp = profile.tensor_parallel_size
-    cur = current_layout(roles, tp)
-    calibration = None
-    if cfg.calibrate and cur is not None:
-        cal = calibrate(profile, cur, shape(reqs, [block_keys(r.prompt, profile.block_size)
-                                                   for r in reqs]),
-                        from_window(window), cfg.tune.knobs)
-        profile, calibration = cal.profile, cal
-        say(cal.line())
+        tp = profile.tensor_parallel_size
+        cur = current_layout(roles, tp)
+        calibrate_on = cfg.calibrate and cur is not None
+        window = (sorted((json.loads(line) for line in path.read_text().splitlines()
+                          if line.strip()), key=lambda r: r["at"])  # as load_trace orders it
+                  if calibrate_on else [])
     ev = Evaluator(profile, reqs, cfg.tune.search, cfg.tune.knobs)
+    calibration = None
+    if calibrate_on:
+        calibration = calibrate(profile, cur, shape(reqs, ev.keys), from_window(window),
+                                cfg.tune.knobs)
+        ev = ev.with_profile(calibration.profile)
     rows = []
     for layout in layouts(len(roles), tp, tp):
         goodput, _ = ev.goodput(layout)
