@@ -81,7 +81,8 @@ def main() -> None:
             rows = [{"prompt": r.prompt_tokens, "ttft": r.ttft, "tpot": r.tpot, "path": r.path,
                      "stages": r.stages, "error": r.error, "cached": r.cached_tokens,
                      "sim_ttft": s.ttft, "sim_tpot": s.tpot, "sim_path": s.path,
-                     "sim_cached": s.cached_tokens} for r, s in zip(recs, sim)]
+                     "sim_cached": s.cached_tokens, "sim_prefill": s.prefill_s,
+                     "sim_queue": s.queue_s} for r, s in zip(recs, sim)]
             runs.append({"rate": rate, **compare(rows, a.ttft_slo, a.tpot_slo), "requests": rows})
             m, s = runs[-1]["measured"], runs[-1]["simulated"]
             print(f"{rate:g} req/s: attainment measured {100 * m['attainment']:.0f}% simulated "

@@ -94,6 +94,8 @@ class SimRequest(Record):
     # (remote path: the router's "prefill" TTFT phase, its Prefill call less the worker's
     # queue) or the decode worker's (local path)
     prefill_s: float | None = None
+    # the wait before that first step on the worker that computed it (the worker's ``queue_s``)
+    queue_s: float | None = None
 
     def finish(self, t: float) -> None:
         self.end, self.output_tokens, self.error = t, self.max_tokens, None
@@ -111,6 +113,7 @@ class _Seq:
     on_done: Callable[[float], None] | None = None  # prefill-only: the first token is out
     load_s: float = 0.0  # tier blocks to load before its first chunk
     started: float | None = None  # the start of its first step
+    submitted: float | None = None  # when it reached the engine's waiting line
 
     @property
     def num_tokens(self) -> int:
@@ -220,6 +223,7 @@ class SimEngine:
             self._start(t)
 
     def submit(self, t: float, seq: _Seq) -> None:
+        seq.submitted = t
         self.run_op(t, lambda _t: self.waiting.append(seq))
 
     def blocks_for(self, tokens: int) -> int:
@@ -276,6 +280,8 @@ class SimEngine:
             s.load_s = 0.0
             if s.started is None:
                 s.started = t
+                if s.submitted is not None:
+                    s.req.queue_s = t - s.submitted
         self.sim.at(t + loads + self.cost.step(chunks, decodes, self.sim.stream_rate(t)),
                     lambda t2: self._end(batch, t2))
 

@@ -370,12 +370,17 @@ class LLMEngine:
         messages: Sequence[dict] | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        arrival_time: float | None = None,
     ) -> Request:
         """Validate and queue a request. Raises :class:`InvalidRequestError` naming the bad input;
-        nothing about other requests changes when it does."""
+        nothing about other requests changes when it does. ``arrival_time`` (``time.monotonic``;
+        default now): when it reached the engine's caller, so that its queue time counts the
+        step that was running then."""
         params = params or SamplingParams()
         ids = self._prompt_ids(prompt, prompt_token_ids, messages)
         req = self._make_request(request_id, ids, params, prefill_only)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         self.scheduler.add(req)
         return req
 

@@ -94,7 +94,11 @@ class EngineLoop:
         return q
 
     def submit(self, request_id: str, **add_request_kwargs) -> queue.SimpleQueue:
-        """Add a request (raises what ``add_request`` raises) and return its output queue."""
+        """Add a request (raises what ``add_request`` raises) and return its output queue. Its
+        arrival is now, in the caller's thread: the engine adds it between steps, and the step
+        running meanwhile is part of its queue time (``queue_s``), not of its prefill."""
+        add_request_kwargs.setdefault("arrival_time", time.monotonic())
+
         def add() -> queue.SimpleQueue:
             q = self.open_stream(request_id)
             try:

@@ -120,3 +120,45 @@ def test_a_commit_whose_first_token_finishes_the_request_drops_its_stream(tiny_e
         loop.run(engine.check_integrity)
     finally:
         loop.stop()
+
+
+def test_queue_time_counts_the_step_running_when_a_request_arrived(tiny_engine):
+    """Bug: the engine stamped a request's arrival when its thread added it, between steps, so
+    the step running when it came was in neither ``queue_s`` nor anywhere the worker reported:
+    the router counted it as prefill compute (a prefill worker's "prefill" phase 28% above the
+    simulator's first-token compute on a busy worker). The engine thread is held here, as a long
+    step would hold it, while a request arrives."""
+    engine = tiny_engine(num_kv_blocks=16)
+    loop = EngineLoop(engine).start()
+    held, release = threading.Event(), threading.Event()
+    loop.call(lambda: (held.set(), release.wait(120)))
+    got: list = []
+    try:
+        assert held.wait(120)
+        sender = threading.Thread(target=lambda: got.append(loop.submit(
+            "late", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1))))
+        sender.start()
+        while loop._calls.qsize() == 0:  # its arrival is stamped before the call is queued
+            sender.join(0.01)
+        hold = 0.2
+        threading.Event().wait(hold)  # the engine thread stays busy this long after it came
+        release.set()
+        sender.join(120)
+        out = got[0].get(timeout=120)
+        assert out.finished and out.queue_s >= hold
+        assert out.first_token_s >= out.queue_s
+    finally:
+        release.set()
+        loop.stop()
+
+
+def test_an_engine_caller_can_give_the_arrival_time(tiny_engine):
+    import time
+
+    engine = tiny_engine(num_kv_blocks=16)
+    came = time.monotonic() - 5.0
+    req = engine.add_request(prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1),
+                             request_id="r", arrival_time=came)
+    assert req.arrival_time == came
+    outs = [o for o in engine.step() if o.request_id == "r"]
+    assert outs and outs[0].queue_s >= 5.0
