@@ -245,7 +245,7 @@ class LiveConfig:
     gap_s: float
     json: bool
     results: Path
-    calibrate: bool = False  # the profile's factors scaled to the window first (calibrate.py)
+    calibrate: bool = True  # the profile's factors scaled to the window first (calibrate.py)
 
 
 def live(a: argparse.Namespace) -> int:
@@ -456,10 +456,11 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--switch-gap", type=float, default=2.0,
                    help="seconds between two workers' switches (routers re-read the registry "
                         "every second) (default 2)")
-    g.add_argument("--calibrate", action="store_true",
-                   help="experimental: scale the profile's serving factors first so the current "
-                        "layout, simulated on the window, gives the window's measured TPOT and "
-                        "first-token compute (its first validation made predictions worse: "
+    g.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                   help="scale the profile's serving factors first so the current layout, "
+                        "simulated on the window, gives the window's measured TPOT and "
+                        "first-token compute (default: on; nothing is applied when no fit "
+                        "comes within 5%%, or the correction is outside 0.5-2x; "
                         "docs/routing.md)")
     g.add_argument("--json", action="store_true", help="print each look as one JSON line")
     g.add_argument("--results", default=None,

@@ -4,10 +4,10 @@ It reads the router's live workload (``/v1/baton/workload``: the requests of its
 ``--workload-window`` seconds, lengths and times only) and the registered workers, simulates
 every layout of those workers (each prefill:decode split, and all colocated) on that workload
 with `baton profile`'s costs, and recommends one with its predicted goodput and the error the
-last validation measured (``bench/tune_validation.py``). With ``--calibrate`` (experimental)
-it first calibrates the profile on the window (control/calibrate.py: the serving factors that
-make the layout the workers run now, simulated on the window's arrivals, give its measured TPOT
-and first-token compute; its first validation made predictions worse, docs/routing.md). With
+last validation measured (``bench/tune_validation.py``). It first calibrates the profile on
+the window (control/calibrate.py: the serving factors that make the layout the workers run now,
+simulated on the window's arrivals, give its measured TPOT and first-token compute;
+``--no-calibrate``: the profile as measured). With
 ``--apply`` it switches roles to get there, one worker at a time (``WorkerAdmin.SetRole``, as
 `baton role`; the ones that gain decoding first, so the cluster never lacks a decoder), but only
 when the predicted gain is at least ``--min-gain`` (default 5%) and the last switch is at least
@@ -155,8 +155,8 @@ def validation_error(results: Path) -> str:
     worst = max(errs, key=abs) if errs else float("nan")
     cal = [p["error"] for c in (d.get("calibrated") or {}).values()
            for p in (c.get("predicted") or {}).values() if p.get("error") is not None]
-    calibrated = (f", {100 * max(cal, key=abs):+.0f}% calibrated on a measured run as --calibrate "
-                  "does" if cal else "")
+    calibrated = (f", {100 * max(cal, key=abs):+.0f}% calibrated on a measured run as the live "
+                  "tuner calibrates" if cal else "")
     return (f"the last validation predicted goodput within {100 * worst:+.0f}% of measured"
             f"{calibrated} ({Path(files[-1]).name})")
 
@@ -257,7 +257,7 @@ def live_once(cfg, registry, say) -> dict:
            "switches": [],
            "calibration": (calibration.summary() if calibration is not None else
                            {"applied": False, "notes": [
-                               "off (--calibrate)" if not cfg.calibrate else
+                               "off (--no-calibrate)" if not cfg.calibrate else
                                "the workers' roles match no layout"]})}
     if cfg.apply and v.act:
         best = Layout(v.best["prefill"], v.best["decode"], v.best["colocated"], tp, tp)

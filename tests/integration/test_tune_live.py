@@ -58,13 +58,16 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         few = tune(c.redis.url, c.router.http_address, profile, "--apply",
                    "--min-requests", "100")
         assert few["action"] == "none" and few["requests"] == 8
-        # no --apply: a look
-        look = tune(c.redis.url, c.router.http_address, profile, "--calibrate")
+        # no --apply: a look, calibrated by default
+        look = tune(c.redis.url, c.router.http_address, profile)
         assert look["action"] == "none" and look["current"] == "1P+1D"
         assert look["recommended"] == "2 colocated" and look["requests"] == 8
         # eight requests are too few to calibrate the profile's factors on: it says so
         assert not look["calibration"]["applied"]
         assert any("fewer than 10" in n for n in look["calibration"]["notes"])
+        plain = tune(c.redis.url, c.router.http_address, profile, "--no-calibrate")
+        assert plain["recommended"] == "2 colocated"
+        assert plain["calibration"]["notes"] == ["off (--no-calibrate)"]
         assert sorted(w.role for w in registry.workers()) == ["decode", "prefill"]
 
         went = tune(c.redis.url, c.router.http_address, profile, "--apply")

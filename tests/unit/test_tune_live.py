@@ -90,7 +90,8 @@ def test_the_validation_error_on_record(tmp_path):
         "measured": {"d": {"goodput_rps": 3.75}, "c": {"goodput_rps": 2.5}},
         "calibrated": {"d": {"predicted": {"d": {"error": 0.02}, "c": {"error": -0.07}}},
                        "c": {"error": "no measured run with per-request observations"}}}))
-    assert ("within -10% of measured, -7% calibrated on a measured run as --calibrate"
+    assert ("within -10% of measured, -7% calibrated on a measured run as the live tuner "
+            "calibrates"
             in validation_error(tmp_path))
 
 
