@@ -16,9 +16,7 @@ speed) match the measured ones, over the requests finished in both:
   first token less the router's waits, routing and the worker's queue). With neither (fewer
   than :data:`MIN_SAMPLES` requests), the profile's prefill factors are kept, and it says so.
   The worker's queue counts from the request's arrival at the worker, the step running then
-  included, as the simulator's does (until 2026-11-29 it counted from the next step boundary:
-  the step in flight fell into the prefill phase, and the prefill factor came out 1.28x where
-  the serving check measured 1.03x).
+  included (``EngineLoop.submit``), as the simulator's does: that step is not prefill compute.
 
 The two are fitted together, by Newton's method on the logs (:func:`calibrate`): a slower decode
 step holds the prefill worker's streams longer, and two colocated workers run prompts and

@@ -4,6 +4,7 @@ reservation on a full pool) is woken by the blocks being freed or by wake(), not
 from __future__ import annotations
 
 import threading
+import time
 
 from baton.engine.params import SamplingParams
 from baton.services.common.faults import Faults
@@ -153,8 +154,6 @@ def test_queue_time_counts_the_step_running_when_a_request_arrived(tiny_engine):
 
 
 def test_an_engine_caller_can_give_the_arrival_time(tiny_engine):
-    import time
-
     engine = tiny_engine(num_kv_blocks=16)
     came = time.monotonic() - 5.0
     req = engine.add_request(prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1),
