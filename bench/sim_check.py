@@ -4,11 +4,13 @@ arrival times, request by request: attainment, which SLO failed, TTFT and TPOT p
 the router's TTFT phases (remote path), the path each request took and the prompt tokens its
 worker reused from its prefix cache, measured and simulated.
 Where the validation's goodputs disagree, this says at which rate, in which phase, and whether a
-fresh cluster agrees (run the rates alone, then after a higher one). Results in
+fresh cluster agrees (run the rates alone, then after a higher one). ``--alone`` first sends
+prompts of the given lengths one at a time (three rounds, no queue and no batching): the
+prefill phase against the profile's prompt time, with nothing else running. Results in
 bench/results/sim-check-*.json.
 
     python bench/sim_check.py --profile bench/results/tune-validation-profile.json \\
-        --layout disaggregated --rates 4.5,8,4.5 [the validation's slice flags]
+        --layout disaggregated --rates 4.5,8,4.5 [--alone 150,600,2000] [the slice flags]
 """
 
 from __future__ import annotations
@@ -46,6 +48,32 @@ def compare(rows: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
     return out
 
 
+def one_at_a_time(target, lengths: list[int], cost, vocab: tuple[int, int], rounds: int = 3) -> list[dict]:
+    """Prompts of ``lengths`` tokens (2 output tokens), one at a time, ``rounds`` times: the
+    router's prefill phase (remote: the Prefill call less the worker's queue; local: the first
+    token less the queue) beside the profile's time for the prompt alone
+    (CostModel.engine_prompt x prefill_factor)."""
+    import random
+
+    from baton.control.workload import Req
+
+    rng, rows = random.Random(len(lengths)), []
+    for _ in range(rounds):
+        for n in lengths:
+            rec = target(Req([rng.randrange(*vocab) for _ in range(n)], 2))
+            s = rec.stages or {}
+            rows.append({"prompt": n, "path": rec.path, "error": rec.error,
+                         "prefill": s.get("prefill"), "queue": s.get("queue"),
+                         "model": cost.engine_prompt(n) * cost.prefill_factor})
+    for n in lengths:
+        got = [r for r in rows if r["prompt"] == n and r["prefill"] is not None]
+        if got:
+            m = statistics.median(r["prefill"] for r in got)
+            print(f"alone, {n} prompt tokens ({got[0]['path']}): prefill {m:.3f} s, profile "
+                  f"{got[0]['model']:.3f} s ({m / got[0]['model']:.2f}x)", flush=True)
+    return rows
+
+
 def main() -> None:
     import argparse
 
@@ -61,6 +89,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layout", default="disaggregated", choices=["disaggregated", "colocated"])
     ap.add_argument("--rates", default="4.5,8,4.5", help="comma-separated req/s, in order")
+    ap.add_argument("--alone", default="", help="comma-separated prompt lengths to send one "
+                    "at a time before the rates (three rounds)")
     extra, rest = ap.parse_known_args()
     a = tv.parse_args(rest)
     if not a.profile:
@@ -72,6 +102,8 @@ def main() -> None:
     target, close = _open_target(ca, ("baton", extra.layout))
     try:
         lg.warm_up(target, ca.workload.vocab)
+        alone = one_at_a_time(target, [int(n) for n in extra.alone.split(",") if n], ev.cost,
+                              ca.workload.vocab)
         for rate in (float(x) for x in extra.rates.split(",")):
             salt = f"sim-check/{len(runs)}/{time.time_ns()}"
             recs, _ = lg.run(target, lg.poisson(workload(ca.workload, salt), rate,
@@ -93,7 +125,8 @@ def main() -> None:
                   flush=True)
     finally:
         close()
-    result = {"machine": machine(), "layout": extra.layout, "args": vars(a), "runs": runs}
+    result = {"machine": machine(), "layout": extra.layout, "args": vars(a), "runs": runs,
+              "alone": alone}
     print(f"wrote {write_result('sim-check', result)}")
 
 
