@@ -48,7 +48,8 @@ def compare(rows: list[dict], ttft_slo: float, tpot_slo: float) -> dict:
     return out
 
 
-def one_at_a_time(target, lengths: list[int], cost, vocab: tuple[int, int], rounds: int = 3) -> list[dict]:
+def one_at_a_time(target, lengths: list[int], cost, vocab: tuple[int, int],
+                  rounds: int = 3) -> list[dict]:
     """Prompts of ``lengths`` tokens (2 output tokens), one at a time, ``rounds`` times: the
     router's prefill phase (remote: the Prefill call less the worker's queue; local: the first
     token less the queue) beside the profile's time for the prompt alone
