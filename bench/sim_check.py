@@ -56,12 +56,12 @@ def one_at_a_time(target, lengths: list[int], cost, vocab: tuple[int, int],
     (CostModel.engine_prompt x prefill_factor)."""
     import random
 
-    from baton.control.workload import Req
+    from baton.control.workload import Req, Tokens
 
-    rng, rows = random.Random(len(lengths)), []
+    tokens, rng, rows = Tokens(*vocab, "sim-check/alone"), random.Random(len(lengths)), []
     for _ in range(rounds):
         for n in lengths:
-            rec = target(Req([rng.randrange(*vocab) for _ in range(n)], 2))
+            rec = target(Req(tokens.random(rng, n), 2))
             s = rec.stages or {}
             rows.append({"prompt": n, "path": rec.path, "error": rec.error,
                          "prefill": s.get("prefill"), "queue": s.get("queue"),
