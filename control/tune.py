@@ -246,6 +246,7 @@ class LiveConfig:
     json: bool
     results: Path
     calibrate: bool = True  # the profile's factors scaled to the window first (calibrate.py)
+    fill_every: float = 5.0  # the pause between looks while the window is under min_requests
 
 
 def live(a: argparse.Namespace) -> int:
@@ -265,14 +266,15 @@ def live(a: argparse.Namespace) -> int:
         print("error: --live needs the cluster's Redis for its workers: pass --redis-url (or "
               "set BATON_REDIS_URL)", file=sys.stderr)
         return 2
-    if a.min_gain < 0 or a.min_dwell < 0 or a.every < 0:
-        print("error: --min-gain, --min-dwell and --every must be >= 0", file=sys.stderr)
+    if a.min_gain < 0 or a.min_dwell < 0 or a.every < 0 or a.fill_every <= 0:
+        print("error: --min-gain, --min-dwell and --every must be >= 0, --fill-every > 0",
+              file=sys.stderr)
         return 2
     results = Path(a.results) if a.results else Path(__file__).resolve().parents[1] / "bench" \
         / "results"
     return run_live(LiveConfig(a.live, url, cfg, profile, by_tp, a.apply, a.min_gain, a.min_dwell,
                                a.min_requests, a.every, a.switch_gap, a.json, results,
-                               a.calibrate))
+                               a.calibrate, a.fill_every))
 
 
 def _check(cfg: TuneConfig) -> Profile:
@@ -453,6 +455,11 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
                    help="fewer requests in the router's window: decide nothing (default 20)")
     g.add_argument("--every", type=float, default=0.0,
                    help="repeat every this many seconds (default 0: once)")
+    g.add_argument("--fill-every", type=float, default=5.0,
+                   help="with --every: while the router's window holds fewer than "
+                        "--min-requests requests, look again after this many seconds instead "
+                        "(at most --every), so the first decision comes as soon as the window "
+                        "fills (default 5)")
     g.add_argument("--switch-gap", type=float, default=2.0,
                    help="seconds between two workers' switches (routers re-read the registry "
                         "every second) (default 2)")

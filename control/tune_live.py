@@ -225,7 +225,7 @@ def live_once(cfg, registry, say) -> dict:
         path = Path(tmp) / "live.jsonl"
         n = fetch_workload(cfg.live, path)
         if n < cfg.min_requests:
-            return {"action": "none", "requests": n,
+            return {"action": "none", "requests": n, "filling": True,
                     "reason": f"{n} requests in the router's window, under --min-requests "
                               f"{cfg.min_requests}: switches nothing"}
         reqs = load_trace(replace(cfg.tune.slice, trace=str(path), format="baton",
@@ -287,6 +287,13 @@ def report(out: dict) -> str:
     return "\n".join(lines)
 
 
+def next_look_in(out: dict, every: float, fill_every: float) -> float:
+    """Seconds to the next look: --every, or sooner (--fill-every) while the router's window
+    still holds fewer than --min-requests, so the first decision comes as soon as the window
+    fills rather than up to a whole --every later."""
+    return min(every, fill_every) if out.get("filling") else every
+
+
 def run_live(cfg) -> int:
     from baton.control.redis_client import connect
     from baton.control.registry import WorkerRegistry
@@ -304,4 +311,4 @@ def run_live(cfg) -> int:
         print(json.dumps(out, default=str) if cfg.json else report(out), flush=True)
         if not cfg.every:
             return 0 if not out["reason"].startswith("error") else 1
-        time.sleep(cfg.every)
+        time.sleep(next_look_in(out, cfg.every, cfg.fill_every))

@@ -9,8 +9,10 @@ simulator's accuracy (bench/tune_validation.py measures that)."""
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 
 import pytest
 from baton.control.registry import WorkerRegistry
@@ -22,10 +24,13 @@ from tests.support.profiles import make_profile
 pytestmark = pytest.mark.slow
 
 
+TUNE = [sys.executable, "-m", "baton.cli.main", "tune", "--ttft-slo", "1", "--tpot-slo", "0.5"]
+
+
 def tune(url: str, router: str, profile, *extra: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "baton.cli.main", "tune", "--live", router,
-                          "--redis-url", url, "--profile", str(profile), "--ttft-slo", "1",
-                          "--tpot-slo", "0.5", "--min-requests", "5", "--switch-gap", "0.2",
+    out = subprocess.run([*TUNE, "--live", router,
+                          "--redis-url", url, "--profile", str(profile),
+                          "--min-requests", "5", "--switch-gap", "0.2",
                           "--refine", "1", "--json", *extra],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -57,7 +62,22 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         # too little traffic in the router's window to decide on: nothing switches
         few = tune(c.redis.url, c.router.http_address, profile, "--apply",
                    "--min-requests", "100")
-        assert few["action"] == "none" and few["requests"] == 8
+        assert few["action"] == "none" and few["requests"] == 8 and few["filling"]
+        # repeating every 10 minutes, it looks again on the short --fill-every pause while
+        # the window is under --min-requests: the second look is the event waited on
+        loop = subprocess.Popen([*TUNE, "--live", c.router.http_address, "--redis-url",
+                                 c.redis.url, "--profile", str(profile), "--min-requests", "100",
+                                 "--every", "600", "--fill-every", "0.1", "--json"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in loop.stdout], daemon=True).start()
+        try:  # a second look only after --every would come 600 s on: the wait gives up at 120
+            looks = [json.loads(lines.get(timeout=120)) for _ in range(2)]
+        finally:
+            loop.kill()
+            loop.wait()
+        assert [(x["action"], x["requests"], x["filling"]) for x in looks] == \
+            [("none", 8, True)] * 2
         # no --apply: a look, calibrated by default
         look = tune(c.redis.url, c.router.http_address, profile)
         assert look["action"] == "none" and look["current"] == "1P+1D"

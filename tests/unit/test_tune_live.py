@@ -14,6 +14,7 @@ from baton.control.sim import Layout
 from baton.control.tune_live import (
     assignment,
     current_layout,
+    next_look_in,
     switches,
     validation_error,
     verdict,
@@ -77,6 +78,16 @@ def test_it_never_switches_to_a_layout_that_serves_the_live_window_worse():
     assert v.best["layout"] == "1P+1D" and math.isclose(v.gain, 1 / 3)  # still reported
     rows[0]["attainment_live"] = 0.94  # as good at the live times, better at higher rates
     assert verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0).act
+
+
+def test_it_looks_again_sooner_while_the_window_fills():
+    filling = {"action": "none", "requests": 16, "filling": True, "reason": "under"}
+    assert next_look_in(filling, 30.0, 5.0) == 5.0  # the first decision not a whole --every late
+    assert next_look_in(filling, 2.0, 5.0) == 2.0  # never later than --every
+    for decided in ({"action": "none", "requests": 35, "reason": "stay"},
+                    {"action": "switched", "requests": 35, "reason": "switch"},
+                    {"action": "none", "reason": "error: the router did not answer"}):
+        assert next_look_in(decided, 30.0, 5.0) == 30.0
 
 
 def test_the_validation_error_on_record(tmp_path):
