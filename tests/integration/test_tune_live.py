@@ -24,14 +24,14 @@ from tests.support.profiles import make_profile
 pytestmark = pytest.mark.slow
 
 
-TUNE = [sys.executable, "-m", "baton.cli.main", "tune", "--ttft-slo", "1", "--tpot-slo", "0.5"]
+def command(url: str, router: str, profile, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "baton.cli.main", "tune", "--live", router, "--redis-url", url,
+            "--profile", str(profile), "--ttft-slo", "1", "--tpot-slo", "0.5",
+            "--min-requests", "5", "--switch-gap", "0.2", "--refine", "1", "--json", *extra]
 
 
 def tune(url: str, router: str, profile, *extra: str) -> dict:
-    out = subprocess.run([*TUNE, "--live", router,
-                          "--redis-url", url, "--profile", str(profile),
-                          "--min-requests", "5", "--switch-gap", "0.2",
-                          "--refine", "1", "--json", *extra],
+    out = subprocess.run(command(url, router, profile, *extra),
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -65,9 +65,9 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         assert few["action"] == "none" and few["requests"] == 8 and few["filling"]
         # repeating every 10 minutes, it looks again on the short --fill-every pause while
         # the window is under --min-requests: the second look is the event waited on
-        loop = subprocess.Popen([*TUNE, "--live", c.router.http_address, "--redis-url",
-                                 c.redis.url, "--profile", str(profile), "--min-requests", "100",
-                                 "--every", "600", "--fill-every", "0.1", "--json"],
+        loop = subprocess.Popen(command(c.redis.url, c.router.http_address, profile,
+                                        "--min-requests", "100", "--every", "600",
+                                        "--fill-every", "0.1"),
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(x) for x in loop.stdout], daemon=True).start()
