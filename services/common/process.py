@@ -8,7 +8,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent import futures
 
 import grpc
@@ -19,12 +19,48 @@ log = logging.getLogger("baton.services")
 
 
 def make_server(max_workers: int = 32, interceptors=(),
-                max_concurrent_rpcs: int | None = None) -> grpc.Server:
+                max_concurrent_rpcs: int | None = None,
+                control: Collection[str] = (), control_threads: int = 4) -> grpc.Server:
     """A gRPC server on ``max_workers`` threads; with ``max_concurrent_rpcs``, calls past that
-    many at once end RESOURCE_EXHAUSTED instead of queueing for a thread without bound."""
+    many at once end RESOURCE_EXHAUSTED instead of queueing for a thread without bound.
+
+    ``control``: full method names ("/baton.v1.WorkerAdmin/SetRole") that run on
+    ``control_threads`` threads of their own. Every call holds a thread for as long as it runs
+    (a decode stream for its whole output), so with every thread taken by such calls a short
+    one (a health check, a role switch) would wait for one of them to end."""
+    interceptors = list(interceptors)
+    if control:
+        pool = futures.ThreadPoolExecutor(max_workers=control_threads,
+                                          thread_name_prefix="grpc-control")
+        interceptors.append(_OnOwnThreads(frozenset(control), pool))
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)],
+                       interceptors=interceptors, options=[("grpc.so_reuseport", 0)],
                        maximum_concurrent_rpcs=max_concurrent_rpcs)
+
+
+class _OnOwnThreads(grpc.ServerInterceptor):
+    """Runs the named methods on ``pool``: gRPC runs a handler on the pool its behaviour names
+    in ``experimental_thread_pool``, else on the server's."""
+
+    KINDS = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+
+    def __init__(self, methods: frozenset[str], pool: futures.ThreadPoolExecutor) -> None:
+        self.methods, self.pool = methods, pool
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method not in self.methods:
+            return handler
+        kind = next(k for k in self.KINDS if getattr(handler, k) is not None)
+        inner = getattr(handler, kind)
+
+        def behaviour(request, context):
+            return inner(request, context)
+
+        behaviour.experimental_thread_pool = self.pool
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            behaviour, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
 
 
 def add_standard_services(server: grpc.Server, service_names: list[str]):

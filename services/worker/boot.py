@@ -28,6 +28,28 @@ from baton.transfer import cluster_secret
 
 log = logging.getLogger("baton.services")
 
+# Short calls that run on threads of their own (make_server's ``control``), never behind the
+# streams and prefill calls that hold the others: a liveness probe, a role switch, the hand-off's
+# handshake and lease release, a router's Info and Tokenizer reads
+CONTROL_METHODS = (
+    "/grpc.health.v1.Health/Check",
+    "/baton.v1.WorkerAdmin/SetRole",
+    "/baton.v1.KVSource/Handshake",
+    "/baton.v1.KVSource/ReleaseLease",
+    *(f"/baton.v1.{s}/{m}" for s in ("PrefillWorker", "DecodeWorker")
+      for m in ("Info", "Tokenizer")),
+)
+# prefill calls a worker holds a thread for while its engine queues them: more prompts than
+# any prefill batch takes, so a call past them waits for a thread as it would in the queue
+PREFILL_CALL_THREADS = 64
+
+
+def data_threads(max_num_seqs: int) -> int:
+    """The gRPC threads for a worker's work: every stream its batch admits (a Decode or
+    Generate call holds its thread for its whole output, so fewer threads than --max-num-seqs
+    would cap the batch below it) and PREFILL_CALL_THREADS prefill calls."""
+    return max_num_seqs + PREFILL_CALL_THREADS
+
 
 def build_engine(settings: EngineSettings, record_kv_events: bool,
                  worker_name: str | None = None):
@@ -113,7 +135,8 @@ def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
         gate = cluster_secret.interceptors()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    server = make_server(interceptors=gate)
+    server = make_server(max_workers=data_threads(cfg.engine.max_num_seqs), interceptors=gate,
+                         control=CONTROL_METHODS)
     port = server.add_insecure_port(f"{net.host}:{net.port}")
     port = net.advertise_port or port  # a proxy or port mapping in front of this one
     host = advertised_host(net)

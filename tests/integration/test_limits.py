@@ -258,3 +258,56 @@ def test_a_hand_off_with_no_room_before_its_deadline_is_resource_exhausted(tiny_
     finally:
         for p in reversed(procs):
             p.stop()
+
+
+def test_a_worker_runs_as_many_streams_at_once_as_its_max_num_seqs(tiny_llama):
+    """Every stream a worker's batch admits starts at once. A Generate stream holds a gRPC
+    thread for its whole output, and the worker had 32 threads: with --max-num-seqs 40, the
+    33rd stream waited for one of the first 32 to end. Each stream notes, at its first token,
+    how many streams had ended by then: none, for every one of them."""
+    from baton.v1 import worker_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    n = 40
+    w = WorkerProcess("decode", ["--model", str(tiny_llama[0]), "--num-blocks", "512",
+                                 "--max-num-seqs", str(n), "--faults", "step_delay=0.05"])
+    stub = worker_pb2_grpc.DecodeWorkerStub(w.channel)
+    lock, ended, ended_before_first = threading.Lock(), [0], {}
+    all_started = threading.Event()
+    calls = []
+
+    def one(i: int) -> None:
+        call = stub.Generate(worker_pb2.LocalRequest(
+            request_id=f"s{i}", prompt_token_ids=[5 + i, 6, 7, 8],
+            params=api_pb2.SamplingParams(max_tokens=100000, ignore_eos=True)), timeout=300)
+        calls.append(call)
+        try:
+            for k, _ in enumerate(call):
+                if k == 0:
+                    with lock:
+                        ended_before_first[i] = ended[0]
+                        if len(ended_before_first) == n:
+                            all_started.set()
+        except grpc.RpcError:
+            pass  # cancelled below
+        with lock:
+            ended[0] += 1
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        assert all_started.wait(240), f"{len(ended_before_first)} of {n} streams started"
+        assert ended_before_first == dict.fromkeys(range(n), 0)
+        # every stream running: the probe and a role switch still answer (own threads)
+        assert health_pb2_grpc.HealthStub(w.channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=30).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        assert worker_pb2_grpc.WorkerAdminStub(w.channel).SetRole(
+            worker_pb2.SetRoleRequest(role="decode"), timeout=30).role == "decode"
+    finally:
+        for c in calls:
+            c.cancel()
+        for t in threads:
+            t.join(60)
+        w.stop()
