@@ -448,7 +448,8 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
                    help="switch roles, one worker at a time, to the recommended layout "
                         "(`baton role`; needs $BATON_CLUSTER_SECRET when the cluster has one)")
     g.add_argument("--min-gain", type=float, default=0.05,
-                   help="switch only for at least this predicted goodput gain (default 0.05)")
+                   help="switch only for at least this predicted goodput gain, also from the "
+                        "top of the current layout's goodput search bracket (default 0.05)")
     g.add_argument("--min-dwell", type=float, default=600.0,
                    help="seconds since the last switch before another (default 600)")
     g.add_argument("--min-requests", type=int, default=20,

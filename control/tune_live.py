@@ -10,8 +10,10 @@ simulated on the window's arrivals, give its measured TPOT and first-token compu
 ``--no-calibrate``: the profile as measured). With
 ``--apply`` it switches roles to get there, one worker at a time (``WorkerAdmin.SetRole``, as
 `baton role`; the ones that gain decoding first, so the cluster never lacks a decoder), but only
-when the predicted gain is at least ``--min-gain`` (default 5%) and the last switch is at least
-``--min-dwell`` seconds old (kept in Redis, so separate runs do not flap). ``--every S`` repeats it.
+when the predicted gain is at least ``--min-gain`` (default 5%), even from the top of the current
+layout's goodput bracket (the search brackets each goodput between a rate that met the SLOs and
+the lowest that failed), and the last switch is at least ``--min-dwell`` seconds old (kept in
+Redis, so separate runs do not flap). ``--every S`` repeats it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from baton.control.sim import Layout
+from baton.control.workload import lowest_failing
 
 LAST_APPLY = "baton:tune:last_apply"  # Redis: unix time of the last switch --apply made
 
@@ -98,6 +101,16 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
     if gain < min_gain:
         return Verdict(best, cur, gain, False, f"predicted gain {100 * gain:.1f}% is under "
                        f"--min-gain {100 * min_gain:.0f}%: switches nothing")
+    ceiling = cur.get("goodput_below_rps") if cur is not None else None
+    if ceiling and best["goodput_rps"] / ceiling - 1 < min_gain:
+        # the search brackets each goodput between a rate that met the SLOs and the lowest
+        # that failed: a gain inside the brackets is the search's rounding, not a prediction
+        floor = best["goodput_rps"] / ceiling - 1
+        return Verdict(best, cur, gain, False, f"predicted gain {100 * gain:.1f}% is within "
+                       f"the goodput search's steps ({cur['layout']} under {ceiling:.3g} req/s, "
+                       f"{best['layout']} at least {best['goodput_rps']:.3g}: at least "
+                       f"{100 * floor:+.1f}%, under --min-gain {100 * min_gain:.0f}%): switches "
+                       "nothing (--refine narrows the steps)")
     live, now = best.get("attainment_live"), cur.get("attainment_live") if cur else None
     if live is not None and now is not None and live < now:
         # its goodput (the highest Poisson rate it sustains) is higher, but at the window's
@@ -244,10 +257,12 @@ def live_once(cfg, registry, say) -> dict:
         ev = ev.with_profile(calibration.profile)
     rows = []
     for layout in layouts(len(roles), tp, tp):
-        goodput, _ = ev.goodput(layout)
+        goodput, points = ev.goodput(layout)
         rows.append({"layout": layout.name, "prefill": layout.prefill,
                      "decode": layout.decode, "colocated": layout.colocated,
-                     "goodput_rps": goodput, "attainment_live": ev.at(layout, None)})
+                     "goodput_rps": goodput,
+                     "goodput_below_rps": lowest_failing(points, cfg.tune.search.attainment),
+                     "attainment_live": ev.at(layout, None)})
     last = registry.redis.get(LAST_APPLY)
     dwell_left = cfg.min_dwell - (time.time() - float(last)) if last else 0.0
     v = verdict(rows, cur, cfg.min_gain, dwell_left)

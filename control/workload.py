@@ -216,6 +216,18 @@ def meets(r: Record, ttft_slo: float, tpot_slo: float) -> bool:
     return r.tpot is None or r.tpot <= tpot_slo
 
 
+def _met(attainment: float, target: float) -> bool:
+    # a mean over draws of exact shares can land a rounding below it: (0.86 + 0.94) / 2 is
+    # 0.8999999999999999, and a rate that met the SLOs for exactly 90% would count as a miss
+    return attainment >= target - 1e-9
+
+
+def lowest_failing(points: list[tuple[float, float]], target: float = 0.9) -> float | None:
+    """The lowest rate :func:`find_goodput` tried that missed ``target``: the goodput it found
+    is under it (None: every rate tried met it)."""
+    return min((rate for rate, a in points if not _met(a, target)), default=None)
+
+
 def find_goodput(attainment_at: Callable[[float], float], start: float, target: float = 0.9,
                  max_rate: float = 1e6, refine: int = 3,
                  min_rate: float | None = None) -> tuple[float, list[tuple[float, float]]]:
@@ -229,9 +241,7 @@ def find_goodput(attainment_at: Callable[[float], float], start: float, target: 
     def ok(rate: float) -> bool:
         a = attainment_at(rate)
         points.append((rate, a))
-        # a mean over draws of exact shares can land a rounding below it: (0.86 + 0.94) / 2 is
-        # 0.8999999999999999, and a rate that met the SLOs for exactly 90% would count as a miss
-        return a >= target - 1e-9
+        return _met(a, target)
 
     rate = start
     if ok(rate):

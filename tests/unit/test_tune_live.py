@@ -80,6 +80,28 @@ def test_it_never_switches_to_a_layout_that_serves_the_live_window_worse():
     assert verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0).act
 
 
+def test_it_never_switches_on_a_gain_inside_the_goodput_search_steps():
+    """The shifting-load run of 2026-11-29 11:23: 1P+1D predicted 4.0 req/s against colocated's
+    3.5 (+14.3%), but with two bisection steps colocated's search had failed at 4.0 only, so it
+    sustains anything under 4.0: the gain could be none. The tuner switched to 1P+1D, and back
+    97 s later."""
+    from baton.control.workload import find_goodput, lowest_failing
+
+    def searched(top: float) -> tuple[float, float | None]:
+        good, points = find_goodput(lambda r: 1.0 if r <= top else 0.0, 0.5, refine=2)
+        return good, lowest_failing(points)
+
+    assert searched(3.9) == (3.5, 4.0) and searched(4.2) == (4.0, 5.0)
+    assert searched(1e9)[1] is None  # never failed up to --max-rate: no bracket on top
+    rows = [{**ROWS[0], "goodput_rps": 4.0, "goodput_below_rps": 5.0},
+            {**ROWS[1], "goodput_rps": 3.5, "goodput_below_rps": 4.0}]
+    v = verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0)
+    assert not v.act and "within the goodput search's steps" in v.reason
+    assert "at least +0.0%" in v.reason and math.isclose(v.gain, 4.0 / 3.5 - 1)
+    rows[1]["goodput_below_rps"] = 3.75  # a finer search: colocated under 3.75, +6.7% at least
+    assert verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0).act
+
+
 def test_it_looks_again_sooner_while_the_window_fills():
     filling = {"action": "none", "requests": 16, "filling": True, "reason": "under"}
     assert next_look_in(filling, 30.0, 5.0) == 5.0  # the first decision not a whole --every late
