@@ -203,9 +203,10 @@ def set_role(address: str, role: str, timeout: float = 30.0):
 
 
 def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
-          say) -> list[tuple[str, str, str]]:
+          say) -> tuple[list[tuple[str, str, str]], str]:
     """Switch roles one worker at a time (``gap_s`` between, for the routers' registry reads);
-    returns (worker, from, to) per switch made. Raises RuntimeError naming a refusal."""
+    returns (worker, from, to) per switch made, and "" or the refusal that stopped it (the
+    switches before it stay made)."""
     address = {w.worker_id: w.address for w in registry.workers()}
     done = []
     for i, (wid, role) in enumerate(switches(roles, target)):
@@ -214,10 +215,10 @@ def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
         try:
             set_role(address[wid], role)
         except RuntimeError as e:
-            raise RuntimeError(f"{wid}: {e}") from None
+            return done, f"{wid}: {e}"
         say(f"switched {wid}: {roles[wid]} -> {role}")
         done.append((wid, roles[wid], role))
-    return done
+    return done, ""
 
 
 def live_once(cfg, registry, say) -> dict:
@@ -276,9 +277,14 @@ def live_once(cfg, registry, say) -> dict:
                                "the workers' roles match no layout"]})}
     if cfg.apply and v.act:
         best = Layout(v.best["prefill"], v.best["decode"], v.best["colocated"], tp, tp)
-        out["switches"] = apply(registry, assignment(roles, best), roles, cfg.gap_s, say)
-        registry.redis.set(LAST_APPLY, str(time.time()))
-        out["action"] = "switched"
+        out["switches"], refused = apply(registry, assignment(roles, best), roles, cfg.gap_s,
+                                         say)
+        if out["switches"]:  # the dwell counts from any switch made, all of them or not
+            registry.redis.set(LAST_APPLY, str(time.time()))
+            out["action"] = "switched"
+        if refused:  # the look is reported with its layouts, and the roles it left
+            out["reason"] = (f"error: {refused} ({len(out['switches'])} of the switches to "
+                             f"{v.best['layout']} made)")
     return out
 
 

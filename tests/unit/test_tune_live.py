@@ -144,3 +144,39 @@ def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device():
     with pytest.raises(ValueError, match="measured on cpu, the workers run on cuda"):
         pick_profile({1: one}, {"a": (1, "cuda"), "b": (1, "cuda")})
     assert current_layout({"a": "prefill", "b": "decode"}, 2).name == "1P(TP2)+1D(TP2)"
+
+
+def test_a_refused_switch_keeps_the_ones_made_before_it(client):
+    """Workers switch one at a time; when one does not answer, the switches made before it
+    stay made and are returned with the refusal (the tuner records them and starts the dwell
+    from them), instead of an exception that lost them. Real Redis registry and a real
+    WorkerAdmin server on loopback; the second worker's port has nothing listening."""
+    import socket
+
+    from baton.control.registry import WorkerRecord, WorkerRegistry
+    from baton.control.tune_live import apply
+    from baton.services.common.process import make_server
+    from baton.services.worker.role import AdminService, RoleGate
+    from baton.v1 import worker_pb2_grpc
+
+    gate = RoleGate("prefill")
+    server = make_server(max_workers=2)
+    worker_pb2_grpc.add_WorkerAdminServicer_to_server(AdminService(gate, "a", lambda: None),
+                                                      server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    registry = WorkerRegistry(client)
+    for wid, role, p in (("a", "prefill", port), ("b", "decode", closed)):
+        registry.put(WorkerRecord(wid, role, f"127.0.0.1:{p}", "f", "i"))
+    try:
+        said = []
+        done, refused = apply(registry, {"a": "decode", "b": "prefill"},
+                              {"a": "prefill", "b": "decode"}, 0.0, said.append)
+    finally:
+        server.stop(None)
+    assert done == [("a", "prefill", "decode")] and gate.role == "decode"  # a decoder first
+    assert refused.startswith("b: UNAVAILABLE"), refused
+    assert said == ["switched a: prefill -> decode"]
