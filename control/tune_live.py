@@ -101,11 +101,11 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
     if gain < min_gain:
         return Verdict(best, cur, gain, False, f"predicted gain {100 * gain:.1f}% is under "
                        f"--min-gain {100 * min_gain:.0f}%: switches nothing")
+    # the search brackets each goodput between a rate that met the SLOs and the lowest that
+    # failed: a gain inside the brackets is the search's rounding, not a prediction
     ceiling = cur.get("goodput_below_rps") if cur is not None else None
-    if ceiling and best["goodput_rps"] / ceiling - 1 < min_gain:
-        # the search brackets each goodput between a rate that met the SLOs and the lowest
-        # that failed: a gain inside the brackets is the search's rounding, not a prediction
-        floor = best["goodput_rps"] / ceiling - 1
+    floor = best["goodput_rps"] / ceiling - 1 if ceiling else math.inf
+    if floor < min_gain:
         return Verdict(best, cur, gain, False, f"predicted gain {100 * gain:.1f}% is within "
                        f"the goodput search's steps ({cur['layout']} under {ceiling:.3g} req/s, "
                        f"{best['layout']} at least {best['goodput_rps']:.3g}: at least "
