@@ -15,6 +15,11 @@ speed) match the measured ones, over the requests finished in both:
   worker's: the router's ``prefill`` phase), else on the local path (the decode worker's: the
   first token less the router's waits, routing and the worker's queue). With neither (fewer
   than :data:`MIN_SAMPLES` requests), the profile's prefill factors are kept, and it says so.
+  A remote fit scales both factors, as the profile's are a prefill worker's. A local fit scales
+  the local path's alone (``local_prefill_scale``): a decode worker's prompts share its steps
+  with its streams, and what they cost there does not say what a prefill worker's cost. (From
+  the colocated windows of nine validation runs, 1P+1D came -9% to +12% off its measured
+  goodput with both factors scaled, 0% to +5% with the local path's alone: docs/routing.md.)
   The worker's queue counts from the request's arrival at the worker, the step running then
   included (``EngineLoop.submit``), as the simulator's does: that step is not prefill compute.
 
@@ -85,7 +90,8 @@ def from_window(rows: Sequence[dict]) -> list[Observed | None]:
 class Calibration:
     profile: Profile  # the profile with the corrected factors (the input when not applied)
     decode_ratio: float = 1.0  # the factor applied to serving_factor
-    prefill_ratio: float = 1.0  # to prefill_factor and prefill_stream_factor
+    # to prefill_factor and prefill_stream_factor (remote path), or local_prefill_scale (local)
+    prefill_ratio: float = 1.0
     decode_samples: int = 0
     prefill_samples: int = 0
     prefill_path: str | None = None  # whose first-token compute set the prefill factor
@@ -104,6 +110,7 @@ class Calibration:
                 "prefill_ratio": round(self.prefill_ratio, 4),
                 "serving_factor": round(p.serving_factor, 4),
                 "prefill_factor": round(p.prefill_factor, 4),
+                "local_prefill_scale": round(p.local_prefill_scale, 4),
                 "decode_samples": self.decode_samples, "prefill_samples": self.prefill_samples,
                 "prefill_path": self.prefill_path,
                 "rounds": self.rounds, "tpot_measured_s": self.tpot_measured,
@@ -120,15 +127,22 @@ class Calibration:
         parts = [f"decode x{self.decode_ratio:.3f} (mean TPOT measured "
                  f"{1000 * self.tpot_measured:.1f} ms, {self.decode_samples} requests)"
                  if self.tpot_measured else "decode kept"]
+        only = ", the local path only" if self.prefill_path == "local" else ""
         parts.append(f"prefill x{self.prefill_ratio:.3f} (mean {self.prefill_path} first-"
                      f"token compute measured {1000 * self.prefill_measured:.0f} ms, "
-                     f"{self.prefill_samples} requests)"
+                     f"{self.prefill_samples} requests{only})"
                      if self.prefill_measured else "prefill kept")
         return ("calibration on the live window: " + ", ".join(parts)
                 + ("; " + "; ".join(self.notes) if self.notes else ""))
 
 
-def _scaled(p: Profile, kd: float, kp: float) -> Profile:
+def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
+    """``p`` with the decode factor scaled by ``kd`` and the prefill factors by ``kp``: a
+    prefill worker's and the local path's for a remote fit, the local path's alone for a
+    local one."""
+    if path == "local":
+        return replace(p, serving_factor=p.serving_factor * kd,
+                       local_prefill_scale=p.local_prefill_scale * kp)
     return replace(p, serving_factor=p.serving_factor * kd,
                    prefill_factor=p.prefill_factor * kp,
                    prefill_stream_factor=p.prefill_stream_factor * kp)
@@ -165,7 +179,7 @@ class _Look:
 def _look(profile: Profile, layout: Layout, shape: Sequence[tuple],
           observed: Sequence[Observed | None], knobs: Knobs | None, kd: float, kp: float,
           path: str | None = None) -> _Look:
-    done = simulate(layout, _scaled(profile, kd, kp), shape, knobs)
+    done = simulate(layout, scaled(profile, kd, kp, path), shape, knobs)
     tpot = [(o.tpot_s, s.tpot) for o, s in zip(observed, done)
             if o is not None and o.tpot_s and s.tpot]
     pre: list[tuple[float, float]] = []
@@ -276,7 +290,7 @@ def calibrate(profile: Profile, layout: Layout, shape: Sequence[tuple],
     cal.decode_ratio, cal.prefill_ratio = kd, kp
     cal.applied = kd != 1.0 or kp != 1.0
     if cal.applied:
-        cal.profile = _scaled(profile, kd, kp)
+        cal.profile = scaled(profile, kd, kp, cal.prefill_path)
     return cal
 
 

@@ -135,6 +135,10 @@ class Profile:
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
     # its rise per token a second streamed to clients meanwhile (router and clients share cores)
     prefill_stream_factor: float = 0.0
+    # the two prefill factors' scale for prompts a decode worker prefills itself (the local
+    # path); 1 in a measured profile (its prefill factors are a prefill worker's), set by the
+    # live calibration on a window that measured the local path only (control/calibrate.py)
+    local_prefill_scale: float = 1.0
     # KV tiers: loading blocks back into the pool, {tier, blocks, bytes, s} (kv_tiers.TierStore)
     tier_load: list[dict] = field(default_factory=list)
     machine: dict = field(default_factory=dict)
@@ -245,6 +249,7 @@ class CostModel:
         self.kv_bytes_per_token = p.kv_bytes_per_token
         self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
         self.prefill_stream_factor = p.prefill_stream_factor
+        self.local_prefill_scale = p.local_prefill_scale
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
                               if r.get("blocks")}
 
@@ -253,15 +258,18 @@ class CostModel:
         return _interp(self._tx, self._ty, n) if n > 0 else 0.0
 
     def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int],
-             streamed_tps: float = 0.0) -> float:
+             streamed_tps: float = 0.0, local: bool = False) -> float:
         """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
         request, ``decode_ctxs`` = context length per decoding request, ``streamed_tps`` the
-        tokens a second the cluster streams to its clients meanwhile."""
+        tokens a second the cluster streams to its clients meanwhile; ``local``: a decode
+        worker's step (its prompts at ``local_prefill_scale``)."""
         p, d = sum(c[0] for c in chunks), len(decode_ctxs)
         if not p + d:
             return 0.0
         pairs = sum(_pairs(k, done) for k, done in chunks)
         prefill = self.prefill_factor + self.prefill_stream_factor * streamed_tps
+        if local:
+            prefill *= self.local_prefill_scale
         factor = (p * prefill + d * self.serving_factor) / (p + d)
         return factor * self.engine_step(p + d, pairs, decode_ctxs)
 

@@ -193,8 +193,9 @@ class PrefixCache:
 
 class SimEngine:
     def __init__(self, sim: Sim, cost: CostModel, p: Profile, name: str,
-                 tiers: tuple[int, int] = (0, 0)) -> None:
+                 tiers: tuple[int, int] = (0, 0), local: bool = False) -> None:
         self.sim, self.cost, self.name = sim, cost, name
+        self.local = local  # a decode worker: the prompts it prefills are the local path
         self.budget, self.max_seqs = p.max_num_batched_tokens, p.max_num_seqs
         self.bs = p.block_size
         self.num_blocks = p.num_blocks
@@ -282,8 +283,8 @@ class SimEngine:
                 s.started = t
                 if s.submitted is not None:
                     s.req.queue_s = t - s.submitted
-        self.sim.at(t + loads + self.cost.step(chunks, decodes, self.sim.stream_rate(t)),
-                    lambda t2: self._end(batch, t2))
+        step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local)
+        self.sim.at(t + loads + step, lambda t2: self._end(batch, t2))
 
     def _end(self, batch: list[tuple[_Seq, int]], t: float) -> None:
         self.sim.streamed(t, sum(1 for seq, n in batch if not seq.prefill_only
@@ -347,7 +348,8 @@ class Cluster:
                                  f"(have {sorted(by_tp)})")
             q, c = by_tp[tp]
             return [SimEngine(self.sim, c, q, f"{role}-{i}",
-                              (k.host_tier_blocks, k.disk_tier_blocks)) for i in range(n)]
+                              (k.host_tier_blocks, k.disk_tier_blocks), role == "decode")
+                    for i in range(n)]
 
         self.prefills = engines("prefill", layout.prefill, layout.prefill_tp)
         self.decodes = engines("decode", layout.decode, layout.decode_tp)

@@ -55,8 +55,15 @@ def test_the_factors_the_window_was_served_at_are_found_again(layout, kd, kp):
     assert cal.prefill_ratio == pytest.approx(kp, rel=0.05)
     assert cal.prefill_path == ("remote" if layout.prefill else "local")
     assert cal.profile.serving_factor == pytest.approx(p.serving_factor * cal.decode_ratio)
-    assert cal.profile.prefill_stream_factor == pytest.approx(
-        p.prefill_stream_factor * cal.prefill_ratio)
+    if layout.prefill:  # a prefill worker's prompts measured: every prompt's factors
+        assert cal.profile.prefill_stream_factor == pytest.approx(
+            p.prefill_stream_factor * cal.prefill_ratio)
+        assert cal.profile.local_prefill_scale == 1.0
+    else:  # the local path's alone: a prefill worker's stay the profile's
+        assert cal.profile.prefill_factor == p.prefill_factor
+        assert cal.profile.prefill_stream_factor == p.prefill_stream_factor
+        assert cal.profile.local_prefill_scale == pytest.approx(cal.prefill_ratio)
+        assert "the local path only" in cal.line()
     # the calibrated profile serves the window as it was measured
     again, ref = measured(layout, cal.profile, sh), measured(layout, scaled(p, kd, kp), sh)
     for key in ("tpot_s", "prefill_s"):
@@ -93,6 +100,26 @@ def test_a_correction_too_large_for_drift_is_refused():
     cal = calibrate(p, layout, sh, measured(layout, scaled(p, 3.0, 3.0), sh))
     assert not cal.applied and cal.profile is p
     assert any("re-run `baton profile`" in n for n in cal.notes), cal.notes
+
+
+def test_a_colocated_window_leaves_a_prefill_workers_prompts_as_profiled():
+    """Fitted on two colocated workers (every prompt prefilled where it decodes), the prefill
+    scale reaches the prompts a decode worker prefills, not a prefill worker's: in a 1P+1D
+    simulation with the calibrated profile, a long prompt alone costs what the profile says on
+    the prefill worker, and a short one the fitted scale on the decode worker."""
+    p, sh = make_profile(attn_decode=2e-6, per_seq=5e-4), window()
+    colocated = Layout(0, 2, True)
+    cal = calibrate(p, colocated, sh, measured(colocated, scaled(p, 1.1, 0.85), sh))
+    assert cal.applied and cal.prefill_path == "local"
+    assert cal.prefill_ratio == pytest.approx(0.85, rel=0.05)
+    cost, fitted = CostModel(p), CostModel(cal.profile)
+    assert fitted.step([(300, 0)], []) == pytest.approx(cost.step([(300, 0)], []))
+    assert fitted.step([(300, 0)], [], local=True) == pytest.approx(
+        cal.prefill_ratio * cost.step([(300, 0)], []))
+    done = simulate(Layout(1, 1), cal.profile, [(300, 5, 0.0), (40, 5, 10.0)])
+    assert [r.path for r in done] == ["remote", "local"]
+    assert done[0].prefill_s == pytest.approx(cost.step([(300, 0)], []))
+    assert done[1].prefill_s == pytest.approx(cal.prefill_ratio * cost.step([(40, 0)], []))
 
 
 def test_the_simulated_first_token_compute_on_each_path():
@@ -155,3 +182,47 @@ def test_the_validation_predicts_with_the_profile_calibrated_on_one_setups_run()
         want = true.goodput(layout)[0]
         assert ev.goodput(layout)[0] > 1.2 * want  # the profile as measured: optimistic
         assert out["predicted"][name]["goodput_rps"] == pytest.approx(want, rel=0.1)
+
+
+def test_stored_validation_runs_are_predicted_again_as_they_were(tmp_path):
+    """bench/validation_again.py: a stored run (its args, profile, measured goodputs and fits)
+    read back gives the predictions the run stored, while the code that made them is
+    unchanged; a fit that applied nothing is left out."""
+    import json
+
+    from baton.bench.tune_validation import (
+        calibrated_predictions,
+        configs,
+        parse_args,
+        slice_args,
+    )
+    from baton.bench.validation_again import again
+
+    trace = tmp_path / "trace.csv"
+    rng = random.Random(5)
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:{i:02d}.0000000,{rng.randint(100, 900)},{rng.randint(8, 40)}\n"
+        for i in range(30)))
+    a = parse_args(["--trace", str(trace), "--requests", "30", "--scale", "1", "--ttft-slo",
+                    "2", "--tpot-slo", "0.02", "--refine", "2"])
+    p = make_profile(attn_decode=2e-6, per_seq=5e-4)
+    _, ev = configs(a, p, slice_args(a))
+    layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
+    runs = {}
+    for name, layout in layouts.items():  # served at other factors than the profile's
+        done = simulate(layout, scaled(p, 1.1, 0.9), shape(poisson(ev.reqs, 1.0, 0), ev.keys))
+        runs[name] = [{"rate": 1.0, "draw": 0, "attainment": 1.0,
+                       "observed": [[r.tpot, r.prefill_s, r.path] for r in done]}]
+    calibrated = {name: calibrated_predictions(ev, layouts, name, runs[name], lambda _: None)
+                  for name in layouts}
+    assert {c["prefill_path"] for c in calibrated.values()} == {"remote", "local"}
+    calibrated["baton-colocated-unfitted"] = {**calibrated["baton-colocated"], "applied": False}
+    run = tmp_path / "tune-validation-x.json"
+    run.write_text(json.dumps({
+        "args": vars(a), "profile": dataclasses.asdict(p), "calibrated": calibrated,
+        "measured": {name: {"goodput_rps": 1.0} for name in layouts}}))
+    rows = again(run)
+    assert len(rows) == 4 and {r["calibrated_on"] for r in rows} == set(layouts)
+    for r in rows:
+        assert r["predicted_now_rps"] == r["predicted_then_rps"] > 0
+        assert r["error_now"] == pytest.approx(r["predicted_now_rps"] - 1.0)
