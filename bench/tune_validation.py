@@ -22,7 +22,11 @@ import time
 from dataclasses import asdict, replace
 
 from baton.bench.common import RESULTS, machine, write_result
+from baton.control.sim import Layout
 from baton.control.workload import draws_arg
+
+# `baton bench compare`'s two targets, as the simulator's layouts
+LAYOUTS = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +69,6 @@ def main() -> None:
     from baton.bench.compare import run_compare
     from baton.bench.profile import run_profile, serving_probe, speed_probe
     from baton.control.profile import Profile
-    from baton.control.sim import Layout
 
     a = parse_args()
     t0 = time.monotonic()
@@ -80,9 +83,8 @@ def main() -> None:
         say(f"profile saved to {profile.save(RESULTS / 'tune-validation-profile.json')}")
     flags = slice_args(a)
     ca, ev = configs(a, profile, flags)
-    layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     predicted = {}
-    for name, layout in layouts.items():
+    for name, layout in LAYOUTS.items():
         goodput, points = ev.goodput(layout)
         predicted[name] = {"layout": layout.name, "goodput_rps": goodput, "points": points}
         say(f"predicted {layout.name}: goodput {goodput:.3g} req/s")
@@ -103,8 +105,8 @@ def main() -> None:
     # conditioned than the goodput (one request more or less can move a goodput a lot)
     for name, m in measured.items():
         m["simulated_at_measured_rates"] = [
-            (rate, att, ev.at(layouts[name], rate)) for rate, att in m["points"]]
-    calibrated = {name: calibrated_predictions(ev, layouts, name, m["runs"], say)
+            (rate, att, ev.at(LAYOUTS[name], rate)) for rate, att in m["points"]]
+    calibrated = {name: calibrated_predictions(ev, LAYOUTS, name, m["runs"], say)
                   for name, m in measured.items()}
     for m in measured.values():
         del m["runs"]

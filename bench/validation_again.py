@@ -16,32 +16,28 @@ from pathlib import Path
 
 from baton.bench.common import machine, write_result
 
-SETUPS = ("baton-disaggregated", "baton-colocated")
-
 
 def again(path: Path) -> list[dict]:
     """One row per (fit, setup) of the run at ``path``; a fit that applied nothing is left out
     (its predictions are the uncalibrated ones)."""
-    from baton.bench.tune_validation import configs, slice_args
+    from baton.bench.tune_validation import LAYOUTS, configs, slice_args
     from baton.control.calibrate import scaled
     from baton.control.profile import Profile
-    from baton.control.sim import Layout
 
     d = json.loads(path.read_text())
     a = argparse.Namespace(**d["args"])
     profile = Profile(**d["profile"])
     _, ev = configs(a, profile, slice_args(a))
-    layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     rows = []
     for watched, fit in d.get("calibrated", {}).items():
         if not fit.get("applied"):
             continue
         cev = ev.with_profile(scaled(profile, fit["decode_ratio"], fit["prefill_ratio"],
                                      fit["prefill_path"]))
-        for name in SETUPS:
+        for name, layout in LAYOUTS.items():
             measured = d["measured"][name]["goodput_rps"]
             then = fit["predicted"][name]["goodput_rps"]
-            now = cev.goodput(layouts[name])[0]
+            now = cev.goodput(layout)[0]
             rows.append({"run": path.name, "calibrated_on": watched,
                          "prefill_path": fit["prefill_path"],
                          "decode_ratio": fit["decode_ratio"],

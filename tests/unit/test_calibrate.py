@@ -191,6 +191,7 @@ def test_stored_validation_runs_are_predicted_again_as_they_were(tmp_path):
     import json
 
     from baton.bench.tune_validation import (
+        LAYOUTS,
         calibrated_predictions,
         configs,
         parse_args,
@@ -207,22 +208,21 @@ def test_stored_validation_runs_are_predicted_again_as_they_were(tmp_path):
                     "2", "--tpot-slo", "0.02", "--refine", "2"])
     p = make_profile(attn_decode=2e-6, per_seq=5e-4)
     _, ev = configs(a, p, slice_args(a))
-    layouts = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
     runs = {}
-    for name, layout in layouts.items():  # served at other factors than the profile's
+    for name, layout in LAYOUTS.items():  # served at other factors than the profile's
         done = simulate(layout, scaled(p, 1.1, 0.9), shape(poisson(ev.reqs, 1.0, 0), ev.keys))
         runs[name] = [{"rate": 1.0, "draw": 0, "attainment": 1.0,
                        "observed": [[r.tpot, r.prefill_s, r.path] for r in done]}]
-    calibrated = {name: calibrated_predictions(ev, layouts, name, runs[name], lambda _: None)
-                  for name in layouts}
+    calibrated = {name: calibrated_predictions(ev, LAYOUTS, name, runs[name], lambda _: None)
+                  for name in LAYOUTS}
     assert {c["prefill_path"] for c in calibrated.values()} == {"remote", "local"}
     calibrated["baton-colocated-unfitted"] = {**calibrated["baton-colocated"], "applied": False}
     run = tmp_path / "tune-validation-x.json"
     run.write_text(json.dumps({
         "args": vars(a), "profile": dataclasses.asdict(p), "calibrated": calibrated,
-        "measured": {name: {"goodput_rps": 1.0} for name in layouts}}))
+        "measured": {name: {"goodput_rps": 1.0} for name in LAYOUTS}}))
     rows = again(run)
-    assert len(rows) == 4 and {r["calibrated_on"] for r in rows} == set(layouts)
+    assert len(rows) == 4 and {r["calibrated_on"] for r in rows} == set(LAYOUTS)
     for r in rows:
         assert r["predicted_now_rps"] == r["predicted_then_rps"] > 0
         assert r["error_now"] == pytest.approx(r["predicted_now_rps"] - 1.0)
