@@ -97,6 +97,7 @@ class Calibration:
     prefill_path: str | None = None  # whose first-token compute set the prefill factor
     rounds: int = 0
     applied: bool = False
+    refused: bool = False  # a fit was made but not taken (outside TOLERANCE or ``bounds``)
     notes: list[str] = field(default_factory=list)
     # the fit's means, measured and simulated (seconds; None: too few samples)
     tpot_measured: float | None = None
@@ -266,6 +267,7 @@ def calibrate(profile: Profile, layout: Layout, shape: Sequence[tuple],
         cal.notes.append(f"the simulated means came within {100 * miss:.0f}% of the measured "
                          f"ones at best (over {100 * TOLERANCE:.0f}%: near overload they move "
                          "with the queues, not the factors): none applied")
+        cal.refused = True
         x, now = [0.0, 0.0], first
     cal.tpot_measured, cal.tpot_simulated = now.tpot or (None, None)
     cal.prefill_measured, cal.prefill_simulated = now.prefill or (None, None)
@@ -286,12 +288,56 @@ def calibrate(profile: Profile, layout: Layout, shape: Sequence[tuple],
     if far:
         cal.notes.append(f"correction {', '.join(far)} is outside {lo:g}-{hi:g}: the profile "
                          "is not this cluster's (re-run `baton profile`); none applied")
+        cal.refused = True
         return cal
     cal.decode_ratio, cal.prefill_ratio = kd, kp
     cal.applied = kd != 1.0 or kp != 1.0
     if cal.applied:
         cal.profile = scaled(profile, kd, kp, cal.prefill_path)
     return cal
+
+
+@dataclass
+class Fits:
+    """The live windows' fits, kept across the tuner's looks, each factor from the last window
+    that could fit it: the decode factor; the prefill worker's (a window with a prefill pool:
+    the remote path); the local path's (a window with none). Without them a window that fits
+    nothing (too few finished requests, a backlog the factors cannot explain) goes back to the
+    profile as measured, and a colocated window, whose fit says nothing of a prefill worker,
+    predicts the prefill pool with the profile's prefill factor even when the last
+    disaggregated window had measured another; on a machine twice as fast as its profile that
+    made every disaggregated layout look twice as slow to prefill.
+
+    Each is (ratio to the profile's factor, the look's time in seconds)."""
+
+    decode: tuple[float, float] | None = None
+    remote: tuple[float, float] | None = None
+    local: tuple[float, float] | None = None
+
+    def update(self, cal: Calibration, at: float) -> None:
+        """Keep what ``cal`` fitted (applied, or within 1% of the profile: ratio 1)."""
+        if cal.refused:
+            return
+        if cal.tpot_measured is not None:
+            self.decode = (cal.decode_ratio, at)
+        if cal.prefill_measured is not None and cal.prefill_path in ("remote", "local"):
+            setattr(self, cal.prefill_path, (cal.prefill_ratio, at))
+
+    def profile(self, p: Profile) -> Profile:
+        """``p`` with every kept factor: a remote fit scales every prompt (as :func:`scaled`),
+        a local one sets the local path's whole scale over ``p``'s."""
+        kd = self.decode[0] if self.decode else 1.0
+        kr = self.remote[0] if self.remote else 1.0
+        kl = self.local[0] if self.local else kr
+        out = scaled(p, kd, kr, "remote")
+        return replace(out, local_prefill_scale=p.local_prefill_scale * kl / kr)
+
+    def summary(self, at: float) -> dict:
+        """Each kept ratio with its age in seconds at ``at`` (None: never fitted)."""
+        return {name: (None if got is None else
+                       {"ratio": round(got[0], 4), "age_s": round(at - got[1], 1)})
+                for name, got in (("decode", self.decode), ("remote_prefill", self.remote),
+                                  ("local_prefill", self.local))}
 
 
 def _miss(got: _Look, dims: Sequence[str]) -> float:

@@ -7,7 +7,9 @@ with `baton profile`'s costs, and recommends one with its predicted goodput and 
 last validation measured (``bench/tune_validation.py``). It first calibrates the profile on
 the window (control/calibrate.py: the serving factors that make the layout the workers run now,
 simulated on the window's arrivals, give its measured TPOT and first-token compute;
-``--no-calibrate``: the profile as measured). With
+``--no-calibrate``: the profile as measured); with ``--every`` each factor a window cannot fit
+(too few finished requests, or no prefill pool to say what a prefill worker costs) keeps its
+last fit (``calibrate.Fits``). With
 ``--apply`` it switches roles to get there, one worker at a time (``WorkerAdmin.SetRole``, as
 `baton role`; the ones that gain decoding first, so the cluster never lacks a decoder), but only
 when the predicted gain is at least ``--min-gain`` (default 5%), even from the top of the current
@@ -221,9 +223,11 @@ def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
     return done, ""
 
 
-def live_once(cfg, registry, say) -> dict:
-    """One look at the live cluster (and with cfg.apply, the switches); its summary."""
-    from baton.control.calibrate import calibrate, from_window
+def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
+    """One look at the live cluster (and with cfg.apply, the switches); its summary.
+    ``fits`` (tensor-parallel size -> :class:`~baton.control.calibrate.Fits`) carries the
+    calibration's fits from look to look (``run_live``'s; None: this look's alone)."""
+    from baton.control.calibrate import Fits, calibrate, from_window
     from baton.control.tune import Evaluator, layouts, load_trace, shape
 
     records = registry.workers()
@@ -255,7 +259,11 @@ def live_once(cfg, registry, say) -> dict:
     if calibrate_on:
         calibration = calibrate(profile, cur, shape(reqs, ev.keys), from_window(window),
                                 cfg.tune.knobs)
-        ev = ev.with_profile(calibration.profile)
+        kept = (fits if fits is not None else {}).setdefault(tp, Fits())
+        now_s = time.monotonic()
+        kept.update(calibration, now_s)
+        # what this window fitted, and the last fit of every factor it could not
+        ev = ev.with_profile(kept.profile(profile))
     rows = []
     for layout in layouts(len(roles), tp, tp):
         goodput, points = ev.goodput(layout)
@@ -271,7 +279,8 @@ def live_once(cfg, registry, say) -> dict:
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
            "switches": [],
-           "calibration": (calibration.summary() if calibration is not None else
+           "calibration": ({**calibration.summary(), "kept": kept.summary(now_s)}
+                           if calibration is not None else
                            {"applied": False, "notes": [
                                "off (--no-calibrate)" if not cfg.calibrate else
                                "the workers' roles match no layout"]})}
@@ -303,6 +312,10 @@ def report(out: dict) -> str:
                          f", prefill factor x{cal['prefill_ratio']:.3f}")
         elif cal:
             lines.append("not calibrated: " + "; ".join(cal.get("notes") or []))
+        carried = [f"{name.replace('_', ' ')} x{k['ratio']:.3f} ({k['age_s']:.0f} s old)"
+                   for name, k in (cal.get("kept") or {}).items() if k and k["age_s"] > 0]
+        if carried:
+            lines.append("kept from earlier looks: " + ", ".join(carried))
     lines.append(f"{out['action']}: {out['reason']}")
     lines += [f"  {w}: {a} -> {b}" for w, a, b in out.get("switches", [])]
     return "\n".join(lines)
@@ -324,9 +337,10 @@ def run_live(cfg) -> int:
     def say(msg: str) -> None:
         print(f"[baton tune --live] {msg}", file=sys.stderr, flush=True)
 
+    fits: dict = {}  # the calibration's fits, carried from look to look
     while True:
         try:
-            out = live_once(cfg, registry, say)
+            out = live_once(cfg, registry, say, fits)
         except (OSError, RuntimeError) as e:  # the router or a worker did not answer
             out = {"action": "none", "reason": f"error: {e}"}
         print(json.dumps(out, default=str) if cfg.json else report(out), flush=True)

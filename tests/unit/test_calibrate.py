@@ -12,7 +12,7 @@ import random
 import statistics
 
 import pytest
-from baton.control.calibrate import Observed, calibrate, from_window
+from baton.control.calibrate import Fits, Observed, calibrate, from_window
 from baton.control.profile import CostModel
 from baton.control.sim import Layout, attainment, simulate
 from baton.control.tune import shape
@@ -120,6 +120,60 @@ def test_a_colocated_window_leaves_a_prefill_workers_prompts_as_profiled():
     assert [r.path for r in done] == ["remote", "local"]
     assert done[0].prefill_s == pytest.approx(cost.step([(300, 0)], []))
     assert done[1].prefill_s == pytest.approx(cal.prefill_ratio * cost.step([(40, 0)], []))
+
+
+def test_the_last_fit_of_each_factor_is_kept_across_looks():
+    """The live tuner's looks, as on a machine faster than its profile: a 1P+1D window fits
+    the prefill worker's factor; after a switch to colocated, the windows fit the local path's
+    and the decode factor, and a prefill worker's prompts keep the 1P+1D window's fit (alone,
+    a colocated fit leaves them as profiled); a window that fits nothing (a backlog past the
+    tolerance, too few finished requests) changes nothing kept."""
+    from baton.control.tune_live import report
+
+    p, sh = make_profile(attn_decode=2e-6, per_seq=5e-4), window()
+    cost = CostModel(p)
+    one, two = Layout(1, 1), Layout(0, 2, True)
+    fits = Fits()
+    remote = calibrate(p, one, sh, measured(one, scaled(p, 0.6, 0.55), sh))
+    assert remote.applied and remote.prefill_path == "remote"
+    fits.update(remote, 0.0)
+    truth = dataclasses.replace(scaled(p, 0.7, 1.0), local_prefill_scale=0.6)
+    local = calibrate(p, two, sh, measured(two, truth, sh))
+    assert local.applied and local.prefill_path == "local"
+    assert local.profile.prefill_factor == p.prefill_factor  # this window alone: as profiled
+    fits.update(local, 30.0)
+    got = fits.profile(p)
+    assert got.serving_factor == pytest.approx(p.serving_factor * 0.7, rel=0.05)
+    assert got.prefill_factor == pytest.approx(p.prefill_factor * 0.55, rel=0.05)
+    assert got.prefill_stream_factor == pytest.approx(p.prefill_stream_factor * 0.55, rel=0.05)
+    fitted = CostModel(got)
+    assert fitted.step([(300, 0)], []) == pytest.approx(0.55 * cost.step([(300, 0)], []),
+                                                        rel=0.05)
+    assert fitted.step([(300, 0)], [], local=True) == pytest.approx(
+        0.6 * cost.step([(300, 0)], []), rel=0.05)
+    before = dataclasses.asdict(fits)
+    far = calibrate(p, one, sh, measured(one, scaled(p, 3.0, 3.0), sh))
+    few = calibrate(p, two, sh, [o if i < 9 else None
+                                 for i, o in enumerate(measured(two, truth, sh))])
+    assert far.refused and not few.applied
+    fits.update(far, 60.0)
+    fits.update(few, 60.0)
+    assert dataclasses.asdict(fits) == before
+    kept = fits.summary(60.0)
+    assert kept["remote_prefill"]["age_s"] == 60.0 and kept["local_prefill"]["age_s"] == 30.0
+    assert kept["decode"]["ratio"] == pytest.approx(0.7, rel=0.05)
+    # a fresh Fits is this window's calibration alone
+    assert Fits().profile(p) == p
+    alone = Fits()
+    alone.update(local, 0.0)
+    assert alone.profile(p).local_prefill_scale == pytest.approx(local.profile.local_prefill_scale)
+    assert alone.profile(p).prefill_factor == p.prefill_factor
+    out = {"action": "none", "reason": "stay", "configurations": [], "current": "1P+1D",
+           "recommended": "1P+1D", "validation": "", "calibration": {**far.summary(),
+                                                                     "kept": kept}}
+    text = report(out)
+    assert "kept from earlier looks: decode x0.7" in text, text
+    assert "remote prefill x0.5" in text and "(60 s old)" in text, text
 
 
 def test_the_simulated_first_token_compute_on_each_path():
