@@ -297,6 +297,17 @@ def calibrate(profile: Profile, layout: Layout, shape: Sequence[tuple],
     return cal
 
 
+def served(rows: Sequence[dict], ttft_slo: float, tpot_slo: float) -> float | None:
+    """The share of the window's finished requests (``/v1/baton/workload`` rows) that met
+    both SLOs; None under :data:`MIN_SAMPLES` finished."""
+    done = [r for r in rows if not r.get("in_flight") and r.get("ttft_s") is not None]
+    if len(done) < MIN_SAMPLES:
+        return None
+    met = sum(r["ttft_s"] <= ttft_slo and (r.get("tpot_s") is None or r["tpot_s"] <= tpot_slo)
+              for r in done)
+    return met / len(done)
+
+
 @dataclass
 class Fits:
     """The live windows' fits, kept across the tuner's looks, each factor from the last window
@@ -307,6 +318,11 @@ class Fits:
     predicts the prefill pool with the profile's prefill factor even when the last
     disaggregated window had measured another; on a machine twice as fast as its profile that
     made every disaggregated layout look twice as slow to prefill.
+
+    A window the cluster served below the SLO target is not kept (:func:`served`; the caller
+    decides): near overload the fitted factors follow the queues, not the machine. Run 11 kept
+    one such fit (decode and local prefill x1.16, where the windows before had fitted 0.5-0.7),
+    and colocated looked three times slower than it was for the rest of the trace.
 
     Each is (ratio to the profile's factor, the look's time in seconds)."""
 
@@ -322,6 +338,18 @@ class Fits:
             self.decode = (cal.decode_ratio, at)
         if cal.prefill_measured is not None and cal.prefill_path in ("remote", "local"):
             setattr(self, cal.prefill_path, (cal.prefill_ratio, at))
+
+    def take(self, cal: Calibration, at: float, met: float | None, target: float) -> None:
+        """:meth:`update` with ``cal`` unless its window met the SLOs for under ``target`` of
+        its finished requests (``met``, :func:`served`; None: too few to say); then ``cal`` is
+        marked not applied and says so."""
+        if met is not None and met < target:
+            cal.applied = False
+            cal.notes.append(f"the window met the SLOs for {100 * met:.0f}% of its finished "
+                             f"requests (under {100 * target:.0f}%: near overload a fit follows "
+                             "the queues): the last fits kept")
+            return
+        self.update(cal, at)
 
     def profile(self, p: Profile) -> Profile:
         """``p`` with every kept factor: a remote fit scales every prompt (as :func:`scaled`),

@@ -9,7 +9,8 @@ the window (control/calibrate.py: the serving factors that make the layout the w
 simulated on the window's arrivals, give its measured TPOT and first-token compute;
 ``--no-calibrate``: the profile as measured); with ``--every`` each factor a window cannot fit
 (too few finished requests, or no prefill pool to say what a prefill worker costs) keeps its
-last fit (``calibrate.Fits``). With
+last fit (``calibrate.Fits``), and a window served below the SLO target (near overload the fit
+follows the queues) changes no fit. With
 ``--apply`` it switches roles to get there, one worker at a time (``WorkerAdmin.SetRole``, as
 `baton role`; the ones that gain decoding first, so the cluster never lacks a decoder), but only
 when the predicted gain is at least ``--min-gain`` (default 5%), even from the top of the current
@@ -227,7 +228,7 @@ def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
     """One look at the live cluster (and with cfg.apply, the switches); its summary.
     ``fits`` (tensor-parallel size -> :class:`~baton.control.calibrate.Fits`) carries the
     calibration's fits from look to look (``run_live``'s; None: this look's alone)."""
-    from baton.control.calibrate import Fits, calibrate, from_window
+    from baton.control.calibrate import Fits, calibrate, from_window, served
     from baton.control.tune import Evaluator, layouts, load_trace, shape
 
     records = registry.workers()
@@ -261,7 +262,9 @@ def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
                                 cfg.tune.knobs)
         kept = (fits if fits is not None else {}).setdefault(tp, Fits())
         now_s = time.monotonic()
-        kept.update(calibration, now_s)
+        search = cfg.tune.search
+        kept.take(calibration, now_s, served(window, search.ttft_slo, search.tpot_slo),
+                  search.attainment)
         # what this window fitted, and the last fit of every factor it could not
         ev = ev.with_profile(kept.profile(profile))
     rows = []

@@ -12,7 +12,7 @@ import random
 import statistics
 
 import pytest
-from baton.control.calibrate import Fits, Observed, calibrate, from_window
+from baton.control.calibrate import Fits, Observed, calibrate, from_window, served
 from baton.control.profile import CostModel
 from baton.control.sim import Layout, attainment, simulate
 from baton.control.tune import shape
@@ -174,6 +174,30 @@ def test_the_last_fit_of_each_factor_is_kept_across_looks():
     text = report(out)
     assert "kept from earlier looks: decode x0.7" in text, text
     assert "remote prefill x0.5" in text and "(60 s old)" in text, text
+
+
+def test_a_window_served_below_the_slo_target_changes_no_fit():
+    """Near overload the fitted factors follow the queues: a window whose finished requests
+    met the SLOs under the target leaves the kept fits as they were, and says so."""
+    p, sh = make_profile(attn_decode=2e-6, per_seq=5e-4), window()
+    one = Layout(1, 1)
+    fits = Fits()
+    good = calibrate(p, one, sh, measured(one, scaled(p, 0.6, 0.55), sh))
+    fits.take(good, 0.0, 0.95, 0.9)
+    assert fits.remote[0] == pytest.approx(0.55, rel=0.05)
+    backlog = calibrate(p, one, sh, measured(one, scaled(p, 1.2, 1.2), sh))
+    assert backlog.applied
+    fits.take(backlog, 30.0, 0.4, 0.9)
+    assert not backlog.applied and "the last fits kept" in backlog.notes[-1]
+    assert fits.remote == (good.prefill_ratio, 0.0) and fits.decode == (good.decode_ratio, 0.0)
+    fits.take(backlog, 60.0, None, 0.9)  # too few finished to say: taken
+    assert fits.remote[1] == 60.0
+    # the router's rows: finished ones only, both SLOs (TPOT absent for one token)
+    rows = ([{"ttft_s": 1.0, "tpot_s": 0.05}] * 6 + [{"ttft_s": 5.0, "tpot_s": 0.05}] * 2
+            + [{"ttft_s": 1.0, "tpot_s": 0.2}, {"ttft_s": 1.0, "tpot_s": None}]
+            + [{"in_flight": True, "ttft_s": None}] * 5)
+    assert served(rows, 4.0, 0.1) == pytest.approx(0.7)
+    assert served(rows[:9], 4.0, 0.1) is None
 
 
 def test_the_simulated_first_token_compute_on_each_path():
