@@ -320,9 +320,11 @@ class Fits:
     made every disaggregated layout look twice as slow to prefill.
 
     A window the cluster served below the SLO target is not kept (:func:`served`; the caller
-    decides): near overload the fitted factors follow the queues, not the machine. Run 11 kept
-    one such fit (decode and local prefill x1.16, where the windows before had fitted 0.5-0.7),
-    and colocated looked three times slower than it was for the rest of the trace.
+    decides): near overload the fitted factors can follow the queues rather than the machine.
+    Shifting-load run 11 kept one such fit (decode and local prefill x1.16, where the windows
+    before had fitted 0.5-0.7) and colocated looked three times slower than it was for the rest
+    of the trace. A judgment of two runs (11 and 12, docs/routing.md): part of that decode fit
+    may be the real cost of large batches under a profile from another machine.
 
     Each is (ratio to the profile's factor, the look's time in seconds)."""
 
