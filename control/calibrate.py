@@ -105,8 +105,10 @@ class Calibration:
     prefill_measured: float | None = None
     prefill_simulated: float | None = None
 
-    def summary(self) -> dict:
-        p = self.profile
+    def summary(self, used: Profile | None = None) -> dict:
+        """The fit, with the factors of ``used`` (the profile the look simulated with, when
+        not this fit's own: :class:`Fits`)."""
+        p = used or self.profile
         return {"applied": self.applied, "decode_ratio": round(self.decode_ratio, 4),
                 "prefill_ratio": round(self.prefill_ratio, 4),
                 "serving_factor": round(p.serving_factor, 4),

@@ -266,7 +266,8 @@ def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
         kept.take(calibration, now_s, served(window, search.ttft_slo, search.tpot_slo),
                   search.attainment)
         # what this window fitted, and the last fit of every factor it could not
-        ev = ev.with_profile(kept.profile(profile))
+        used = kept.profile(profile)
+        ev = ev.with_profile(used)
     rows = []
     for layout in layouts(len(roles), tp, tp):
         goodput, points = ev.goodput(layout)
@@ -282,7 +283,7 @@ def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
            "switches": [],
-           "calibration": ({**calibration.summary(), "kept": kept.summary(now_s)}
+           "calibration": ({**calibration.summary(used), "kept": kept.summary(now_s)}
                            if calibration is not None else
                            {"applied": False, "notes": [
                                "off (--no-calibrate)" if not cfg.calibrate else

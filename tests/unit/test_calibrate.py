@@ -159,6 +159,9 @@ def test_the_last_fit_of_each_factor_is_kept_across_looks():
     fits.update(far, 60.0)
     fits.update(few, 60.0)
     assert dataclasses.asdict(fits) == before
+    # the look reports the factors it simulated with, not the refused fit's
+    assert far.summary(got)["prefill_factor"] == round(got.prefill_factor, 4)
+    assert far.summary()["prefill_factor"] == round(far.profile.prefill_factor, 4)
     kept = fits.summary(60.0)
     assert kept["remote_prefill"]["age_s"] == 60.0 and kept["local_prefill"]["age_s"] == 30.0
     assert kept["decode"]["ratio"] == pytest.approx(0.7, rel=0.05)
