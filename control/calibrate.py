@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from baton.control.profile import Profile
@@ -343,17 +343,21 @@ class Fits:
         if cal.prefill_measured is not None and cal.prefill_path in ("remote", "local"):
             setattr(self, cal.prefill_path, (cal.prefill_ratio, at))
 
-    def take(self, cal: Calibration, at: float, met: float | None, target: float) -> None:
-        """:meth:`update` with ``cal`` unless its window met the SLOs for under ``target`` of
-        its finished requests (``met``, :func:`served`; None: too few to say); then ``cal`` is
-        marked not applied and says so."""
+    def take(self, fit: Callable[[], Calibration], at: float, met: float | None,
+             target: float, profile: Profile) -> Calibration:
+        """``fit()``, kept (:meth:`update`), unless its window met the SLOs for under
+        ``target`` of its finished requests (``met``, :func:`served`; None: too few to say):
+        then nothing is fitted (the fit would not be kept, and on a machine near overload the
+        tuner's CPU is the workers'; a decode-heavy window's fit took 3.5 s of one core) and
+        the returned calibration of ``profile`` is not applied and says why."""
         if met is not None and met < target:
-            cal.applied = False
-            cal.notes.append(f"the window met the SLOs for {100 * met:.0f}% of its finished "
-                             f"requests (under {100 * target:.0f}%: near overload a fit follows "
-                             "the queues): the last fits kept")
-            return
+            return Calibration(profile, notes=[
+                f"the window met the SLOs for {100 * met:.0f}% of its finished requests "
+                f"(under {100 * target:.0f}%: near overload a fit follows the queues): not "
+                "fitted, the last fits kept"])
+        cal = fit()
         self.update(cal, at)
+        return cal
 
     def profile(self, p: Profile) -> Profile:
         """``p`` with every kept factor: a remote fit scales every prompt (as :func:`scaled`),

@@ -247,6 +247,7 @@ class LiveConfig:
     results: Path
     calibrate: bool = True  # the profile's factors scaled to the window first (calibrate.py)
     fill_every: float = 5.0  # the pause between looks while the window is under min_requests
+    nice: int = 10  # added to the process's niceness before the first look (0: unchanged)
 
 
 def live(a: argparse.Namespace) -> int:
@@ -270,11 +271,15 @@ def live(a: argparse.Namespace) -> int:
         print("error: --min-gain, --min-dwell and --every must be >= 0, --fill-every > 0",
               file=sys.stderr)
         return 2
+    if not 0 <= a.nice <= 19:
+        print(f"error: --nice {a.nice}: must be 0-19 (lowering the tuner's priority only)",
+              file=sys.stderr)
+        return 2
     results = Path(a.results) if a.results else Path(__file__).resolve().parents[1] / "bench" \
         / "results"
     return run_live(LiveConfig(a.live, url, cfg, profile, by_tp, a.apply, a.min_gain, a.min_dwell,
                                a.min_requests, a.every, a.switch_gap, a.json, results,
-                               a.calibrate, a.fill_every))
+                               a.calibrate, a.fill_every, a.nice))
 
 
 def _check(cfg: TuneConfig) -> Profile:
@@ -461,6 +466,11 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
                         "--min-requests requests, look again after this many seconds instead "
                         "(at most --every), so the first decision comes as soon as the window "
                         "fills (default 5)")
+    g.add_argument("--nice", type=int, default=10,
+                   help="with --live: add this to the tuner's niceness (0-19), so that on a "
+                        "machine it shares with workers its simulations take the CPU they "
+                        "leave, not theirs (a decode-heavy window's look is ~1 s of one core "
+                        "on a 2-core VM) (default 10; 0: unchanged)")
     g.add_argument("--switch-gap", type=float, default=2.0,
                    help="seconds between two workers' switches (routers re-read the registry "
                         "every second) (default 2)")

@@ -10,7 +10,7 @@ simulated on the window's arrivals, give its measured TPOT and first-token compu
 ``--no-calibrate``: the profile as measured); with ``--every`` each factor a window cannot fit
 (too few finished requests, or no prefill pool to say what a prefill worker costs) keeps its
 last fit (``calibrate.Fits``), and a window served below the SLO target (near overload the fit
-follows the queues) changes no fit. With
+follows the queues) is not fitted and changes no fit. With
 ``--apply`` it switches roles to get there, one worker at a time (``WorkerAdmin.SetRole``, as
 `baton role`; the ones that gain decoding first, so the cluster never lacks a decoder), but only
 when the predicted gain is at least ``--min-gain`` (default 5%), even from the top of the current
@@ -258,13 +258,14 @@ def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
     ev = Evaluator(profile, reqs, cfg.tune.search, cfg.tune.knobs)
     calibration = None
     if calibrate_on:
-        calibration = calibrate(profile, cur, shape(reqs, ev.keys), from_window(window),
-                                cfg.tune.knobs)
         kept = (fits if fits is not None else {}).setdefault(tp, Fits())
         now_s = time.monotonic()
         search = cfg.tune.search
-        kept.take(calibration, now_s, served(window, search.ttft_slo, search.tpot_slo),
-                  search.attainment)
+        calibration = kept.take(
+            lambda: calibrate(profile, cur, shape(reqs, ev.keys), from_window(window),
+                              cfg.tune.knobs),
+            now_s, served(window, search.ttft_slo, search.tpot_slo), search.attainment,
+            profile)
         # what this window fitted, and the last fit of every factor it could not
         used = kept.profile(profile)
         ev = ev.with_profile(used)
@@ -341,6 +342,8 @@ def run_live(cfg) -> int:
     def say(msg: str) -> None:
         print(f"[baton tune --live] {msg}", file=sys.stderr, flush=True)
 
+    if cfg.nice:  # the workers' CPU first: a look waits for what they leave
+        os.nice(cfg.nice)
     fits: dict = {}  # the calibration's fits, carried from look to look
     while True:
         try:

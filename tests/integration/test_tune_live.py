@@ -9,10 +9,12 @@ simulator's accuracy (bench/tune_validation.py measures that)."""
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from baton.control.registry import WorkerRegistry
@@ -35,6 +37,12 @@ def tune(url: str, router: str, profile, *extra: str) -> dict:
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def niceness(pid: int) -> int:
+    """A process's nice value, from /proc (the 19th field of its stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rindex(")") + 2:].split()[16])
 
 
 def serve(stub, n: int) -> list[str]:
@@ -73,6 +81,9 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         threading.Thread(target=lambda: [lines.put(x) for x in loop.stdout], daemon=True).start()
         try:  # a second look only after --every would come 600 s on: the wait gives up at 120
             looks = [json.loads(lines.get(timeout=120)) for _ in range(2)]
+            # the loop runs below the workers' priority (--nice, default 10), theirs unchanged
+            assert niceness(loop.pid) == niceness(os.getpid()) + 10
+            assert {niceness(w.proc.pid) for w in c.workers()} == {niceness(os.getpid())}
         finally:
             loop.kill()
             loop.wait()

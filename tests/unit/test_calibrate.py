@@ -181,20 +181,30 @@ def test_the_last_fit_of_each_factor_is_kept_across_looks():
 
 def test_a_window_served_below_the_slo_target_changes_no_fit():
     """Near overload the fitted factors follow the queues: a window whose finished requests
-    met the SLOs under the target leaves the kept fits as they were, and says so."""
+    met the SLOs under the target is not fitted at all (the tuner's CPU is the workers'), leaves
+    the kept fits as they were, and says so."""
     p, sh = make_profile(attn_decode=2e-6, per_seq=5e-4), window()
     one = Layout(1, 1)
     fits = Fits()
-    good = calibrate(p, one, sh, measured(one, scaled(p, 0.6, 0.55), sh))
-    fits.take(good, 0.0, 0.95, 0.9)
-    assert fits.remote[0] == pytest.approx(0.55, rel=0.05)
-    backlog = calibrate(p, one, sh, measured(one, scaled(p, 1.2, 1.2), sh))
-    assert backlog.applied
-    fits.take(backlog, 30.0, 0.4, 0.9)
-    assert not backlog.applied and "the last fits kept" in backlog.notes[-1]
+    fitted = []
+
+    def fit(kd: float, kp: float):
+        def run():
+            fitted.append((kd, kp))
+            return calibrate(p, one, sh, measured(one, scaled(p, kd, kp), sh))
+        return run
+
+    good = fits.take(fit(0.6, 0.55), 0.0, 0.95, 0.9, p)
+    assert good.applied and fits.remote[0] == pytest.approx(0.55, rel=0.05)
+    backlog = fits.take(fit(1.2, 1.2), 30.0, 0.4, 0.9, p)
+    assert fitted == [(0.6, 0.55)], "a window below the target was fitted"
+    assert not backlog.applied and backlog.profile is p and backlog.rounds == 0
+    assert "not fitted, the last fits kept" in backlog.notes[-1], backlog.notes
+    assert "40%" in backlog.notes[-1] and "90%" in backlog.notes[-1], backlog.notes
     assert fits.remote == (good.prefill_ratio, 0.0) and fits.decode == (good.decode_ratio, 0.0)
-    fits.take(backlog, 60.0, None, 0.9)  # too few finished to say: taken
-    assert fits.remote[1] == 60.0
+    late = fits.take(fit(1.2, 1.2), 60.0, None, 0.9, p)  # too few finished to say: taken
+    assert late.applied and fits.remote[1] == 60.0
+    assert fits.remote[0] == pytest.approx(1.2, rel=0.05)
     # the router's rows: finished ones only, both SLOs (TPOT absent for one token)
     rows = ([{"ttft_s": 1.0, "tpot_s": 0.05}] * 6 + [{"ttft_s": 5.0, "tpot_s": 0.05}] * 2
             + [{"ttft_s": 1.0, "tpot_s": 0.2}, {"ttft_s": 1.0, "tpot_s": None}]
