@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -160,7 +161,10 @@ def run_setup(a: argparse.Namespace, name: str, shape, phases) -> dict:
             lg.warm_up(target)
             if name == "live":
                 tuner = Tuner(a, setup.router.http_address, redis.url)
+            procs = _processes(setup, tuner)
+            before = {k: _cpu_s(pid) for k, pid in procs.items()}
             records, wall = lg.run(target, reqs, progress=_progress(name, len(reqs)))
+            cpu = {k: round(_cpu_s(pid) - before[k], 1) for k, pid in procs.items()}
             roles = _roles(redis.url)
             tuned = tuner.stop() if tuner else None
         finally:
@@ -170,7 +174,30 @@ def run_setup(a: argparse.Namespace, name: str, shape, phases) -> dict:
             setup.stop()
     finally:
         redis.stop()
-    return _score(a, name, records, wall, shape, phases, tuned, roles)
+    out = _score(a, name, records, wall, shape, phases, tuned, roles)
+    out["cpu_s"] = cpu
+    return out
+
+
+def _processes(setup, tuner) -> dict[str, int]:
+    """The setup's processes by name (its workers as they started, the router, the tuner, this
+    process as the clients): each one's CPU over the trace goes in the result, so a setup that
+    loses to another on the same layout shows where the cores went."""
+    out = {f"{'both' if setup.kind == 'colocated' else p.role} worker {i}": p.pid
+           for i, p in enumerate(setup.procs) if p is not setup.router}
+    out["router"] = setup.router.pid
+    if tuner is not None:
+        out["tuner"] = tuner.proc.pid
+    out["clients"] = os.getpid()
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of ``pid`` and its threads so far (/proc; its children not
+    counted)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _roles(url: str) -> list[str]:
@@ -274,6 +301,10 @@ def table(results: list[dict], summary: dict) -> str:
                      f"{b if b is None else f'{b:.2f}'}x the best ({summary['best_fixed']}; "
                      f"target >= 0.97), {summary['switches']} switches")
     lines.append(f"failed requests: {summary['failed_requests']}")
+    for r in results:
+        if r.get("cpu_s"):
+            lines.append(f"CPU s over the trace, {r['setup']}: " + ", ".join(
+                f"{k} {v:g}" for k, v in r["cpu_s"].items()))
     return "\n".join(lines)
 
 
