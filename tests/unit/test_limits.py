@@ -212,3 +212,38 @@ def test_a_decode_queue_waiter_gives_up_at_its_deadline_or_when_its_client_leave
     assert q.waiting() == 0  # neither left its place behind
     pool.end()
     assert q.first(pool.pick, lambda: 60.0, active) == "decode-0"
+
+
+def test_only_the_head_of_the_decode_queue_wakes_to_look_again():
+    """The head looks again every recheck_s; the others sleep until their turn (their client
+    checked every idle_check_s, here longer than the test), so a long line does not cost the
+    router a wake-up per waiter per recheck. The order stays first come, first served."""
+    q = DecodeQueue(max_queued=64, recheck_s=0.01, idle_check_s=600)
+    pool = Pool(q, slots=0)
+    checks: dict[str, int] = {}
+    got: list[str] = []
+
+    def waiter(name):
+        def still_wanted() -> bool:
+            checks[name] = checks.get(name, 0) + 1
+            return True
+        q.first(pool.pick, lambda: 60.0, still_wanted)
+        got.append(name)
+
+    names = [f"w{i}" for i in range(8)]
+    threads = []
+    for i, name in enumerate(names):
+        threads.append(threading.Thread(target=waiter, args=(name,)))
+        threads[-1].start()
+        wait_for(lambda i=i: q.waiting() == i + 1, f"{name} waits")
+    looked = pool.picks
+    wait_for(lambda: pool.picks >= looked + 50, "the head looks again, every recheck_s")
+    assert checks["w0"] >= 50  # the head: once per look
+    assert all(checks[n] == 1 for n in names[1:]), checks  # the rest: asleep since they came
+    for k, name in enumerate(names):  # each end lets the next one in, in arrival order
+        pool.end()
+        wait_for(lambda k=k: len(got) == k + 1, f"{name} gets a slot")
+    assert got == names
+    for t in threads:
+        t.join(60)
+    assert q.waiting() == 0
