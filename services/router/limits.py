@@ -73,13 +73,22 @@ class Limits:
 
 
 class Admission:
-    """Slots and the queue of waiters; thread-safe. ``stats()`` for metrics and tests."""
+    """Slots and the queue of waiters; thread-safe. ``stats()`` for metrics and tests.
+
+    As in :class:`DecodeQueue`, each waiter sleeps on its own event: the head's is set when a
+    slot frees and when the head before it leaves; the head also wakes every ``recheck_s`` and
+    the others every ``idle_check_s``, only to see whether their client went away (a deadline
+    ends a sleep exactly). Every waiter waking at every slot's end, and every 50 ms, cost a
+    router with hundreds in line more CPU the longer its line grew."""
+
+    recheck_s = 0.05
+    idle_check_s = 0.5
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         self._running = 0
-        self._waiting: deque[object] = deque()  # tickets, first come first served
+        self._waiting: deque[threading.Event] = deque()  # first come first served
         self._per_key: dict[str, int] = {}
         self.refused = 0
 
@@ -101,7 +110,8 @@ class Admission:
             with self._lock:
                 self._running -= 1
                 self._leave_key(key)
-                self._lock.notify_all()
+                if self._waiting:
+                    self._waiting[0].set()  # a slot for the head of the line
 
     def _enter(self, key, time_remaining, is_active) -> None:
         """Counts the key at once (its waiting requests count against its cap too), then a
@@ -131,22 +141,31 @@ class Admission:
             self._running += 1
 
     def _wait_in_line(self, t0, time_remaining, is_active) -> None:
-        """Under the lock: until this request is first in line and a slot is free."""
+        """Under the lock (let go while asleep): until this request is first in line and a slot
+        is free."""
         if self._running < self.limits.max_concurrent and not self._waiting:
             return
-        ticket = object()
-        self._waiting.append(ticket)
+        turn = threading.Event()
+        self._waiting.append(turn)
         try:
-            while self._running >= self.limits.max_concurrent or self._waiting[0] is not ticket:
+            while self._running >= self.limits.max_concurrent or self._waiting[0] is not turn:
                 left = time_remaining()
                 if left is not None and left <= 0:
                     raise WaitEndedError("the deadline passed", time.monotonic() - t0)
                 if not is_active():
                     raise WaitEndedError("the client went away", time.monotonic() - t0)
-                self._lock.wait(0.05 if left is None else min(left, 0.05))
+                nap = self.recheck_s if self._waiting[0] is turn else self.idle_check_s
+                turn.clear()  # under the lock: a slot freed from here on sets it again
+                self._lock.release()
+                try:
+                    turn.wait(nap if left is None else min(left, nap))
+                finally:
+                    self._lock.acquire()
         finally:
-            self._waiting.remove(ticket)
-            self._lock.notify_all()
+            was_head = self._waiting[0] is turn
+            self._waiting.remove(turn)
+            if was_head and self._waiting:
+                self._waiting[0].set()  # the next in line looks at once
 
     def _leave_key(self, key: str) -> None:
         n = self._per_key[key] - 1

@@ -247,3 +247,41 @@ def test_only_the_head_of_the_decode_queue_wakes_to_look_again():
     for t in threads:
         t.join(60)
     assert q.waiting() == 0
+
+
+def test_only_the_head_of_the_admission_queue_wakes_to_look_again():
+    """As in the decode queue: the head checks its client every recheck_s, the others sleep
+    until their turn (every idle_check_s, here longer than the test), and a freed slot goes
+    to the head at once, in arrival order."""
+    adm = Admission(Limits(max_concurrent=1, max_queued=16))
+    adm.recheck_s, adm.idle_check_s = 0.01, 600
+    gate, order = threading.Event(), []
+    first = hold(adm, "a", gate, order, "first")
+    wait_for(lambda: adm.stats()["running"] == 1)
+    checks: dict[str, int] = {}
+    names = [f"w{i}" for i in range(6)]
+    steps = {n: threading.Event() for n in names}
+
+    def waiter(name):
+        def still_wanted() -> bool:
+            checks[name] = checks.get(name, 0) + 1
+            return True
+        with adm.slot("b", no_deadline, still_wanted):
+            order.append(name)
+            steps[name].wait(60)
+
+    threads = []
+    for i, name in enumerate(names):
+        threads.append(threading.Thread(target=waiter, args=(name,)))
+        threads[-1].start()
+        wait_for(lambda i=i: adm.stats()["waiting"] == i + 1, f"{name} waits")
+    wait_for(lambda: checks.get("w0", 0) >= 50, "the head checks its client every recheck_s")
+    assert all(checks[n] == 1 for n in names[1:]), checks  # the rest: asleep since they came
+    gate.set()
+    for name in names:
+        wait_for(lambda name=name: order[-1] == name, f"{name} gets the slot")
+        steps[name].set()
+    for t in [first, *threads]:
+        t.join(60)
+    assert order == ["first", *names]
+    assert adm.stats() == {"running": 0, "waiting": 0, "refused": 0, "keys": 0}
