@@ -72,14 +72,60 @@ class Limits:
                 raise ValueError(f"{name}={getattr(self, name)}: must be >= 0")
 
 
+class WaitLine:
+    """Waiters in arrival order, each asleep on its own event; only the head's is set when
+    something frees (:meth:`wake_head`), and the next one's when the head leaves, so a slot's
+    end wakes one thread, not the whole line. Not locked itself: its owner holds its own lock
+    around every call but ``len()`` (a read that may be stale and is checked again under
+    the lock). The others nap ``idle_check_s`` at a time only to see whether their client
+    went away; their deadline ends a nap exactly.
+
+    Shared by :class:`Admission` and :class:`DecodeQueue`. Each used to wake every waiter
+    every 50 ms and at every request's end to find it was not first: shifting-load run 14
+    (2-vCPU VM, a decode-heavy backlog of up to ~450 requests) gave the router 150 s of CPU
+    against 98 s for the same layout with a shorter line, CPU the two workers on those cores
+    did not get."""
+
+    __slots__ = ("_turns",)
+
+    def __init__(self) -> None:
+        self._turns: deque[threading.Event] = deque()
+
+    def __len__(self) -> int:
+        return len(self._turns)
+
+    def join(self) -> threading.Event:
+        """A new waiter at the back; its event is set when it is (or may be) first."""
+        turn = threading.Event()
+        self._turns.append(turn)
+        return turn
+
+    def is_head(self, turn: threading.Event) -> bool:
+        return self._turns[0] is turn
+
+    def nap_s(self, turn: threading.Event, recheck_s: float, idle_check_s: float) -> float:
+        """How long ``turn`` sleeps before it looks again: the head ``recheck_s`` (for what
+        frees unannounced), the others ``idle_check_s``."""
+        return recheck_s if self._turns[0] is turn else idle_check_s
+
+    def wake_head(self) -> None:
+        if self._turns:
+            self._turns[0].set()
+
+    def leave(self, turn: threading.Event) -> None:
+        """``turn`` leaves (served, refused, its deadline or client gone); if it was first,
+        the next in line looks at once."""
+        was_head = self._turns[0] is turn
+        self._turns.remove(turn)
+        if was_head:
+            self.wake_head()
+
+
 class Admission:
     """Slots and the queue of waiters; thread-safe. ``stats()`` for metrics and tests.
 
-    As in :class:`DecodeQueue`, each waiter sleeps on its own event: the head's is set when a
-    slot frees and when the head before it leaves; the head also wakes every ``recheck_s`` and
-    the others every ``idle_check_s``, only to see whether their client went away (a deadline
-    ends a sleep exactly). Every waiter waking at every slot's end, and every 50 ms, cost a
-    router with hundreds in line more CPU the longer its line grew."""
+    Waiters stand in a :class:`WaitLine`: a slot's end wakes only the head, which also looks
+    again every ``recheck_s``; the others wake every ``idle_check_s`` for a client gone."""
 
     recheck_s = 0.05
     idle_check_s = 0.5
@@ -88,7 +134,7 @@ class Admission:
         self.limits = limits
         self._lock = threading.Lock()
         self._running = 0
-        self._waiting: deque[threading.Event] = deque()  # first come first served
+        self._waiting = WaitLine()  # first come first served
         self._per_key: dict[str, int] = {}
         self.refused = 0
 
@@ -110,8 +156,7 @@ class Admission:
             with self._lock:
                 self._running -= 1
                 self._leave_key(key)
-                if self._waiting:
-                    self._waiting[0].set()  # a slot for the head of the line
+                self._waiting.wake_head()  # a slot for the head of the line
 
     def _enter(self, key, time_remaining, is_active) -> None:
         """Counts the key at once (its waiting requests count against its cap too), then a
@@ -145,16 +190,15 @@ class Admission:
         is free."""
         if self._running < self.limits.max_concurrent and not self._waiting:
             return
-        turn = threading.Event()
-        self._waiting.append(turn)
+        turn = self._waiting.join()
         try:
-            while self._running >= self.limits.max_concurrent or self._waiting[0] is not turn:
+            while self._running >= self.limits.max_concurrent or not self._waiting.is_head(turn):
                 left = time_remaining()
                 if left is not None and left <= 0:
                     raise WaitEndedError("the deadline passed", time.monotonic() - t0)
                 if not is_active():
                     raise WaitEndedError("the client went away", time.monotonic() - t0)
-                nap = self.recheck_s if self._waiting[0] is turn else self.idle_check_s
+                nap = self._waiting.nap_s(turn, self.recheck_s, self.idle_check_s)
                 turn.clear()  # under the lock: a slot freed from here on sets it again
                 self._lock.release()
                 try:
@@ -162,10 +206,7 @@ class Admission:
                 finally:
                     self._lock.acquire()
         finally:
-            was_head = self._waiting[0] is turn
-            self._waiting.remove(turn)
-            if was_head and self._waiting:
-                self._waiting[0].set()  # the next in line looks at once
+            self._waiting.leave(turn)
 
     def _leave_key(self, key: str) -> None:
         n = self._per_key[key] - 1
@@ -180,20 +221,15 @@ class DecodeQueue:
     ``max_queued`` of them. :meth:`wake` when a request ends on this router (a slot freed);
     others routers' ends are seen by looking again every ``recheck_s``.
 
-    Only the head of the line looks for a slot. Each waiter sleeps on its own event: the head's
-    is set by :meth:`wake` and when the head before it leaves; the others sleep until their
-    turn, waking every ``idle_check_s`` only to see whether their client went away (their
-    deadline ends a sleep exactly). A router with hundreds of requests in line used to wake
-    every one of them every ``recheck_s`` and at every request's end to find it was not first:
-    shifting-load run 14 (2-vCPU VM, a decode-heavy backlog of up to ~450 requests) gave the
-    router 150 s of CPU against 98 s for the same layout with a shorter line, CPU the two
-    workers on those cores did not get."""
+    Only the head of the line (a :class:`WaitLine`) looks for a slot: :meth:`wake` sets its
+    event; the others sleep until their turn, waking every ``idle_check_s`` for a client
+    gone."""
 
     def __init__(self, max_queued: int, recheck_s: float = 0.05,
                  idle_check_s: float = 0.5) -> None:
         self.max_queued, self.recheck_s, self.idle_check_s = max_queued, recheck_s, idle_check_s
         self._lock = threading.Lock()
-        self._line: deque[threading.Event] = deque()
+        self._line = WaitLine()
         self.refused = 0
 
     def waiting(self) -> int:
@@ -202,8 +238,7 @@ class DecodeQueue:
     def wake(self) -> None:
         if self._line:  # no lock taken while nobody waits (every request ends through here)
             with self._lock:
-                if self._line:
-                    self._line[0].set()
+                self._line.wake_head()
 
     def first(self, pick: Callable[[], object], time_remaining: Callable[[], float],
               is_active: Callable[[], bool]):
@@ -218,18 +253,17 @@ class DecodeQueue:
         else:
             full = PoolFullError("requests already wait for a decode worker")
         t0 = time.monotonic()
-        turn = threading.Event()  # set: this waiter is (or may be) first, look again
         with self._lock:
             if len(self._line) >= self.max_queued:
                 self.refused += 1
                 raise LimitExceededError("max_queued", self.max_queued,
                                          f"{full}; {len(self._line)} requests already wait "
                                          "for a decode slot")
-            self._line.append(turn)
+            turn = self._line.join()  # set: this waiter is (or may be) first, look again
         try:
             while True:
                 with self._lock:
-                    head = self._line[0] is turn
+                    head = self._line.is_head(turn)
                 left = time_remaining()
                 if left <= 0:
                     raise WaitEndedError("the deadline passed", time.monotonic() - t0,
@@ -247,10 +281,7 @@ class DecodeQueue:
                     turn.wait(min(self.recheck_s, left))
         finally:
             with self._lock:
-                was_head = self._line[0] is turn
-                self._line.remove(turn)
-                if was_head and self._line:
-                    self._line[0].set()  # the next in line looks at once
+                self._line.leave(turn)
 
 
 class ApiKeys:

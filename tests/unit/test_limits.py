@@ -14,6 +14,7 @@ from baton.services.router.limits import (
     Limits,
     PoolFullError,
     WaitEndedError,
+    WaitLine,
 )
 
 
@@ -285,3 +286,19 @@ def test_only_the_head_of_the_admission_queue_wakes_to_look_again():
         t.join(60)
     assert order == ["first", *names]
     assert adm.stats() == {"running": 0, "waiting": 0, "refused": 0, "keys": 0}
+
+
+def test_a_wait_line_wakes_only_its_head_and_hands_the_turn_on_when_the_head_leaves():
+    line = WaitLine()
+    a, b, c = line.join(), line.join(), line.join()
+    assert len(line) == 3 and line.is_head(a) and not line.is_head(b)
+    assert line.nap_s(a, 0.05, 0.5) == 0.05 and line.nap_s(c, 0.05, 0.5) == 0.5
+    line.wake_head()
+    assert a.is_set() and not b.is_set() and not c.is_set()
+    line.leave(b)  # not first: nobody else is woken
+    assert not c.is_set() and len(line) == 2
+    line.leave(a)  # first: the next in line looks at once
+    assert c.is_set() and line.is_head(c)
+    line.leave(c)
+    assert len(line) == 0
+    line.wake_head()  # an empty line: nothing to wake, no error
