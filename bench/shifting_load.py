@@ -15,7 +15,7 @@ is the requests that met both SLOs per second of the trace; also per phase, fail
 and the tuner's every look and switch. JSON in bench/results/shifting-load-*.json.
 
     python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live]
-        [--tuner-every 30] [--tuner-min-dwell 90] [--window 60]
+        [--tuner-every 30] [--tuner-min-dwell 90] [--tuner-confirm 2] [--window 60]
 """
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tuner-every", type=float, default=30.0)
     ap.add_argument("--tuner-min-dwell", type=float, default=90.0)
     ap.add_argument("--tuner-min-gain", type=float, default=0.05)
+    ap.add_argument("--tuner-confirm", type=int, default=2,
+                    help="the tuner's --confirm (runs 1-16 had none: one look switched)")
     ap.add_argument("--tuner-refine", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -110,6 +112,7 @@ class Tuner:
                "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
                "--every", str(a.tuner_every), "--min-dwell", str(a.tuner_min_dwell),
                "--min-gain", str(a.tuner_min_gain), "--refine", str(a.tuner_refine),
+               "--confirm", str(a.tuner_confirm),
                "--max-input", "2048", "--max-output", "256"]
         self.cmd, self.looks, self.t0 = cmd, [], time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

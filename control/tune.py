@@ -248,6 +248,7 @@ class LiveConfig:
     calibrate: bool = True  # the profile's factors scaled to the window first (calibrate.py)
     fill_every: float = 5.0  # the pause between looks while the window is under min_requests
     nice: int = 10  # added to the process's niceness before the first look (0: unchanged)
+    confirm: int = 2  # with --every: looks in a row that must want the same switch
 
 
 def live(a: argparse.Namespace) -> int:
@@ -271,6 +272,10 @@ def live(a: argparse.Namespace) -> int:
         print("error: --min-gain, --min-dwell and --every must be >= 0, --fill-every > 0",
               file=sys.stderr)
         return 2
+    if a.confirm < 1:
+        print(f"error: --confirm {a.confirm}: must be >= 1 (1: a single look switches)",
+              file=sys.stderr)
+        return 2
     if not 0 <= a.nice <= 19:
         print(f"error: --nice {a.nice}: must be 0-19 (lowering the tuner's priority only)",
               file=sys.stderr)
@@ -279,7 +284,7 @@ def live(a: argparse.Namespace) -> int:
         / "results"
     return run_live(LiveConfig(a.live, url, cfg, profile, by_tp, a.apply, a.min_gain, a.min_dwell,
                                a.min_requests, a.every, a.switch_gap, a.json, results,
-                               a.calibrate, a.fill_every, a.nice))
+                               a.calibrate, a.fill_every, a.nice, a.confirm))
 
 
 def _check(cfg: TuneConfig) -> Profile:
@@ -457,6 +462,12 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
                         "top of the current layout's goodput search bracket (default 0.05)")
     g.add_argument("--min-dwell", type=float, default=600.0,
                    help="seconds since the last switch before another (default 600)")
+    g.add_argument("--confirm", type=int, default=2,
+                   help="with --every: switch only when this many looks in a row want the same "
+                        "switch (past --min-gain, --min-dwell and the other checks), so that a "
+                        "window straddling a change in the traffic does not switch on its own; "
+                        "a look that decides nothing breaks the row (default 2; 1: one look "
+                        "switches; a single look without --every needs no other)")
     g.add_argument("--min-requests", type=int, default=20,
                    help="fewer requests in the router's window: decide nothing (default 20)")
     g.add_argument("--every", type=float, default=0.0,

@@ -15,8 +15,11 @@ follows the queues) is not fitted and changes no fit. With
 `baton role`; the ones that gain decoding first, so the cluster never lacks a decoder), but only
 when the predicted gain is at least ``--min-gain`` (default 5%), even from the top of the current
 layout's goodput bracket (the search brackets each goodput between a rate that met the SLOs and
-the lowest that failed), and the last switch is at least ``--min-dwell`` seconds old (kept in
-Redis, so separate runs do not flap). ``--every S`` repeats it.
+the lowest that failed), the last switch is at least ``--min-dwell`` seconds old (kept in
+Redis, so separate runs do not flap), and, with ``--every``, ``--confirm`` looks in a row
+(default 2) wanted the same switch: one window that straddles a change in the traffic (a
+decode-heavy burst's backlog and the lighter traffic after it) must not switch on its own.
+``--every S`` repeats it.
 """
 
 from __future__ import annotations
@@ -88,11 +91,19 @@ class Verdict:
     gain: float  # predicted goodput of best over current, minus 1 (inf: current meets none)
     act: bool  # --apply would switch now
     reason: str
+    wants: bool = False  # every check passed but the dwell and --confirm: this look agrees
+
+
+def best_row(rows: list[dict]) -> dict:
+    """The layout with the highest predicted goodput; ties: colocated."""
+    return max(rows, key=lambda r: (r["goodput_rps"], r["colocated"]))
 
 
 def verdict(rows: list[dict], current: Layout | None, min_gain: float,
-            dwell_left: float) -> Verdict:
-    best = max(rows, key=lambda r: (r["goodput_rps"], r["colocated"]))  # ties: colocated
+            dwell_left: float, agreed: int = 0, confirm: int = 1) -> Verdict:
+    """The look's decision on the simulated ``rows``. ``agreed``: how many looks in a row before
+    this one wanted the same switch (:class:`Streak`); it acts only at the ``confirm``-th."""
+    best = best_row(rows)
     cur = next((r for r in rows if current is not None and r["layout"] == current.name), None)
     if cur is best:
         return Verdict(best, cur, 0.0, False, f"stay: {best['layout']} is predicted best")
@@ -121,11 +132,41 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
         return Verdict(best, cur, gain, False, f"{best['layout']} would serve the live window "
                        f"worse ({100 * live:.0f}% meeting the SLOs at its own arrival times, "
                        f"against {100 * now:.0f}% now): switches nothing")
+    said = f"{'+inf' if math.isinf(gain) else f'+{100 * gain:.1f}'}% goodput"
     if dwell_left > 0:
         return Verdict(best, cur, gain, False, f"the last switch was too recent: waits "
-                       f"{dwell_left:.0f}s more (--min-dwell)")
-    return Verdict(best, cur, gain, True, f"switch to {best['layout']} (predicted "
-                   f"{'+inf' if math.isinf(gain) else f'+{100 * gain:.1f}'}% goodput)")
+                       f"{dwell_left:.0f}s more (--min-dwell)", wants=True)
+    if agreed + 1 < confirm:
+        return Verdict(best, cur, gain, False, f"{best['layout']} predicted {said}: look "
+                       f"{agreed + 1} of {confirm} in a row that must want it before a switch "
+                       "(--confirm)", wants=True)
+    return Verdict(best, cur, gain, True, f"switch to {best['layout']} (predicted {said})",
+                   wants=True)
+
+
+class Streak:
+    """How many looks in a row wanted the same switch (the same current layout, the same
+    best), for ``--confirm``; any other answer, or a switch made, starts it again."""
+
+    def __init__(self) -> None:
+        self.key: tuple[str, str] | None = None
+        self.count = 0
+
+    def agreed(self, current: str, best: str) -> int:
+        """Looks in a row before this one that wanted ``current`` -> ``best``."""
+        return self.count if self.key == (current, best) else 0
+
+    def record(self, current: str, v: Verdict, switched: bool) -> None:
+        if v.wants and not switched:
+            key = (current, v.best["layout"])
+            self.count = self.count + 1 if self.key == key else 1
+            self.key = key
+        else:
+            self.reset()
+
+    def reset(self) -> None:
+        """A look that decided nothing (too few requests, an error) breaks the row too."""
+        self.key, self.count = None, 0
 
 
 def worker_groups(ranks: dict[str, str]) -> dict[str, tuple[int, str]]:
@@ -224,10 +265,13 @@ def apply(registry, target: dict[str, str], roles: dict[str, str], gap_s: float,
     return done, ""
 
 
-def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
+def live_once(cfg, registry, say, fits: dict | None = None,
+              streak: Streak | None = None) -> dict:
     """One look at the live cluster (and with cfg.apply, the switches); its summary.
     ``fits`` (tensor-parallel size -> :class:`~baton.control.calibrate.Fits`) carries the
-    calibration's fits from look to look (``run_live``'s; None: this look's alone)."""
+    calibration's fits from look to look (``run_live``'s; None: this look's alone);
+    ``streak`` the looks in a row that wanted the same switch (None: a single look, which
+    needs no other to agree)."""
     from baton.control.calibrate import Fits, calibrate, from_window, served
     from baton.control.tune import Evaluator, layouts, load_trace, shape
 
@@ -279,8 +323,11 @@ def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
                      "attainment_live": ev.at(layout, None)})
     last = registry.redis.get(LAST_APPLY)
     dwell_left = cfg.min_dwell - (time.time() - float(last)) if last else 0.0
-    v = verdict(rows, cur, cfg.min_gain, dwell_left)
-    out = {"requests": len(reqs), "workers": roles, "current": cur.name if cur else "mixed",
+    now_name = cur.name if cur else "mixed"
+    confirm = cfg.confirm if streak is not None else 1
+    agreed = streak.agreed(now_name, best_row(rows)["layout"]) if streak is not None else 0
+    v = verdict(rows, cur, cfg.min_gain, dwell_left, agreed, confirm)
+    out = {"requests": len(reqs), "workers": roles, "current": now_name,
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
            "switches": [],
@@ -299,6 +346,8 @@ def live_once(cfg, registry, say, fits: dict | None = None) -> dict:
         if refused:  # the look is reported with its layouts, and the roles it left
             out["reason"] = (f"error: {refused} ({len(out['switches'])} of the switches to "
                              f"{v.best['layout']} made)")
+    if streak is not None:
+        streak.record(now_name, v, bool(out["switches"]))
     return out
 
 
@@ -345,11 +394,14 @@ def run_live(cfg) -> int:
     if cfg.nice:  # the workers' CPU first: a look waits for what they leave
         os.nice(cfg.nice)
     fits: dict = {}  # the calibration's fits, carried from look to look
+    streak = Streak() if cfg.every else None  # --confirm counts repeated looks only
     while True:
         try:
-            out = live_once(cfg, registry, say, fits)
+            out = live_once(cfg, registry, say, fits, streak)
         except (OSError, RuntimeError) as e:  # the router or a worker did not answer
             out = {"action": "none", "reason": f"error: {e}"}
+        if streak is not None and "configurations" not in out:
+            streak.reset()
         print(json.dumps(out, default=str) if cfg.json else report(out), flush=True)
         if not cfg.every:
             return 0 if not out["reason"].startswith("error") else 1

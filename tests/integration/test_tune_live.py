@@ -45,6 +45,22 @@ def niceness(pid: int) -> int:
     return int(stat[stat.rindex(")") + 2:].split()[16])
 
 
+def looping(cmd: list[str], n: int, while_running=None) -> list[dict]:
+    """The first ``n`` looks of a repeating tuner (``--every``); ``while_running(pid)`` is
+    called while it still runs."""
+    loop = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in loop.stdout], daemon=True).start()
+    try:
+        looks = [json.loads(lines.get(timeout=120)) for _ in range(n)]
+        if while_running:
+            while_running(loop.pid)
+    finally:
+        loop.kill()
+        loop.wait()
+    return looks
+
+
 def serve(stub, n: int) -> list[str]:
     paths = []
     for i in range(n):
@@ -73,22 +89,26 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         assert few["action"] == "none" and few["requests"] == 8 and few["filling"]
         # repeating every 10 minutes, it looks again on the short --fill-every pause while
         # the window is under --min-requests: the second look is the event waited on
-        loop = subprocess.Popen(command(c.redis.url, c.router.http_address, profile,
-                                        "--min-requests", "100", "--every", "600",
-                                        "--fill-every", "0.1"),
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(x) for x in loop.stdout], daemon=True).start()
-        try:  # a second look only after --every would come 600 s on: the wait gives up at 120
-            looks = [json.loads(lines.get(timeout=120)) for _ in range(2)]
+        def nice_below_the_workers(pid: int) -> None:
             # the loop runs below the workers' priority (--nice, default 10), theirs unchanged
-            assert niceness(loop.pid) == niceness(os.getpid()) + 10
+            assert niceness(pid) == niceness(os.getpid()) + 10
             assert {niceness(w.proc.pid) for w in c.workers()} == {niceness(os.getpid())}
-        finally:
-            loop.kill()
-            loop.wait()
+
+        # a second look only after --every would come 600 s on: the wait gives up at 120
+        looks = looping(command(c.redis.url, c.router.http_address, profile,
+                                "--min-requests", "100", "--every", "600",
+                                "--fill-every", "0.1"), 2, nice_below_the_workers)
         assert [(x["action"], x["requests"], x["filling"]) for x in looks] == \
             [("none", 8, True)] * 2
+        # repeating, a switch needs --confirm looks in a row that want it: the first two of
+        # three only count; the third would switch (no --apply here: it says so, nothing moves)
+        looks = looping(command(c.redis.url, c.router.http_address, profile, "--every", "0.1",
+                                "--confirm", "3"), 3)
+        assert [x["recommended"] for x in looks] == ["2 colocated"] * 3
+        assert "look 1 of 3 in a row" in looks[0]["reason"]
+        assert "look 2 of 3 in a row" in looks[1]["reason"]
+        assert looks[2]["reason"].startswith("switch to 2 colocated")
+        assert {x["action"] for x in looks} == {"none"}
         # no --apply: a look, calibrated by default
         look = tune(c.redis.url, c.router.http_address, profile)
         assert look["action"] == "none" and look["current"] == "1P+1D"

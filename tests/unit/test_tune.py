@@ -600,3 +600,18 @@ def test_a_rates_simulated_attainment_is_over_its_draws():
     assert one[0] != one[1]  # the two draws differ at this rate: the mean is not one of them
     assert ev(3, 2).at(layout, 12.0) == pytest.approx(sum(one) / 2)
     assert ev(3, 2).at(layout, None) == ev(3, 1).at(layout, None)  # the trace's own times
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("--confirm", "0", "--confirm 0: must be >= 1"),
+    ("--nice", "20", "--nice 20: must be 0-19"),
+])
+def test_baton_tune_live_refuses_a_setting_out_of_range_by_name(tmp_path, flag, value, said):
+    profile = tmp_path / "profile.json"
+    make_profile().save(profile)
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "tune", "--live", "127.0.0.1:9",
+         "--redis-url", "redis://127.0.0.1:9", "--profile", str(profile), "--ttft-slo", "4",
+         "--tpot-slo", "0.1", flag, value],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and said in out.stderr, out.stderr

@@ -12,6 +12,7 @@ import math
 import pytest
 from baton.control.sim import Layout
 from baton.control.tune_live import (
+    Streak,
     assignment,
     current_layout,
     next_look_in,
@@ -64,6 +65,49 @@ def test_it_acts_only_past_the_gain_and_the_dwell():
     assert not none.act and "no layout meets the SLOs" in none.reason
     mixed = verdict(big, None, 0.05, 0.0)  # a mix the simulator cannot name: any best is a gain
     assert mixed.act and math.isinf(mixed.gain)
+
+
+def test_repeating_it_switches_only_when_confirm_looks_in_a_row_want_the_same_switch():
+    """Shifting-load run 16 (2026-11-30 00:05): two colocated workers ran the decode-heavy
+    phase; the look at 506 s, its window half that phase's backlog and half the lighter
+    traffic after it, predicted 1P+1D +60% and switched; the next looks all wanted colocated
+    back, and the dwell held the split through most of the last phase (40% of its requests
+    met the SLOs, against 57% for colocated held still). With --confirm 2 that one look
+    switches nothing."""
+    colo, split = Layout(0, 2, colocated=True), Layout(1, 1)
+    wants_split = [{**ROWS[0], "goodput_rps": 2.0}, {**ROWS[1], "goodput_rps": 1.25}]
+    wants_colo = [{**ROWS[0], "goodput_rps": 0.19}, {**ROWS[1], "goodput_rps": 0.375}]
+    streak = Streak()
+
+    def look(rows, now=colo, dwell_left=0.0):
+        v = verdict(rows, now, 0.05, dwell_left,
+                    streak.agreed(now.name, max(rows, key=lambda r: r["goodput_rps"])["layout"]),
+                    confirm=2)
+        streak.record(now.name, v, switched=v.act)
+        return v
+
+    first = look(wants_split)
+    assert first.wants and not first.act and "look 1 of 2 in a row" in first.reason
+    assert look(wants_colo).reason.startswith("stay")  # the next look: the row is broken
+    again = look(wants_split)
+    assert not again.act and "look 1 of 2" in again.reason  # counted from one again
+    go = look(wants_split)  # a second look in a row wants the same switch: it goes
+    assert go.act and go.reason.startswith("switch to 1P+1D")
+    assert streak.count == 0  # a switch made starts the row again
+    # the dwell's looks count toward the row, so the first look past it may act
+    assert not look(wants_colo, split, dwell_left=60.0).act
+    assert look(wants_colo, split).act
+    # a look wanting another switch, or one that decided nothing, breaks the row
+    look(wants_split)
+    streak.reset()
+    assert not look(wants_split).act
+    # --confirm 1 (and a single look, which no other look could agree with): it acts at once
+    assert verdict(wants_split, colo, 0.05, 0.0, 0, confirm=1).act
+    # what a look agrees with is its current layout and its best: from another layout, no
+    streak.record(split.name, verdict(wants_colo, split, 0.05, 0.0, 0, confirm=2),
+                  switched=False)
+    assert streak.agreed(split.name, "2 colocated") == 1
+    assert streak.agreed(colo.name, "2 colocated") == 0
 
 
 def test_it_never_switches_to_a_layout_that_serves_the_live_window_worse():
