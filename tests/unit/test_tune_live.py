@@ -14,6 +14,7 @@ from baton.control.sim import Layout
 from baton.control.tune_live import (
     Streak,
     assignment,
+    best_row,
     current_layout,
     next_look_in,
     switches,
@@ -81,8 +82,7 @@ def test_repeating_it_switches_only_when_confirm_looks_in_a_row_want_the_same_sw
 
     def look(rows, now=colo, dwell_left=0.0):
         v = verdict(rows, now, 0.05, dwell_left,
-                    streak.agreed(now.name, max(rows, key=lambda r: r["goodput_rps"])["layout"]),
-                    confirm=2)
+                    streak.agreed(now.name, best_row(rows)["layout"]), confirm=2)
         streak.record(now.name, v, switched=v.act)
         return v
 
