@@ -14,7 +14,18 @@ arrival times (fresh prompt tokens per run, so no run finds another's prefix cac
 is the requests that met both SLOs per second of the trace; also per phase, failed requests,
 and the tuner's every look and switch. JSON in bench/results/shifting-load-*.json.
 
-    python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live]
+The decode-heavy phase overloads every layout, and there the requests that meet the SLOs move
+far more than the machine's speed does: the same colocated setup on the same trace met 120 and
+300 requests in two runs 16 minutes apart, its TPOT median in the decode-heavy phase 173 ms in
+the first and 153 ms in the second (`bench/colocated_forms.py`). So before and after each setup the machine's speed is measured
+(`baton profile --check` against the tuner's profile: its prefill and decode step ratios,
+~15 s) and kept with the setup's result, and ``--rounds N`` runs the setups N times, each round
+in the reverse order of the one before (1P+1D, colocated, live; then live, colocated, 1P+1D),
+so a machine that slows or speeds up over the hour weighs on every setup alike. Each round is
+scored on its own (as a one-round run is) and all rounds pooled: each setup's met requests
+over all its rounds.
+
+    python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live] [--rounds 1]
         [--tuner-every 30] [--tuner-min-dwell 90] [--tuner-confirm 2] [--window 60]
 """
 
@@ -72,7 +83,31 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the tuner's --confirm (runs 1-16 had none: one look switched)")
     ap.add_argument("--tuner-refine", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the setups this many times, each round in the reverse order of "
+                         "the one before; scored per round and pooled (default 1)")
+    ap.add_argument("--no-speed-check", dest="speed_check", action="store_false",
+                    help="skip the machine speed check before and after each setup")
     return ap.parse_args(argv)
+
+
+def round_order(names: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, setup) in the order they run: each round the reverse of the one before."""
+    return [(r, n) for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+
+
+def speed_check(a: argparse.Namespace) -> dict:
+    """The machine's speed now against the tuner's profile (`baton profile --check`, both
+    cores, the idle machine): its last line's JSON, or the error."""
+    cmd = [sys.executable, "-m", "baton.cli.main", "profile", "--dtype", a.dtype, "--cores",
+           "0,1", "--check", a.profile]
+    if a.model:
+        cmd += ["--model", a.model]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
+        return {"error": f"{type(e).__name__}: {e}"[:500]}
 
 
 def trace(phases, minutes: float, seed: int) -> list[tuple[int, int, float, int]]:
@@ -254,20 +289,61 @@ def main(argv=None) -> int:
         print(f"error: --profile {a.profile}: no such file (run `baton profile`)",
               file=sys.stderr)
         return 2
+    if a.rounds < 1:
+        print(f"error: --rounds {a.rounds}: must be >= 1", file=sys.stderr)
+        return 2
+    if a.speed_check and not Path(a.profile).is_file():
+        print(f"error: --profile {a.profile}: no such file (the speed check reads it; or "
+              "--no-speed-check)", file=sys.stderr)
+        return 2
     shape = trace(PHASES, a.minutes, a.seed)
     print(f"{len(shape)} requests in {len(PHASES)} phases of {a.minutes:g} min: "
           + ", ".join(f"{p.name} {p.rate:g}/s" for p in PHASES), file=sys.stderr)
     results = []
-    for name in names:
-        print(f"== {name}", file=sys.stderr, flush=True)
-        results.append(run_setup(a, name, shape, PHASES))
-    summary = summarize(results)
+    for r, name in round_order(names, a.rounds):
+        print(f"== {name} (round {r + 1} of {a.rounds})", file=sys.stderr, flush=True)
+        before = speed_check(a) if a.speed_check else None
+        res = run_setup(a, name, shape, PHASES)
+        res["round"] = r
+        if a.speed_check:
+            res["speed"] = {"before": before, "after": speed_check(a)}
+            print(f"  speed: {speed_line(res['speed'])}", file=sys.stderr, flush=True)
+        results.append(res)
+    summary = pooled(results, a.rounds)
     print(table(results, summary))
     path = write_result("shifting-load", {
         "machine": machine(), "args": vars(a), "argv": sys.argv,
         "phases": [vars(p) for p in PHASES], "results": results, "summary": summary})
     print(f"wrote {path}")
     return 0
+
+
+def pooled(results: list[dict], rounds: int) -> dict:
+    """One round: :func:`summarize`. More: each round's summary, and the summary of every
+    setup's met requests over all its rounds (``pooled``)."""
+    if rounds == 1:
+        return summarize(results)
+    per_round = [summarize([x for x in results if x["round"] == r]) for r in range(rounds)]
+    setups = []
+    for name in dict.fromkeys(x["setup"] for x in results):
+        mine = [x for x in results if x["setup"] == name]
+        met, n = sum(x["met_slo"] for x in mine), sum(x["requests"] for x in mine)
+        rate = sum(x["goodput_rps"] for x in mine) / len(mine)
+        tuned = [x["tuner"]["switch_count"] for x in mine if "tuner" in x]
+        out = {"setup": name, "met_slo": met, "requests": n, "goodput_rps": rate,
+               "failed": sum(x["failed"] for x in mine)}
+        if tuned:
+            out["tuner"] = {"switch_count": sum(tuned)}
+        setups.append(out)
+    return {**summarize(setups), "rounds": per_round}
+
+
+def speed_line(speed: dict) -> str:
+    def one(c: dict | None) -> str:
+        if not c or "error" in c:
+            return (c or {}).get("error", "not measured")
+        return f"prefill {c['prefill_ratio']:.2f}x, decode {c['decode_ratio']:.2f}x"
+    return f"before {one(speed.get('before'))}; after {one(speed.get('after'))} (the profile's)"
 
 
 def summarize(results: list[dict]) -> dict:
@@ -289,25 +365,37 @@ def summarize(results: list[dict]) -> dict:
     return out
 
 
+def _ratios(summary: dict, label: str) -> str:
+    w, b = summary["over_worst_fixed"], summary["over_best_fixed"]
+    return (f"{label}: {w if w is None else f'{w:.2f}'}x the worst fixed layout "
+            f"({summary['worst_fixed']}; target >= 1.1), "
+            f"{b if b is None else f'{b:.2f}'}x the best ({summary['best_fixed']}; "
+            f"target >= 0.97), {summary['switches']} switches")
+
+
 def table(results: list[dict], summary: dict) -> str:
     names = [p["phase"] for p in results[0]["phases"]] if results else []
-    lines = [f"{'setup':<12} {'goodput/s':>9} {'attain':>7} {'failed':>6}  "
+    lines = [f"{'setup':<12} {'round':>5} {'goodput/s':>9} {'attain':>7} {'failed':>6}  "
              + "  ".join(f"{n[:14]:>14}" for n in names)]
     for r in results:
-        lines.append(f"{r['setup']:<12} {r['goodput_rps']:>9.3f} {100 * r['attainment']:>6.0f}% "
-                     f"{r['failed']:>6}  " + "  ".join(
+        lines.append(f"{r['setup']:<12} {r.get('round', 0) + 1:>5} {r['goodput_rps']:>9.3f} "
+                     f"{100 * r['attainment']:>6.0f}% {r['failed']:>6}  " + "  ".join(
                          f"{100 * (p['attainment'] or 0):>13.0f}%" for p in r["phases"]))
+    for i, s in enumerate(summary.get("rounds", [])):
+        if "over_worst_fixed" in s:
+            lines.append(_ratios(s, f"round {i + 1}, live tuner"))
     if "over_worst_fixed" in summary:
-        w, b = summary["over_worst_fixed"], summary["over_best_fixed"]
-        lines.append(f"live tuner: {w if w is None else f'{w:.2f}'}x the worst fixed layout "
-                     f"({summary['worst_fixed']}; target >= 1.1), "
-                     f"{b if b is None else f'{b:.2f}'}x the best ({summary['best_fixed']}; "
-                     f"target >= 0.97), {summary['switches']} switches")
+        lines.append(_ratios(summary, "live tuner, all rounds pooled" if "rounds" in summary
+                             else "live tuner"))
     lines.append(f"failed requests: {summary['failed_requests']}")
     for r in results:
+        if r.get("speed"):
+            lines.append(f"machine speed, {r['setup']} round {r.get('round', 0) + 1}: "
+                         + speed_line(r["speed"]))
+    for r in results:
         if r.get("cpu_s"):
-            lines.append(f"CPU s over the trace, {r['setup']}: " + ", ".join(
-                f"{k} {v:g}" for k, v in r["cpu_s"].items()))
+            lines.append(f"CPU s over the trace, {r['setup']} round {r.get('round', 0) + 1}: "
+                         + ", ".join(f"{k} {v:g}" for k, v in r["cpu_s"].items()))
     return "\n".join(lines)
 
 

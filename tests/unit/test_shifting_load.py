@@ -1,0 +1,55 @@
+"""bench/shifting_load.py's rounds: the order setups run in, and how rounds are scored."""
+
+from __future__ import annotations
+
+
+def _res(setup: str, rnd: int, met: int, failed: int = 0, switches: int | None = None) -> dict:
+    out = {"setup": setup, "round": rnd, "met_slo": met, "requests": 1572,
+           "goodput_rps": met / 720, "failed": failed}
+    if switches is not None:
+        out["tuner"] = {"switch_count": switches}
+    return out
+
+
+def test_each_round_runs_the_setups_in_the_reverse_order_of_the_one_before():
+    from baton.bench.shifting_load import SETUPS, round_order
+
+    assert round_order(list(SETUPS), 1) == [(0, "1P+1D"), (0, "2 colocated"), (0, "live")]
+    assert round_order(list(SETUPS), 3) == [
+        (0, "1P+1D"), (0, "2 colocated"), (0, "live"),
+        (1, "live"), (1, "2 colocated"), (1, "1P+1D"),
+        (2, "1P+1D"), (2, "2 colocated"), (2, "live")]
+
+
+def test_rounds_are_scored_each_on_its_own_and_pooled_over_every_round():
+    from baton.bench.shifting_load import pooled, summarize
+
+    one = [_res("1P+1D", 0, 220), _res("2 colocated", 0, 300), _res("live", 0, 285, 0, 1)]
+    assert pooled(one, 1) == summarize(one)  # one round: as before rounds existed
+
+    two = one + [_res("live", 1, 310, 1, 2), _res("2 colocated", 1, 290),
+                 _res("1P+1D", 1, 200)]
+    s = pooled(two, 2)
+    r1, r2 = s["rounds"]
+    assert r1["best_fixed"] == "2 colocated" and abs(r1["over_best_fixed"] - 285 / 300) < 1e-9
+    assert not r1["target_over_best_0_97"] and r1["switches"] == 1
+    assert abs(r2["over_best_fixed"] - 310 / 290) < 1e-9 and r2["target_over_best_0_97"]
+    assert r2["failed_requests"] == 1 and r2["switches"] == 2
+    # pooled: every setup's met requests over both rounds
+    assert s["best_fixed"] == "2 colocated" and s["worst_fixed"] == "1P+1D"
+    assert abs(s["over_best_fixed"] - 595 / 590) < 1e-9
+    assert abs(s["over_worst_fixed"] - 595 / 420) < 1e-9
+    assert s["failed_requests"] == 1 and s["switches"] == 3
+
+
+def test_the_table_names_each_round_and_the_pooled_ratios():
+    from baton.bench.shifting_load import pooled, table
+
+    phases = [{"phase": "decode-heavy", "attainment": 0.1}]
+    two = [{**x, "attainment": 0.2, "phases": phases}
+           for x in (_res("1P+1D", 0, 220), _res("live", 0, 285, 0, 1),
+                     _res("live", 1, 310, 0, 1), _res("1P+1D", 1, 200))]
+    text = table(two, pooled(two, 2))
+    assert "round 1, live tuner: 1.30x the worst fixed layout" in text
+    assert "round 2, live tuner: 1.55x" in text
+    assert "live tuner, all rounds pooled: 1.42x" in text
