@@ -17,13 +17,13 @@ and the tuner's every look and switch. JSON in bench/results/shifting-load-*.jso
 The decode-heavy phase overloads every layout, and there the requests that meet the SLOs move
 far more than the machine's speed does: the same colocated setup on the same trace met 120 and
 300 requests in two runs 16 minutes apart, its TPOT median in the decode-heavy phase 173 ms in
-the first and 153 ms in the second (`bench/colocated_forms.py`). So before and after each setup the machine's speed is measured
-(`baton profile --check` against the tuner's profile: its prefill and decode step ratios,
-~15 s) and kept with the setup's result, and ``--rounds N`` runs the setups N times, each round
-in the reverse order of the one before (1P+1D, colocated, live; then live, colocated, 1P+1D),
-so a machine that slows or speeds up over the hour weighs on every setup alike. Each round is
-scored on its own (as a one-round run is) and all rounds pooled: each setup's met requests
-over all its rounds.
+the first and 153 ms in the second (`bench/colocated_forms.py`). So before and after each
+setup the machine's speed is measured (`baton profile --check` against the tuner's profile:
+its prefill and decode step ratios, ~15 s) and kept with the setup's result, and ``--rounds
+N`` runs the setups N times, each round in the reverse order of the one before (1P+1D,
+colocated, live; then live, colocated, 1P+1D), so a machine that slows or speeds up over the
+hour weighs on every setup alike. Each round is scored on its own (as a one-round run is) and
+all rounds pooled: each setup's met requests over all its rounds.
 
     python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live] [--rounds 1]
         [--tuner-every 30] [--tuner-min-dwell 90] [--tuner-confirm 2] [--window 60]
@@ -285,16 +285,12 @@ def main(argv=None) -> int:
         print(f"error: --only: unknown setup(s) {bad}; choose from {', '.join(SETUPS)}",
               file=sys.stderr)
         return 2
-    if "live" in names and not Path(a.profile).is_file():
-        print(f"error: --profile {a.profile}: no such file (run `baton profile`)",
-              file=sys.stderr)
+    if ("live" in names or a.speed_check) and not Path(a.profile).is_file():
+        print(f"error: --profile {a.profile}: no such file (run `baton profile`; the tuner and "
+              "the speed check read it)", file=sys.stderr)
         return 2
     if a.rounds < 1:
         print(f"error: --rounds {a.rounds}: must be >= 1", file=sys.stderr)
-        return 2
-    if a.speed_check and not Path(a.profile).is_file():
-        print(f"error: --profile {a.profile}: no such file (the speed check reads it; or "
-              "--no-speed-check)", file=sys.stderr)
         return 2
     shape = trace(PHASES, a.minutes, a.seed)
     print(f"{len(shape)} requests in {len(PHASES)} phases of {a.minutes:g} min: "

@@ -53,3 +53,16 @@ def test_the_table_names_each_round_and_the_pooled_ratios():
     assert "round 1, live tuner: 1.30x the worst fixed layout" in text
     assert "round 2, live tuner: 1.55x" in text
     assert "live tuner, all rounds pooled: 1.42x" in text
+
+
+def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(capsys, tmp_path):
+    from baton.bench.shifting_load import main
+
+    assert main(["--rounds", "0"]) == 2
+    assert "--rounds 0: must be >= 1" in capsys.readouterr().err
+    # the speed check reads the profile even with no tuner among the setups
+    missing = tmp_path / "none.json"
+    assert main(["--only", "1P+1D", "--profile", str(missing)]) == 2
+    assert f"--profile {missing}: no such file" in capsys.readouterr().err
+    assert main(["--only", "1P+1D,3P"]) == 2
+    assert "unknown setup(s) ['3P']" in capsys.readouterr().err
