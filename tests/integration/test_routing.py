@@ -176,11 +176,17 @@ def test_a_prefill_worker_counts_a_request_in_flight_only_while_it_prefills(clus
     stream = api_pb2_grpc.BatonStub(cluster.routers[1].channel).Generate(req, timeout=60)
     first = next(stream)
     assert first.HasField("delta")
-    end = time.monotonic() + 60  # a hang bound: the claims are written within a batch delay
-    while (seen := counts())[cluster.decode[0]] == 0 and time.monotonic() < end:
+    # the claims and releases are written by a background thread, the prefill's release a
+    # batch after the decode's claim: wait for the state, with a hang bound. Seen together,
+    # the decode's claim (held until the attempt ends) says it is still decoding.
+    def decoding_only(seen) -> bool:
+        return seen[cluster.decode[0]] == 1 and seen[cluster.prefill[0]] == 0 == \
+            seen[cluster.prefill[1]]
+
+    end = time.monotonic() + 60
+    while not decoding_only(seen := counts()) and time.monotonic() < end:
         time.sleep(0.01)
-    assert seen[cluster.decode[0]] == 1, seen  # decoding, and its claims are written
-    assert seen[cluster.prefill[0]] == seen[cluster.prefill[1]] == 0, seen
+    assert decoding_only(seen), seen
     final = [m.final for m in stream if m.HasField("final")]
     assert final and final[0].path == "remote" and final[0].finish_reason == "length"
     end = time.monotonic() + 60  # a hang bound, as above
