@@ -19,62 +19,32 @@ seed), fresh prompt tokens. JSON in bench/results/colocated-forms-*.json.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 
 from baton.bench.common import machine, write_result
-from baton.bench.shifting_load import (
-    PHASES,
-    _cpu_s,
-    _processes,
-    _progress,
-    _roles,
-    _score,
-    config,
-    parse_args,
-    trace,
-)
+from baton.bench.shifting_load import PHASES, parse_args, run_setup, trace
 
 
-def run_form(a: argparse.Namespace, form: str, shape, phases) -> dict:
-    from baton.bench import loadgen as lg
-    from baton.bench.compare import Setup
-    from baton.control.redis_server import EmbeddedRedis
+def to_decode(redis_url: str) -> None:
+    """Form B before the trace: every worker not decoding switched to ``decode``, as `baton
+    tune --live --apply` does, and the registry showing it (what the router reads)."""
     from baton.control.registry import WorkerRegistry
     from baton.control.tune_live import set_role
 
-    kind = "colocated" if form == "A" else "disaggregated"
-    tokens = lg.Tokens(100, 10000, f"forms-{form}-{time.time()}")
-    rng = random.Random(f"{a.seed}/{tokens.salt}")
-    reqs = [lg.Req(tokens.random(rng, p), o, t) for p, o, t, _ in shape]
-    redis = EmbeddedRedis().start()
-    try:
-        setup = Setup(config(a, kind), kind, redis.url)
-        target = lg.GrpcTarget(setup.router.address)
-        try:
-            lg.warm_up(target)
-            if form == "B":
-                registry = WorkerRegistry.from_url(redis.url)
-                for w in registry.workers():
-                    if w.role != "decode":
-                        set_role(w.address, "decode")
-                while any(w.role != "decode" for w in registry.workers()):
-                    time.sleep(0.1)  # the router reads roles from the registry
-                time.sleep(3)  # its registry view's refresh
-            procs = _processes(setup, None)
-            before = {k: _cpu_s(pid) for k, pid in procs.items()}
-            records, wall = lg.run(target, reqs, progress=_progress(form, len(reqs)))
-            cpu = {k: round(_cpu_s(pid) - before[k], 1) for k, pid in procs.items()}
-            roles = _roles(redis.url)
-        finally:
-            target.close()
-            setup.stop()
-    finally:
-        redis.stop()
-    out = _score(a, form, records, wall, shape, phases, None, roles)
-    out["cpu_s"] = cpu
-    return out
+    registry = WorkerRegistry.from_url(redis_url)
+    for w in registry.workers():
+        if w.role != "decode":
+            set_role(w.address, "decode")
+    while any(w.role != "decode" for w in registry.workers()):
+        time.sleep(0.1)
+    time.sleep(3)  # the router's registry view's refresh
+
+
+def run_form(a: argparse.Namespace, form: str, shape, phases) -> dict:
+    if form == "A":
+        return run_setup(a, form, shape, phases, kind="colocated")
+    return run_setup(a, form, shape, phases, kind="disaggregated", prepare=to_decode)
 
 
 def main(argv=None) -> int:

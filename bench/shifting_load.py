@@ -180,12 +180,17 @@ class Tuner:
                 "switch_count": len(switches), "stderr_tail": (err or "")[-2000:]}
 
 
-def run_setup(a: argparse.Namespace, name: str, shape, phases) -> dict:
+def run_setup(a: argparse.Namespace, name: str, shape, phases, kind: str | None = None,
+              prepare=None) -> dict:
+    """One setup on a fresh Redis and workers: the trace, scored. ``kind``: `baton bench
+    compare`'s (default: colocated for ``2 colocated``, else disaggregated); ``prepare(redis
+    url)`` runs after the warm-up, before the trace (bench/colocated_forms.py switches roles
+    there)."""
     from baton.bench import loadgen as lg
     from baton.bench.compare import Setup
     from baton.control.redis_server import EmbeddedRedis
 
-    kind = "colocated" if name == "2 colocated" else "disaggregated"
+    kind = kind or ("colocated" if name == "2 colocated" else "disaggregated")
     cfg = config(a, kind)
     tokens = lg.Tokens(100, 10000, f"shifting-{name}-{time.time()}")
     rng = random.Random(f"{a.seed}/{tokens.salt}")
@@ -197,6 +202,8 @@ def run_setup(a: argparse.Namespace, name: str, shape, phases) -> dict:
         target = lg.GrpcTarget(setup.router.address)
         try:
             lg.warm_up(target)
+            if prepare is not None:
+                prepare(redis.url)
             if name == "live":
                 tuner = Tuner(a, setup.router.http_address, redis.url)
             procs = _processes(setup, tuner)
