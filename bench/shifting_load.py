@@ -25,8 +25,14 @@ colocated, live; then live, colocated, 1P+1D), so a machine that slows or speeds
 hour weighs on every setup alike. Each round is scored on its own (as a one-round run is) and
 all rounds pooled: each setup's met requests over all its rounds.
 
+Beside the measured setups, the simulator's account of each fixed layout on the same trace with
+the tuner's profile (met requests per phase; ~1 s): how far the costs the tuner decides on are
+from this machine's. ``--replay RESULT.json`` prints that comparison for a run already written,
+with the ``--profile`` given (the machine's own profile, say), and runs nothing.
+
     python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live] [--rounds 1]
         [--tuner-every 30] [--tuner-min-dwell 90] [--tuner-confirm 2] [--window 60]
+    python bench/shifting_load.py --replay bench/results/shifting-load-STAMP.json --profile FILE
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from pathlib import Path
 from baton.bench.common import RESULTS, machine, write_result
 
 SETUPS = ("1P+1D", "2 colocated", "live")
+FIXED = {"1P+1D": (1, 1, False), "2 colocated": (0, 2, True)}  # (prefill, decode, colocated)
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "the one before; scored per round and pooled (default 1)")
     ap.add_argument("--no-speed-check", dest="speed_check", action="store_false",
                     help="skip the machine speed check before and after each setup")
+    ap.add_argument("--replay", default=None, metavar="RESULT",
+                    help="run nothing: a written run's measured fixed layouts against the "
+                         "simulator's on its trace, with --profile's costs")
     return ap.parse_args(argv)
 
 
@@ -292,13 +302,15 @@ def main(argv=None) -> int:
         print(f"error: --only: unknown setup(s) {bad}; choose from {', '.join(SETUPS)}",
               file=sys.stderr)
         return 2
-    if ("live" in names or a.speed_check) and not Path(a.profile).is_file():
-        print(f"error: --profile {a.profile}: no such file (run `baton profile`; the tuner and "
-              "the speed check read it)", file=sys.stderr)
+    if not Path(a.profile).is_file():
+        print(f"error: --profile {a.profile}: no such file (run `baton profile`; the tuner, "
+              "the speed check and the simulator read it)", file=sys.stderr)
         return 2
     if a.rounds < 1:
         print(f"error: --rounds {a.rounds}: must be >= 1", file=sys.stderr)
         return 2
+    if a.replay is not None:
+        return replay(a)
     shape = trace(PHASES, a.minutes, a.seed)
     print(f"{len(shape)} requests in {len(PHASES)} phases of {a.minutes:g} min: "
           + ", ".join(f"{p.name} {p.rate:g}/s" for p in PHASES), file=sys.stderr)
@@ -313,11 +325,80 @@ def main(argv=None) -> int:
             print(f"  speed: {speed_line(res['speed'])}", file=sys.stderr, flush=True)
         results.append(res)
     summary = pooled(results, a.rounds)
-    print(table(results, summary))
+    sim = simulated(a.profile, shape, PHASES, a.ttft_slo, a.tpot_slo)
+    print(table(results, summary) + "\n" + sim_table(results, sim))
     path = write_result("shifting-load", {
         "machine": machine(), "args": vars(a), "argv": sys.argv,
-        "phases": [vars(p) for p in PHASES], "results": results, "summary": summary})
+        "phases": [vars(p) for p in PHASES], "results": results, "summary": summary,
+        "simulated": sim})
     print(f"wrote {path}")
+    return 0
+
+
+def simulated(profile: str, shape, phases, ttft_slo: float, tpot_slo: float) -> dict:
+    """The simulator on the whole trace for each fixed layout, with ``profile``'s costs and the
+    routers' default settings (the setups'): met requests, TTFT and TPOT medians per phase."""
+    from baton.bench.common import pct
+    from baton.control.profile import Profile
+    from baton.control.sim import Layout, simulate
+    from baton.control.workload import meets
+
+    prof, out = Profile.load(profile), {}
+    for name, (p, d, colocated) in FIXED.items():
+        done = simulate(Layout(p, d, colocated), prof, [x[:3] for x in shape])
+        per = []
+        for i, ph in enumerate(phases):
+            rs = [r for r, x in zip(done, shape) if x[3] == i]
+            per.append({"phase": ph.name, "requests": len(rs),
+                        "met_slo": sum(meets(r, ttft_slo, tpot_slo) for r in rs),
+                        "ttft_p50_s": pct([r.ttft for r in rs if r.ttft is not None], 0.5),
+                        "tpot_p50_s": pct([r.tpot for r in rs if r.tpot is not None], 0.5)})
+        out[name] = {"met_slo": sum(x["met_slo"] for x in per), "phases": per}
+    return {"profile": str(profile), "layouts": out}
+
+
+def sim_table(results: list[dict], sim: dict) -> str:
+    """Each fixed layout's met requests (by phase), simulated beside every measured round."""
+    def row(label: str, met: int, phases: list[dict], tpots: str) -> str:
+        return (f"  {label:<24} {met:>5} ({' / '.join(str(p['met_slo']) for p in phases)})"
+                f"{tpots}")
+
+    def ms(x) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
+
+    lines = [f"simulated with {sim['profile']} (met both SLOs, by phase; TPOT median ms):"]
+    for name, s in sim["layouts"].items():
+        lines.append(row(f"{name} simulated", s["met_slo"], s["phases"], "  TPOT "
+                         + " / ".join(ms(p["tpot_p50_s"]) for p in s["phases"])))
+        for r in results:
+            if r["setup"] != name:
+                continue
+            err = r["met_slo"] and s["met_slo"] / r["met_slo"] - 1
+            lines.append(row(f"{name} round {r.get('round', 0) + 1}", r["met_slo"], r["phases"],
+                             "  TPOT " + " / ".join(ms((p.get("tpot_s") or {}).get("p50"))
+                                                    for p in r["phases"])
+                             + (f"  (simulated {100 * err:+.0f}%)" if r["met_slo"] else "")))
+    return "\n".join(lines)
+
+
+def replay(a: argparse.Namespace) -> int:
+    """``--replay``: the simulator against a written run's fixed layouts, nothing started."""
+    try:
+        d = json.loads(Path(a.replay).read_text())
+        phases = [Phase(**{**p, "input_len": tuple(p["input_len"]),
+                           "output_len": tuple(p["output_len"])}) for p in d["phases"]]
+        args, results = d["args"], d["results"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: --replay {a.replay}: not a shifting-load result ({type(e).__name__}: "
+              f"{e})", file=sys.stderr)
+        return 2
+    shape = trace(phases, args["minutes"], args["seed"])
+    if results and len(shape) != results[0]["requests"]:
+        print(f"error: --replay {a.replay}: its trace had {results[0]['requests']} requests, "
+              f"this script's makes {len(shape)} from its phases and seed", file=sys.stderr)
+        return 2
+    print(sim_table(results, simulated(a.profile, shape, phases, args["ttft_slo"],
+                                       args["tpot_slo"])))
     return 0
 
 

@@ -66,3 +66,52 @@ def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(caps
     assert f"--profile {missing}: no such file" in capsys.readouterr().err
     assert main(["--only", "1P+1D,3P"]) == 2
     assert "unknown setup(s) ['3P']" in capsys.readouterr().err
+
+
+def test_the_simulator_replays_the_trace_for_each_fixed_layout_and_a_written_run(
+        capsys, tmp_path):
+    import json
+
+    from baton.bench.common import RESULTS
+    from baton.bench.shifting_load import Phase, main, simulated, trace
+
+    profile = str(RESULTS / "tune-validation-profile.json")
+    # a light phase every layout serves within the SLOs, then one that overloads them
+    phases = [Phase("light", (64, 128), (8, 16), 0.2), Phase("flood", (64, 256), (128, 256), 20)]
+    shape = trace(phases, 0.5, 0)
+    sim = simulated(profile, shape, phases, 4.0, 0.1)
+    assert set(sim["layouts"]) == {"1P+1D", "2 colocated"}
+    for s in sim["layouts"].values():
+        light, flood = s["phases"]
+        assert light["requests"] + flood["requests"] == len(shape)
+        assert light["met_slo"] == light["requests"] > 0
+        assert flood["met_slo"] < flood["requests"] / 2
+        assert s["met_slo"] == light["met_slo"] + flood["met_slo"]
+
+    # --replay: a written run's measured rounds beside the simulator's, on the run's own trace
+    measured = [{"setup": "2 colocated", "round": r, "met_slo": met, "requests": len(shape),
+                 "phases": [{"met_slo": met - 5}, {"met_slo": 5, "tpot_s": {"p50": 0.15}}]}
+                for r, met in ((0, 40), (1, 20))]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"args": {"minutes": 0.5, "seed": 0, "ttft_slo": 4.0,
+                                        "tpot_slo": 0.1},
+                               "phases": [vars(p) for p in phases], "results": measured}))
+    assert main(["--replay", str(run), "--profile", profile]) == 0
+    lines = [" ".join(x.split()) for x in capsys.readouterr().out.splitlines()]
+    s = sim["layouts"]["2 colocated"]
+    met = s["met_slo"]
+    assert (f"2 colocated simulated {met} ({s['phases'][0]['met_slo']} / "
+            f"{s['phases'][1]['met_slo']}) TPOT") in "\n".join(lines)
+    assert (f"2 colocated round 2 20 (15 / 5) TPOT - / 150 (simulated "
+            f"{100 * (met / 20 - 1):+.0f}%)") in lines
+
+    # a run made from other phases or another seed is refused, as is a file that is no run
+    run.write_text(json.dumps({"args": {"minutes": 0.5, "seed": 1, "ttft_slo": 4.0,
+                                        "tpot_slo": 0.1},
+                               "phases": [vars(p) for p in phases],
+                               "results": [{**measured[0], "requests": len(shape) + 1}]}))
+    assert main(["--replay", str(run), "--profile", profile]) == 2
+    assert f"its trace had {len(shape) + 1} requests" in capsys.readouterr().err
+    run.write_text("{}")
+    assert main(["--replay", str(run), "--profile", profile]) == 2
+    assert "not a shifting-load result (KeyError" in capsys.readouterr().err
