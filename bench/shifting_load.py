@@ -314,6 +314,13 @@ def main(argv=None) -> int:
     shape = trace(PHASES, a.minutes, a.seed)
     print(f"{len(shape)} requests in {len(PHASES)} phases of {a.minutes:g} min: "
           + ", ".join(f"{p.name} {p.rate:g}/s" for p in PHASES), file=sys.stderr)
+    # before any setup: a profile the simulator cannot read fails here, not after the run
+    from baton.control.profile import ProfileError
+    try:
+        sim = simulated(a.profile, shape, PHASES, a.ttft_slo, a.tpot_slo)
+    except ProfileError as e:
+        print(f"error: --profile {a.profile}: {e}", file=sys.stderr)
+        return 2
     results = []
     for r, name in round_order(names, a.rounds):
         print(f"== {name} (round {r + 1} of {a.rounds})", file=sys.stderr, flush=True)
@@ -325,7 +332,6 @@ def main(argv=None) -> int:
             print(f"  speed: {speed_line(res['speed'])}", file=sys.stderr, flush=True)
         results.append(res)
     summary = pooled(results, a.rounds)
-    sim = simulated(a.profile, shape, PHASES, a.ttft_slo, a.tpot_slo)
     print(table(results, summary) + "\n" + sim_table(results, sim))
     path = write_result("shifting-load", {
         "machine": machine(), "args": vars(a), "argv": sys.argv,
@@ -397,8 +403,13 @@ def replay(a: argparse.Namespace) -> int:
         print(f"error: --replay {a.replay}: its trace had {results[0]['requests']} requests, "
               f"this script's makes {len(shape)} from its phases and seed", file=sys.stderr)
         return 2
-    print(sim_table(results, simulated(a.profile, shape, phases, args["ttft_slo"],
-                                       args["tpot_slo"])))
+    from baton.control.profile import ProfileError
+    try:
+        sim = simulated(a.profile, shape, phases, args["ttft_slo"], args["tpot_slo"])
+    except ProfileError as e:
+        print(f"error: --profile {a.profile}: {e}", file=sys.stderr)
+        return 2
+    print(sim_table(results, sim))
     return 0
 
 

@@ -66,6 +66,11 @@ def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(caps
     assert f"--profile {missing}: no such file" in capsys.readouterr().err
     assert main(["--only", "1P+1D,3P"]) == 2
     assert "unknown setup(s) ['3P']" in capsys.readouterr().err
+    # a profile the simulator cannot read is refused before the first setup, not after the run
+    old = tmp_path / "old.json"
+    old.write_text('{"version": 2}')
+    assert main(["--only", "1P+1D", "--profile", str(old)]) == 2
+    assert f"--profile {old}: profile {old} has version 2" in capsys.readouterr().err
 
 
 def test_the_simulator_replays_the_trace_for_each_fixed_layout_and_a_written_run(
