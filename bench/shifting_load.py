@@ -315,11 +315,8 @@ def main(argv=None) -> int:
     print(f"{len(shape)} requests in {len(PHASES)} phases of {a.minutes:g} min: "
           + ", ".join(f"{p.name} {p.rate:g}/s" for p in PHASES), file=sys.stderr)
     # before any setup: a profile the simulator cannot read fails here, not after the run
-    from baton.control.profile import ProfileError
-    try:
-        sim = simulated(a.profile, shape, PHASES, a.ttft_slo, a.tpot_slo)
-    except ProfileError as e:
-        print(f"error: --profile {a.profile}: {e}", file=sys.stderr)
+    sim = simulated(a, shape, PHASES)
+    if sim is None:
         return 2
     results = []
     for r, name in round_order(names, a.rounds):
@@ -341,49 +338,40 @@ def main(argv=None) -> int:
     return 0
 
 
-def simulated(profile: str, shape, phases, ttft_slo: float, tpot_slo: float) -> dict:
-    """The simulator on the whole trace for each fixed layout, with ``profile``'s costs and the
-    routers' default settings (the setups'): met requests, TTFT and TPOT medians per phase."""
-    from baton.bench.common import pct
-    from baton.control.profile import Profile
+def simulated(a: argparse.Namespace, shape, phases) -> dict | None:
+    """The simulator on the whole trace for each fixed layout, with ``a.profile``'s costs and
+    the routers' default settings (the setups'), scored as a measured setup is (:func:`_score`
+    with ``a``'s minutes and SLOs). None, the error printed, for a profile it cannot read."""
+    from baton.control.profile import Profile, ProfileError
     from baton.control.sim import Layout, simulate
-    from baton.control.workload import meets
 
-    prof, out = Profile.load(profile), {}
-    for name, (p, d, colocated) in FIXED.items():
-        done = simulate(Layout(p, d, colocated), prof, [x[:3] for x in shape])
-        per = []
-        for i, ph in enumerate(phases):
-            rs = [r for r, x in zip(done, shape) if x[3] == i]
-            per.append({"phase": ph.name, "requests": len(rs),
-                        "met_slo": sum(meets(r, ttft_slo, tpot_slo) for r in rs),
-                        "ttft_p50_s": pct([r.ttft for r in rs if r.ttft is not None], 0.5),
-                        "tpot_p50_s": pct([r.tpot for r in rs if r.tpot is not None], 0.5)})
-        out[name] = {"met_slo": sum(x["met_slo"] for x in per), "phases": per}
-    return {"profile": str(profile), "layouts": out}
+    try:
+        prof = Profile.load(a.profile)
+        layouts = {name: _score(a, name, simulate(Layout(*spec), prof, [x[:3] for x in shape]),
+                                None, shape, phases, None, None)
+                   for name, spec in FIXED.items()}
+    except ProfileError as e:
+        print(f"error: --profile {a.profile}: {e}", file=sys.stderr)
+        return None
+    return {"profile": str(a.profile), "layouts": layouts}
 
 
 def sim_table(results: list[dict], sim: dict) -> str:
     """Each fixed layout's met requests (by phase), simulated beside every measured round."""
-    def row(label: str, met: int, phases: list[dict], tpots: str) -> str:
-        return (f"  {label:<24} {met:>5} ({' / '.join(str(p['met_slo']) for p in phases)})"
-                f"{tpots}")
-
-    def ms(x) -> str:
-        return "-" if x is None else f"{1000 * x:.0f}"
+    def row(label: str, r: dict) -> str:
+        tpot = [(p.get("tpot_s") or {}).get("p50") for p in r["phases"]]
+        return (f"  {label:<24} {r['met_slo']:>5} ("
+                + " / ".join(str(p["met_slo"]) for p in r["phases"]) + ")  TPOT "
+                + " / ".join("-" if x is None else f"{1000 * x:.0f}" for x in tpot))
 
     lines = [f"simulated with {sim['profile']} (met both SLOs, by phase; TPOT median ms):"]
     for name, s in sim["layouts"].items():
-        lines.append(row(f"{name} simulated", s["met_slo"], s["phases"], "  TPOT "
-                         + " / ".join(ms(p["tpot_p50_s"]) for p in s["phases"])))
+        lines.append(row(f"{name} simulated", s))
         for r in results:
-            if r["setup"] != name:
-                continue
-            err = r["met_slo"] and s["met_slo"] / r["met_slo"] - 1
-            lines.append(row(f"{name} round {r.get('round', 0) + 1}", r["met_slo"], r["phases"],
-                             "  TPOT " + " / ".join(ms((p.get("tpot_s") or {}).get("p50"))
-                                                    for p in r["phases"])
-                             + (f"  (simulated {100 * err:+.0f}%)" if r["met_slo"] else "")))
+            if r["setup"] == name:
+                err = r["met_slo"] and s["met_slo"] / r["met_slo"] - 1
+                lines.append(row(f"{name} round {r.get('round', 0) + 1}", r)
+                             + (f"  (simulated {100 * err:+.0f}%)" if r["met_slo"] else ""))
     return "\n".join(lines)
 
 
@@ -393,21 +381,19 @@ def replay(a: argparse.Namespace) -> int:
         d = json.loads(Path(a.replay).read_text())
         phases = [Phase(**{**p, "input_len": tuple(p["input_len"]),
                            "output_len": tuple(p["output_len"])}) for p in d["phases"]]
-        args, results = d["args"], d["results"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        run = argparse.Namespace(**{**d["args"], "profile": a.profile})
+        results = d["results"]
+        shape = trace(phases, run.minutes, run.seed)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         print(f"error: --replay {a.replay}: not a shifting-load result ({type(e).__name__}: "
               f"{e})", file=sys.stderr)
         return 2
-    shape = trace(phases, args["minutes"], args["seed"])
     if results and len(shape) != results[0]["requests"]:
         print(f"error: --replay {a.replay}: its trace had {results[0]['requests']} requests, "
               f"this script's makes {len(shape)} from its phases and seed", file=sys.stderr)
         return 2
-    from baton.control.profile import ProfileError
-    try:
-        sim = simulated(a.profile, shape, phases, args["ttft_slo"], args["tpot_slo"])
-    except ProfileError as e:
-        print(f"error: --profile {a.profile}: {e}", file=sys.stderr)
+    sim = simulated(run, shape, phases)
+    if sim is None:
         return 2
     print(sim_table(results, sim))
     return 0

@@ -75,6 +75,7 @@ def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(caps
 
 def test_the_simulator_replays_the_trace_for_each_fixed_layout_and_a_written_run(
         capsys, tmp_path):
+    import argparse
     import json
 
     from baton.bench.common import RESULTS
@@ -84,7 +85,8 @@ def test_the_simulator_replays_the_trace_for_each_fixed_layout_and_a_written_run
     # a light phase every layout serves within the SLOs, then one that overloads them
     phases = [Phase("light", (64, 128), (8, 16), 0.2), Phase("flood", (64, 256), (128, 256), 20)]
     shape = trace(phases, 0.5, 0)
-    sim = simulated(profile, shape, phases, 4.0, 0.1)
+    sim = simulated(argparse.Namespace(profile=profile, minutes=0.5, ttft_slo=4.0, tpot_slo=0.1),
+                    shape, phases)
     assert set(sim["layouts"]) == {"1P+1D", "2 colocated"}
     for s in sim["layouts"].values():
         light, flood = s["phases"]
