@@ -235,14 +235,17 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
 def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                     say: Callable[[str], None] = print,
                     max_model_len: int = 1 << 30, vocab: int = 10000, device: str = "cpu",
-                    tp: int = 1) -> tuple[list[dict], list[dict], list[dict]]:
+                    tp: int = 1) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
     """Real prefill and decode worker processes (one core each): per prompt size, the time from
     the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
     the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
     router, as clients reach it, while requests of :data:`BUSY_PROMPTS` tokens take the
     remote path one after another (both workers busy, the routers and the clients sharing their
-    cores, as in a cluster near its goodput); then the prefill worker saturated on its own
-    (:func:`_saturated_prefill`: each prompt's prefill call, as the router times it)."""
+    cores, as in a cluster near its goodput), and in turn with the prefill worker idle (the
+    routers and the clients have its core); then the prefill worker saturated on its own
+    (:func:`_saturated_prefill`: each prompt's prefill call, as the router times it). Returns
+    the hand-offs, the served grid (busy), the saturated prefill rows and the served grid
+    (idle)."""
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
     from baton_client.v1 import api_pb2_grpc
@@ -266,9 +269,13 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         fits = [n for n in LONG_PROMPTS if n < max_model_len]
         sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
-        with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1), sizes):
-            served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
-                      for _ in range(SERVED_ROUNDS) for c, b in grid]
+        served, served_idle = [], []
+        for i in range(SERVED_ROUNDS):  # idle and busy in turn: a slow minute hits both
+            served_idle += [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
+                            for c, b in grid]
+            with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1 + i), sizes):
+                served += [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
+                           for c, b in grid]
         busy = []
         for streams in PREFILL_STREAMS:
             say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
@@ -277,8 +284,8 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             busy += _saturated_prefill(busy_stub, rstub, _Prompts(min(vocab, 10000),
                                                                   seed=2 + len(busy)),
                                        sizes, streams)
-    _say_served(say, served, busy, sizes)
-    return rows, served, busy
+    _say_served(say, served, served_idle, busy, sizes)
+    return rows, served, busy, served_idle
 
 
 def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: list[int],
@@ -361,10 +368,12 @@ def _remote_prefill_timing(rstub, ids: list[int], params):
     return final.timing
 
 
-def _say_served(say, served: list[dict], busy: list[dict], sizes) -> None:
-    for r in served:
+def _say_served(say, served: list[dict], served_idle: list[dict], busy: list[dict],
+                sizes) -> None:
+    for r, q in zip(served, served_idle):
         say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
-            f"{r['s'] * 1000:8.2f} ms a token")
+            f"{r['s'] * 1000:8.2f} ms a token, {q['s'] * 1000:8.2f} with the prefill worker "
+            "idle")
     for n in sizes:
         ss = [r["s"] for r in busy if r["tokens"] == n]
         say(f"served prefill {n:5d} tokens, queue never empty: {len(ss)} prompts, median "
@@ -708,7 +717,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     engine.close()  # a group's followers end with it
     del engine
     if handoff:
-        p.handoff, p.served, p.served_prefill = measure_workers(
+        p.handoff, p.served, p.served_prefill, p.served_idle = measure_workers(
             model, dtype, cores, repeats, say, engine_len, vocab, device, tp)
         _serving_factors(p, say)
     weights = tier_weights(p)
@@ -731,18 +740,21 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     # the profile's workers are freshly started, their pools unscattered: their decode steps
     # against the bare engine's on a fresh pool
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
-    for r in p.served:
+    for r in [*p.served, *p.served_idle]:
         r["model_s"] = _served_model_s(fresh_cost, r)
     for r in p.served_prefill:
         r["model_s"] = engine_cost.engine_prompt(r["tokens"])
     if p.served:
         p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
+    if p.served_idle:
+        p.serving_factor_idle = statistics.median(r["s"] / r["model_s"] for r in p.served_idle)
     fit = prefill_factors(p.served_prefill, engine_cost.engine_prompt)
     if fit is None:
         p.prefill_factor, p.prefill_stream_factor = p.serving_factor, 0.0
     else:
         p.prefill_factor, p.prefill_stream_factor = fit
-    say(f"serving factors: decode {p.serving_factor:.3f}, prefill {p.prefill_factor:.3f} "
+    idle = "" if p.serving_factor_idle is None else f" ({p.serving_factor_idle:.3f} idle)"
+    say(f"serving factors: decode {p.serving_factor:.3f}{idle}, prefill {p.prefill_factor:.3f} "
         f"+ {p.prefill_stream_factor * 100:.4f} per 100 tokens a second streamed meanwhile "
         "(a serving worker's time over the bare engine's)")
 

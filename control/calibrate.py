@@ -112,6 +112,8 @@ class Calibration:
         return {"applied": self.applied, "decode_ratio": round(self.decode_ratio, 4),
                 "prefill_ratio": round(self.prefill_ratio, 4),
                 "serving_factor": round(p.serving_factor, 4),
+                "serving_factor_idle": (None if p.serving_factor_idle is None
+                                        else round(p.serving_factor_idle, 4)),
                 "prefill_factor": round(p.prefill_factor, 4),
                 "local_prefill_scale": round(p.local_prefill_scale, 4),
                 "decode_samples": self.decode_samples, "prefill_samples": self.prefill_samples,
@@ -140,13 +142,14 @@ class Calibration:
 
 
 def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
-    """``p`` with the decode factor scaled by ``kd`` and the prefill factors by ``kp``: a
-    prefill worker's and the local path's for a remote fit, the local path's alone for a
-    local one."""
+    """``p`` with the decode factors (idle and busy) scaled by ``kd`` and the prefill factors
+    by ``kp``: a prefill worker's and the local path's for a remote fit, the local path's alone
+    for a local one."""
+    idle = None if p.serving_factor_idle is None else p.serving_factor_idle * kd
     if path == "local":
-        return replace(p, serving_factor=p.serving_factor * kd,
+        return replace(p, serving_factor=p.serving_factor * kd, serving_factor_idle=idle,
                        local_prefill_scale=p.local_prefill_scale * kp)
-    return replace(p, serving_factor=p.serving_factor * kd,
+    return replace(p, serving_factor=p.serving_factor * kd, serving_factor_idle=idle,
                    prefill_factor=p.prefill_factor * kp,
                    prefill_stream_factor=p.prefill_stream_factor * kp)
 

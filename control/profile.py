@@ -55,6 +55,15 @@ Four measurements, each the median of a few repeats:
   themselves.) A factor of its own for the decode attention, fitted by least squares over the five
   points, came out 1.06-1.27 against 1.01-1.16 for the rest of the step in four profiles, with no
   consistent difference and no better predictions: one factor it is.
+  The served grid is timed a second time in each round with the prefill worker idle
+  (``served_idle``, ``serving_factor_idle``): the routers and the clients then have its core,
+  and the decode worker's streams are not held up by hand-offs. On a 2-vCPU VM 64 streams of
+  128-256 tokens ran at 1.27-1.32x the bare engine beside an idle prefill worker and 1.52-1.89x
+  beside a busy one, and the simulator with the busy factor alone put a 1 prefill + 1 decode
+  pair's TPOT in a decode-heavy phase (its prefill worker mostly idle) 5-13% above the measured
+  one, at the SLO. A decode step's factor runs between the two by the share of the time the
+  cluster's other workers ran steps in the second before (:meth:`CostModel.decode_factor`); a
+  version-6 profile, without the idle grid, has one factor for both.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -66,8 +75,9 @@ Four measurements, each the median of a few repeats:
 where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
 prefill table and the other coefficients are least-squares fits of what is left; the whole is
 multiplied by the two factors weighed by the step's tokens:
-``(P * (prefill_factor + prefill_stream_factor * streamed tokens/s) + D * serving_factor)
-/ (P + D)``.
+``(P * (prefill_factor + prefill_stream_factor * streamed tokens/s) + D * decode_factor)
+/ (P + D)``, ``decode_factor`` between ``serving_factor_idle`` and ``serving_factor`` by the
+other workers' busy share.
 """
 
 from __future__ import annotations
@@ -80,8 +90,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # 2: the prefill factor; 3: from throughput under a queue; 4: measured on its own; 5: decode
-# steps on a scattered pool; 6: the batched prefill table measured warm, in rounds
-VERSION = 6
+# steps on a scattered pool; 6: the batched prefill table measured warm, in rounds; 7: the
+# served grid with the prefill worker idle as well (``serving_factor_idle``)
+VERSION = 7
+READS = (6, 7)  # a version-6 profile reads as one whose decode factor is the same idle or busy
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 PREFILL_ROUNDS = 3  # the table's sizes in turn, each point the median over the rounds
@@ -131,6 +143,9 @@ class Profile:
     neighbors: list[int] = field(default_factory=list)  # cores kept busy while measuring
     served: list[dict] = field(default_factory=list)  # {batch, context, s, model_s}
     serving_factor: float = 1.0  # a serving decode worker's step over the bare engine's
+    # the same with the other worker idle (None: not measured, as busy); the grid {batch, ...}
+    served_idle: list[dict] = field(default_factory=list)
+    serving_factor_idle: float | None = None
     served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
     # its rise per token a second streamed to clients meanwhile (router and clients share cores)
@@ -158,9 +173,10 @@ class Profile:
             d = json.loads(Path(path).read_text())
         except (OSError, ValueError) as e:
             raise ProfileError(f"cannot read profile {path}: {e}") from None
-        if d.get("version") != VERSION:
+        if d.get("version") not in READS:
             raise ProfileError(f"profile {path} has version {d.get('version')!r}, this Baton "
-                               f"reads version {VERSION}: run `baton profile` again")
+                               f"reads versions {', '.join(map(str, READS))}: run "
+                               "`baton profile` again")
         try:
             return cls(**d)
         except TypeError as e:
@@ -248,6 +264,8 @@ class CostModel:
             self.handoff_fixed = statistics.fmean(ys)
         self.kv_bytes_per_token = p.kv_bytes_per_token
         self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
+        self.serving_factor_idle = (p.serving_factor if p.serving_factor_idle is None
+                                    else p.serving_factor_idle)
         self.prefill_stream_factor = p.prefill_stream_factor
         self.local_prefill_scale = p.local_prefill_scale
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
@@ -258,11 +276,14 @@ class CostModel:
         return _interp(self._tx, self._ty, n) if n > 0 else 0.0
 
     def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int],
-             streamed_tps: float = 0.0, local: bool = False) -> float:
+             streamed_tps: float = 0.0, local: bool = False, others_busy: float = 1.0
+             ) -> float:
         """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
         request, ``decode_ctxs`` = context length per decoding request, ``streamed_tps`` the
         tokens a second the cluster streams to its clients meanwhile; ``local``: a decode
-        worker's step (its prompts at ``local_prefill_scale``)."""
+        worker's step (its prompts at ``local_prefill_scale``); ``others_busy``: the share of
+        the time the other workers ran steps meanwhile (0 idle .. 1 busy, as the profile's
+        served grid), between the two decode factors."""
         p, d = sum(c[0] for c in chunks), len(decode_ctxs)
         if not p + d:
             return 0.0
@@ -270,8 +291,15 @@ class CostModel:
         prefill = self.prefill_factor + self.prefill_stream_factor * streamed_tps
         if local:
             prefill *= self.local_prefill_scale
-        factor = (p * prefill + d * self.serving_factor) / (p + d)
+        decode = self.decode_factor(others_busy)
+        factor = (p * prefill + d * decode) / (p + d)
         return factor * self.engine_step(p + d, pairs, decode_ctxs)
+
+    def decode_factor(self, others_busy: float = 1.0) -> float:
+        """A serving worker's decode step over the bare engine's, with the other workers busy
+        ``others_busy`` of the time (0 .. 1)."""
+        share = min(1.0, max(0.0, others_busy))
+        return self.serving_factor_idle + (self.serving_factor - self.serving_factor_idle) * share
 
     def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
         """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
@@ -293,7 +321,9 @@ class CostModel:
         return self.handoff_fixed + self.handoff_per_byte * tokens * self.kv_bytes_per_token
 
     def summary(self) -> dict:
-        return {"serving_factor": self.serving_factor, "prefill_factor": self.prefill_factor,
+        return {"serving_factor": self.serving_factor,
+                "serving_factor_idle": self.serving_factor_idle,
+                "prefill_factor": self.prefill_factor,
                 "prefill_stream_factor_per_tps": self.prefill_stream_factor,
                 "attn_prefill_s_per_pair": self.attn_prefill,
                 "decode_s_per_sequence": self.per_seq,

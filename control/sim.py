@@ -121,10 +121,13 @@ class _Seq:
 
 
 class Sim:
-    """The event queue, and the tokens the cluster streams to its clients (the router and the
-    clients relay them on the machine's cores: a prefill step's cost rises with their rate)."""
+    """The event queue, the tokens the cluster streams to its clients (the router and the
+    clients relay them on the machine's cores: a prefill step's cost rises with their rate),
+    and the engines (while the others run steps, a decode step's cost rises from the profile's
+    idle decode factor to its busy one: the relaying has no idle core to run on)."""
 
     STREAM_WINDOW_S = 1.0  # the rate is of the tokens streamed this long before
+    BUSY_WINDOW_S = 1.0  # an engine's busy share is of this long before
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -132,6 +135,13 @@ class Sim:
         self._n = itertools.count()
         self._streamed: deque[tuple[float, int]] = deque()
         self._streamed_n = 0
+        self.engines: list[SimEngine] = []
+
+    def others_busy(self, engine: SimEngine, t: float) -> float:
+        """The mean busy share of the engines other than ``engine`` over the window before
+        ``t`` (0 with none)."""
+        others = [e for e in self.engines if e is not engine]
+        return sum(e.busy_share(t) for e in others) / len(others) if others else 0.0
 
     def streamed(self, t: float, n: int) -> None:
         """``n`` tokens went out to clients at ``t``."""
@@ -205,8 +215,23 @@ class SimEngine:
         self.running: list[_Seq] = []
         self.ops: list[Callable[[float], None]] = []
         self.busy = False
+        self._steps: deque[tuple[float, float]] = deque()  # (start, end) of recent steps
+        self._steps_s = 0.0  # their summed length
         self.inflight = 0  # the router's count of its requests here
         self.on_free: Callable[[float], None] | None = None  # a decode slot freed
+        sim.engines.append(self)
+
+    def busy_share(self, t: float) -> float:
+        """The share of the window before ``t`` (:attr:`Sim.BUSY_WINDOW_S`) this engine spent
+        in steps (a step still running counts up to ``t``)."""
+        lo = t - self.sim.BUSY_WINDOW_S
+        while self._steps and self._steps[0][1] <= lo:
+            a, b = self._steps.popleft()
+            self._steps_s -= b - a
+        if not self._steps:
+            return 0.0
+        busy = self._steps_s - max(0.0, lo - self._steps[0][0]) - max(0.0, self._steps[-1][1] - t)
+        return min(1.0, max(0.0, busy / self.sim.BUSY_WINDOW_S))
 
     def ended(self, t: float) -> None:
         """One of the router's requests here ended: its decode slot is free."""
@@ -283,8 +308,12 @@ class SimEngine:
                 s.started = t
                 if s.submitted is not None:
                     s.req.queue_s = t - s.submitted
-        step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local)
-        self.sim.at(t + loads + step, lambda t2: self._end(batch, t2))
+        step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local,
+                              self.sim.others_busy(self, t))
+        end = t + loads + step
+        self._steps.append((t, end))
+        self._steps_s += end - t
+        self.sim.at(end, lambda t2: self._end(batch, t2))
 
     def _end(self, batch: list[tuple[_Seq, int]], t: float) -> None:
         self.sim.streamed(t, sum(1 for seq, n in batch if not seq.prefill_only

@@ -290,6 +290,13 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
          for r in p.served])
     assert p.serving_factor == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served))
+    # the same grid with the prefill worker idle, in turn with the busy one: its own factor
+    assert [(r["batch"], r["context"]) for r in p.served_idle] == [(16, 128), (8, 384)] * 2
+    assert [r["model_s"] for r in p.served_idle] == pytest.approx(
+        [r["model_s"] for r in p.served])
+    assert p.serving_factor_idle == pytest.approx(
+        statistics.median(r["s"] / r["model_s"] for r in p.served_idle))
+    assert "with the prefill worker idle" in out.stderr
     # the prefill worker prefilled its largest long prompt that fits, over and over, sent by
     # several clients so its queue never emptied, in windows with and without other streams
     # through the router; the factor and its rise are a line through the windows' throughput
@@ -451,6 +458,60 @@ def test_the_simulator_slows_prefill_by_the_tokens_it_streams():
     short = [(n, 1, t) for n, _, t in shape]
     assert [r.first for r in simulate(Layout(1, 1), rising, short)] == pytest.approx(
         [r.first for r in simulate(Layout(1, 1), base, short)])
+
+
+def test_a_decode_step_costs_more_while_the_other_workers_run_steps():
+    """The decode factor runs from the profile's idle one (the other workers idle) to its
+    busy one; a profile without the idle grid (version 6) has one factor for both."""
+    p = dataclasses.replace(make_profile(), serving_factor=1.3, serving_factor_idle=1.1)
+    cm, bare = CostModel(p), CostModel(make_profile())
+    decodes = [200] * 16
+    assert cm.step([], decodes, others_busy=0.0) == pytest.approx(1.1 * bare.step([], decodes))
+    assert cm.step([], decodes, others_busy=1.0) == pytest.approx(1.3 * bare.step([], decodes))
+    assert cm.step([], decodes) == cm.step([], decodes, others_busy=1.0)  # as the grid was
+    assert cm.step([], decodes, others_busy=0.5) == pytest.approx(1.2 * bare.step([], decodes))
+    assert cm.decode_factor(2.0) == cm.decode_factor(1.0)  # a share, clamped
+    chunk = [(256, 0)]  # a prompt's factor is the prefill one, idle or busy
+    assert cm.step(chunk, [], others_busy=0.0) == cm.step(chunk, [], others_busy=1.0)
+    flat = CostModel(dataclasses.replace(p, serving_factor_idle=None))
+    assert flat.decode_factor(0.0) == flat.decode_factor(1.0) == 1.3
+
+
+def test_a_version_6_profile_reads_with_one_decode_factor(tmp_path):
+    d = dataclasses.asdict(make_profile())
+    for k in ("served_idle", "serving_factor_idle"):
+        del d[k]
+    d["version"], d["serving_factor"] = 6, 1.2
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    p = Profile.load(tmp_path / "p.json")
+    assert (p.version, p.serving_factor_idle) == (6, None)
+    assert CostModel(p).decode_factor(0.0) == 1.2
+
+
+def test_the_simulator_decodes_faster_beside_an_idle_prefill_worker():
+    """1P+1D: short prompts stay on the decode worker (the local path), so with nothing else
+    the prefill worker is idle and the decode steps run at the idle factor; long prompts
+    meanwhile keep it busy, and the same decodes run slower. Two colocated workers that both
+    decode see each other busy."""
+    p = dataclasses.replace(make_profile(), serving_factor=1.5, serving_factor_idle=1.0)
+    flat = dataclasses.replace(p, serving_factor_idle=None)
+    short = [(32, 100, i * 0.01) for i in range(8)]  # local path, decoding ~together
+    idle = simulate(Layout(1, 1), p, short)
+    assert all(r.path == "local" for r in idle)
+    assert [r.tpot for r in idle] == pytest.approx(
+        [r.tpot for r in simulate(Layout(1, 1), dataclasses.replace(flat, serving_factor=1.0),
+                                  short)])
+    # long prompts through the prefill worker, one after another while the short ones decode
+    busy_shape = short + [(4000, 1, 0.1 + i * 0.05) for i in range(40)]
+    busy = [r for r in simulate(Layout(1, 1), p, busy_shape) if r.prompt_tokens == 32]
+    assert statistics.median(r.tpot for r in busy) > 1.3 * statistics.median(
+        r.tpot for r in idle)
+    # colocated, every request on one worker or the other: both decode, each busy beside the
+    # other, so the factor is near the busy one
+    pair = simulate(Layout(0, 2, colocated=True), p, short)
+    busy_pair = simulate(Layout(0, 2, colocated=True), flat, short)
+    assert statistics.median(r.tpot for r in pair) > 0.9 * statistics.median(
+        r.tpot for r in busy_pair)
 
 
 def test_tier_weights_are_the_share_of_prefill_time_a_load_saves():
