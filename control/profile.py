@@ -266,6 +266,7 @@ class CostModel:
         self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
         self.serving_factor_idle = (p.serving_factor if p.serving_factor_idle is None
                                     else p.serving_factor_idle)
+        self.decode_factors_differ = self.serving_factor_idle != self.serving_factor
         self.prefill_stream_factor = p.prefill_stream_factor
         self.local_prefill_scale = p.local_prefill_scale
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load

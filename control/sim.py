@@ -221,13 +221,17 @@ class SimEngine:
         self.on_free: Callable[[float], None] | None = None  # a decode slot freed
         sim.engines.append(self)
 
+    def _forget(self, lo: float) -> None:
+        """Drops the steps that ended by ``lo``."""
+        while self._steps and self._steps[0][1] <= lo:
+            a, b = self._steps.popleft()
+            self._steps_s -= b - a
+
     def busy_share(self, t: float) -> float:
         """The share of the window before ``t`` (:attr:`Sim.BUSY_WINDOW_S`) this engine spent
         in steps (a step still running counts up to ``t``)."""
         lo = t - self.sim.BUSY_WINDOW_S
-        while self._steps and self._steps[0][1] <= lo:
-            a, b = self._steps.popleft()
-            self._steps_s -= b - a
+        self._forget(lo)
         if not self._steps:
             return 0.0
         busy = self._steps_s - max(0.0, lo - self._steps[0][0]) - max(0.0, self._steps[-1][1] - t)
@@ -308,9 +312,13 @@ class SimEngine:
                 s.started = t
                 if s.submitted is not None:
                     s.req.queue_s = t - s.submitted
-        step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local,
-                              self.sim.others_busy(self, t))
+        # the others' busy share only where it moves the step: decodes at a profile's two
+        # decode factors (a version-6 profile has one)
+        busy = (self.sim.others_busy(self, t) if decodes and self.cost.decode_factors_differ
+                else 1.0)
+        step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local, busy)
         end = t + loads + step
+        self._forget(t - self.sim.BUSY_WINDOW_S)  # bounded when nobody asks
         self._steps.append((t, end))
         self._steps_s += end - t
         self.sim.at(end, lambda t2: self._end(batch, t2))
