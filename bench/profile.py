@@ -235,17 +235,18 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
 def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                     say: Callable[[str], None] = print,
                     max_model_len: int = 1 << 30, vocab: int = 10000, device: str = "cpu",
-                    tp: int = 1) -> tuple[list[dict], list[dict], list[dict], list[dict]]:
+                    tp: int = 1
+                    ) -> tuple[list[dict], list[dict], list[dict], list[dict], list[dict]]:
     """Real prefill and decode worker processes (one core each): per prompt size, the time from
     the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
     the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
     router, as clients reach it, while requests of :data:`BUSY_PROMPTS` tokens take the
     remote path one after another (both workers busy, the routers and the clients sharing their
-    cores, as in a cluster near its goodput), and in turn with the prefill worker idle (the
-    routers and the clients have its core); then the prefill worker saturated on its own
-    (:func:`_saturated_prefill`: each prompt's prefill call, as the router times it). Returns
-    the hand-offs, the served grid (busy), the saturated prefill rows and the served grid
-    (idle)."""
+    cores, as in a cluster near its goodput), in turn with the prefill worker idle (the
+    routers and the clients have its core), and with it decoding too (:func:`_served_decoding`);
+    then the prefill worker saturated on its own (:func:`_saturated_prefill`: each prompt's
+    prefill call, as the router times it). Returns the hand-offs, the served grid (busy), the
+    saturated prefill rows, and the served grid idle and decoding."""
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
     from baton_client.v1 import api_pb2_grpc
@@ -269,13 +270,14 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         fits = [n for n in LONG_PROMPTS if n < max_model_len]
         sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
-        served, served_idle = [], []
-        for i in range(SERVED_ROUNDS):  # idle and busy in turn: a slow minute hits both
+        served, served_idle, served_decoding = [], [], []
+        for i in range(SERVED_ROUNDS):  # idle, busy, decoding in turn: a slow minute hits all
             served_idle += [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
                             for c, b in grid]
             with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1 + i), sizes):
                 served += [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
                            for c, b in grid]
+            served_decoding += _served_decoding(prefill, rstub, prompts, grid)
         busy = []
         for streams in PREFILL_STREAMS:
             say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
@@ -284,8 +286,29 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             busy += _saturated_prefill(busy_stub, rstub, _Prompts(min(vocab, 10000),
                                                                   seed=2 + len(busy)),
                                        sizes, streams)
-    _say_served(say, served, served_idle, busy, sizes)
-    return rows, served, busy, served_idle
+    _say_served(say, served, served_idle, served_decoding, busy, sizes)
+    return rows, served, busy, served_idle, served_decoding
+
+
+def _served_decoding(prefill, rstub, prompts: _Prompts, grid: list[tuple[int, int]]
+                     ) -> list[dict]:
+    """The served grid with the other worker decoding as well: ``prefill`` switched to the
+    decode role (``WorkerAdmin.SetRole``, as `baton role`), twice each point's streams through
+    the router, which splits them over the two workers (B each, both prefilling their own
+    prompts first, as two colocated workers), then switched back. After each switch it waits
+    out the routers' registry refresh, so they route by the new role before anything else is
+    sent."""
+    from baton.control.tune_live import set_role
+    from baton.services.router.workers import REFRESH_S
+
+    set_role(prefill.address, "decode")
+    try:
+        time.sleep(1.5 * REFRESH_S)
+        return [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, 2 * b)}
+                for c, b in grid]
+    finally:
+        set_role(prefill.address, "prefill")
+        time.sleep(1.5 * REFRESH_S)
 
 
 def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: list[int],
@@ -368,12 +391,12 @@ def _remote_prefill_timing(rstub, ids: list[int], params):
     return final.timing
 
 
-def _say_served(say, served: list[dict], served_idle: list[dict], busy: list[dict],
-                sizes) -> None:
-    for r, q in zip(served, served_idle):
+def _say_served(say, served: list[dict], served_idle: list[dict], served_decoding: list[dict],
+                busy: list[dict], sizes) -> None:
+    for r, q, d in zip(served, served_idle, served_decoding):
         say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
             f"{r['s'] * 1000:8.2f} ms a token, {q['s'] * 1000:8.2f} with the prefill worker "
-            "idle")
+            f"idle, {d['s'] * 1000:8.2f} with it decoding as many")
     for n in sizes:
         ss = [r["s"] for r in busy if r["tokens"] == n]
         say(f"served prefill {n:5d} tokens, queue never empty: {len(ss)} prompts, median "
@@ -717,7 +740,8 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     engine.close()  # a group's followers end with it
     del engine
     if handoff:
-        p.handoff, p.served, p.served_prefill, p.served_idle = measure_workers(
+        (p.handoff, p.served, p.served_prefill, p.served_idle,
+         p.served_decoding) = measure_workers(
             model, dtype, cores, repeats, say, engine_len, vocab, device, tp)
         _serving_factors(p, say)
     weights = tier_weights(p)
@@ -740,7 +764,7 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     # the profile's workers are freshly started, their pools unscattered: their decode steps
     # against the bare engine's on a fresh pool
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
-    for r in [*p.served, *p.served_idle]:
+    for r in [*p.served, *p.served_idle, *p.served_decoding]:
         r["model_s"] = _served_model_s(fresh_cost, r)
     for r in p.served_prefill:
         r["model_s"] = engine_cost.engine_prompt(r["tokens"])
@@ -748,12 +772,18 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
         p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
     if p.served_idle:
         p.serving_factor_idle = statistics.median(r["s"] / r["model_s"] for r in p.served_idle)
+    if p.served_decoding:
+        p.serving_factor_decoding = statistics.median(r["s"] / r["model_s"]
+                                                      for r in p.served_decoding)
     fit = prefill_factors(p.served_prefill, engine_cost.engine_prompt)
     if fit is None:
         p.prefill_factor, p.prefill_stream_factor = p.serving_factor, 0.0
     else:
         p.prefill_factor, p.prefill_stream_factor = fit
-    idle = "" if p.serving_factor_idle is None else f" ({p.serving_factor_idle:.3f} idle)"
+    beside = [f"{f:.3f} {k}" for f, k in ((p.serving_factor_idle, "idle"),
+                                          (p.serving_factor_decoding,
+                                           "beside a decoding worker")) if f is not None]
+    idle = f" ({', '.join(beside)})" if beside else ""
     say(f"serving factors: decode {p.serving_factor:.3f}{idle}, prefill {p.prefill_factor:.3f} "
         f"+ {p.prefill_stream_factor * 100:.4f} per 100 tokens a second streamed meanwhile "
         "(a serving worker's time over the bare engine's)")

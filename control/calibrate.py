@@ -114,6 +114,8 @@ class Calibration:
                 "serving_factor": round(p.serving_factor, 4),
                 "serving_factor_idle": (None if p.serving_factor_idle is None
                                         else round(p.serving_factor_idle, 4)),
+                "serving_factor_decoding": (None if p.serving_factor_decoding is None
+                                            else round(p.serving_factor_decoding, 4)),
                 "prefill_factor": round(p.prefill_factor, 4),
                 "local_prefill_scale": round(p.local_prefill_scale, 4),
                 "decode_samples": self.decode_samples, "prefill_samples": self.prefill_samples,
@@ -142,15 +144,17 @@ class Calibration:
 
 
 def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
-    """``p`` with the decode factors (idle and busy) scaled by ``kd`` and the prefill factors
-    by ``kp``: a prefill worker's and the local path's for a remote fit, the local path's alone
-    for a local one."""
-    idle = None if p.serving_factor_idle is None else p.serving_factor_idle * kd
+    """``p`` with the decode factors (idle, busy, decoding) scaled by ``kd`` and the prefill
+    factors by ``kp``: a prefill worker's and the local path's for a remote fit, the local
+    path's alone for a local one."""
+    decode = {"serving_factor": p.serving_factor * kd,
+              "serving_factor_idle": (None if p.serving_factor_idle is None
+                                      else p.serving_factor_idle * kd),
+              "serving_factor_decoding": (None if p.serving_factor_decoding is None
+                                          else p.serving_factor_decoding * kd)}
     if path == "local":
-        return replace(p, serving_factor=p.serving_factor * kd, serving_factor_idle=idle,
-                       local_prefill_scale=p.local_prefill_scale * kp)
-    return replace(p, serving_factor=p.serving_factor * kd, serving_factor_idle=idle,
-                   prefill_factor=p.prefill_factor * kp,
+        return replace(p, **decode, local_prefill_scale=p.local_prefill_scale * kp)
+    return replace(p, **decode, prefill_factor=p.prefill_factor * kp,
                    prefill_stream_factor=p.prefill_stream_factor * kp)
 
 

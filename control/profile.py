@@ -61,9 +61,19 @@ Four measurements, each the median of a few repeats:
   128-256 tokens ran at 1.27-1.32x the bare engine beside an idle prefill worker and 1.52-1.89x
   beside a busy one, and the simulator with the busy factor alone put a 1 prefill + 1 decode
   pair's TPOT in a decode-heavy phase (its prefill worker mostly idle) 5-13% above the measured
-  one, at the SLO. A decode step's factor runs between the two by the share of the time the
-  cluster's other workers ran steps in the second before (:meth:`CostModel.decode_factor`); a
-  version-6 profile, without the idle grid, has one factor for both.
+  one, at the SLO. The served grid is timed a third time in each round with the other worker
+  decoding too (``served_decoding``, ``serving_factor_decoding``): it is switched to the decode
+  role and the router splits twice the streams over the two workers, B each, as two colocated
+  workers run a decode-heavy load. On a 2-vCPU VM 32-64 streams of 256 tokens ran at 2.0-2.5x
+  the bare engine beside a decoding worker against 1.4-1.7x beside a prefilling one (both
+  stream the weights and the KV through the one memory system), and the simulator with the
+  prefilling factor put two colocated workers' TPOT in a decode-heavy phase far under the
+  measured one (0.15 s measured, each worker at its max_num_seqs, where it predicted the SLO
+  met at the phase's rate). A decode step's factor runs from the idle one by the share of the
+  time the cluster's other workers ran steps in the second before, toward the busy one for the
+  prefill part of those steps and the decoding one for their decode part (by tokens)
+  (:meth:`CostModel.decode_factor`); a version-7 profile, without the decoding grid, takes the
+  busy factor for both, and a version-6 one, without the idle grid either, one factor for all.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -76,8 +86,8 @@ where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated fro
 prefill table and the other coefficients are least-squares fits of what is left; the whole is
 multiplied by the two factors weighed by the step's tokens:
 ``(P * (prefill_factor + prefill_stream_factor * streamed tokens/s) + D * decode_factor)
-/ (P + D)``, ``decode_factor`` between ``serving_factor_idle`` and ``serving_factor`` by the
-other workers' busy share.
+/ (P + D)``, ``decode_factor`` from ``serving_factor_idle`` toward ``serving_factor`` (the
+other workers prefilling) and ``serving_factor_decoding`` (decoding) by their busy shares.
 """
 
 from __future__ import annotations
@@ -91,9 +101,12 @@ from pathlib import Path
 
 # 2: the prefill factor; 3: from throughput under a queue; 4: measured on its own; 5: decode
 # steps on a scattered pool; 6: the batched prefill table measured warm, in rounds; 7: the
-# served grid with the prefill worker idle as well (``serving_factor_idle``)
-VERSION = 7
-READS = (6, 7)  # a version-6 profile reads as one whose decode factor is the same idle or busy
+# served grid with the prefill worker idle as well (``serving_factor_idle``); 8: and with the
+# other worker decoding (``serving_factor_decoding``)
+VERSION = 8
+# a version-6 profile reads as one whose decode factor is the same idle, busy or decoding; a
+# version-7 one as one whose decoding factor is its busy one
+READS = (6, 7, 8)
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 PREFILL_ROUNDS = 3  # the table's sizes in turn, each point the median over the rounds
@@ -146,6 +159,9 @@ class Profile:
     # the same with the other worker idle (None: not measured, as busy); the grid {batch, ...}
     served_idle: list[dict] = field(default_factory=list)
     serving_factor_idle: float | None = None
+    # the same with the other worker decoding B streams too (None: not measured, as busy)
+    served_decoding: list[dict] = field(default_factory=list)
+    serving_factor_decoding: float | None = None
     served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
     # its rise per token a second streamed to clients meanwhile (router and clients share cores)
@@ -266,7 +282,10 @@ class CostModel:
         self.serving_factor, self.prefill_factor = p.serving_factor, p.prefill_factor
         self.serving_factor_idle = (p.serving_factor if p.serving_factor_idle is None
                                     else p.serving_factor_idle)
-        self.decode_factors_differ = self.serving_factor_idle != self.serving_factor
+        self.serving_factor_decoding = (p.serving_factor if p.serving_factor_decoding is None
+                                        else p.serving_factor_decoding)
+        self.decode_factors_differ = (self.serving_factor_idle != self.serving_factor
+                                      or self.serving_factor_decoding != self.serving_factor)
         self.prefill_stream_factor = p.prefill_stream_factor
         self.local_prefill_scale = p.local_prefill_scale
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
@@ -277,14 +296,15 @@ class CostModel:
         return _interp(self._tx, self._ty, n) if n > 0 else 0.0
 
     def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int],
-             streamed_tps: float = 0.0, local: bool = False, others_busy: float = 1.0
-             ) -> float:
+             streamed_tps: float = 0.0, local: bool = False, others_busy: float = 1.0,
+             others_decoding: float = 0.0) -> float:
         """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
         request, ``decode_ctxs`` = context length per decoding request, ``streamed_tps`` the
         tokens a second the cluster streams to its clients meanwhile; ``local``: a decode
         worker's step (its prompts at ``local_prefill_scale``); ``others_busy``: the share of
         the time the other workers ran steps meanwhile (0 idle .. 1 busy, as the profile's
-        served grid), between the two decode factors."""
+        served grid), ``others_decoding`` the decode part of it, between the decode factors
+        (:meth:`decode_factor`)."""
         p, d = sum(c[0] for c in chunks), len(decode_ctxs)
         if not p + d:
             return 0.0
@@ -292,15 +312,19 @@ class CostModel:
         prefill = self.prefill_factor + self.prefill_stream_factor * streamed_tps
         if local:
             prefill *= self.local_prefill_scale
-        decode = self.decode_factor(others_busy)
+        decode = self.decode_factor(others_busy, others_decoding)
         factor = (p * prefill + d * decode) / (p + d)
         return factor * self.engine_step(p + d, pairs, decode_ctxs)
 
-    def decode_factor(self, others_busy: float = 1.0) -> float:
+    def decode_factor(self, others_busy: float = 1.0, others_decoding: float = 0.0) -> float:
         """A serving worker's decode step over the bare engine's, with the other workers busy
-        ``others_busy`` of the time (0 .. 1)."""
+        ``others_busy`` of the time (0 .. 1), ``others_decoding`` of it (at most
+        ``others_busy``) decoding and the rest prefilling."""
         share = min(1.0, max(0.0, others_busy))
-        return self.serving_factor_idle + (self.serving_factor - self.serving_factor_idle) * share
+        dec = min(share, max(0.0, others_decoding))
+        idle = self.serving_factor_idle
+        return (idle + (self.serving_factor - idle) * (share - dec)
+                + (self.serving_factor_decoding - idle) * dec)
 
     def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
         """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
@@ -324,6 +348,7 @@ class CostModel:
     def summary(self) -> dict:
         return {"serving_factor": self.serving_factor,
                 "serving_factor_idle": self.serving_factor_idle,
+                "serving_factor_decoding": self.serving_factor_decoding,
                 "prefill_factor": self.prefill_factor,
                 "prefill_stream_factor_per_tps": self.prefill_stream_factor,
                 "attn_prefill_s_per_pair": self.attn_prefill,

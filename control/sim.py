@@ -124,7 +124,8 @@ class Sim:
     """The event queue, the tokens the cluster streams to its clients (the router and the
     clients relay them on the machine's cores: a prefill step's cost rises with their rate),
     and the engines (while the others run steps, a decode step's cost rises from the profile's
-    idle decode factor to its busy one: the relaying has no idle core to run on)."""
+    idle decode factor toward its busy one, where they prefill (the relaying has no idle core
+    to run on), and its decoding one, where they decode (the memory system is shared))."""
 
     STREAM_WINDOW_S = 1.0  # the rate is of the tokens streamed this long before
     BUSY_WINDOW_S = 1.0  # an engine's busy share is of this long before
@@ -137,11 +138,14 @@ class Sim:
         self._streamed_n = 0
         self.engines: list[SimEngine] = []
 
-    def others_busy(self, engine: SimEngine, t: float) -> float:
+    def others_busy(self, engine: SimEngine, t: float) -> tuple[float, float]:
         """The mean busy share of the engines other than ``engine`` over the window before
-        ``t`` (0 with none)."""
-        others = [e for e in self.engines if e is not engine]
-        return sum(e.busy_share(t) for e in others) / len(others) if others else 0.0
+        ``t``, and the decode part of it ((0, 0) with none)."""
+        others = [e.busy_share(t) for e in self.engines if e is not engine]
+        if not others:
+            return 0.0, 0.0
+        return (sum(b for b, _ in others) / len(others),
+                sum(d for _, d in others) / len(others))
 
     def streamed(self, t: float, n: int) -> None:
         """``n`` tokens went out to clients at ``t``."""
@@ -215,8 +219,10 @@ class SimEngine:
         self.running: list[_Seq] = []
         self.ops: list[Callable[[float], None]] = []
         self.busy = False
-        self._steps: deque[tuple[float, float]] = deque()  # (start, end) of recent steps
+        # (start, end, decode share by tokens) of recent steps
+        self._steps: deque[tuple[float, float, float]] = deque()
         self._steps_s = 0.0  # their summed length
+        self._steps_dec_s = 0.0  # and its decode part
         self.inflight = 0  # the router's count of its requests here
         self.on_free: Callable[[float], None] | None = None  # a decode slot freed
         sim.engines.append(self)
@@ -224,18 +230,25 @@ class SimEngine:
     def _forget(self, lo: float) -> None:
         """Drops the steps that ended by ``lo``."""
         while self._steps and self._steps[0][1] <= lo:
-            a, b = self._steps.popleft()
+            a, b, f = self._steps.popleft()
             self._steps_s -= b - a
+            self._steps_dec_s -= (b - a) * f
 
-    def busy_share(self, t: float) -> float:
+    def busy_share(self, t: float) -> tuple[float, float]:
         """The share of the window before ``t`` (:attr:`Sim.BUSY_WINDOW_S`) this engine spent
-        in steps (a step still running counts up to ``t``)."""
+        in steps (a step still running counts up to ``t``), and the decode part of it (each
+        step's time split by its tokens)."""
         lo = t - self.sim.BUSY_WINDOW_S
         self._forget(lo)
         if not self._steps:
-            return 0.0
-        busy = self._steps_s - max(0.0, lo - self._steps[0][0]) - max(0.0, self._steps[-1][1] - t)
-        return min(1.0, max(0.0, busy / self.sim.BUSY_WINDOW_S))
+            return 0.0, 0.0
+        (a0, _, f0), (_, b1, f1) = self._steps[0], self._steps[-1]
+        head, tail = max(0.0, lo - a0), max(0.0, b1 - t)  # the parts outside the window
+        busy = self._steps_s - head - tail
+        dec = self._steps_dec_s - head * f0 - tail * f1
+        w = self.sim.BUSY_WINDOW_S
+        busy = min(1.0, max(0.0, busy / w))
+        return busy, min(busy, max(0.0, dec / w))
 
     def ended(self, t: float) -> None:
         """One of the router's requests here ended: its decode slot is free."""
@@ -314,13 +327,16 @@ class SimEngine:
                     s.req.queue_s = t - s.submitted
         # the others' busy share only where it moves the step: decodes at a profile's two
         # decode factors (a version-6 profile has one)
-        busy = (self.sim.others_busy(self, t) if decodes and self.cost.decode_factors_differ
-                else 1.0)
-        step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local, busy)
+        busy, decoding = (self.sim.others_busy(self, t)
+                          if decodes and self.cost.decode_factors_differ else (1.0, 0.0))
+        step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local, busy,
+                              decoding)
         end = t + loads + step
         self._forget(t - self.sim.BUSY_WINDOW_S)  # bounded when nobody asks
-        self._steps.append((t, end))
+        f = len(decodes) / max(1, len(decodes) + sum(c[0] for c in chunks))
+        self._steps.append((t, end, f))
         self._steps_s += end - t
+        self._steps_dec_s += (end - t) * f
         self.sim.at(end, lambda t2: self._end(batch, t2))
 
     def _end(self, batch: list[tuple[_Seq, int]], t: float) -> None:

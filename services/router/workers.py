@@ -109,11 +109,14 @@ def count_inflight(counts: dict[str, int], lock: threading.Lock, address: str):
             counts[address] -= 1
 
 
+REFRESH_S = 1.0  # a router re-reads the registry (roles among it) at most this often
+
+
 class WorkerPool:
     """Live workers from the registry (re-read at most every ``refresh_s``), one channel per
     address, and the router's own count of requests in flight on each (least-loaded first)."""
 
-    def __init__(self, registry: WorkerRegistry, refresh_s: float = 1.0) -> None:
+    def __init__(self, registry: WorkerRegistry, refresh_s: float = REFRESH_S) -> None:
         self.registry, self.refresh_s = registry, refresh_s
         self._workers: list[WorkerRecord] = []
         self._read_at = -math.inf  # never read

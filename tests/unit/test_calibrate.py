@@ -70,12 +70,13 @@ def test_the_factors_the_window_was_served_at_are_found_again(layout, kd, kp):
         assert mean(again, key) == pytest.approx(mean(ref, key), rel=0.03)
 
 
-def test_both_decode_factors_are_scaled_together():
-    """A profile with its idle decode factor (version 7): a 1P+1D window served with both
-    decode factors 1.2x the profile's is found again, and both come out scaled."""
+def test_the_decode_factors_are_scaled_together():
+    """A profile with its idle and decoding decode factors (version 8): a 1P+1D window served
+    with all three 1.2x the profile's is found again, and all three come out scaled."""
     p = dataclasses.replace(make_profile(attn_decode=2e-6, per_seq=5e-4), serving_factor=1.3,
-                            serving_factor_idle=1.05)
-    truth = dataclasses.replace(p, serving_factor=1.3 * 1.2, serving_factor_idle=1.05 * 1.2)
+                            serving_factor_idle=1.05, serving_factor_decoding=1.8)
+    truth = dataclasses.replace(p, serving_factor=1.3 * 1.2, serving_factor_idle=1.05 * 1.2,
+                                serving_factor_decoding=1.8 * 1.2)
     sh, layout = window(), Layout(1, 1)
     cal = calibrate(p, layout, sh, measured(layout, truth, sh))
     assert cal.applied, cal.notes
@@ -83,6 +84,9 @@ def test_both_decode_factors_are_scaled_together():
     assert cal.profile.serving_factor_idle == pytest.approx(1.05 * cal.decode_ratio)
     assert cal.profile.serving_factor == pytest.approx(1.3 * cal.decode_ratio)
     assert cal.summary()["serving_factor_idle"] == round(cal.profile.serving_factor_idle, 4)
+    assert cal.profile.serving_factor_decoding == pytest.approx(1.8 * cal.decode_ratio)
+    assert cal.summary()["serving_factor_decoding"] == round(
+        cal.profile.serving_factor_decoding, 4)
 
 
 def test_a_window_that_matches_changes_nothing():

@@ -297,6 +297,13 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.serving_factor_idle == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served_idle))
     assert "with the prefill worker idle" in out.stderr
+    # and with the prefill worker switched to decode, twice the streams split over the two
+    assert [(r["batch"], r["context"]) for r in p.served_decoding] == [(16, 128), (8, 384)] * 2
+    assert [r["model_s"] for r in p.served_decoding] == pytest.approx(
+        [r["model_s"] for r in p.served])
+    assert p.serving_factor_decoding == pytest.approx(
+        statistics.median(r["s"] / r["model_s"] for r in p.served_decoding))
+    assert "with it decoding as many" in out.stderr and "beside a decoding worker" in out.stderr
     # the prefill worker prefilled its largest long prompt that fits, over and over, sent by
     # several clients so its queue never emptied, in windows with and without other streams
     # through the router; the factor and its rise are a line through the windows' throughput
@@ -475,6 +482,19 @@ def test_a_decode_step_costs_more_while_the_other_workers_run_steps():
     assert cm.step(chunk, [], others_busy=0.0) == cm.step(chunk, [], others_busy=1.0)
     flat = CostModel(dataclasses.replace(p, serving_factor_idle=None))
     assert flat.decode_factor(0.0) == flat.decode_factor(1.0) == 1.3
+    # the other workers' decode part of their busy share moves it toward the decoding factor
+    # (a version-7 profile has none: its busy one)
+    assert cm.decode_factor(1.0, 1.0) == cm.decode_factor(1.0) == 1.3
+    dec = CostModel(dataclasses.replace(p, serving_factor_decoding=1.9))
+    assert dec.decode_factors_differ
+    assert dec.step([], decodes, others_busy=1.0, others_decoding=1.0) == pytest.approx(
+        1.9 * bare.step([], decodes))
+    assert dec.decode_factor(1.0, 0.5) == pytest.approx(1.1 + 0.2 * 0.5 + 0.8 * 0.5)
+    assert dec.decode_factor(0.5, 0.5) == pytest.approx(1.1 + 0.8 * 0.5)
+    assert dec.decode_factor(0.5, 1.0) == dec.decode_factor(0.5, 0.5)  # a part of the share
+    assert dec.decode_factor(1.0) == pytest.approx(1.3)  # the old callers: the busy factor
+    only = CostModel(dataclasses.replace(p, serving_factor_idle=None, serving_factor_decoding=2))
+    assert only.decode_factors_differ and only.decode_factor(0.0) == 1.3
 
 
 def test_a_version_6_profile_reads_with_one_decode_factor(tmp_path):
@@ -486,6 +506,19 @@ def test_a_version_6_profile_reads_with_one_decode_factor(tmp_path):
     p = Profile.load(tmp_path / "p.json")
     assert (p.version, p.serving_factor_idle) == (6, None)
     assert CostModel(p).decode_factor(0.0) == 1.2
+
+
+def test_a_version_7_profile_reads_with_its_busy_factor_beside_a_decoding_worker(tmp_path):
+    d = dataclasses.asdict(make_profile())
+    for k in ("served_decoding", "serving_factor_decoding"):
+        del d[k]
+    d["version"], d["serving_factor"], d["serving_factor_idle"] = 7, 1.3, 1.1
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    p = Profile.load(tmp_path / "p.json")
+    assert (p.version, p.serving_factor_decoding) == (7, None)
+    cm = CostModel(p)
+    assert cm.decode_factor(1.0, 1.0) == cm.decode_factor(1.0, 0.0) == 1.3
+    assert cm.decode_factor(0.0) == 1.1
 
 
 def test_the_simulator_decodes_faster_beside_an_idle_prefill_worker():
@@ -512,6 +545,28 @@ def test_the_simulator_decodes_faster_beside_an_idle_prefill_worker():
     busy_pair = simulate(Layout(0, 2, colocated=True), flat, short)
     assert statistics.median(r.tpot for r in pair) > 0.9 * statistics.median(
         r.tpot for r in busy_pair)
+
+
+def test_two_colocated_workers_decode_slower_beside_each_other_decoding():
+    """Two colocated workers that both decode are charged the profile's decoding factor (each
+    beside the other's decode steps); a 1P+1D decode worker beside a prefill worker that only
+    prefills is charged the busy one, whatever the decoding factor; with nothing else running
+    (local path, the prefill worker idle) the idle one."""
+    p = dataclasses.replace(make_profile(), serving_factor=1.3, serving_factor_idle=1.0)
+    dec = dataclasses.replace(p, serving_factor_decoding=2.0)
+    short = [(32, 200, i * 0.005) for i in range(16)]  # both workers decode, together
+    pair = simulate(Layout(0, 2, colocated=True), dec, short)
+    at_busy = simulate(Layout(0, 2, colocated=True), p, short)
+    ratio = statistics.median(r.tpot for r in pair) / statistics.median(r.tpot for r in at_busy)
+    assert 1.35 < ratio <= 2.0 / 1.3 + 1e-9  # near the decoding factor over the busy one
+    # 1P+1D: long prompts keep the prefill worker prefilling while the short ones decode
+    shape = short[:8] + [(4000, 1, 0.1 + i * 0.05) for i in range(40)]
+    one = [r.tpot for r in simulate(Layout(1, 1), dec, shape) if r.prompt_tokens == 32]
+    other = [r.tpot for r in simulate(Layout(1, 1), p, shape) if r.prompt_tokens == 32]
+    assert one == pytest.approx(other)
+    alone = simulate(Layout(1, 1), dec, short[:8])
+    assert [r.tpot for r in alone] == pytest.approx(
+        [r.tpot for r in simulate(Layout(1, 1), p, short[:8])])
 
 
 def test_tier_weights_are_the_share_of_prefill_time_a_load_saves():
