@@ -64,12 +64,10 @@ Four measurements, each the median of a few repeats:
   one, at the SLO. The served grid is timed a third time in each round with the other worker
   decoding too (``served_decoding``, ``serving_factor_decoding``): it is switched to the decode
   role and the router splits twice the streams over the two workers, B each, as two colocated
-  workers run a decode-heavy load. On a 2-vCPU VM 32-64 streams of 256 tokens ran at 2.0-2.5x
-  the bare engine beside a decoding worker against 1.4-1.7x beside a prefilling one (both
-  stream the weights and the KV through the one memory system), and the simulator with the
-  prefilling factor put two colocated workers' TPOT in a decode-heavy phase far under the
-  measured one (0.15 s measured, each worker at its max_num_seqs, where it predicted the SLO
-  met at the phase's rate). A decode step's factor runs from the idle one by the share of the
+  workers run a decode-heavy load, where the busy grid has the other worker prefilling. On a
+  2-vCPU VM 16-64 streams of 128-256 tokens ran at 1.46-1.75x the bare engine beside a
+  decoding worker against 1.28-1.63x beside a prefilling one and 1.15-1.20x beside an idle
+  one (bench/served_beside.py). A decode step's factor runs from the idle one by the share of the
   time the cluster's other workers ran steps in the second before, toward the busy one for the
   prefill part of those steps and the decoding one for their decode part (by tokens)
   (:meth:`CostModel.decode_factor`); a version-7 profile, without the decoding grid, takes the
