@@ -301,14 +301,20 @@ def _served_decoding(prefill, rstub, prompts: _Prompts, grid: list[tuple[int, in
     from baton.control.tune_live import set_role
     from baton.services.router.workers import REFRESH_S
 
-    set_role(prefill.address, "decode")
-    try:
+    def switch(role: str) -> None:
+        try:
+            set_role(prefill.address, role)
+        except RuntimeError as e:  # the worker or Redis refused: the profile cannot go on
+            raise ProfileError(f"switching the prefill worker to {role} for the served grid "
+                               f"beside a decoding worker: {e}") from None
         time.sleep(1.5 * REFRESH_S)
+
+    switch("decode")
+    try:
         return [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, 2 * b)}
                 for c, b in grid]
     finally:
-        set_role(prefill.address, "prefill")
-        time.sleep(1.5 * REFRESH_S)
+        switch("prefill")
 
 
 def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: list[int],
