@@ -103,13 +103,14 @@ def main(argv=None) -> int:
                for k in besides}
         summary.append({"context": c, "batch": b, **med})
         print(f"{c:8d} {b:8d} " + " ".join(f"{med[k]:8.3f}" for k in besides))
-    print(f"profile: {p.serving_factor:.3f} busy, "
-          + (f"{p.serving_factor_idle:.3f} idle" if p.serving_factor_idle is not None
-             else "no idle factor (version 6)"))
+    factors = {"busy": p.serving_factor, "idle": p.serving_factor_idle,
+               "decoding": p.serving_factor_decoding}
+    print("profile: " + ", ".join(f"{v:.3f} {k}" if v is not None else f"no {k} factor"
+                                  for k, v in factors.items()))
     path = write_result("served-beside", {
         "profile": a.profile, "grid": grid, "rounds": a.rounds, "beside": besides, "rows": rows,
         "summary": summary, "machine": machine(),
-        "profile_factors": {"busy": p.serving_factor, "idle": p.serving_factor_idle}})
+        "profile_factors": factors})
     print(f"wrote {path}")
     return 0
 

@@ -325,8 +325,8 @@ class SimEngine:
                 s.started = t
                 if s.submitted is not None:
                     s.req.queue_s = t - s.submitted
-        # the others' busy share only where it moves the step: decodes at a profile's two
-        # decode factors (a version-6 profile has one)
+        # the others' busy share only where it moves the step: decodes at a profile whose
+        # decode factors differ (a version-6 profile has one)
         busy, decoding = (self.sim.others_busy(self, t)
                           if decodes and self.cost.decode_factors_differ else (1.0, 0.0))
         step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local, busy,
