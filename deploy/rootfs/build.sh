@@ -27,7 +27,7 @@ command -v debootstrap >/dev/null || { echo "build.sh: needs debootstrap" >&2; e
 mkdir -p "$ROOT"
 if [[ -n "${BATON_ROOTFS_BASE:-}" && -x "$BATON_ROOTFS_BASE/usr/bin/python3" \
       && "$BASE_ONLY" != --base-only ]]; then
-    # a base root made before (build.sh DIR --base-only; .ci/run makes one while it installs)
+    # a base root made before (build.sh DIR --base-only)
     step "the base root from $BATON_ROOTFS_BASE"
     cp -a "$BATON_ROOTFS_BASE/." "$ROOT/"
 else
