@@ -18,11 +18,12 @@ def _generate(a: argparse.Namespace) -> int:
     from baton.engine.params import SamplingParams
 
     try:
+        # the options first: a bad one is refused before seconds of loading the model
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
+                                top_p=a.top_p, top_k=a.top_k, seed=a.seed)
         engine = LLMEngine.from_path(a.model, EngineConfig(
             dtype=a.dtype, device=a.device, kv_cache_dtype=a.kv_cache_dtype,
             tensor_parallel_size=a.tensor_parallel_size))
-        params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
-                                top_p=a.top_p, top_k=a.top_k, seed=a.seed)
         if a.chat:
             req = engine.add_request(params=params,
                                      messages=[{"role": "user", "content": a.prompt}])
@@ -65,9 +66,9 @@ def _handoff(a: argparse.Namespace) -> int:
     from baton.services.common.protocol import params_to_proto
 
     try:
-        tokenizer = load_model(a.model).tokenizer
         params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature,
                                 top_p=a.top_p, top_k=a.top_k, seed=a.seed)
+        tokenizer = load_model(a.model).tokenizer
     except BatonError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

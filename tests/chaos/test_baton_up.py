@@ -29,8 +29,11 @@ def want():
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
+    # 256 blocks a worker (4,096 tokens: the four clients' streams, and a killed worker's
+    # moved onto the other decode worker), not the default 1 GiB pool each start faults in
     u = Up(tmp_path_factory.mktemp("baton-up"), "--prefill", "1", "--decode", "2",
-           "--http-port", "-1", "--router-args", "--local-prefill-max-tokens 0 --stall-timeout 3")
+           "--num-blocks", "256", "--http-port", "-1",
+           "--router-args", "--local-prefill-max-tokens 0 --stall-timeout 3")
     yield u
     assert u.stop() == 0, "".join(u.lines[-30:])
 

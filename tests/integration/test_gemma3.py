@@ -31,7 +31,22 @@ LONG = " ".join(f"Entry {i}: the {w} valve read {i * 37 % 101} units at {i % 24:
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    return gemma_package.assemble()
+    """The assembled file; while the module runs, gguf's reader parses it once for all who
+    open it (transformers' tokenizer, config and weights, Baton's loader: each read every
+    field of its 262,144-token vocabulary again, ~20 s apiece here). The readers only read."""
+    import gguf
+
+    path, real, readers = gemma_package.assemble(), gguf.GGUFReader, {}
+
+    def reader(p, *args, **kw):
+        key = (str(p), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = real(p, *args, **kw)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +109,10 @@ def test_greedy_tokens_equal_transformers_through_baton_up(gguf_path, reference,
 
     from tests.support.up import Up
 
+    # 96 blocks (1,536 tokens) a worker: the long prompt and its tokens fit, and each worker
+    # faults in tens of MiB of KV pool, not the default 1 GiB
     up = Up(tmp_path, "--model", str(gguf_path), "--prefill", "1", "--decode", "1",
-            "--http-port", "-1", "--local-prefill-max-tokens", "0")
+            "--num-blocks", "96", "--http-port", "-1", "--local-prefill-max-tokens", "0")
     try:
         stub = api_pb2_grpc.BatonStub(up.router.channel)
         for ids, want in reference:
