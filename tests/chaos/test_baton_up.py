@@ -15,6 +15,7 @@ import pytest
 from baton.engine.engine import LLMEngine
 
 from tests.chaos.harness import Load, check, reference
+from tests.support.reference import REFERENCE_POOL
 from tests.support.up import Up
 
 pytestmark = pytest.mark.chaos
@@ -24,7 +25,7 @@ MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def want():
-    return reference(LLMEngine.from_path(None), MAX_TOKENS)
+    return reference(LLMEngine.from_path(None, REFERENCE_POOL), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

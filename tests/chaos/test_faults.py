@@ -17,6 +17,7 @@ from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.chaos.harness import Load, chaos_cluster, check, reference
 from tests.support.cluster import Cluster, info
+from tests.support.reference import REFERENCE_POOL
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -50,7 +51,7 @@ def _isolated(cluster):
 
 @pytest.fixture(scope="module")
 def want():
-    return reference(LLMEngine.from_path(None), MAX_TOKENS)
+    return reference(LLMEngine.from_path(None, REFERENCE_POOL), MAX_TOKENS)
 
 
 def streaming_on(workers, load: Load, timeout: float = 180.0,

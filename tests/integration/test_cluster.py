@@ -20,6 +20,7 @@ from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
 from tests.support.processes import baton_request, free_port, start_baton_up
+from tests.support.reference import REFERENCE_POOL
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def cluster(start_cluster):
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine.from_path(None)
+    return LLMEngine.from_path(None, REFERENCE_POOL)
 
 
 def request(kind, text, max_tokens=16, **params):

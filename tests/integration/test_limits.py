@@ -122,6 +122,7 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
     from baton.engine.params import SamplingParams
 
     from tests.support.cluster import Cluster
+    from tests.support.reference import REFERENCE_POOL
 
     args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "128"]
     with Cluster(prefill=1, decode=1, worker_args=args,
@@ -170,6 +171,12 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
             th.start()
             return call, th
 
+        # the greedy reference first: made while the batch is full, its engine's start (a pool
+        # to fault in) could outlast the two requests that fill it
+        short = req(30, 4, start=9)
+        want = LLMEngine.from_path(str(tiny_llama[0]), REFERENCE_POOL).generate(
+            [list(short.token_ids.ids)], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+
         # fill the batch: 2 requests of 400 tokens at 50 ms or more a step
         (a, ta), (b, tb) = start("a", req(30, 400, start=1)), start("b", req(30, 400, start=2))
         until(lambda: len(got.get("a", ())) and len(got.get("b", ())), "both stream")
@@ -182,9 +189,6 @@ def test_a_full_decode_pool_queues_at_the_router_then_refuses_past_max_queued(ti
         assert got["gone"] == ["CANCELLED"]
         until(lambda: queued() == 0, "the cancelled request leaves the queue")
 
-        short = req(30, 4, start=9)
-        want = LLMEngine.from_path(str(tiny_llama[0])).generate(
-            [list(short.token_ids.ids)], SamplingParams(max_tokens=4, ignore_eos=True))[0]
         _, tc = start("c", short)
         until(lambda: queued() == 1, "the third request waits at the router")
         info = decode.info()

@@ -18,6 +18,7 @@ import pytest
 from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
+from tests.support.reference import REFERENCE_POOL
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[(s + 7 * i) % 390 + 5 for i in range(24 + 3 * s)] for s in range(6)]
@@ -105,7 +106,7 @@ def test_roles_switch_under_streaming_load_without_a_failed_request(tiny_llama):
     from baton.engine.engine import LLMEngine
     from baton.engine.params import SamplingParams
 
-    eng = LLMEngine.from_path(str(tiny_llama[0]))
+    eng = LLMEngine.from_path(str(tiny_llama[0]), REFERENCE_POOL)
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     refs = [o.token_ids for o in outs]
     texts = [o.text for o in outs]

@@ -15,6 +15,7 @@ import pytest
 from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
+from tests.support.reference import REFERENCE_POOL
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def test_a_stream_longer_than_the_drain_timeout_is_migrated_not_cut(tiny_llama):
                  routers=[["--local-prefill-max-tokens", "0"]]) as c:
         stub = api_pb2_grpc.BatonStub(c.router.channel)
         long = req(40, 300, start=3)
-        want = LLMEngine.from_path(str(tiny_llama[0])).generate(
+        want = LLMEngine.from_path(str(tiny_llama[0]), REFERENCE_POOL).generate(
             [list(long.token_ids.ids)], SamplingParams(max_tokens=300, ignore_eos=True))[0]
 
         out: dict = {}

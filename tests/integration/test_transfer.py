@@ -23,6 +23,7 @@ from baton.v1 import worker_pb2, worker_pb2_grpc
 
 from tests.support.pair import Pair, eventually, start_pair
 from tests.support.processes import free_port
+from tests.support.reference import REFERENCE_POOL
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def reference():
-    return LLMEngine.from_path(None)
+    return LLMEngine.from_path(None, REFERENCE_POOL)
 
 
 @pytest.fixture(scope="module")

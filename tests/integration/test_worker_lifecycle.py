@@ -22,6 +22,7 @@ from baton.services.launch.local import WorkerProcess
 from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.pair import Pair
+from tests.support.reference import REFERENCE_POOL
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def test_register_expire_and_drain(redis_url):
         assert len(registry.workers()) == 2
 
         # SIGTERM during a stream: it completes, new work is refused, the worker exits 0
-        engine = LLMEngine.from_path(None)
+        engine = LLMEngine.from_path(None, REFERENCE_POOL)
         ids = engine.tokenizer.encode("Once upon a time, in a village by the river,")
         params = SamplingParams(max_tokens=48, ignore_eos=True)
         expected = engine.generate([ids], params)[0].token_ids
@@ -107,8 +108,9 @@ def test_a_worker_whose_engine_thread_died_leaves_and_exits_nonzero(tiny_llama, 
         victim = (c.decode if role == "decode" else c.prefill)[0]
         health = health_pb2_grpc.HealthStub(victim.channel)
         prompts = [list(range(10 + i, 70 + i)) for i in range(8)]
-        want = [o.token_ids for o in LLMEngine.from_path(str(tiny_llama[0])).generate(
-            prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+        ref = LLMEngine.from_path(str(tiny_llama[0]), REFERENCE_POOL)
+        want = [o.token_ids for o in ref.generate(prompts, SamplingParams(max_tokens=12,
+                                                                          ignore_eos=True))]
         stub = api_pb2_grpc.BatonStub(c.router.channel)
         done: list = []
 
