@@ -32,26 +32,28 @@ from baton.bench.tiny_model import (  # noqa: E402, F401
 # The modules that take longest, longest first: `pytest -n 2 --dist loadfile
 # --no-loadscope-reorder` (README) hands whole modules to the two workers in collection order,
 # so these start first and the short ones fill in behind them, instead of a 4-minute module
-# starting last while the other worker idles. Seconds per module (setup, calls, teardown) in
-# `pytest -n 2 --dist loadfile --durations=120` on the 2-vCPU VM of docs/testing.md (2026-11-27);
-# a module missing here only runs later, and a stale order costs time, never a result.
+# starting last while the other worker idles. The order is from `pytest -n 2 --dist loadfile
+# --durations=120` on the 2-vCPU VM of docs/testing.md (2026-11-27); the seconds per module
+# (setup, calls, teardown) are the clean-clone `.ci/run` of b0d92f9 (2026-12-02, `--durations=0`),
+# where the two workers ended 18 s apart. A module missing here only runs later, and a stale
+# order costs time, never a result.
 HEAVY_MODULES = [
-    "tests/integration/test_smollm2.py",  # 237 s: transformers' reference generations
-    "tests/integration/test_cluster.py",  # 193
-    "tests/chaos/test_faults.py",  # 153
-    "tests/integration/test_transfer.py",  # 153
-    "tests/integration/test_gemma3.py",  # 140
-    "tests/integration/test_hosts.py",  # 138 (debootstrap root, network namespaces)
-    "tests/integration/test_tensor_parallel_cluster.py",  # 81
-    "tests/unit/test_fp8.py",  # 77
-    "tests/integration/test_redis_outage.py",  # 71
-    "tests/integration/test_families_cluster.py",  # 65
-    "tests/unit/test_triton_engine.py",  # 65
-    "tests/chaos/test_baton_up.py",  # 63
-    "tests/integration/test_bench.py",  # 51
-    "tests/integration/test_worker_lifecycle.py",  # 47
-    "tests/integration/test_access.py",  # 40
-    "tests/unit/test_tune.py",  # 39
+    "tests/integration/test_smollm2.py",  # 102 s: transformers' reference generations
+    "tests/integration/test_cluster.py",  # 169
+    "tests/chaos/test_faults.py",  # 144
+    "tests/integration/test_transfer.py",  # 113
+    "tests/integration/test_gemma3.py",  # 99
+    "tests/integration/test_hosts.py",  # 41 (its root built beforehand by .ci/run)
+    "tests/integration/test_tensor_parallel_cluster.py",  # 72
+    "tests/unit/test_fp8.py",  # 85
+    "tests/integration/test_redis_outage.py",  # 93
+    "tests/integration/test_families_cluster.py",  # 80
+    "tests/unit/test_triton_engine.py",  # 58
+    "tests/chaos/test_baton_up.py",  # 71
+    "tests/integration/test_bench.py",  # 59
+    "tests/integration/test_worker_lifecycle.py",  # 54
+    "tests/integration/test_access.py",  # 45
+    "tests/unit/test_tune.py",  # 107 (the real `baton profile` 100 of it)
 ]
 
 
