@@ -29,14 +29,15 @@ from baton.bench.tiny_model import (  # noqa: E402, F401
     write_tokenizer,
 )
 
-# The modules that take longest, longest first: `pytest -n 2 --dist loadfile
+# The modules that take longest, started first: `pytest -n 2 --dist loadfile
 # --no-loadscope-reorder` (README) hands whole modules to the two workers in collection order,
 # so these start first and the short ones fill in behind them, instead of a 4-minute module
-# starting last while the other worker idles. The order is from `pytest -n 2 --dist loadfile
-# --durations=120` on the 2-vCPU VM of docs/testing.md (2026-11-27); the seconds per module
-# (setup, calls, teardown) are the clean-clone `.ci/run` of b0d92f9 (2026-12-02, `--durations=0`),
-# where the two workers ended 18 s apart. A module missing here only runs later, and a stale
-# order costs time, never a result.
+# starting last while the other worker idles. The order is longest first as measured by
+# `pytest -n 2 --dist loadfile --durations=120` on the 2-vCPU VM of docs/testing.md
+# (2026-11-27); the seconds per module (setup, calls, teardown) are the clean-clone `.ci/run` of
+# b0d92f9 (2026-12-02, `--durations=0`), no longer in that order, kept because with it the two
+# workers ended 18 s apart (a new order is a new CI run to check). A module missing here only
+# runs later, and a stale order costs time, never a result.
 HEAVY_MODULES = [
     "tests/integration/test_smollm2.py",  # 102 s: transformers' reference generations
     "tests/integration/test_cluster.py",  # 169
