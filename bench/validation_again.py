@@ -5,7 +5,13 @@ and set against the goodput the run measured. Nothing is measured: this is how a
 simulator or to what a fit scales is checked against every run already made. JSON in
 bench/results/validation-again-*.json.
 
-    python bench/validation_again.py bench/results/tune-validation-*.json
+With ``--speed``, the fits are the run's speed checks taken before it measured instead (its
+``machine_speed.before``: the bare engine's prefill and decode step ratios, and with
+``--serving-check`` the serving factors' too), each applied as a fit on the remote path
+scales the profile: would a profile scaled to the machine's speed at the start of the
+measurement have predicted better than the profile as measured?
+
+    python bench/validation_again.py [--speed] bench/results/tune-validation-*.json
 """
 
 from __future__ import annotations
@@ -48,23 +54,65 @@ def again(path: Path) -> list[dict]:
     return rows
 
 
+def speed_checks(path: Path) -> list[dict]:
+    """One row per (speed check, setup) of the run at ``path``: the profile scaled by the
+    check's decode and prefill ratios (``engine``: the bare engine's steps; ``serving``: the
+    serving factors, when the run measured them), against the profile as measured (then) and
+    the goodput the run measured. A run with no speed check gives none."""
+    from baton.bench.tune_validation import LAYOUTS, configs, slice_args
+    from baton.control.calibrate import scaled
+    from baton.control.profile import Profile
+
+    d = json.loads(path.read_text())
+    before = (d.get("machine_speed") or {}).get("before") or {}
+    checks = {"engine": before, "serving": before.get("serving") or {}}
+    checks = {k: c for k, c in checks.items() if c.get("decode_ratio") and c.get("prefill_ratio")}
+    if not checks:
+        return []
+    a = argparse.Namespace(**d["args"])
+    profile = Profile(**d["profile"])
+    _, ev = configs(a, profile, slice_args(a))
+    rows = []
+    for check, c in checks.items():
+        cev = ev.with_profile(scaled(profile, c["decode_ratio"], c["prefill_ratio"], "remote"))
+        for name, layout in LAYOUTS.items():
+            measured = d["measured"][name]["goodput_rps"]
+            then = d["predicted"][name]["goodput_rps"]
+            now = cev.goodput(layout)[0]
+            rows.append({"run": path.name, "calibrated_on": f"{check} check",
+                         "prefill_path": "remote", "decode_ratio": c["decode_ratio"],
+                         "prefill_ratio": c["prefill_ratio"], "setup": name,
+                         "measured_rps": measured, "predicted_then_rps": then,
+                         "predicted_now_rps": now, "error_then": then / measured - 1,
+                         "error_now": now / measured - 1})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="tune-validation-*.json files")
+    ap.add_argument("--speed", action="store_true",
+                    help="scale each run's profile by its speed checks before measuring, "
+                         "not by its calibrated fits")
     a = ap.parse_args()
-    rows = [r for p in a.runs for r in again(p)]
-    print(f"{'run':<36} {'calibrated on':<14} {'setup':<14} {'measured':>8} "
-          f"{'then':>13} {'now':>13}")
+    rows = [r for p in a.runs for r in (speed_checks(p) if a.speed else again(p))]
+    # --speed: "then" is the run's own prediction (its profile as measured), "now" the
+    # profile scaled by the check
+    print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'setup':<14} "
+          f"{'measured':>8} {'then':>13} {'now':>13}")
     for r in rows:
-        print(f"{r['run']:<36} {r['calibrated_on'][6:]:<14} {r['setup'][6:]:<14} "
+        print(f"{r['run']:<36} {r['calibrated_on'].removeprefix('baton-'):<14} "
+              f"{r['setup'].removeprefix('baton-'):<14} "
               f"{r['measured_rps']:>8.3g} {r['predicted_then_rps']:>6.3g} "
               f"({100 * r['error_then']:+3.0f}%) {r['predicted_now_rps']:>6.3g} "
               f"({100 * r['error_now']:+3.0f}%)")
     worst = {k: max((abs(r[k]) for r in rows), default=None) for k in ("error_then", "error_now")}
+    within = {k: sum(abs(r[k]) <= 0.1 for r in rows) for k in ("error_then", "error_now")}
     print(f"largest error: then {100 * worst['error_then']:.0f}%, now "
-          f"{100 * worst['error_now']:.0f}%")
-    out = {"machine": machine(), "runs": [str(p) for p in a.runs], "rows": rows,
-           "largest_error": worst}
+          f"{100 * worst['error_now']:.0f}%; within 10%: then {within['error_then']}, now "
+          f"{within['error_now']} of {len(rows)}")
+    out = {"machine": machine(), "runs": [str(p) for p in a.runs], "speed": a.speed,
+           "rows": rows, "largest_error": worst, "within_10pct": within}
     print(f"wrote {write_result('validation-again', out)}")
 
 

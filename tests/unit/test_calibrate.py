@@ -336,3 +336,44 @@ def test_stored_validation_runs_are_predicted_again_as_they_were(tmp_path):
     for r in rows:
         assert r["predicted_now_rps"] == r["predicted_then_rps"] > 0
         assert r["error_now"] == pytest.approx(r["predicted_now_rps"] - 1.0)
+
+
+def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_path):
+    """bench/validation_again.py --speed: a run's speed checks taken before it measured scale
+    its profile (an even check gives the run's own predictions; a serving check 1.5x slower
+    predicts less, as the profile scaled by hand does); a run with no check gives no rows."""
+    import json
+
+    from baton.bench.tune_validation import LAYOUTS, configs, parse_args, slice_args
+    from baton.bench.validation_again import speed_checks
+    from baton.control.calibrate import scaled as scaled_as_a_fit
+
+    trace = tmp_path / "trace.csv"
+    rng = random.Random(6)
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:17:{i:02d}.0000000,{rng.randint(100, 900)},{rng.randint(8, 40)}\n"
+        for i in range(30)))
+    a = parse_args(["--trace", str(trace), "--requests", "30", "--scale", "1", "--ttft-slo",
+                    "2", "--tpot-slo", "0.02", "--refine", "2"])
+    p = make_profile(attn_decode=2e-6, per_seq=5e-4)
+    _, ev = configs(a, p, slice_args(a))
+    predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
+    slower = {name: ev.with_profile(scaled_as_a_fit(p, 1.5, 1.5, "remote")).goodput(layout)[0]
+              for name, layout in LAYOUTS.items()}
+    assert all(slower[n] < predicted[n]["goodput_rps"] for n in LAYOUTS)
+    stored = {"args": vars(a), "profile": dataclasses.asdict(p), "predicted": predicted,
+              "measured": {name: {"goodput_rps": 1.0} for name in LAYOUTS}}
+    run = tmp_path / "tune-validation-x.json"
+    run.write_text(json.dumps({**stored, "machine_speed": {"before": {
+        "prefill_ratio": 1.0, "decode_ratio": 1.0,
+        "serving": {"prefill_ratio": 1.5, "decode_ratio": 1.5}}}}))
+    rows = {(r["calibrated_on"], r["setup"]): r for r in speed_checks(run)}
+    assert len(rows) == 4
+    for name in LAYOUTS:
+        even, serving = rows[("engine check", name)], rows[("serving check", name)]
+        assert even["predicted_now_rps"] == even["predicted_then_rps"] == \
+            predicted[name]["goodput_rps"]
+        assert serving["predicted_now_rps"] == slower[name]
+        assert serving["error_now"] == pytest.approx(slower[name] - 1.0)
+    run.write_text(json.dumps(stored))
+    assert speed_checks(run) == []
