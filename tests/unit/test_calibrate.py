@@ -294,30 +294,32 @@ def test_the_validation_predicts_with_the_profile_calibrated_on_one_setups_run()
         assert out["predicted"][name]["goodput_rps"] == pytest.approx(want, rel=0.1)
 
 
-def test_stored_validation_runs_are_predicted_again_as_they_were(tmp_path):
-    """bench/validation_again.py: a stored run (its args, profile, measured goodputs and fits)
-    read back gives the predictions the run stored, while the code that made them is
-    unchanged; a fit that applied nothing is left out."""
-    import json
-
-    from baton.bench.tune_validation import (
-        LAYOUTS,
-        calibrated_predictions,
-        configs,
-        parse_args,
-        slice_args,
-    )
-    from baton.bench.validation_again import again
+def validation_slice(tmp_path, seed: int):
+    """A stored validation run's parts: its args (a 30-request Azure-format trace written under
+    ``tmp_path``), a profile and the evaluator `bench/tune_validation.py` builds from them."""
+    from baton.bench.tune_validation import configs, parse_args, slice_args
 
     trace = tmp_path / "trace.csv"
-    rng = random.Random(5)
+    rng = random.Random(seed)
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
         f"2023-11-16 18:17:{i:02d}.0000000,{rng.randint(100, 900)},{rng.randint(8, 40)}\n"
         for i in range(30)))
     a = parse_args(["--trace", str(trace), "--requests", "30", "--scale", "1", "--ttft-slo",
                     "2", "--tpot-slo", "0.02", "--refine", "2"])
     p = make_profile(attn_decode=2e-6, per_seq=5e-4)
-    _, ev = configs(a, p, slice_args(a))
+    return a, p, configs(a, p, slice_args(a))[1]
+
+
+def test_stored_validation_runs_are_predicted_again_as_they_were(tmp_path):
+    """bench/validation_again.py: a stored run (its args, profile, measured goodputs and fits)
+    read back gives the predictions the run stored, while the code that made them is
+    unchanged; a fit that applied nothing is left out."""
+    import json
+
+    from baton.bench.tune_validation import LAYOUTS, calibrated_predictions
+    from baton.bench.validation_again import again
+
+    a, p, ev = validation_slice(tmp_path, seed=5)
     runs = {}
     for name, layout in LAYOUTS.items():  # served at other factors than the profile's
         done = simulate(layout, scaled(p, 1.1, 0.9), shape(poisson(ev.reqs, 1.0, 0), ev.keys))
@@ -344,19 +346,11 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
     predicts less, as the profile scaled by hand does); a run with no check gives no rows."""
     import json
 
-    from baton.bench.tune_validation import LAYOUTS, configs, parse_args, slice_args
+    from baton.bench.tune_validation import LAYOUTS
     from baton.bench.validation_again import speed_checks
     from baton.control.calibrate import scaled as scaled_as_a_fit
 
-    trace = tmp_path / "trace.csv"
-    rng = random.Random(6)
-    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
-        f"2023-11-16 18:17:{i:02d}.0000000,{rng.randint(100, 900)},{rng.randint(8, 40)}\n"
-        for i in range(30)))
-    a = parse_args(["--trace", str(trace), "--requests", "30", "--scale", "1", "--ttft-slo",
-                    "2", "--tpot-slo", "0.02", "--refine", "2"])
-    p = make_profile(attn_decode=2e-6, per_seq=5e-4)
-    _, ev = configs(a, p, slice_args(a))
+    a, p, ev = validation_slice(tmp_path, seed=6)
     predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
     slower = {name: ev.with_profile(scaled_as_a_fit(p, 1.5, 1.5, "remote")).goodput(layout)[0]
               for name, layout in LAYOUTS.items()}
