@@ -7,8 +7,8 @@ bench/results/validation-again-*.json.
 
 With ``--speed``, the fits are the run's speed checks taken before it measured instead (its
 ``machine_speed.before``: the bare engine's prefill and decode step ratios, and with
-``--serving-check`` the serving factors' too), each applied as a fit on the remote path
-scales the profile: would a profile scaled to the machine's speed at the start of the
+``--serving-check`` the serving factors' too), each scaling the profile as a fit on the
+remote path does: would a profile scaled to the machine's speed at the start of the
 measurement have predicted better than the profile as measured?
 
     python bench/validation_again.py [--speed] bench/results/tune-validation-*.json
