@@ -23,65 +23,53 @@ from pathlib import Path
 from baton.bench.common import machine, write_result
 
 
-def again(path: Path) -> list[dict]:
-    """One row per (fit, setup) of the run at ``path``; a fit that applied nothing is left out
-    (its predictions are the uncalibrated ones)."""
-    from baton.bench.tune_validation import LAYOUTS, configs, slice_args
-    from baton.control.calibrate import scaled
-    from baton.control.profile import Profile
-
-    d = json.loads(path.read_text())
-    a = argparse.Namespace(**d["args"])
-    profile = Profile(**d["profile"])
-    _, ev = configs(a, profile, slice_args(a))
-    rows = []
-    for watched, fit in d.get("calibrated", {}).items():
-        if not fit.get("applied"):
-            continue
-        cev = ev.with_profile(scaled(profile, fit["decode_ratio"], fit["prefill_ratio"],
-                                     fit["prefill_path"]))
-        for name, layout in LAYOUTS.items():
-            measured = d["measured"][name]["goodput_rps"]
-            then = fit["predicted"][name]["goodput_rps"]
-            now = cev.goodput(layout)[0]
-            rows.append({"run": path.name, "calibrated_on": watched,
-                         "prefill_path": fit["prefill_path"],
-                         "decode_ratio": fit["decode_ratio"],
-                         "prefill_ratio": fit["prefill_ratio"], "setup": name,
-                         "measured_rps": measured, "predicted_then_rps": then,
-                         "predicted_now_rps": now, "error_then": then / measured - 1,
-                         "error_now": now / measured - 1})
-    return rows
+def calibrated_fits(d: dict) -> list[tuple[str, dict, dict]]:
+    """The run's calibrated fits that applied something, as (label, fit, its predictions then);
+    one that applied nothing is left out (its predictions are the uncalibrated ones)."""
+    return [(watched, fit, fit["predicted"]) for watched, fit in d.get("calibrated", {}).items()
+            if fit.get("applied")]
 
 
-def speed_checks(path: Path) -> list[dict]:
-    """One row per (speed check, setup) of the run at ``path``: the profile scaled by the
-    check's decode and prefill ratios (``engine``: the bare engine's steps; ``serving``: the
-    serving factors, when the run measured them), against the profile as measured (then) and
-    the goodput the run measured. A run with no speed check gives none."""
-    from baton.bench.tune_validation import LAYOUTS, configs, slice_args
-    from baton.control.calibrate import scaled
-    from baton.control.profile import Profile
-
-    d = json.loads(path.read_text())
+def speed_fits(d: dict) -> list[tuple[str, dict, dict]]:
+    """The run's speed checks taken before it measured (``engine``: the bare engine's steps;
+    ``serving``: the serving factors, when the run measured them) as fits on the remote path,
+    with the run's own predictions (the profile as measured) as then; none without a check."""
     before = (d.get("machine_speed") or {}).get("before") or {}
-    checks = {"engine": before, "serving": before.get("serving") or {}}
-    checks = {k: c for k, c in checks.items() if c.get("decode_ratio") and c.get("prefill_ratio")}
-    if not checks:
+    return [(f"{check} check", {"decode_ratio": c["decode_ratio"],
+                                "prefill_ratio": c["prefill_ratio"], "prefill_path": "remote"},
+             d["predicted"])
+            for check, c in (("engine", before), ("serving", before.get("serving") or {}))
+            if c.get("decode_ratio") and c.get("prefill_ratio")]
+
+
+def again(path: Path, fits=calibrated_fits) -> list[dict]:
+    """One row per (fit, setup) of the run at ``path``: the profile scaled by the fit, both
+    setups' goodput simulated again, against the fit's predictions then and the goodput the run
+    measured. ``fits`` picks the fits from the run (:func:`calibrated_fits`,
+    :func:`speed_fits`)."""
+    from baton.bench.tune_validation import LAYOUTS, configs, slice_args
+    from baton.control.calibrate import scaled
+    from baton.control.profile import Profile
+
+    d = json.loads(path.read_text())
+    chosen = fits(d)
+    if not chosen:
         return []
     a = argparse.Namespace(**d["args"])
     profile = Profile(**d["profile"])
     _, ev = configs(a, profile, slice_args(a))
     rows = []
-    for check, c in checks.items():
-        cev = ev.with_profile(scaled(profile, c["decode_ratio"], c["prefill_ratio"], "remote"))
+    for label, fit, predicted in chosen:
+        cev = ev.with_profile(scaled(profile, fit["decode_ratio"], fit["prefill_ratio"],
+                                     fit["prefill_path"]))
         for name, layout in LAYOUTS.items():
             measured = d["measured"][name]["goodput_rps"]
-            then = d["predicted"][name]["goodput_rps"]
+            then = predicted[name]["goodput_rps"]
             now = cev.goodput(layout)[0]
-            rows.append({"run": path.name, "calibrated_on": f"{check} check",
-                         "prefill_path": "remote", "decode_ratio": c["decode_ratio"],
-                         "prefill_ratio": c["prefill_ratio"], "setup": name,
+            rows.append({"run": path.name, "calibrated_on": label,
+                         "prefill_path": fit["prefill_path"],
+                         "decode_ratio": fit["decode_ratio"],
+                         "prefill_ratio": fit["prefill_ratio"], "setup": name,
                          "measured_rps": measured, "predicted_then_rps": then,
                          "predicted_now_rps": now, "error_then": then / measured - 1,
                          "error_now": now / measured - 1})
@@ -95,7 +83,7 @@ def main() -> None:
                     help="scale each run's profile by its speed checks before measuring, "
                          "not by its calibrated fits")
     a = ap.parse_args()
-    rows = [r for p in a.runs for r in (speed_checks(p) if a.speed else again(p))]
+    rows = [r for p in a.runs for r in again(p, speed_fits if a.speed else calibrated_fits)]
     # --speed: "then" is the run's own prediction (its profile as measured), "now" the
     # profile scaled by the check
     print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'setup':<14} "

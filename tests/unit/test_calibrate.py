@@ -347,7 +347,7 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
     import json
 
     from baton.bench.tune_validation import LAYOUTS
-    from baton.bench.validation_again import speed_checks
+    from baton.bench.validation_again import again, speed_fits
     from baton.control.calibrate import scaled as scaled_as_a_fit
 
     a, p, ev = validation_slice(tmp_path, seed=6)
@@ -361,7 +361,7 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
     run.write_text(json.dumps({**stored, "machine_speed": {"before": {
         "prefill_ratio": 1.0, "decode_ratio": 1.0,
         "serving": {"prefill_ratio": 1.5, "decode_ratio": 1.5}}}}))
-    rows = {(r["calibrated_on"], r["setup"]): r for r in speed_checks(run)}
+    rows = {(r["calibrated_on"], r["setup"]): r for r in again(run, speed_fits)}
     assert len(rows) == 4
     for name in LAYOUTS:
         even, serving = rows[("engine check", name)], rows[("serving check", name)]
@@ -370,4 +370,4 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
         assert serving["predicted_now_rps"] == slower[name]
         assert serving["error_now"] == pytest.approx(slower[name] - 1.0)
     run.write_text(json.dumps(stored))
-    assert speed_checks(run) == []
+    assert again(run, speed_fits) == []
