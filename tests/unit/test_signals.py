@@ -8,8 +8,12 @@ import signal
 import subprocess
 import sys
 
+# Once it sees the stop file it ignores the two signals: the burst's last ones, or the test's
+# final wake, can still arrive while it exits, and past the interpreter's finalization (which
+# puts back the default handlers) a SIGTERM would kill it (exit -15: once, in the fast lane
+# on two pytest workers, 2026-12-02).
 CHILD = """
-import os, sys, threading
+import os, signal, sys, threading
 from baton import set_on_signals
 
 ev = threading.Event()
@@ -19,6 +23,8 @@ while True:  # waits on the event again and again, as a draining process does
     if ev.wait(0.0005):
         ev.clear()
         if os.path.exists(sys.argv[1]):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             break
 """
 
