@@ -253,7 +253,9 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
     grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
-    common = _worker_args(model, dtype, device, tp, handoffs, grid)
+    fits = [n for n in LONG_PROMPTS if n < max_model_len]
+    sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
+    common = _worker_args(model, dtype, device, tp, handoffs, grid, sizes)
     say("starting a prefill and a decode worker and a router for the hand-off and serving "
         "measurements ...")
     prompts = _Prompts(min(vocab, 10000))
@@ -267,8 +269,6 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             say(f"hand-off {n:5d} tokens ({rows[-1]['bytes'] / 2**20:6.1f} MiB): "
                 f"{rows[-1]['s'] * 1000:8.2f} ms")
         rstub = api_pb2_grpc.BatonStub(router.channel)
-        fits = [n for n in LONG_PROMPTS if n < max_model_len]
-        sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
         served, served_idle, served_decoding = [], [], []
         for i in range(SERVED_ROUNDS):  # idle, busy, decoding in turn: a slow minute hits all
@@ -318,14 +318,20 @@ def _served_decoding(prefill, rstub, prompts: _Prompts, grid: list[tuple[int, in
 
 
 def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: list[int],
-                 grid: list[tuple[int, int]]) -> list[str]:
+                 grid: list[tuple[int, int]], busy: Sequence[int] = ()) -> list[str]:
     """The measuring workers' flags: one thread, no metrics, a pool that holds the largest
-    hand-off and every stream of the served grid."""
+    hand-off, and every stream of the served grid beside a hand-off of the largest ``busy``
+    prompt for each of the :data:`BUSY_CLIENTS` that keep the prefill worker busy meanwhile.
+    (A pool that held the grid's largest point alone left those hand-offs waiting for room
+    while its streams prefilled: on a 2-vCPU VM, past the decode worker's 10 s
+    `--transfer-timeout` for one, whose client then failed the serving check.)"""
+    room = BUSY_CLIENTS * ((max(busy) + BUSY_OUTPUT) // 16 + 2) if busy else 0
     args = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1", "--device", device,
             "--tensor-parallel-size", str(tp),
             *(["--gpu-memory-utilization", "0.3"] if device.startswith("cuda") else []),
-            "--num-blocks", str(max(4 * (max(handoffs, default=0) // 16 + 2),
-                                    *(b * ((c + SERVED_TOKENS[1]) // 16 + 4) for c, b in grid)))]
+            "--num-blocks", str(max([4 * (max(handoffs, default=0) // 16 + 2),
+                                     *(b * ((c + SERVED_TOKENS[1]) // 16 + 4) + room
+                                       for c, b in grid)]))]
     return [*args, "--model", model] if model else args
 
 
@@ -348,7 +354,7 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
     grid = list(dict.fromkeys((r["context"], r["batch"]) for r in p.served))  # one round
     sizes = sorted({r["tokens"] for r in p.served_prefill})
-    common = _worker_args(model, p.dtype, p.device, tp, [], grid)
+    common = _worker_args(model, p.dtype, p.device, tp, [], grid, sizes)
     vocab = min(load_config(model).vocab_size, 10000)  # as measure_workers draws its prompts
     prompts = _Prompts(vocab)
     say("starting a prefill and a decode worker and two routers for the serving check ...")

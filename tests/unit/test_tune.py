@@ -366,6 +366,28 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert (tmp_path / "p.json").read_bytes() == before
 
 
+def test_the_measuring_workers_pool_holds_the_grid_beside_the_busy_clients_hand_offs():
+    """The pool `baton profile` and its serving check give their workers: the served grid's
+    largest point and, beside it, one hand-off of the largest busy prompt per busy client (a
+    pool sized for the grid alone left a 2,048-token hand-off waiting for room past the decode
+    worker's --transfer-timeout while the 8 x 1,536-token streams prefilled, and the check
+    failed with NoRoomError)."""
+    from baton.bench.profile import _worker_args
+    from baton.control.profile import BUSY_CLIENTS, BUSY_OUTPUT, SERVED
+
+    def blocks(*args) -> int:
+        flags = _worker_args(None, "bfloat16", "cpu", 1, *args)
+        return int(flags[flags.index("--num-blocks") + 1])
+
+    grid = [(c, b) for c, b in SERVED]
+    alone = blocks([], grid)
+    assert alone >= max(b * -(-(c + SERVED_TOKENS[1]) // 16) for c, b in grid)
+    beside = blocks([], grid, [512, 1024, 2048])
+    assert beside - alone >= BUSY_CLIENTS * -(-(2048 + BUSY_OUTPUT) // 16)
+    assert blocks([], grid, [256]) < beside  # the largest busy prompt sizes the room
+    assert blocks([1024], [], []) >= 4 * 1024 // 16  # no grid: the hand-offs still fit
+
+
 def test_the_batched_prefill_table_is_timed_warm_and_in_rounds(tiny_engine, monkeypatch):
     """`baton profile`'s batched prefill table on a real (tiny) engine: every size prefilled
     once untimed, then PREFILL_ROUNDS rounds over the sizes, each timed ``repeats`` times per
