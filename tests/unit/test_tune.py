@@ -379,7 +379,7 @@ def test_the_measuring_workers_pool_holds_the_grid_beside_the_busy_clients_hand_
         flags = _worker_args(None, "bfloat16", "cpu", 1, *args)
         return int(flags[flags.index("--num-blocks") + 1])
 
-    grid = [(c, b) for c, b in SERVED]
+    grid = list(SERVED)  # (context, streams)
     alone = blocks([], grid)
     assert alone >= max(b * -(-(c + SERVED_TOKENS[1]) // 16) for c, b in grid)
     beside = blocks([], grid, [512, 1024, 2048])
