@@ -70,6 +70,27 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_folder_under_pytests(tmp_path_factory):
+    """This process's temporary folder, and through ``TMPDIR`` that of every process it starts
+    (workers, ``baton up``, Redis), is one under pytest's own base folder, which pytest keeps
+    for its last three runs and then removes. A worker a test crashes on purpose keeps its log
+    folder (services/launch/local.py), as does a Redis whose ``baton up`` a test SIGKILLs: in
+    the system's /tmp a day of test runs left 113 such folders; here they go with the run."""
+    import tempfile
+
+    folder = tmp_path_factory.getbasetemp() / "tmp"
+    folder.mkdir(exist_ok=True)
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
+    yield
+    if saved[0] is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = saved[0]
+    tempfile.tempdir = saved[1]
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
