@@ -1,6 +1,9 @@
-"""bench/shifting_load.py's rounds: the order setups run in, and how rounds are scored."""
+"""bench/shifting_load.py's rounds: the order setups run in, how rounds are scored, and what
+is refused before any setup starts."""
 
 from __future__ import annotations
+
+import pytest
 
 
 def _res(setup: str, rnd: int, met: int, failed: int = 0, switches: int | None = None) -> dict:
@@ -122,3 +125,32 @@ def test_the_simulator_replays_the_trace_for_each_fixed_layout_and_a_written_run
     run.write_text("{}")
     assert main(["--replay", str(run), "--profile", profile]) == 2
     assert "not a shifting-load result (KeyError" in capsys.readouterr().err
+
+
+def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_starts(
+        capsys, monkeypatch):
+    """On its own profile the slower VM kind of 2026-12-02 serves no fixed layout within the
+    SLOs (its run of the full trace: 1, 6 and 1 met of 1,572, an hour): refused unless
+    --anyway; a faster machine's profile passes to the setups."""
+    from baton.bench import shifting_load
+    from baton.bench.common import RESULTS
+
+    class Started(Exception):
+        pass
+
+    def run_setup(a, name, *rest):
+        raise Started(name)
+
+    monkeypatch.setattr(shifting_load, "run_setup", run_setup)
+    slow = RESULTS / "tune-validation-profile-v8-20261202T1040.json"
+    fast = RESULTS / "tune-validation-profile-v8-20261202.json"
+    base = ["--minutes", "1", "--no-speed-check"]
+    assert shifting_load.main([*base, "--profile", str(slow)]) == 2
+    err = capsys.readouterr().err
+    assert (f"--profile {slow}'s costs no fixed layout meets both SLOs for 20 of the trace's "
+            "387 requests (1P+1D 1, 2 colocated 5)") in err
+    assert "--anyway" in err
+    with pytest.raises(Started, match="1P"):
+        shifting_load.main([*base, "--profile", str(slow), "--anyway"])
+    with pytest.raises(Started, match="1P"):  # 26 and 29 met: it runs
+        shifting_load.main([*base, "--profile", str(fast)])
