@@ -81,13 +81,17 @@ def _temporary_folder_under_pytests(tmp_path_factory):
 
     folder = tmp_path_factory.getbasetemp() / "tmp"
     folder.mkdir(exist_ok=True)
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "RAY_TMPDIR")}, tempfile.tempdir
+    # Ray keeps its sessions where it did (it reads TMPDIR on Linux): its socket paths under
+    # this folder pass the 107 bytes AF_UNIX allows, and `baton up --ray local` fails to start
+    os.environ.setdefault("RAY_TMPDIR", saved[0]["TMPDIR"] or "/tmp")
     os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
     yield
-    if saved[0] is None:
-        os.environ.pop("TMPDIR", None)
-    else:
-        os.environ["TMPDIR"] = saved[0]
+    for k, v in saved[0].items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     tempfile.tempdir = saved[1]
 
 
