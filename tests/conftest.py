@@ -81,18 +81,14 @@ def _temporary_folder_under_pytests(tmp_path_factory):
 
     folder = tmp_path_factory.getbasetemp() / "tmp"
     folder.mkdir(exist_ok=True)
-    saved = {k: os.environ.get(k) for k in ("TMPDIR", "RAY_TMPDIR")}, tempfile.tempdir
-    # Ray keeps its sessions where it did (it reads TMPDIR on Linux): its socket paths under
-    # this folder pass the 107 bytes AF_UNIX allows, and `baton up --ray local` fails to start
-    os.environ.setdefault("RAY_TMPDIR", saved[0]["TMPDIR"] or "/tmp")
-    os.environ["TMPDIR"] = tempfile.tempdir = str(folder)
-    yield
-    for k, v in saved[0].items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    tempfile.tempdir = saved[1]
+    with pytest.MonkeyPatch.context() as mp:  # put back at the session's end
+        # Ray keeps its sessions where it did (it reads TMPDIR on Linux): its socket paths under
+        # this folder pass the 107 bytes AF_UNIX allows, and `baton up --ray local` fails
+        if "RAY_TMPDIR" not in os.environ:
+            mp.setenv("RAY_TMPDIR", os.environ.get("TMPDIR", "/tmp"))
+        mp.setenv("TMPDIR", str(folder))
+        mp.setattr(tempfile, "tempdir", str(folder))
+        yield
 
 
 @pytest.fixture(scope="session")
