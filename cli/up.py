@@ -432,8 +432,20 @@ class _LocalCluster:
 
         a = self.a
         self.say(f"starting Ray ({'a local instance' if self.ray_local else a.ray}) ...")
-        ray.init(address=None if self.ray_local else a.ray, include_dashboard=False,
-                 logging_level="WARNING", log_to_driver=False)
+        try:
+            ray.init(address=None if self.ray_local else a.ray, include_dashboard=False,
+                     logging_level="WARNING", log_to_driver=False)
+        except OSError as e:
+            if "AF_UNIX" not in str(e):
+                raise
+            # Ray keeps a local instance's sockets under $RAY_TMPDIR/ray, else $TMPDIR/ray on
+            # Linux: a long TMPDIR (a CI job's, pytest's) passes the 107 bytes a socket's path
+            # may have, and Ray's own error names the path but not the way out
+            where = os.environ.get("RAY_TMPDIR") and "RAY_TMPDIR" or "TMPDIR"
+            raise SystemExit(
+                f"error: Ray could not start a local instance: {e}. Its sockets live in a "
+                f"folder under ${where} ({os.environ.get(where)}): set RAY_TMPDIR to a short "
+                "folder (RAY_TMPDIR=/tmp) and run baton up again") from None
         res = ray.cluster_resources()
         self.say(f"Ray: {res.get('CPU', 0):.0f} CPUs, {res.get('GPU', 0):.0f} GPUs")
         self.ray_gpus = a.ray_gpus_per_worker

@@ -696,6 +696,25 @@ def test_baton_up_on_ray_serves_the_same_output(engine, tmp_path):
     assert ours and not [pid for pid in ours if _alive(pid)], "a worker outlived baton up --ray"
 
 
+def test_baton_up_on_ray_names_ray_tmpdir_when_the_temporary_folder_is_too_long(tmp_path):
+    """A local Ray instance keeps its sockets under $TMPDIR/ray on Linux; under a TMPDIR long
+    enough to pass the 107 bytes a socket's path may have, `baton up --ray local` ends with an
+    error that names RAY_TMPDIR as the way out, not only Ray's own."""
+    pytest.importorskip("ray")
+    import subprocess
+
+    deep = tmp_path / ("t" * 90)
+    deep.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_TMPDIR"} | {"TMPDIR": str(deep)}
+    out = subprocess.run([sys.executable, "-m", "baton.cli.main", "up", "--ray", "local",
+                          "--num-blocks", "96", "--grpc-port", str(free_port()),
+                          "--http-port", "-1", "--log-dir", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode != 0, out.stdout
+    assert "AF_UNIX" in out.stderr and "RAY_TMPDIR=/tmp" in out.stderr, out.stderr
+    assert str(deep) in out.stderr, out.stderr
+
+
 def test_a_plain_stub_without_a_deadline_is_served(cluster, engine):
     """What grpcurl, grpc-js or Go clients do by default: no timeout at all."""
     channel = grpc.insecure_channel(cluster.router.address)
