@@ -323,7 +323,8 @@ def _add_role(sub) -> None:
              "Switch WORKER_ID to ROLE: routers put it in that role's candidate sets and it "
              "takes new work of that role only; its running streams, leases and cached blocks "
              "stay. Returns once the switch took effect (or fails naming why). Needs the "
-             "cluster secret ($BATON_CLUSTER_SECRET) when the cluster has one.",
+             "cluster secret when the cluster has one: $BATON_CLUSTER_SECRET, else a local "
+             "`baton up`'s on the same Redis (from its state file).",
              role.add_args, role.cmd_role)
 
 

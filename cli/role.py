@@ -1,6 +1,7 @@
 """``baton role WORKER_ID prefill|decode|both``: switch a worker's role while it serves.
 
-The worker's WorkerAdmin.SetRole (behind the cluster secret, $BATON_CLUSTER_SECRET) answers once
+The worker's WorkerAdmin.SetRole (behind the cluster secret: $BATON_CLUSTER_SECRET, else a local
+``baton up``'s on the same Redis, from its state file) answers once
 it refuses new work of a dropped role and its registry entry says the new role; routers read
 the registry within a second, and a call that reaches the worker in between is retried on
 another worker before its first token, so no request fails. Running streams, leases and cached
@@ -41,10 +42,11 @@ def refusal(workers: list, worker_id: str, role: str) -> str:
 
 
 def cmd_role(a: argparse.Namespace) -> int:
-    from baton.control.cluster_state import find_redis_url
+    from baton.control.cluster_state import find_redis_url, up_secret
     from baton.control.redis_client import connect
     from baton.control.registry import WorkerRegistry
     from baton.control.tune_live import set_role
+    from baton.transfer import cluster_secret
     from redis.exceptions import RedisError
 
     url = a.redis_url or find_redis_url()
@@ -52,6 +54,7 @@ def cmd_role(a: argparse.Namespace) -> int:
         print("error: no cluster found: pass --redis-url (or set BATON_REDIS_URL)",
               file=sys.stderr)
         return 2
+    cluster_secret.adopt(up_secret(url))  # a local `baton up`'s, unless the environment's
     try:
         workers = WorkerRegistry(connect(url, socket_timeout=3)).workers()
     except (RedisError, OSError) as e:

@@ -333,7 +333,7 @@ class _LocalCluster:
 
     def __init__(self, a: UpConfig) -> None:
         self.a = a
-        self.t0 = time.monotonic()
+        self.t0, self.started = time.monotonic(), time.time()
         self.redis = self.state = self.scaler = None
         self.url = self.url_redacted = ""
         try:  # one per cluster unless the environment names one (to call the workers yourself)
@@ -424,7 +424,7 @@ class _LocalCluster:
             if self.redis is not None or self.redis_slot.restarts:  # ours, not --redis-url's
                 restarts.insert(0, {"what": "redis-server", "worker_id": self.url_redacted,
                                     "restarts": self.redis_slot.restarts})
-            self.state = _leave_address(self.url, router, restarts)
+            self.state = _leave_address(self.url, router, restarts, self.secret, self.started)
 
     def _start_ray(self) -> str:
         """Ray up (a local instance or a cluster's); the host Redis must listen on."""
@@ -642,8 +642,8 @@ class _LocalCluster:
         self._leave_state()
 
     def stop(self) -> None:
-        if self.state is not None:
-            _forget_address(self.state)
+        if self.state is not None:  # this process's own file
+            self.state.unlink(missing_ok=True)
         procs = [p for p in self.procs if p is not None]
         if self.scaler is not None:
             self.scaler.actuator.wait(60)  # starts in progress end first: none is left behind
@@ -660,8 +660,11 @@ class _LocalCluster:
             self.say("stopped")
 
 
-def _leave_address(redis_url: str, router, restarts: list | None = None):
-    """Write where this cluster is for `baton status` / `baton top` (removed at exit)."""
+def _leave_address(redis_url: str, router, restarts: list | None = None, secret: str = "",
+                   started: float = 0.0):
+    """Write where this cluster is for `baton status` / `baton top`, and its cluster secret for
+    `baton role` / `baton tune --live --apply` (this process's file, removed at exit; its
+    user's only)."""
     from baton.control.cluster_state import state_file
 
     path = state_file()
@@ -669,21 +672,13 @@ def _leave_address(redis_url: str, router, restarts: list | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600)  # the Redis URL may hold a password: this user's only
         path.chmod(0o600)
-        path.write_text(json.dumps({"pid": os.getpid(), "redis_url": redis_url,
-                                    "router": router.address,
+        path.write_text(json.dumps({"pid": os.getpid(), "started": started,
+                                    "redis_url": redis_url, "router": router.address,
                                     "http": router.http_address,
-                                    "restarts": restarts or []}))
+                                    "restarts": restarts or [], "secret": secret}))
     except OSError:
         return None
     return path
-
-
-def _forget_address(path) -> None:
-    try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():  # not a later cluster's
-            path.unlink()
-    except (OSError, ValueError):
-        pass
 
 
 def _autoscaler(a: UpConfig, redis_url: str, workers: dict, spawn, say):

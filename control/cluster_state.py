@@ -19,35 +19,41 @@ from baton.control.redis_client import redact
 from baton.control.registry import WorkerRegistry
 
 
-def state_file() -> Path:
-    """Where ``baton up`` leaves the running cluster's addresses."""
+def state_file(pid: int | None = None) -> Path:
+    """Where a ``baton up`` (this process's by default) leaves its cluster's addresses: a file
+    per ``baton up``, so each of several on one machine is found by its Redis URL."""
     from baton import cache_dir
 
-    return cache_dir() / "up.json"
+    return cache_dir() / "up" / f"{pid or os.getpid()}.json"
 
 
-def _running_up() -> dict:
-    """The state a local ``baton up`` left, if that ``baton up`` still runs (else {})."""
-    try:
-        state = json.loads(state_file().read_text())
-        os.kill(state["pid"], 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
-    return state
+def _running_up(redis_url: str | None = None) -> dict:
+    """The state a local ``baton up`` on ``redis_url`` left (None: the one started last), if
+    that ``baton up`` still runs (else {})."""
+    found = []
+    for path in state_file(1).parent.glob("*.json"):
+        try:
+            state = json.loads(path.read_text())
+            os.kill(state["pid"], 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if redis_url is None or state.get("redis_url") == redis_url:
+            found.append(state)
+    return max(found, key=lambda st: st.get("started", 0.0), default={})
 
 
 def up_restarts(redis_url: str) -> list[dict] | None:
     """The restarts of a local ``baton up`` serving on ``redis_url`` (what it supervises, and
     how often each was started again), or None when no such ``baton up`` runs."""
-    state = _running_up()
-    return state.get("restarts") if state and state.get("redis_url") == redis_url else None
+    state = _running_up(redis_url)
+    return state.get("restarts") if state else None
 
 
 def up_router_health(redis_url: str, timeout: float = 3.0) -> dict | None:
     """The ``/health`` of the router of a local ``baton up`` on ``redis_url`` (its view: workers
     that answer, how long Redis has been unreachable), or None without one that answers."""
-    state = _running_up()
-    if not state or state.get("redis_url") != redis_url or not state.get("http"):
+    state = _running_up(redis_url)
+    if not state.get("http"):
         return None
     import urllib.error
 
@@ -63,8 +69,16 @@ def up_router_health(redis_url: str, timeout: float = 3.0) -> dict | None:
         return None
 
 
+def up_secret(redis_url: str) -> str | None:
+    """The cluster secret of a local ``baton up`` serving on ``redis_url`` (it makes one per
+    cluster, hands it to its processes in their environment and keeps it in its state file,
+    which its user only may read), or None when no such ``baton up`` runs."""
+    return _running_up(redis_url).get("secret") or None
+
+
 def find_redis_url() -> str | None:
-    """$BATON_REDIS_URL, else the Redis of a local ``baton up`` that is still running."""
+    """$BATON_REDIS_URL, else the Redis of the local ``baton up`` started last that still
+    runs."""
     if os.environ.get("BATON_REDIS_URL"):
         return os.environ["BATON_REDIS_URL"]
     return _running_up().get("redis_url")

@@ -252,8 +252,9 @@ class LiveConfig:
 
 
 def live(a: argparse.Namespace) -> int:
-    from baton.control.cluster_state import find_redis_url
+    from baton.control.cluster_state import find_redis_url, up_secret
     from baton.control.tune_live import run_live
+    from baton.transfer import cluster_secret
 
     a.trace = a.trace or "(live)"
     cfg = TuneConfig.from_args(a)
@@ -268,6 +269,7 @@ def live(a: argparse.Namespace) -> int:
         print("error: --live needs the cluster's Redis for its workers: pass --redis-url (or "
               "set BATON_REDIS_URL)", file=sys.stderr)
         return 2
+    cluster_secret.adopt(up_secret(url))  # --apply's switches: a local `baton up`'s secret
     if a.min_gain < 0 or a.min_dwell < 0 or a.every < 0 or a.fill_every <= 0:
         print("error: --min-gain, --min-dwell and --every must be >= 0, --fill-every > 0",
               file=sys.stderr)

@@ -58,6 +58,15 @@ def current() -> str | None:
     return from_env()
 
 
+def adopt(secret: str | None) -> None:
+    """Make ``secret`` this process's when the environment names none: a tool (``baton role``,
+    ``baton tune --live --apply``) that found a local ``baton up``'s cluster takes its secret
+    from that ``baton up``'s state file (:func:`baton.control.cluster_state.up_secret`)."""
+    if secret and not current():
+        os.environ[ENV] = secret
+        current.cache_clear()
+
+
 class _Send(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def __init__(self, secret: str) -> None:
         self._pair = (METADATA_KEY, secret)

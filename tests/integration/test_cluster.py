@@ -534,11 +534,36 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
         # a short prompt: the decode worker prefills it itself (conditional disaggregation)
         assert out["final"]["path"] == "local"
         assert out["final"]["route_reason"] == "few-new-tokens"
+        # `baton role` from another shell: the cluster secret `baton up` made is taken from
+        # its state file (found by the Redis URL), and one named in the environment wins
+        (url,) = [x.split("redis-server on ")[1].strip() for x in lines
+                  if "redis-server on" in x]
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("BATON_CLUSTER_SECRET", "BATON_CLUSTER_SECRET_FILE")}
+
+        def baton(*args, **more):
+            return subprocess.run([sys.executable, "-m", "baton.cli.main", *args, "--redis-url",
+                                   url], capture_output=True, text=True, timeout=60,
+                                  env=env | more)
+
+        st = baton("status", "--json")
+        (prefill,) = [w["id"] for w in json.loads(st.stdout)["workers"] if w["role"] == "prefill"]
+        wrong = baton("role", prefill, "both", BATON_CLUSTER_SECRET="not-this-clusters")
+        assert wrong.returncode == 1 and "UNAUTHENTICATED" in wrong.stderr, wrong.stderr
+        switched = baton("role", prefill, "both")
+        assert switched.returncode == 0, switched.stderr
+        assert f"{prefill}: prefill -> both" in switched.stdout, switched.stdout
+        roles = {w["id"]: w["role"]
+                 for w in json.loads(baton("status", "--json").stdout)["workers"]}
+        assert roles[prefill] == "both", roles
     finally:
         up.send_signal(signal.SIGINT)
         rest = up.communicate(timeout=90)[0]
     assert up.returncode == 0, rest
     assert "stopped" in rest
+    from baton.control.cluster_state import up_secret
+
+    assert up_secret(url) is None  # its state file went with it
     ps = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", "a process outlived baton up"
 
