@@ -359,7 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] in (["router"], ["worker"]):
         return _piece(argv[0], argv[1:])
     a = parser().parse_args(argv)
-    return a.func(a)
+    try:
+        return a.func(a)
+    except BrokenPipeError:  # `baton request ... | head`: the reader left; not an error of ours
+        # Python flushes stdout again at exit: point it at /dev/null so that flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # a shell's code for a command ended by SIGPIPE
 
 
 def _piece(name: str, args: list[str]) -> int:

@@ -740,6 +740,20 @@ def test_baton_up_on_ray_names_ray_tmpdir_when_the_temporary_folder_is_too_long(
     assert str(deep) in out.stderr, out.stderr
 
 
+def test_baton_request_into_a_closed_pipe_ends_quietly(cluster):
+    """`baton request ... | head -c 1`: the reader leaves after the first byte; the command ends
+    with a shell's SIGPIPE code and no traceback, as other Unix tools do."""
+    import subprocess
+
+    out = subprocess.run(
+        ["bash", "-c", 'set -o pipefail; "$0" -m baton.cli.main request --router "$1" '
+         '--max-tokens 48 "Once upon a time, in a village by the mountains," | head -c 1',
+         sys.executable, cluster.router.address],
+        capture_output=True, text=True, timeout=120)
+    assert len(out.stdout) == 1, out
+    assert out.returncode == 141 and "Traceback" not in out.stderr, out.stderr
+
+
 def test_a_plain_stub_without_a_deadline_is_served(cluster, engine):
     """What grpcurl, grpc-js or Go clients do by default: no timeout at all."""
     channel = grpc.insecure_channel(cluster.router.address)
