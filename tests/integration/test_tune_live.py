@@ -14,6 +14,7 @@ import queue
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,12 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
 
         again = tune(c.redis.url, c.router.http_address, profile, "--apply")
         assert again["action"] == "none" and again["reason"].startswith("stay")
+        # beside the simulated attainment, the window's own: its 12 requests against the SLOs
+        with urllib.request.urlopen(f"http://{c.router.http_address}/v1/baton/workload") as r:
+            rows = [json.loads(x) for x in r.read().decode().splitlines() if x.strip()]
+        assert len(rows) == again["requests"] == 12
+        met = sum(x["ttft_s"] <= 1 and x["tpot_s"] <= 0.5 for x in rows)
+        assert again["attainment_measured"] == met / 12
         # a different best within --min-dwell of the last switch: it waits
         make_profile().save(profile)  # hand-offs cheap again: the split may win now
         soon = tune(c.redis.url, c.router.http_address, profile, "--apply",

@@ -17,6 +17,7 @@ from baton.control.tune_live import (
     best_row,
     current_layout,
     next_look_in,
+    report,
     switches,
     validation_error,
     verdict,
@@ -224,3 +225,17 @@ def test_a_refused_switch_keeps_the_ones_made_before_it(client):
     assert done == [("a", "prefill", "decode")] and gate.role == "decode"  # a decoder first
     assert refused.startswith("b: UNAVAILABLE"), refused
     assert said == ["switched a: prefill -> decode"]
+
+
+def test_the_report_puts_the_windows_measured_attainment_beside_the_simulated_one():
+    """A look's text shows what the window's requests met, not only what the simulator says
+    they would have: a burst past the current layout's capacity reads "100% (now)" simulated
+    when the profile is of a faster machine, and the measured line says otherwise."""
+    out = {"current": "1P+1D", "recommended": "1P+1D", "validation": "v", "action": "none",
+           "reason": "r", "attainment_measured": 0.25,
+           "configurations": [{"layout": "1P+1D", "goodput_rps": 2.0, "attainment_live": 1.0}]}
+    text = report(out)
+    assert "100% (now)" in text
+    assert "measured now: 25% of the window's finished requests met both SLOs" in text
+    assert "measured now" not in report({**out, "attainment_measured": None})
+
