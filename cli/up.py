@@ -246,6 +246,9 @@ def _preflight(a: UpConfig) -> str:
         if port <= 0:
             continue
         with socket.socket() as s:
+            # as the router's servers bind (uvicorn, gRPC): the connections of a cluster just
+            # stopped, left in TIME_WAIT for a minute, do not hold the port; a listener does
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((a.host, port))
             except OSError as e:

@@ -58,6 +58,32 @@ def test_baton_up_checks_its_ports_before_starting_anything():
     assert r.stdout == ""
 
 
+def test_baton_up_takes_a_port_its_last_run_left_in_time_wait():
+    """Stopped and started again at once: the HTTP port still holds the last run's served
+    connections in TIME_WAIT (a minute on Linux), which the router's servers bind past
+    (SO_REUSEADDR); `baton up`'s port check must not refuse it (it did: "Address already in
+    use" for a minute after every Ctrl-C)."""
+    from types import SimpleNamespace
+
+    from baton.cli.up import _preflight
+
+    with socket.socket() as listener:
+        # as uvicorn's: the accepted connections carry its SO_REUSEADDR into TIME_WAIT, and
+        # Linux lets a bind pass them only when both sides set it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            served, _ = listener.accept()
+            served.close()  # the server closes first: its side of the port waits in TIME_WAIT
+            client.recv(1)
+    with socket.socket() as plain, pytest.raises(OSError):  # the TIME_WAIT is there
+        plain.bind(("127.0.0.1", port))
+    a = SimpleNamespace(model=None, host="127.0.0.1", grpc_port=-1, http_port=port)
+    assert _preflight(a) == ""
+
+
 def test_fault_injection_is_one_hidden_flag_and_refuses_what_it_does_not_know(monkeypatch):
     from baton.services.common.faults import ENV, Faults
 
