@@ -45,6 +45,7 @@ class WorkerRecord:
     # its tensor-parallel group: "2 ranks on cpu (pids 10 11)"; "" from older workers
     ranks: str = ""
     role_epoch: int = 0  # role switches this worker process has made (`baton role`)
+    dtype: str = ""  # its weights' and KV cache's precision (--dtype); "" from older workers
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -173,7 +173,7 @@ def test_the_validation_error_on_record(tmp_path):
             in validation_error(tmp_path))
 
 
-def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device():
+def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device_at_their_dtype():
     from baton.control.tune_live import pick_profile, worker_groups
 
     groups = worker_groups({"a": "2 ranks on cpu (pids 10 11)", "b": "2 ranks on cpu (pids 12 13)",
@@ -188,6 +188,13 @@ def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device():
         pick_profile({1: one, 2: two}, groups)
     with pytest.raises(ValueError, match="measured on cpu, the workers run on cuda"):
         pick_profile({1: one}, {"a": (1, "cuda"), "b": (1, "cuda")})
+    # at the profile's dtype (or from workers too old to say) it is taken; at another, refused
+    singles = {"a": (1, "cpu"), "b": (1, "cpu")}
+    assert pick_profile({1: one}, singles, {"a": one.dtype, "b": ""}) is one
+    other = "bfloat16" if one.dtype == "float32" else "float32"
+    with pytest.raises(ValueError, match=f"measured at --dtype {one.dtype}, the workers run at "
+                                         f"{other}: `baton profile --dtype {other}`"):
+        pick_profile({1: one}, singles, {"a": one.dtype, "b": other})
     assert current_layout({"a": "prefill", "b": "decode"}, 2).name == "1P(TP2)+1D(TP2)"
 
 
