@@ -379,6 +379,11 @@ def simulated(a: argparse.Namespace, shape, phases) -> dict | None:
 
     try:
         prof = Profile.load(a.profile)
+        want = getattr(a, "dtype", None)  # a replayed run written before it was recorded: -
+        if want and prof.dtype != want:  # the tuner would refuse it at every look
+            raise ProfileError(f"measured at --dtype {prof.dtype}, the setups' workers run at "
+                               f"--dtype {want}: pass --dtype {prof.dtype}, or profile at "
+                               f"{want}")
         layouts = {name: _score(a, name, simulate(Layout(*spec), prof, [x[:3] for x in shape]),
                                 None, shape, phases, None, None)
                    for name, spec in FIXED.items()}

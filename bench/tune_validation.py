@@ -78,6 +78,10 @@ def main() -> None:
 
     if a.profile:
         profile = Profile.load(a.profile)
+        if profile.dtype != a.dtype:  # predictions for other step times than the measured
+            raise SystemExit(f"error: --profile {a.profile} was measured at --dtype "
+                             f"{profile.dtype}, the setups' workers run at --dtype {a.dtype}: "
+                             f"pass --dtype {profile.dtype}")
     else:
         profile = run_profile(None, a.dtype, [0, 1], 3, True, say)
         say(f"profile saved to {profile.save(RESULTS / 'tune-validation-profile.json')}")

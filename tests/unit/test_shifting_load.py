@@ -154,3 +154,8 @@ def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_s
         shifting_load.main([*base, "--profile", str(slow), "--anyway"])
     with pytest.raises(Started, match="1P"):  # 26 and 29 met: it runs
         shifting_load.main([*base, "--profile", str(fast)])
+    # a profile of another dtype than the setups' workers: refused before the simulator runs
+    capsys.readouterr()
+    assert shifting_load.main([*base, "--profile", str(fast), "--dtype", "float32"]) == 2
+    assert ("measured at --dtype bfloat16, the setups' workers run at --dtype float32"
+            in capsys.readouterr().err)
