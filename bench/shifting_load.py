@@ -379,7 +379,7 @@ def simulated(a: argparse.Namespace, shape, phases) -> dict | None:
 
     try:
         prof = Profile.load(a.profile)
-        want = getattr(a, "dtype", None)  # a replayed run written before it was recorded: -
+        want = getattr(a, "dtype", None)  # a replayed run's args: older runs' may not say
         if want and prof.dtype != want:  # the tuner would refuse it at every look
             raise ProfileError(f"measured at --dtype {prof.dtype}, the setups' workers run at "
                                f"--dtype {want}: pass --dtype {prof.dtype}, or profile at "

@@ -444,7 +444,7 @@ class _LocalCluster:
             # Ray keeps a local instance's sockets under $RAY_TMPDIR/ray, else $TMPDIR/ray on
             # Linux: a long TMPDIR (a CI job's, pytest's) passes the 107 bytes a socket's path
             # may have, and Ray's own error names the path but not the way out
-            where = os.environ.get("RAY_TMPDIR") and "RAY_TMPDIR" or "TMPDIR"
+            where = "RAY_TMPDIR" if os.environ.get("RAY_TMPDIR") else "TMPDIR"
             raise SystemExit(
                 f"error: Ray could not start a local instance: {e}. Its sockets live in a "
                 f"folder under ${where} ({os.environ.get(where)}): set RAY_TMPDIR to a short "

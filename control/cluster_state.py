@@ -19,19 +19,23 @@ from baton.control.redis_client import redact
 from baton.control.registry import WorkerRegistry
 
 
-def state_file(pid: int | None = None) -> Path:
-    """Where a ``baton up`` (this process's by default) leaves its cluster's addresses: a file
-    per ``baton up``, so each of several on one machine is found by its Redis URL."""
+def state_file() -> Path:
+    """Where this process, a ``baton up``, leaves its cluster's addresses: a file per ``baton
+    up``, so each of several on one machine is found by its Redis URL."""
+    return _states() / f"{os.getpid()}.json"
+
+
+def _states() -> Path:
     from baton import cache_dir
 
-    return cache_dir() / "up" / f"{pid or os.getpid()}.json"
+    return cache_dir() / "up"
 
 
 def _running_up(redis_url: str | None = None) -> dict:
     """The state a local ``baton up`` on ``redis_url`` left (None: the one started last), if
     that ``baton up`` still runs (else {})."""
     found = []
-    for path in state_file(1).parent.glob("*.json"):
+    for path in _states().glob("*.json"):
         try:
             state = json.loads(path.read_text())
             os.kill(state["pid"], 0)
