@@ -210,6 +210,31 @@ def pick_profile(profiles: dict, groups: dict[str, tuple[int, str]],
     return profile
 
 
+def with_workers_settings(profile, records):
+    """``profile`` with the workers' own engine settings from their registry entries: the
+    simulated engines admit ``max_num_seqs`` requests and hold ``num_blocks`` KV blocks as the
+    workers do, not as the profiling run's engine did (a `baton up` worker's pool is often a
+    tenth of a profile's 1 GiB); a setting no worker states (older workers) stays the profile's.
+    Raises ValueError when the workers differ in one (the simulator runs one engine setting
+    for all) or run another block size than the profile's (its costs were measured at it)."""
+    import dataclasses
+
+    sizes = {r.block_size for r in records if r.block_size}
+    if sizes and sizes != {profile.block_size}:
+        raise ValueError(f"the profile was measured at --block-size {profile.block_size}, the "
+                         f"workers run at {', '.join(map(str, sorted(sizes)))}: `baton profile` "
+                         "at theirs")
+    changes = {}
+    for name, flag in (("max_num_seqs", "--max-num-seqs"), ("num_blocks", "KV pool blocks")):
+        told = sorted({getattr(r, name) for r in records if getattr(r, name)})
+        if len(told) > 1:
+            raise ValueError(f"the workers differ in {flag} ({', '.join(map(str, told))}): the "
+                             "simulator runs one engine setting for every worker")
+        if told:
+            changes[name] = told[0]
+    return dataclasses.replace(profile, **changes)
+
+
 def validation_error(results: Path) -> str:
     """The prediction error of the newest tune validation under ``results``."""
     files = sorted(glob.glob(str(results / "tune-validation-2*.json")))
@@ -289,9 +314,9 @@ def live_once(cfg, registry, say, fits: dict | None = None,
     if len(roles) < 2:
         return {"action": "none", "reason": f"{len(roles)} worker(s): nothing to split"}
     try:
-        profile = pick_profile(cfg.profiles, worker_groups({w.worker_id: w.ranks
-                                                            for w in records}),
-                               {w.worker_id: w.dtype for w in records})
+        profile = with_workers_settings(
+            pick_profile(cfg.profiles, worker_groups({w.worker_id: w.ranks for w in records}),
+                         {w.worker_id: w.dtype for w in records}), records)
     except ValueError as e:  # a profile that does not fit: an error (a single look exits 1)
         return {"action": "none", "reason": f"error: switches nothing: {e}"}
     with tempfile.TemporaryDirectory() as tmp:

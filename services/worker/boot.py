@@ -101,7 +101,8 @@ class WorkerBoot:
                                 self.engine.fingerprint, self.incarnation,
                                 self.engine.model_info.name, self.engine.cfg.block_size,
                                 metrics_address, self.engine.cfg.max_num_seqs,
-                                self.engine.ranks, self.engine.cfg.dtype)
+                                self.engine.ranks, self.engine.cfg.dtype,
+                                self.engine.num_blocks)
         publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
         drain = announce(self.address, self.worker_id, self.incarnation)
 

@@ -76,7 +76,9 @@ def serve(stub, n: int) -> list[str]:
 
 def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_llama, tmp_path):
     profile = tmp_path / "profile.json"
-    make_profile(handoff=(5.0, 0.0)).save(profile)  # every hand-off 5 s: colocated must win
+    # every hand-off 5 s: colocated must win (at the workers' block size: the tuner refuses
+    # a profile of another)
+    make_profile(handoff=(5.0, 0.0), block_size=4).save(profile)
     args = ["--model", str(tiny_llama[0]), "--block-size", "4", "--num-blocks", "256"]
     with Cluster(prefill=1, decode=1, worker_args=args,
                  routers=[["--http-port", "0", "--local-prefill-max-tokens", "64"]]) as c:
@@ -138,7 +140,7 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         met = sum(x["ttft_s"] <= 1 and x["tpot_s"] <= 0.5 for x in rows)
         assert again["attainment_measured"] == met / 12
         # a different best within --min-dwell of the last switch: it waits
-        make_profile().save(profile)  # hand-offs cheap again: the split may win now
+        make_profile(block_size=4).save(profile)  # hand-offs cheap again: the split may win
         soon = tune(c.redis.url, c.router.http_address, profile, "--apply",
                     "--min-gain", "0")
         assert soon["action"] == "none"

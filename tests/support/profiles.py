@@ -13,12 +13,12 @@ def tok(n: int) -> float:
 
 def make_profile(batched: int = 1024, seqs: int = 64, blocks: int = 10_000,
                  per_seq: float = 0.0, attn_decode: float = 0.0, attn_prefill: float = 0.0,
-                 handoff=(0.002, 1e-9)) -> Profile:
+                 handoff=(0.002, 1e-9), block_size: int = 16) -> Profile:
     decode = [{"batch": b, "context": c, "s": tok(b) + per_seq * b + attn_decode * b * c}
               for b, c in ((1, 64), (8, 64), (8, 512), (32, 256))]
     longs = [{"tokens": n, "s": tok(n) + attn_prefill * n * (n + 1) / 2} for n in (128, 512)]
     return Profile(
-        model="synthetic", dtype="float32", threads=1, block_size=16,
+        model="synthetic", dtype="float32", threads=1, block_size=block_size,
         max_num_batched_tokens=batched, max_num_seqs=seqs, num_blocks=blocks,
         kv_bytes_per_token=1000,
         prefill=[{"tokens": n, "requests": 1, "s": tok(n)} for n in (1, 16, 256, 1024)],

@@ -246,3 +246,34 @@ def test_the_report_puts_the_windows_measured_attainment_beside_the_simulated_on
     assert "measured now: 25% of the window's finished requests met both SLOs" in text
     assert "measured now" not in report({**out, "attainment_measured": None})
 
+
+def test_the_live_tuner_simulates_the_workers_own_engine_settings():
+    """The simulated engines take the workers' --max-num-seqs and KV pool size from their
+    registry entries (a `baton up` worker's pool is often far smaller than the profiling
+    run's); workers that differ in one, or a block size other than the profile's, are refused
+    by name; older workers that say nothing leave the profile's."""
+    from baton.control.registry import WorkerRecord
+    from baton.control.tune_live import with_workers_settings
+
+    def rec(wid: str, **kw) -> WorkerRecord:
+        return WorkerRecord(wid, "decode", f"127.0.0.1:{len(wid)}", "f", "i", **kw)
+
+    p = make_profile(seqs=64, blocks=10_000)
+    got = with_workers_settings(p, [rec("a", max_num_seqs=8, num_blocks=96),
+                                    rec("b", max_num_seqs=8, num_blocks=96)])
+    assert (got.max_num_seqs, got.num_blocks) == (8, 96)
+    assert got.decode == p.decode and got.block_size == p.block_size  # the costs are kept
+    # and the simulator runs with them: one slot and one request's blocks serve one at a time
+    from baton.control.sim import Layout, simulate
+
+    two = [(32, 8, 0.0), (32, 8, 0.0)]
+    alone = with_workers_settings(p, [rec("a", max_num_seqs=1), rec("b", max_num_seqs=1)])
+    assert max(r.ttft for r in simulate(Layout(0, 1, True), alone, two)) > \
+        max(r.ttft for r in simulate(Layout(0, 1, True), p, two))
+    older = with_workers_settings(p, [rec("a"), rec("b")])
+    assert (older.max_num_seqs, older.num_blocks) == (64, 10_000)
+    with pytest.raises(ValueError, match=r"the workers differ in --max-num-seqs \(8, 16\)"):
+        with_workers_settings(p, [rec("a", max_num_seqs=8), rec("b", max_num_seqs=16)])
+    with pytest.raises(ValueError, match="measured at --block-size 16, the workers run at 4"):
+        with_workers_settings(p, [rec("a", block_size=4), rec("b", block_size=4)])
+
