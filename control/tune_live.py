@@ -179,11 +179,9 @@ def worker_groups(ranks: dict[str, str]) -> dict[str, tuple[int, str]]:
     return out
 
 
-def pick_profile(profiles: dict, groups: dict[str, tuple[int, str]],
-                 dtypes: dict[str, str] | None = None):
+def pick_profile(profiles: dict, groups: dict[str, tuple[int, str]]):
     """The profile for these workers: all of one tensor-parallel size, on the device kind the
-    profile was measured on, at its dtype (``dtypes``: each worker's --dtype, "" from an older
-    worker that does not say). Raises ValueError naming what does not match."""
+    profile was measured on. Raises ValueError naming what does not match."""
     sizes = sorted({tp for tp, _ in groups.values()})
     if len(sizes) > 1:
         raise ValueError(f"the workers have tensor-parallel sizes {sizes}: the live tuner "
@@ -200,13 +198,6 @@ def pick_profile(profiles: dict, groups: dict[str, tuple[int, str]],
         raise ValueError(f"the profile was measured on {profile.device}, the workers run on "
                          f"{', '.join(sorted(kinds))}: `baton profile --device "
                          f"{sorted(kinds)[0]}` on their machine")
-    off = sorted({d for d in (dtypes or {}).values() if d} - {profile.dtype})
-    if off:
-        # a step's time moves with the weights' precision: on a 2-core CPU a float32
-        # cluster decoded 16 streams at 1.4-1.8x the times of a bfloat16 one
-        raise ValueError(f"the profile was measured at --dtype {profile.dtype}, the workers "
-                         f"run at {', '.join(off)}: `baton profile --dtype {off[0]}`, or start "
-                         f"the workers at --dtype {profile.dtype}")
     return profile
 
 
@@ -216,8 +207,17 @@ def with_workers_settings(profile, records):
     workers do, not as the profiling run's engine did (a `baton up` worker's pool is often a
     tenth of a profile's 1 GiB); a setting no worker states (older workers) stays the profile's.
     Raises ValueError when the workers differ in one (the simulator runs one engine setting
-    for all) or run another block size than the profile's (its costs were measured at it)."""
+    for all) or run another dtype or block size than the profile's (its costs were measured at
+    them; "" and 0: an older worker that does not say)."""
     import dataclasses
+
+    off = sorted({r.dtype for r in records if r.dtype} - {profile.dtype})
+    if off:
+        # a step's time moves with the weights' precision: on a 2-core CPU a float32
+        # cluster decoded 16 streams at 1.4-1.8x the times of a bfloat16 one
+        raise ValueError(f"the profile was measured at --dtype {profile.dtype}, the workers "
+                         f"run at {', '.join(off)}: `baton profile --dtype {off[0]}`, or start "
+                         f"the workers at --dtype {profile.dtype}")
 
     sizes = {r.block_size for r in records if r.block_size}
     if sizes and sizes != {profile.block_size}:
@@ -315,8 +315,8 @@ def live_once(cfg, registry, say, fits: dict | None = None,
         return {"action": "none", "reason": f"{len(roles)} worker(s): nothing to split"}
     try:
         profile = with_workers_settings(
-            pick_profile(cfg.profiles, worker_groups({w.worker_id: w.ranks for w in records}),
-                         {w.worker_id: w.dtype for w in records}), records)
+            pick_profile(cfg.profiles, worker_groups({w.worker_id: w.ranks for w in records})),
+            records)
     except ValueError as e:  # a profile that does not fit: an error (a single look exits 1)
         return {"action": "none", "reason": f"error: switches nothing: {e}"}
     with tempfile.TemporaryDirectory() as tmp:

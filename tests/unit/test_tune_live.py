@@ -173,7 +173,7 @@ def test_the_validation_error_on_record(tmp_path):
             in validation_error(tmp_path))
 
 
-def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device_at_their_dtype():
+def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device():
     from baton.control.tune_live import pick_profile, worker_groups
 
     groups = worker_groups({"a": "2 ranks on cpu (pids 10 11)", "b": "2 ranks on cpu (pids 12 13)",
@@ -188,13 +188,6 @@ def test_the_live_tuner_simulates_the_workers_tp_size_on_their_device_at_their_d
         pick_profile({1: one, 2: two}, groups)
     with pytest.raises(ValueError, match="measured on cpu, the workers run on cuda"):
         pick_profile({1: one}, {"a": (1, "cuda"), "b": (1, "cuda")})
-    # at the profile's dtype (or from workers too old to say) it is taken; at another, refused
-    singles = {"a": (1, "cpu"), "b": (1, "cpu")}
-    assert pick_profile({1: one}, singles, {"a": one.dtype, "b": ""}) is one
-    other = "bfloat16" if one.dtype == "float32" else "float32"
-    with pytest.raises(ValueError, match=f"measured at --dtype {one.dtype}, the workers run at "
-                                         f"{other}: `baton profile --dtype {other}`"):
-        pick_profile({1: one}, singles, {"a": one.dtype, "b": other})
     assert current_layout({"a": "prefill", "b": "decode"}, 2).name == "1P(TP2)+1D(TP2)"
 
 
@@ -247,7 +240,7 @@ def test_the_report_puts_the_windows_measured_attainment_beside_the_simulated_on
     assert "measured now" not in report({**out, "attainment_measured": None})
 
 
-def test_the_live_tuner_simulates_the_workers_own_engine_settings():
+def test_the_live_tuner_simulates_the_workers_own_engine_settings_at_their_dtype():
     """The simulated engines take the workers' --max-num-seqs and KV pool size from their
     registry entries (a `baton up` worker's pool is often far smaller than the profiling
     run's); workers that differ in one, or a block size other than the profile's, are refused
@@ -276,4 +269,10 @@ def test_the_live_tuner_simulates_the_workers_own_engine_settings():
         with_workers_settings(p, [rec("a", max_num_seqs=8), rec("b", max_num_seqs=16)])
     with pytest.raises(ValueError, match="measured at --block-size 16, the workers run at 4"):
         with_workers_settings(p, [rec("a", block_size=4), rec("b", block_size=4)])
+    # at the profile's dtype (or from workers too old to say) it is taken; at another, refused
+    assert with_workers_settings(p, [rec("a", dtype=p.dtype), rec("b")]) == p
+    other = "bfloat16" if p.dtype == "float32" else "float32"
+    with pytest.raises(ValueError, match=f"measured at --dtype {p.dtype}, the workers run at "
+                                         f"{other}: `baton profile --dtype {other}`"):
+        with_workers_settings(p, [rec("a", dtype=p.dtype), rec("b", dtype=other)])
 
