@@ -747,7 +747,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
                 max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
                 kv_bytes_per_token=engine.block_nbytes // engine.cfg.block_size,
                 neighbors=others, machine=machine(), device=device, tensor_parallel_size=tp,
-                **costs)
+                fingerprint=engine.fingerprint, model_name=engine.model_info.name, **costs)
     engine_len, vocab = engine.max_model_len, engine.model_config.vocab_size
     engine.close()  # a group's followers end with it
     del engine

@@ -173,6 +173,11 @@ class Profile:
     machine: dict = field(default_factory=dict)
     device: str = "cpu"  # where it was measured (`baton profile --device`)
     tensor_parallel_size: int = 1  # ranks of the worker measured (`--tensor-parallel-size`)
+    # the measured engine's model fingerprint (architecture, weights, dtype, block size, KV
+    # layout, device kind: what the workers register) and the model's name; "" in a profile
+    # from before they were recorded, which the live tuner cannot check against its workers
+    fingerprint: str = ""
+    model_name: str = ""
     version: int = VERSION
 
     def save(self, path: str | Path) -> Path:

@@ -47,6 +47,7 @@ class WorkerRecord:
     role_epoch: int = 0  # role switches this worker process has made (`baton role`)
     dtype: str = ""  # its weights' and KV cache's precision (--dtype); "" from older workers
     num_blocks: int = 0  # its KV pool's blocks (--num-blocks, or what the device left); 0: older
+    threads: int = 0  # its torch threads on a CPU (--threads, or torch's default); 0: GPU, older
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

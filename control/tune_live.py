@@ -207,8 +207,9 @@ def with_workers_settings(profile, records):
     workers do, not as the profiling run's engine did (a `baton up` worker's pool is often a
     tenth of a profile's 1 GiB); a setting no worker states (older workers) stays the profile's.
     Raises ValueError when the workers differ in one (the simulator runs one engine setting
-    for all) or run another dtype or block size than the profile's (its costs were measured at
-    them; "" and 0: an older worker that does not say)."""
+    for all) or run another dtype, block size, model or (on a CPU) thread count than the
+    profile's (its costs were measured at them; "" and 0: an older worker or profile that does
+    not say)."""
     import dataclasses
 
     off = sorted({r.dtype for r in records if r.dtype} - {profile.dtype})
@@ -224,6 +225,23 @@ def with_workers_settings(profile, records):
         raise ValueError(f"the profile was measured at --block-size {profile.block_size}, the "
                          f"workers run at {', '.join(map(str, sorted(sizes)))}: `baton profile` "
                          "at theirs")
+    others = sorted({r.model or r.fingerprint[:16] for r in records
+                     if r.fingerprint and r.fingerprint != profile.fingerprint})
+    if profile.fingerprint and others:
+        # the fingerprint holds the architecture and weights (and the KV layout, the FP8
+        # matmuls): another model, or the same name with other weights, runs at other costs
+        raise ValueError(f"the profile was measured on the model "
+                         f"{profile.model_name or profile.model} (fingerprint "
+                         f"{profile.fingerprint[:16]}), the workers serve "
+                         f"{', '.join(others)}: `baton profile --model` with theirs")
+    threads = sorted({r.threads for r in records if r.threads} - {profile.threads})
+    if threads and profile.device.startswith("cpu"):
+        # a profile times each worker on a core of its own with one torch thread: a worker of
+        # two threads on two cores runs its steps at other times
+        raise ValueError(f"the profile was measured at {profile.threads} torch thread(s) a "
+                         f"worker, the workers run {', '.join(map(str, threads))}: start them "
+                         f"with --threads {profile.threads} (`baton up --threads "
+                         f"{profile.threads}`)")
     changes = {}
     for name, flag in (("max_num_seqs", "--max-num-seqs"), ("num_blocks", "KV pool blocks")):
         told = sorted({getattr(r, name) for r in records if getattr(r, name)})
@@ -367,6 +385,10 @@ def live_once(cfg, registry, say, fits: dict | None = None,
            "attainment_measured": measured,
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
+           "profile_unchecked": "" if profile.fingerprint else (
+               "the profile records no model fingerprint (measured before Baton recorded "
+               "one), so its model is not checked against the workers': `baton profile` "
+               "again records it"),
            "switches": [],
            "calibration": ({**calibration.summary(used), "kept": kept.summary(now_s)}
                            if calibration is not None else
@@ -400,6 +422,8 @@ def report(out: dict) -> str:
             lines.append(f"measured now: {100 * out['attainment_measured']:.0f}% of the "
                          "window's finished requests met both SLOs")
         lines.append(f"recommended: {out['recommended']}; {out['validation']}")
+        if out.get("profile_unchecked"):
+            lines.append(f"note: {out['profile_unchecked']}")
         cal = out.get("calibration") or {}
         if cal.get("applied"):
             lines.append(f"calibrated on the live window: decode factor x{cal['decode_ratio']:.3f}"

@@ -51,6 +51,16 @@ def data_threads(max_num_seqs: int) -> int:
     return max_num_seqs + PREFILL_CALL_THREADS
 
 
+def cpu_threads(device: str) -> int:
+    """The torch threads this worker's engine computes with on a CPU (its registry entry, which
+    the live tuner checks against its profile's); 0 on a GPU, where they do not set its pace."""
+    if not device.startswith("cpu"):
+        return 0
+    import torch
+
+    return torch.get_num_threads()
+
+
 def build_engine(settings: EngineSettings, record_kv_events: bool,
                  worker_name: str | None = None):
     from baton.engine.engine import LLMEngine
@@ -102,7 +112,7 @@ class WorkerBoot:
                                 self.engine.model_info.name, self.engine.cfg.block_size,
                                 metrics_address, self.engine.cfg.max_num_seqs,
                                 self.engine.ranks, self.engine.cfg.dtype,
-                                self.engine.num_blocks)
+                                self.engine.num_blocks, cpu_threads(self.engine.cfg.device))
         publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
         drain = announce(self.address, self.worker_id, self.incarnation)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,19 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         stub = api_pb2_grpc.BatonStub(c.router.channel)
         assert set(serve(stub, 8)) == {"remote"}
         registry = WorkerRegistry.from_url(c.redis.url)
+        # the workers register what a profile is checked against: their model's fingerprint,
+        # and their torch threads (the Cluster's --threads 1, a profile's)
+        records = registry.workers()
+        assert {w.threads for w in records} == {1} and len({w.fingerprint for w in records}) == 1
+        # a profile of another model is refused naming both (a single look exits 1)
+        other = tmp_path / "other.json"
+        replace(make_profile(block_size=4), fingerprint="0" * 32, model_name="another").save(other)
+        out = subprocess.run(command(c.redis.url, c.router.http_address, other),
+                             capture_output=True, text=True, timeout=300)
+        refused = json.loads(out.stdout.strip().splitlines()[-1])
+        assert out.returncode == 1 and refused["reason"].startswith(
+            "error: switches nothing: the profile was measured on the model another "
+            f"(fingerprint 0000000000000000), the workers serve {records[0].model}")
 
         # too little traffic in the router's window to decide on: nothing switches
         few = tune(c.redis.url, c.router.http_address, profile, "--apply",
@@ -116,6 +130,8 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         look = tune(c.redis.url, c.router.http_address, profile)
         assert look["action"] == "none" and look["current"] == "1P+1D"
         assert look["recommended"] == "2 colocated" and look["requests"] == 8
+        # the synthetic profile records no model: the look says it could not check it
+        assert "records no model fingerprint" in look["profile_unchecked"]
         # eight requests are too few to calibrate the profile's factors on: it says so
         assert not look["calibration"]["applied"]
         assert any("fewer than 10" in n for n in look["calibration"]["notes"])

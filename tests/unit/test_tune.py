@@ -269,6 +269,12 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     others = sorted(os.sched_getaffinity(0))[1:2]
     assert p.neighbors == others  # measured beside a busy engine wherever there is a core for it
     assert (p.device, p.tensor_parallel_size) == ("cpu", 1)  # --device auto: no GPU here
+    # the model as the workers register it, for the live tuner to check theirs against
+    from baton.engine.loader import load_model
+
+    model = load_model(tiny_llama[0])
+    assert p.fingerprint == model.fingerprint(p.dtype, p.block_size, "cpu")
+    assert p.model_name == model.name
     assert ("as the neighbour" in out.stderr) == bool(others)
     assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]
     assert p.decode and p.prefill_long

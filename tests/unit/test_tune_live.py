@@ -276,3 +276,34 @@ def test_the_live_tuner_simulates_the_workers_own_engine_settings_at_their_dtype
                                          f"{other}: `baton profile --dtype {other}`"):
         with_workers_settings(p, [rec("a", dtype=p.dtype), rec("b", dtype=other)])
 
+
+
+def test_the_live_tuner_refuses_a_profile_of_another_model_or_thread_count_by_name():
+    """A profile measured on one model (its fingerprint: architecture, weights, dtype, block
+    size, KV layout) says nothing of another's costs, nor a profile of one torch thread a
+    worker of workers running two: each is refused naming both sides; a profile or worker too
+    old to record them is taken as before."""
+    import dataclasses
+
+    from baton.control.registry import WorkerRecord
+    from baton.control.tune_live import with_workers_settings
+
+    def rec(wid: str, fingerprint: str = "a" * 32, **kw) -> WorkerRecord:
+        return WorkerRecord(wid, "decode", f"127.0.0.1:{len(wid)}", fingerprint, "i", **kw)
+
+    p = dataclasses.replace(make_profile(), fingerprint="a" * 32, model_name="SmolLM2-135M")
+    same = [rec("a", model="SmolLM2-135M", threads=1), rec("b", model="SmolLM2-135M")]
+    assert with_workers_settings(p, same) == p
+    with pytest.raises(ValueError, match=r"measured on the model SmolLM2-135M \(fingerprint "
+                                         r"aaaaaaaaaaaaaaaa\), the workers serve gemma-3-270m: "
+                                         r"`baton profile --model`"):
+        with_workers_settings(p, [rec("a", model="SmolLM2-135M"),
+                                  rec("b", "b" * 32, model="gemma-3-270m")])
+    with pytest.raises(ValueError, match=r"measured at 1 torch thread\(s\) a worker, the "
+                                         r"workers run 2: start them with --threads 1"):
+        with_workers_settings(p, [rec("a", threads=1), rec("b", threads=2)])
+    # on a GPU the threads do not set a step's pace; an older profile cannot be checked
+    gpu = dataclasses.replace(p, device="cuda")
+    assert with_workers_settings(gpu, [rec("a", threads=2), rec("b", threads=2)]) == gpu
+    older = dataclasses.replace(p, fingerprint="", model_name="")
+    assert with_workers_settings(older, [rec("a"), rec("b", "b" * 32)]) == older
