@@ -113,5 +113,24 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> i
         # drop a token when the tokens ranked above it already cover top_p (keeps at least one)
         drop = (probs.cumsum(dim=-1) - probs) > p.top_p
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = row.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return draw(row.exp(), gen)  # the softmax's numerators: the largest is 1 (row's max is 0)
+
+
+def draw(weights: torch.Tensor, gen: torch.Generator) -> int:
+    """One token with probability proportional to ``weights`` (a row of non-negative numbers:
+    probabilities, or a softmax's numerators), by inverting its CDF at one uniform number from
+    ``gen``: the distribution ``torch.multinomial`` samples, for one random number instead of
+    one for each vocabulary entry (multinomial draws an exponential for every entry: 1.3 ms a
+    row of a 49,152-token vocabulary on one core, 29 ms of a decode step of 22 sampled
+    streams). A token of weight 0 (masked, or cut by top-k, top-p or min-p) is never drawn:
+    its CDF step is empty. (On a CPU the cumulative sum adds in float64 and rounds each
+    partial sum to float32, so a step is its weight to 1e-7 of the total.)"""
+    cdf = weights.float().cumsum(dim=-1)
+    total = float(cdf[-1])
+    if not total > 0.0:  # NaN or all zero: nothing to draw from (the caller's bug)
+        raise RuntimeError(f"no token has a probability (the weights sum to {total})")
+    x = torch.rand(1, generator=gen) * total
+    i = int(torch.searchsorted(cdf, x, right=True))  # the first token whose CDF exceeds x
+    if i >= cdf.shape[-1]:  # x rounded up to the total: the last token with a weight
+        i = int(weights.nonzero()[-1])
+    return i

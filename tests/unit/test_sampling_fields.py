@@ -124,3 +124,45 @@ def test_a_seeded_request_resumed_elsewhere_draws_the_same_tokens(tiny_engine):
     # as the router resumes a migrated request: the prompt plus the 5 tokens sent, 9 to go
     assert run(prompt + whole[:5], max_tokens=9, output_prefix=5) == whole[5:]
     assert run(prompt, seed=78) != whole
+
+
+def test_a_sampled_token_follows_the_distribution_and_never_a_cut_one(monkeypatch):
+    """The draw inverts the CDF at one uniform number per token: its frequencies are the
+    probabilities, a token of probability 0 (masked, or cut by top-k/top-p/min-p) is never
+    drawn, whatever the vocabulary's size, and a seeded generator draws the same again."""
+    from baton.engine.sampler import draw, make_generator
+
+    probs = torch.zeros(49152)
+    probs[[7, 300, 49151]] = torch.tensor([0.5, 0.2, 0.3])
+    gen = make_generator(1)
+    n = 40_000
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(n)]), minlength=49152)
+    assert set(counts.nonzero().flatten().tolist()) == {7, 300, 49151}
+    for tok, p in ((7, 0.5), (300, 0.2), (49151, 0.3)):
+        assert abs(counts[tok].item() / n - p) < 0.01, (tok, counts[tok].item())  # 4 sigma
+    # a flat row over a whole vocabulary: every tenth of it drawn its tenth of the time
+    flat = torch.full((50_000,), 1 / 50_000)
+    tenths = torch.bincount(torch.tensor([draw(flat, gen) // 5000 for _ in range(n)]),
+                            minlength=10)
+    assert ((tenths.float() / n - 0.1).abs() < 0.01).all(), tenths.tolist()
+    # a seeded generator draws the same again; a uniform number that rounds up to the total
+    # still draws a token that has a probability (the last one), not one past the row
+    edge = torch.tensor([0.25, 0.75, 0.0, 0.0])
+    assert len({draw(edge, make_generator(11)) for _ in range(3)}) == 1
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1))
+    assert draw(edge, gen) == 1
+    with pytest.raises(RuntimeError, match="no token has a probability"):
+        draw(torch.zeros(8), gen)
+
+
+def test_sampling_rows_through_sample_keep_the_cut_tokens_out():
+    """top-k through :func:`sample`: only the k most likely tokens are ever drawn."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.5, top_k=5, max_tokens=1)] * 3
+    allowed = [set(torch.topk(row, 5).indices.tolist()) for row in logits]
+    from baton.engine.sampler import make_generator
+
+    gens = [make_generator(i) for i in range(3)]
+    for _ in range(300):
+        tokens, _ = sample(logits, params, gens)
+        assert all(t in a for t, a in zip(tokens, allowed))

@@ -1,0 +1,156 @@
+"""Sampling's cost beside a decode step: what a temperature > 0 request (the OpenAI API's default,
+temperature 1) adds to each step over a greedy one. Results in bench/results/sampler-*.json.
+
+First a check: the draw's frequencies against the probabilities of a softmax row of the
+vocabulary's size (the 10 likeliest tokens within 5 standard errors), and no token the row cuts
+(top-k) ever drawn. Then, on one core, for batches of sampled rows at two vocabularies
+(SmolLM2's 49,152, Qwen3's 151,936): the sampler's time per step for greedy rows, for rows at
+temperature 1, and for the same rows drawn by ``torch.multinomial`` (the draw's reference: one
+random number per vocabulary entry); medians of ``--reps``. Then the whole thing on the engine:
+SmolLM2 decode steps of ``--streams`` streams, greedy against temperature 1, same prompts,
+interleaved rounds; the ratio is what sampled traffic pays per token.
+
+    python bench/sampler_bench.py [--reps 15] [--streams 22] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+from baton.bench.common import machine, write_result
+
+VOCABS = {"smollm2": 49152, "qwen3": 151936}
+BATCHES = [1, 8, 22, 64]
+
+
+def median_time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def check() -> dict:
+    """The draw samples the softmax's distribution and never a cut token."""
+    import torch
+    from baton.engine.params import SamplingParams
+    from baton.engine.sampler import draw, make_generator, sample
+
+    row = torch.randn(VOCABS["smollm2"], generator=torch.Generator().manual_seed(0)) * 4
+    probs = row.softmax(-1)
+    n, gen = 20_000, make_generator(5)
+    counts = torch.bincount(torch.tensor([draw(probs, gen) for _ in range(n)]),
+                            minlength=len(probs)).double()
+    top = torch.topk(probs, 10).indices
+    z = ((counts[top] / n - probs[top].double()) /
+         (probs[top].double() * (1 - probs[top].double()) / n).sqrt()).abs()
+    params = [SamplingParams(temperature=1.0, top_k=20, max_tokens=1)]
+    allowed = set(torch.topk(row, 20).indices.tolist())
+    cut = sum(sample(row[None], params, [gen])[0][0] not in allowed for _ in range(2000))
+    ok = bool(z.max() < 5) and cut == 0
+    print(f"check: top-10 frequencies within {float(z.max()):.2f} standard errors of the "
+          f"probabilities; {cut} of 2000 top-k draws outside the top 20: "
+          f"{'ok' if ok else 'FAILED'}")
+    return {"max_z_top10": float(z.max()), "cut_drawn": cut, "ok": ok}
+
+
+def multinomial(logits, gens) -> list[int]:
+    """The rows drawn as the sampler drew them before (temperature 1): the draw's reference."""
+    import torch
+
+    return [int(torch.multinomial(r.softmax(-1), 1, generator=g)) for r, g in zip(logits, gens)]
+
+
+def sampler_rows(reps: int) -> list[dict]:
+    import torch
+    from baton.engine.params import SamplingParams
+    from baton.engine.sampler import make_generator, sample
+
+    rows = []
+    for name, vocab in VOCABS.items():
+        for b in BATCHES:
+            logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b))
+            gens = [make_generator(i) for i in range(b)]
+            greedy = [SamplingParams(temperature=0.0, max_tokens=1)] * b
+            hot = [SamplingParams(temperature=1.0, max_tokens=1)] * b
+            g = median_time(partial(sample, logits, greedy, gens), reps)
+            s = median_time(partial(sample, logits, hot, gens), reps)
+            m = median_time(partial(multinomial, logits, gens), reps)
+            rows.append({"vocab": name, "vocab_size": vocab, "batch": b, "greedy_s": g,
+                         "sampled_s": s, "multinomial_s": m, "draw_speedup": m / s})
+            print(f"  {name:8} batch {b:3}: greedy {g * 1e3:7.2f} ms | temperature 1 "
+                  f"{s * 1e3:7.2f} ms | multinomial draw {m * 1e3:8.2f} ms "
+                  f"({m / s:.1f}x)", flush=True)
+    return rows
+
+
+def engine_steps(streams: int, dtype: str, rounds: int) -> dict:
+    """SmolLM2 decode steps of ``streams`` streams, greedy and at temperature 1 in turn."""
+    import torch
+    from baton.engine.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.engine.params import SamplingParams
+
+    engine = LLMEngine.from_path(None, EngineConfig(dtype=dtype, num_threads=1))
+    vocab = min(engine.model_config.vocab_size, 30000)
+    prompts = [[(i * 131 + 7 * k) % (vocab - 10) + 5 for k in range(128)]
+               for i in range(streams)]
+
+    def steps(temperature: float, n: int = 12) -> float:
+        for p in prompts:
+            engine.add_request(prompt_token_ids=p, params=SamplingParams(
+                max_tokens=n + 4, temperature=temperature, ignore_eos=True, seed=None))
+        engine.step()  # the prompts: one chunked prefill
+        while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+            engine.step()
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        while engine.has_unfinished():
+            engine.step()
+        return statistics.median(times)
+
+    out: dict[str, list[float]] = {"greedy": [], "sampled": []}
+    steps(0.0, 3)  # warm-up
+    for _ in range(rounds):
+        out["greedy"].append(steps(0.0))
+        out["sampled"].append(steps(1.0))
+    engine.close()
+    g, s = statistics.median(out["greedy"]), statistics.median(out["sampled"])
+    print(f"  SmolLM2 {dtype} decode step of {streams} streams: greedy {g * 1e3:.1f} ms | "
+          f"temperature 1 {s * 1e3:.1f} ms | {s / g:.3f}x (rounds {rounds}, "
+          f"{torch.get_num_threads()} thread)")
+    return {"streams": streams, "dtype": dtype, "greedy_step_s": g, "sampled_step_s": s,
+            "ratio": s / g, "rounds": out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--streams", type=int, default=22)
+    ap.add_argument("--rounds", type=int, default=5, help="engine rounds, each mode in turn")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    result = {"machine": machine(), "threads": 1, "check": check()}
+    if not result["check"]["ok"]:
+        raise SystemExit("the draw's check failed: no timing")
+    print("sampler per step (one core):")
+    result["sampler"] = sampler_rows(args.reps)
+    print("engine:")
+    result["engine"] = engine_steps(args.streams, args.dtype, args.rounds)
+    print(f"wrote {write_result('sampler', result)}")
+
+
+if __name__ == "__main__":
+    main()
