@@ -668,14 +668,16 @@ def _leave_address(redis_url: str, router, restarts: list | None = None, secret:
     """Write where this cluster is for `baton status` / `baton top`, and its cluster secret for
     `baton role` / `baton tune --live --apply` (this process's file, removed at exit; its
     user's only)."""
-    from baton.control.cluster_state import state_file
+    from baton.control.cluster_state import process_start, state_file
 
     path = state_file()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch(mode=0o600)  # the Redis URL may hold a password: this user's only
         path.chmod(0o600)
-        path.write_text(json.dumps({"pid": os.getpid(), "started": started,
+        path.write_text(json.dumps({"pid": os.getpid(),
+                                    "process_start": process_start(os.getpid()),
+                                    "started": started,
                                     "redis_url": redis_url, "router": router.address,
                                     "http": router.http_address,
                                     "restarts": restarts or [], "secret": secret}))

@@ -31,14 +31,32 @@ def _states() -> Path:
     return cache_dir() / "up"
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (/proc/PID/stat's 22nd field),
+    or None when there is no such process: with the pid, it names one process, where a pid
+    alone may be reused by another after it ends."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
 def _running_up(redis_url: str | None = None) -> dict:
     """The state a local ``baton up`` on ``redis_url`` left (None: the one started last), if
-    that ``baton up`` still runs (else {})."""
+    that ``baton up`` still runs (else {}). The file of one that ended without removing it
+    (SIGKILL, a power cut) is removed here: its pid no longer runs, or runs another process."""
     found = []
     for path in _states().glob("*.json"):
         try:
             state = json.loads(path.read_text())
-            os.kill(state["pid"], 0)
+            pid, born = state["pid"], state.get("process_start")
+            os.kill(pid, 0)
+            if born is not None and process_start(pid) != born:
+                raise ProcessLookupError(pid)  # the pid was reused after that baton up ended
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if redis_url is None or state.get("redis_url") == redis_url:

@@ -6,7 +6,9 @@ metrics are missing. The command against a live cluster is in tests/integration/
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 from baton.cli import status
@@ -125,3 +127,41 @@ def test_a_worker_with_kv_tiers_shows_a_line_per_tier():
     assert t["cached_tokens"] == 48 and t["enabled"] == 1
     text = status.render(summary)
     assert "disk tier: 120/500 blocks, 3 hits (48 tokens) in 1 loads at 1.5GiB/s" in text
+
+
+def test_a_baton_up_that_ended_without_cleaning_up_is_not_found_and_its_file_goes(
+        tmp_path, monkeypatch):
+    """`baton status`, `baton role` and `baton tune --live` find a local `baton up` by the
+    state file it leaves. One killed by SIGKILL leaves its file: a dead pid, or a pid the
+    system gave to another process since (told apart by the process's start time), is not that
+    `baton up`, and its file is removed; a live one's is read, an older file without a start
+    time by its pid alone."""
+    import subprocess
+    import sys
+
+    from baton.control.cluster_state import find_redis_url, process_start, up_secret
+
+    monkeypatch.setenv("BATON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("BATON_REDIS_URL", raising=False)
+    states = tmp_path / "up"
+    states.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me, born = os.getpid(), process_start(os.getpid())
+    assert born is not None and process_start(gone.pid) is None
+
+    def leave(name: str, pid: int, url: str, started: float, **extra) -> Path:
+        path = states / f"{name}.json"
+        path.write_text(json.dumps({"pid": pid, "started": started, "redis_url": url,
+                                    "secret": f"s-{name}", **extra}))
+        return path
+
+    live = leave("live", me, "redis://127.0.0.1:1", 1.0, process_start=born)
+    older = leave("older", me, "redis://127.0.0.1:2", 2.0)
+    dead = leave("dead", gone.pid, "redis://127.0.0.1:3", 3.0, process_start=born)
+    reused = leave("reused", me, "redis://127.0.0.1:4", 4.0, process_start=born - 1)
+    # the newest that still runs: the pid-only file of 2.0, not the dead or reused ones after it
+    assert find_redis_url() == "redis://127.0.0.1:2"
+    assert up_secret("redis://127.0.0.1:1") == "s-live"
+    assert up_secret("redis://127.0.0.1:4") is None
+    assert live.exists() and older.exists() and not dead.exists() and not reused.exists()
