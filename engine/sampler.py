@@ -120,8 +120,8 @@ def draw(weights: torch.Tensor, gen: torch.Generator) -> int:
     """One token with probability proportional to ``weights`` (a row of non-negative numbers:
     probabilities, or a softmax's numerators), by inverting its CDF at one uniform number from
     ``gen``: the distribution ``torch.multinomial`` samples, for one random number instead of
-    one for each vocabulary entry (multinomial draws an exponential for every entry: 1.3 ms a
-    row of a 49,152-token vocabulary on one core, 29 ms of a decode step of 22 sampled
+    one for each vocabulary entry (multinomial draws an exponential for every entry: 1.1-1.3 ms
+    a row of a 49,152-token vocabulary on one core, 29 ms of a decode step of 22 sampled
     streams). A token of weight 0 (masked, or cut by top-k, top-p or min-p) is never drawn:
     its CDF step is empty. (On a CPU the cumulative sum adds in float64 and rounds each
     partial sum to float32, so a step is its weight to 1e-7 of the total.)"""
