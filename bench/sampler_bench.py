@@ -6,9 +6,10 @@ vocabulary's size (the 10 likeliest tokens within 5 standard errors), and no tok
 (top-k) ever drawn. Then, on one core, for batches of sampled rows at two vocabularies
 (SmolLM2's 49,152, Qwen3's 151,936): the sampler's time per step for greedy rows, for rows at
 temperature 1, and for the same rows drawn by ``torch.multinomial`` (the draw's reference: one
-random number per vocabulary entry); medians of ``--reps``. Then the whole thing on the engine:
-SmolLM2 decode steps of ``--streams`` streams, greedy against temperature 1, same prompts,
-interleaved rounds; the ratio is what sampled traffic pays per token.
+random number per vocabulary entry), and at top-p 0.95 beside the full sort of each row that
+top-p cost before; medians of ``--reps``. Then the whole thing on the engine: SmolLM2 decode
+steps of ``--streams`` streams, greedy against temperature 1 and top-p 0.95, same prompts,
+interleaved rounds; the ratios are what sampled traffic pays per token.
 
     python bench/sampler_bench.py [--reps 15] [--streams 22] [--dtype float32]
 """
@@ -67,6 +68,17 @@ def multinomial(logits, gens) -> list[int]:
     return [int(torch.multinomial(r.softmax(-1), 1, generator=g)) for r, g in zip(logits, gens)]
 
 
+def sorted_top_p(logits, top_p: float) -> None:
+    """top-p as the sampler cut it before: a sort of the whole row (the cut's reference)."""
+    import torch
+
+    for row in logits:
+        values, order = torch.sort(row, descending=True)
+        probs = values.softmax(dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs) > top_p
+        row.scatter(0, order, values.masked_fill(drop, float("-inf")))
+
+
 def sampler_rows(reps: int) -> list[dict]:
     import torch
     from baton.engine.params import SamplingParams
@@ -75,18 +87,24 @@ def sampler_rows(reps: int) -> list[dict]:
     rows = []
     for name, vocab in VOCABS.items():
         for b in BATCHES:
-            logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b))
+            # a logit spread of 4: top-p 0.95 keeps ~1,600 of SmolLM2's tokens
+            logits = torch.randn(b, vocab, generator=torch.Generator().manual_seed(b)) * 4
             gens = [make_generator(i) for i in range(b)]
             greedy = [SamplingParams(temperature=0.0, max_tokens=1)] * b
             hot = [SamplingParams(temperature=1.0, max_tokens=1)] * b
             g = median_time(partial(sample, logits, greedy, gens), reps)
             s = median_time(partial(sample, logits, hot, gens), reps)
             m = median_time(partial(multinomial, logits, gens), reps)
+            nucleus = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=1)] * b
+            t = median_time(partial(sample, logits, nucleus, gens), reps)
+            cut = median_time(partial(sorted_top_p, logits, 0.95), reps)
             rows.append({"vocab": name, "vocab_size": vocab, "batch": b, "greedy_s": g,
-                         "sampled_s": s, "multinomial_s": m, "draw_speedup": m / s})
+                         "sampled_s": s, "multinomial_s": m, "draw_speedup": m / s,
+                         "top_p_s": t, "sorted_top_p_cut_s": cut})
             print(f"  {name:8} batch {b:3}: greedy {g * 1e3:7.2f} ms | temperature 1 "
                   f"{s * 1e3:7.2f} ms | multinomial draw {m * 1e3:8.2f} ms "
-                  f"({m / s:.1f}x)", flush=True)
+                  f"({m / s:.1f}x) | top-p 0.95 {t * 1e3:7.2f} ms | a sorted cut alone "
+                  f"{cut * 1e3:8.2f} ms", flush=True)
     return rows
 
 
@@ -102,10 +120,13 @@ def engine_steps(streams: int, dtype: str, rounds: int) -> dict:
     prompts = [[(i * 131 + 7 * k) % (vocab - 10) + 5 for k in range(128)]
                for i in range(streams)]
 
-    def steps(temperature: float, n: int = 12) -> float:
+    modes = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0},
+             "top_p": {"temperature": 1.0, "top_p": 0.95}}
+
+    def steps(mode: dict, n: int = 12) -> float:
         for p in prompts:
             engine.add_request(prompt_token_ids=p, params=SamplingParams(
-                max_tokens=n + 4, temperature=temperature, ignore_eos=True, seed=None))
+                max_tokens=n + 4, ignore_eos=True, **mode))
         engine.step()  # the prompts: one chunked prefill
         while any(r.num_output_tokens == 0 for r in engine.requests.values()):
             engine.step()
@@ -118,18 +139,21 @@ def engine_steps(streams: int, dtype: str, rounds: int) -> dict:
             engine.step()
         return statistics.median(times)
 
-    out: dict[str, list[float]] = {"greedy": [], "sampled": []}
-    steps(0.0, 3)  # warm-up
+    out: dict[str, list[float]] = {name: [] for name in modes}
+    steps(modes["greedy"], 3)  # warm-up
     for _ in range(rounds):
-        out["greedy"].append(steps(0.0))
-        out["sampled"].append(steps(1.0))
+        for name, mode in modes.items():
+            out[name].append(steps(mode))
     engine.close()
-    g, s = statistics.median(out["greedy"]), statistics.median(out["sampled"])
+    med = {name: statistics.median(v) for name, v in out.items()}
+    g = med["greedy"]
     print(f"  SmolLM2 {dtype} decode step of {streams} streams: greedy {g * 1e3:.1f} ms | "
-          f"temperature 1 {s * 1e3:.1f} ms | {s / g:.3f}x (rounds {rounds}, "
-          f"{torch.get_num_threads()} thread)")
-    return {"streams": streams, "dtype": dtype, "greedy_step_s": g, "sampled_step_s": s,
-            "ratio": s / g, "rounds": out}
+          f"temperature 1 {med['sampled'] * 1e3:.1f} ms ({med['sampled'] / g:.3f}x) | "
+          f"top-p 0.95 {med['top_p'] * 1e3:.1f} ms ({med['top_p'] / g:.3f}x) "
+          f"(rounds {rounds}, {torch.get_num_threads()} thread)")
+    return {"streams": streams, "dtype": dtype, "greedy_step_s": g,
+            "sampled_step_s": med["sampled"], "top_p_step_s": med["top_p"],
+            "ratio": med["sampled"] / g, "top_p_ratio": med["top_p"] / g, "rounds": out}
 
 
 def main() -> None:

@@ -108,12 +108,34 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> i
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the tokens ranked above it already cover top_p (keeps at least one)
-        drop = (probs.cumsum(dim=-1) - probs) > p.top_p
-        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+        row = _top_p(row, p.top_p)
     return draw(row.exp(), gen)  # the softmax's numerators: the largest is 1 (row's max is 0)
+
+
+# top-p's buckets: a row's tokens by how far below its likeliest they are, 1/8 nat a bucket,
+# the last holding everything 64 nats or more below (a probability under 1.6e-28 of the top's)
+TOP_P_BUCKETS, BUCKETS_PER_NAT = 512, 8
+
+
+def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``row`` with every token dropped (-inf) whose likelier tokens already cover ``top_p``
+    of the probability (so at least one is kept), without sorting the row (a sort of a
+    49,152-token row took 3.6 ms on one core, 80 ms of a decode step of 22 streams). Tokens
+    fall into buckets by logit (a likelier token never in a later bucket); the buckets'
+    masses find the one the cut falls in, every token of the buckets before it is kept (they
+    cover at most ``top_p``), every one after it dropped, and that bucket alone is sorted to
+    place the cut. Tokens tied at the cut's probability are all kept."""
+    probs = row.softmax(dim=-1)
+    # (a non-negative float to int32 is its floor; int64 took 4x as long)
+    bucket = ((row.max() - row) * BUCKETS_PER_NAT).clamp_(0, TOP_P_BUCKETS - 1).int()
+    mass = torch.bincount(bucket, weights=probs.double(), minlength=TOP_P_BUCKETS).cumsum(0)
+    cut = min(int(torch.searchsorted(mass, mass.new_tensor([top_p]), right=True)),
+              TOP_P_BUCKETS - 1)  # the first bucket whose tokens and the likelier pass top_p
+    before = float(mass[cut - 1]) if cut else 0.0
+    inside = torch.sort(probs[bucket == cut], descending=True).values.double()
+    above = before + inside.cumsum(0) - inside  # each token's likelier tokens' probability
+    lowest = float(inside[int((above <= top_p).sum()) - 1])  # the first is kept: above <= top_p
+    return row.masked_fill(probs < lowest, float("-inf"))
 
 
 def draw(weights: torch.Tensor, gen: torch.Generator) -> int:
