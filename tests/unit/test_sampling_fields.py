@@ -192,3 +192,24 @@ def test_sampling_rows_through_sample_keep_the_cut_tokens_out():
     for _ in range(300):
         tokens, _ = sample(logits, params, gens)
         assert all(t in a for t, a in zip(tokens, allowed))
+
+
+def test_a_row_draws_the_same_token_alone_as_beside_others():
+    """A seeded row's token does not depend on which other rows (greedy or sampled, other
+    temperatures and cuts) share its step, or a request would draw differently as the batch
+    around it changes. (Each row is cut and drawn on its own: the same work on all rows at
+    once, 22 rows of 49,152 logits, ran 2.2x slower on one core, out of its cache.)"""
+    from baton.engine.sampler import make_generator
+
+    rows = torch.randn(6, 3001, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=1),
+              SamplingParams(temperature=0.0, max_tokens=1),
+              SamplingParams(temperature=1.3, top_k=40, max_tokens=1),
+              SamplingParams(temperature=1.0, min_p=0.05, max_tokens=1),
+              SamplingParams(temperature=1.0, max_tokens=1),
+              SamplingParams(temperature=0.6, top_p=0.5, top_k=100, min_p=0.01, max_tokens=1)]
+    for step in range(20):
+        together, _ = sample(rows, params, [make_generator(100 * step + i) for i in range(6)])
+        alone = [sample(rows[i:i + 1], [p], [make_generator(100 * step + i)])[0][0]
+                 for i, p in enumerate(params)]
+        assert together == alone, step
