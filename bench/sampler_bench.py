@@ -21,20 +21,11 @@ import statistics
 import time
 from functools import partial
 
+from baton.bench.attention_bench import median_time
 from baton.bench.common import machine, write_result
 
 VOCABS = {"smollm2": 49152, "qwen3": 151936}
 BATCHES = [1, 8, 22, 64]
-
-
-def median_time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def check() -> dict:
