@@ -235,7 +235,7 @@ def with_workers_settings(profile, records):
                          f"{profile.fingerprint[:16]}), the workers serve "
                          f"{', '.join(others)}: `baton profile --model` with theirs")
     threads = sorted({r.threads for r in records if r.threads} - {profile.threads})
-    if threads and profile.device.startswith("cpu"):
+    if threads and profile.device.split(":")[0] == "cpu":  # as pick_profile reads its kind
         # a profile times each worker on a core of its own with one torch thread: a worker of
         # two threads on two cores runs its steps at other times
         raise ValueError(f"the profile was measured at {profile.threads} torch thread(s) a "

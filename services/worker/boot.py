@@ -54,9 +54,11 @@ def data_threads(max_num_seqs: int) -> int:
 def cpu_threads(device: str) -> int:
     """The torch threads this worker's engine computes with on a CPU (its registry entry, which
     the live tuner checks against its profile's); 0 on a GPU, where they do not set its pace."""
-    if not device.startswith("cpu"):
-        return 0
     import torch
+    from baton.engine.config import device_kind
+
+    if device_kind(device) != "cpu":
+        return 0
 
     return torch.get_num_threads()
 
