@@ -90,7 +90,12 @@ def _prefill_step(engine, prompts: _Prompts, lengths: list[int], params) -> None
 
 def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print) -> dict:
     """Batched prefill, long prefill and decode step times of ``engine`` (an LLMEngine)."""
+    import torch
     from baton.engine.params import SamplingParams
+
+    if engine.cfg.device_kind == "cpu":
+        say(f"timing the engine: {torch.get_num_threads()} torch thread(s) on core(s) "
+            f"{','.join(map(str, sorted(os.sched_getaffinity(0))))}")
 
     prompts = _Prompts(min(engine.model_config.vocab_size, 30000))
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
@@ -187,10 +192,10 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
                 say: Callable[[str], None] = print) -> dict:
     """This machine's speed now against the day ``p`` was measured: its largest batched
     prefill step and its batch-16 decode step at context 128 on a fresh pool, timed again as
-    :func:`run_profile` timed them (the engine pinned to ``cores[0]``, one thread, a busy
-    neighbour on ``cores[1]``). A shared VM's speed drifts by tens of percent in an hour; a
-    validation measured while it ran slower than its profile says so, rather than counting the
-    drift as the simulator's error. Ratios above 1: slower now."""
+    :func:`run_profile` timed them (the engine pinned to the first ``p.threads`` of ``cores``
+    with that many torch threads, a busy neighbour on the next). A shared VM's speed drifts
+    by tens of percent in an hour; a validation measured while it ran slower than its profile
+    says so, rather than counting the drift as the simulator's error. Ratios above 1: slower now."""
     import torch
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
@@ -202,17 +207,19 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
                       None)
     n, lengths = ref_prefill["tokens"], _prefill_lengths(ref_prefill["tokens"])
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
-    others = sorted(set(cores) - {cores[0]})[:1] if p.neighbors else []
+    mine = _groups(cores, p.threads)[0]
+    others = sorted(set(cores) - mine)[:p.threads] if p.neighbors else []
     if p.neighbors and not others:
-        say("the profile was measured beside a busy neighbour; with one core there is none "
-            "now, so this machine looks faster than it serves")
+        say("the profile was measured beside a busy neighbour; with no other core there is "
+            "none now, so this machine looks faster than it serves")
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    os.sched_setaffinity(0, {cores[0]})
+    os.sched_setaffinity(0, mine)
     engine = None
     try:
-        engine = LLMEngine.from_path(model, _engine_config(EngineConfig, p.dtype, p.device))
+        engine = LLMEngine.from_path(model, _engine_config(EngineConfig, p.dtype, p.device,
+                                                           threads=p.threads))
         prompts = _Prompts(min(engine.model_config.vocab_size, 30000), seed=7)
-        with _neighbors(model, p.dtype, others, say, p.device):
+        with _neighbors(model, p.dtype, others, say, p.device, p.threads):
             _prefill_step(engine, prompts, lengths, one)  # warm-up
             pre = _median_time(lambda: _prefill_step(engine, prompts, lengths, one), repeats)
             dec = (dict(_decode_steps(engine, prompts, [16], 128, 3 * repeats)).get(16)
@@ -235,18 +242,18 @@ def speed_probe(p: Profile, cores: list[int], repeats: int = 5,
 def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                     say: Callable[[str], None] = print,
                     max_model_len: int = 1 << 30, vocab: int = 10000, device: str = "cpu",
-                    tp: int = 1
+                    tp: int = 1, threads: int = 1
                     ) -> tuple[list[dict], list[dict], list[dict], list[dict], list[dict]]:
-    """Real prefill and decode worker processes (one core each): per prompt size, the time from
-    the Prefill RPC's answer to the Decode stream's first chunk, and the KV bytes moved; then
-    the decode worker's time per token with B concurrent streams (:data:`SERVED`) through a
-    router, as clients reach it, while requests of :data:`BUSY_PROMPTS` tokens take the
+    """Real prefill and decode worker processes (``threads`` cores each, or ``tp``): per prompt
+    size, the time from the Prefill RPC's answer to the Decode stream's first chunk, and the KV
+    bytes moved; then the decode worker's time per token with B concurrent streams (:data:`SERVED`)
+    through a router, as clients reach it, while requests of :data:`BUSY_PROMPTS` tokens take the
     remote path one after another (both workers busy, the routers and the clients sharing their
-    cores, as in a cluster near its goodput), in turn with the prefill worker idle (the
-    routers and the clients have its core), and with it decoding too (:func:`_served_decoding`);
-    then the prefill worker saturated on its own (:func:`_saturated_prefill`: each prompt's
-    prefill call, as the router times it). Returns the hand-offs, the served grid (busy), the
-    saturated prefill rows, and the served grid idle and decoding."""
+    cores, as in a cluster near its goodput), in turn with the prefill worker idle (the routers and
+    the clients have its core), and with it decoding too (:func:`_served_decoding`); then the
+    prefill worker saturated on its own (:func:`_saturated_prefill`: each prompt's prefill call, as
+    the router times it). Returns the hand-offs, the served grid (busy), the saturated prefill rows,
+    and the served grid idle and decoding."""
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
     from baton_client.v1 import api_pb2_grpc
@@ -255,7 +262,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
     fits = [n for n in LONG_PROMPTS if n < max_model_len]
     sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
-    common = _worker_args(model, dtype, device, tp, handoffs, grid, sizes)
+    common = _worker_args(model, dtype, device, tp, handoffs, grid, sizes, threads)
     say("starting a prefill and a decode worker and a router for the hand-off and serving "
         "measurements ...")
     prompts = _Prompts(min(vocab, 10000))
@@ -263,7 +270,8 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     rows = []
     # stops the processes (last started first), then Redis, on every way out
     with contextlib.ExitStack() as stack:
-        prefill, decode, router, remote = _start_cluster(stack, common, _groups(cores, tp))
+        prefill, decode, router, remote = _start_cluster(stack, common,
+                                                         _groups(cores, max(tp, threads)))
         for n in handoffs:
             rows.append(_handoff_time(prefill, decode, prompts, n, params, repeats))
             say(f"hand-off {n:5d} tokens ({rows[-1]['bytes'] / 2**20:6.1f} MiB): "
@@ -318,15 +326,16 @@ def _served_decoding(prefill, rstub, prompts: _Prompts, grid: list[tuple[int, in
 
 
 def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: list[int],
-                 grid: list[tuple[int, int]], busy: Sequence[int] = ()) -> list[str]:
-    """The measuring workers' flags: one thread, no metrics, a pool that holds the largest
-    hand-off, and every stream of the served grid beside a hand-off of the largest ``busy``
-    prompt for each of the :data:`BUSY_CLIENTS` that keep the prefill worker busy meanwhile.
-    (A pool that held the grid's largest point alone left those hand-offs waiting for room
-    while its streams prefilled: on a 2-vCPU VM, past the decode worker's 10 s
-    `--transfer-timeout` for one, whose client then failed the serving check.)"""
+                 grid: list[tuple[int, int]], busy: Sequence[int] = (), threads: int = 1
+                 ) -> list[str]:
+    """The measuring workers' flags: ``threads`` torch threads, no metrics, a pool that holds the
+    largest hand-off, and every stream of the served grid beside a hand-off of the largest ``busy``
+    prompt for each of the :data:`BUSY_CLIENTS` that keep the prefill worker busy meanwhile. (A pool
+    that held the grid's largest point alone left those hand-offs waiting for room while its streams
+    prefilled: on a 2-vCPU VM, past the decode worker's 10 s `--transfer-timeout` for one, whose
+    client then failed the serving check.)"""
     room = BUSY_CLIENTS * ((max(busy) + BUSY_OUTPUT) // 16 + 2) if busy else 0
-    args = ["--dtype", dtype, "--threads", "1", "--metrics-port", "-1", "--device", device,
+    args = ["--dtype", dtype, "--threads", str(threads), "--metrics-port", "-1", "--device", device,
             "--tensor-parallel-size", str(tp),
             *(["--gpu-memory-utilization", "0.3"] if device.startswith("cuda") else []),
             "--num-blocks", str(max([4 * (max(handoffs, default=0) // 16 + 2),
@@ -354,12 +363,12 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
     grid = list(dict.fromkeys((r["context"], r["batch"]) for r in p.served))  # one round
     sizes = sorted({r["tokens"] for r in p.served_prefill})
-    common = _worker_args(model, p.dtype, p.device, tp, [], grid, sizes)
+    common = _worker_args(model, p.dtype, p.device, tp, [], grid, sizes, p.threads)
     vocab = min(load_config(model).vocab_size, 10000)  # as measure_workers draws its prompts
     prompts = _Prompts(vocab)
     say("starting a prefill and a decode worker and two routers for the serving check ...")
     with contextlib.ExitStack() as stack:
-        _, _, router, remote = _start_cluster(stack, common, _groups(cores, tp))
+        _, _, router, remote = _start_cluster(stack, common, _groups(cores, max(tp, p.threads)))
         rstub = api_pb2_grpc.BatonStub(router.channel)
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
         with _busy_prefill(busy_stub, _Prompts(vocab, seed=1), sizes):
@@ -598,17 +607,19 @@ def _served_itl(rstub, prompts, ctx: int, streams: int) -> float:
         return statistics.median(ex.map(one, requests))
 
 
-def neighbor_load(model: str, dtype: str, cores: str, device: str = "cpu") -> None:
+def neighbor_load(model: str, dtype: str, cores: str, device: str = "cpu",
+                  threads: str = "1") -> None:
     """What a busy worker does to its neighbours' caches and memory bandwidth: one engine
-    (one thread, pinned to ``cores``) serving 512-token prompts with 64 tokens each, eight in
-    flight, until it is killed. Run by :func:`run_profile` in a process of its own."""
+    (``threads`` torch threads, pinned to ``cores``) serving 512-token prompts with 64 tokens
+    each, eight in flight, until it is killed. Run by :func:`run_profile` in a process of its
+    own."""
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
     from baton.engine.params import SamplingParams
 
     os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     engine = LLMEngine.from_path(model or None, _engine_config(EngineConfig, dtype, device,
-                                                              share=0.3))
+                                                              share=0.3, threads=int(threads)))
     prompts = _Prompts(min(engine.model_config.vocab_size, 30000))
     params = SamplingParams(max_tokens=64, ignore_eos=True, detokenize=False)
     n = min(512, engine.max_model_len - 64)
@@ -624,8 +635,9 @@ def neighbor_load(model: str, dtype: str, cores: str, device: str = "cpu") -> No
 
 @contextlib.contextmanager
 def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[str], None],
-               device: str = "cpu"):
-    """:func:`neighbor_load` on ``cores`` (none: nothing) for the duration of a ``with``."""
+               device: str = "cpu", threads: int = 1):
+    """:func:`neighbor_load` on ``cores`` (none: nothing) with ``threads`` torch threads, for
+    the duration of a ``with``."""
     import subprocess
 
     if not cores:
@@ -635,7 +647,7 @@ def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[s
     say(f"starting a busy engine on core(s) {cores_arg} as the neighbour ...")
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from baton.bench.profile import neighbor_load; "
-         "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg, device],
+         "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg, device, str(threads)],
         stdout=subprocess.PIPE)
     try:
         if proc.stdout.readline().strip() != b"ready":
@@ -697,51 +709,60 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _engine_config(EngineConfig, dtype: str, device: str, share: float = 0.4, tp: int = 1):
-    """One torch thread (per rank), on ``device``; on a GPU a ``share`` of its memory, so the
-    engine, its neighbour and the hand-off's two workers fit on one GPU together."""
+def _engine_config(EngineConfig, dtype: str, device: str, share: float = 0.4, tp: int = 1,
+                   threads: int = 1):
+    """``threads`` torch threads (per rank), on ``device``; on a GPU a ``share`` of its memory,
+    so the engine, its neighbour and the hand-off's two workers fit on one GPU together."""
     kw = {"gpu_memory_utilization": share} if device.startswith("cuda") else {}
-    return EngineConfig(dtype=dtype, num_threads=1, device=device, tensor_parallel_size=tp,
+    return EngineConfig(dtype=dtype, num_threads=threads, device=device, tensor_parallel_size=tp,
                         **kw)
 
 
-def _groups(cores: list[int], tp: int) -> list[set[int]]:
-    """Two groups of ``tp`` cores (the engine's, or the prefill worker's, then the neighbour's
-    or the decode worker's), wrapping round ``cores`` when there are fewer than 2 x tp."""
-    return [{cores[(g * tp + i) % len(cores)] for i in range(tp)} for g in range(2)]
+def _groups(cores: list[int], width: int) -> list[set[int]]:
+    """Two groups of ``width`` cores (a worker's ranks, or its torch threads: the engine's, or
+    the prefill worker's, then the neighbour's or the decode worker's), wrapping round
+    ``cores`` when there are fewer than 2 x width."""
+    return [{cores[(g * width + i) % len(cores)] for i in range(width)} for g in range(2)]
 
 
 def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 3,
                 handoff: bool = True, say: Callable[[str], None] = print,
-                neighbors: bool = True, device: str = "cpu", tp: int = 1) -> Profile:
-    """Measure this machine: the engine in this process pinned to ``cores[0]`` with one torch
-    thread (as `baton bench compare` and `baton up --threads 1` run workers), then the hand-off.
+                neighbors: bool = True, device: str = "cpu", tp: int = 1,
+                threads: int = 1) -> Profile:
+    """Measure this machine: the engine in this process pinned to the first ``threads`` of
+    ``cores`` with that many torch threads (one: as `baton bench compare` and `baton up
+    --threads 1` run workers; N: as `baton up --threads N`), then the hand-off.
     With ``neighbors``, an engine as busy as a serving worker runs on the other cores meanwhile:
     near its goodput every worker of a cluster is busy, and on a 2-core VM a busy neighbour made
     a 1024-token prefill 8-13% slower than on an idle machine. ``device``: where the engine,
     the neighbour and the workers run (cpu, cuda, cuda:N; the workers' --device), recorded in
     the profile: costs measured on one device say nothing of another. ``tp``: measure a
     worker of that many ranks (each on a core of its own on the CPU), for a pool of that
-    tensor-parallel size in `baton tune`."""
+    tensor-parallel size in `baton tune` (``threads`` stays 1 then)."""
     import torch
     from baton.bench.common import machine
     from baton.engine.config import EngineConfig
     from baton.engine.engine import LLMEngine
 
-    mine = _groups(cores, tp)[0]
-    others = sorted(set(cores) - mine)[:tp] if neighbors else []
-    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    if tp > 1 and threads > 1:
+        raise ProfileError("a worker of several ranks runs one torch thread a rank: measure "
+                           "--tensor-parallel-size or --threads, not both")
+    width = max(tp, threads)
+    mine = _groups(cores, width)[0]
+    others = sorted(set(cores) - mine)[:width] if neighbors else []
+    affinity, caller_threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, mine)  # the group's followers start from it
     try:
         say(f"loading the model ({dtype}, {device}) ...")
-        engine = LLMEngine.from_path(model, _engine_config(EngineConfig, dtype, device, tp=tp))
-        with _neighbors(model, dtype, others, say, device):
+        engine = LLMEngine.from_path(model, _engine_config(EngineConfig, dtype, device, tp=tp,
+                                                           threads=threads))
+        with _neighbors(model, dtype, others, say, device, threads):
             costs = measure_engine(engine, repeats, say)
             costs["tier_load"] = measure_tiers(engine, repeats, say)
     finally:  # the caller's cores and threads back (its later workers pin themselves)
         os.sched_setaffinity(0, affinity)
-        torch.set_num_threads(threads)
-    p = Profile(model=model or DEFAULT_MODEL, dtype=dtype, threads=1,
+        torch.set_num_threads(caller_threads)
+    p = Profile(model=model or DEFAULT_MODEL, dtype=dtype, threads=threads,
                 block_size=engine.cfg.block_size,
                 max_num_batched_tokens=engine.cfg.max_num_batched_tokens,
                 max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
@@ -754,7 +775,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     if handoff:
         (p.handoff, p.served, p.served_prefill, p.served_idle,
          p.served_decoding) = measure_workers(
-            model, dtype, cores, repeats, say, engine_len, vocab, device, tp)
+            model, dtype, cores, repeats, say, engine_len, vocab, device, tp, threads)
         _serving_factors(p, say)
     weights = tier_weights(p)
     if weights:
@@ -818,6 +839,23 @@ def cmd_profile(a) -> int:
     if a.tensor_parallel_size < 1:
         print("error: --tensor-parallel-size must be >= 1", file=sys.stderr)
         return 2
+    if a.threads < 1:
+        print("error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    if a.threads > 1 and a.tensor_parallel_size > 1:
+        print("error: --threads with --tensor-parallel-size: a worker of several ranks runs "
+              "one torch thread a rank; measure one or the other", file=sys.stderr)
+        return 2
+    from baton.engine.config import device_kind
+
+    if a.threads > 1 and device_kind(device) != "cpu":
+        print(f"error: --threads {a.threads}: torch threads set a worker's pace on a CPU "
+              f"only, and this profile would run on {device}", file=sys.stderr)
+        return 2
+    if not a.check and 2 * a.threads > len(cores):
+        say(f"--threads {a.threads} on {len(cores)} core(s): the two measured workers (and "
+            "the engine and its neighbour) share cores, so they measure slower than two "
+            f"workers of {a.threads} threads on cores of their own")
     if a.serving and not a.check:
         print("error: --serving checks a profile: pass --check PROFILE", file=sys.stderr)
         return 2
@@ -841,7 +879,7 @@ def cmd_profile(a) -> int:
         print(json.dumps(out))
         return 0
     p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say,
-                    not a.idle_neighbors, device, a.tensor_parallel_size)
+                    not a.idle_neighbors, device, a.tensor_parallel_size, a.threads)
     path = p.save(a.out or default_path())
     cm = CostModel(p)
     for k, v in cm.summary().items():
@@ -861,9 +899,16 @@ def add_profile_args(ap) -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="measure a worker of N ranks (`baton worker --tensor-parallel-size "
                          "N`), for `baton tune --tp-profile` (default 1)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads a worker, as the workers' --threads (`baton up` gives "
+                         "each worker this machine's cores shared out): the engine, and each "
+                         "measured worker, runs that many on as many cores of its own "
+                         "(default 1). `baton tune --live` refuses a profile of another "
+                         "thread count than its CPU workers'")
     ap.add_argument("--cores", default=None,
-                    help="comma-separated cores: the engine runs on the first, the hand-off's "
-                         "prefill and decode workers on the first two (default: this process's)")
+                    help="comma-separated cores: the engine runs on the first (--threads of "
+                         "them), the hand-off's prefill and decode workers on the first and "
+                         "the next (default: this process's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
     ap.add_argument("--idle-neighbors", action="store_true",
                     help="measure with the other cores idle (default: a busy engine runs on them, "

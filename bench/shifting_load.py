@@ -384,6 +384,9 @@ def simulated(a: argparse.Namespace, shape, phases) -> dict | None:
             raise ProfileError(f"measured at --dtype {prof.dtype}, the setups' workers run at "
                                f"--dtype {want}: pass --dtype {prof.dtype}, or profile at "
                                f"{want}")
+        if prof.threads != 1:  # as the setups' workers run, one thread on a core each
+            raise ProfileError(f"measured at --threads {prof.threads}, the setups' workers run "
+                               "one torch thread each: profile at --threads 1")
         layouts = {name: _score(a, name, simulate(Layout(*spec), prof, [x[:3] for x in shape]),
                                 None, shape, phases, None, None)
                    for name, spec in FIXED.items()}

@@ -83,7 +83,6 @@ def main() -> None:
     from baton.bench.cli import workload
     from baton.bench.compare import _open_target
     from baton.control import workload as cw
-    from baton.control.profile import Profile
     from baton.control.sim import Layout, simulate
     from baton.control.tune import shape
 
@@ -96,7 +95,7 @@ def main() -> None:
     a = tv.parse_args(rest)
     if not a.profile:
         ap.error("--profile is required (a `baton profile` file)")
-    profile = Profile.load(a.profile)
+    profile = tv.load_profile(a)
     ca, ev = tv.configs(a, profile, tv.slice_args(a))
     layout = Layout(1, 1) if extra.layout == "disaggregated" else Layout(0, 2, True)
     runs: list[dict] = []

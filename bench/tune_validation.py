@@ -55,6 +55,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def load_profile(a: argparse.Namespace):
+    """``a.profile``, refused (SystemExit) when its step times are not those of the setups'
+    workers: another --dtype than ``a.dtype``, or another torch thread count than the one
+    each `baton bench compare` worker runs."""
+    from baton.control.profile import Profile
+
+    profile = Profile.load(a.profile)
+    if profile.dtype != a.dtype:  # predictions for other step times than the measured
+        raise SystemExit(f"error: --profile {a.profile} was measured at --dtype "
+                         f"{profile.dtype}, the setups' workers run at --dtype {a.dtype}: "
+                         f"pass --dtype {profile.dtype}")
+    if profile.threads != 1:
+        raise SystemExit(f"error: --profile {a.profile} was measured at --threads "
+                         f"{profile.threads}, the setups' workers run one torch thread each "
+                         "on a core of their own: `baton profile --threads 1`")
+    return profile
+
+
 def slice_args(a: argparse.Namespace) -> list[str]:
     """The trace slice, SLOs and search, as both commands' flags."""
     return ["--trace", a.trace, "--requests", str(a.requests),
@@ -68,7 +86,6 @@ def slice_args(a: argparse.Namespace) -> list[str]:
 def main() -> None:
     from baton.bench.compare import run_compare
     from baton.bench.profile import run_profile, serving_probe, speed_probe
-    from baton.control.profile import Profile
 
     a = parse_args()
     t0 = time.monotonic()
@@ -77,11 +94,7 @@ def main() -> None:
         print(f"[{time.monotonic() - t0:6.0f}s] {msg}", flush=True)
 
     if a.profile:
-        profile = Profile.load(a.profile)
-        if profile.dtype != a.dtype:  # predictions for other step times than the measured
-            raise SystemExit(f"error: --profile {a.profile} was measured at --dtype "
-                             f"{profile.dtype}, the setups' workers run at --dtype {a.dtype}: "
-                             f"pass --dtype {profile.dtype}")
+        profile = load_profile(a)
     else:
         profile = run_profile(None, a.dtype, [0, 1], 3, True, say)
         say(f"profile saved to {profile.save(RESULTS / 'tune-validation-profile.json')}")

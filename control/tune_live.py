@@ -236,12 +236,13 @@ def with_workers_settings(profile, records):
                          f"{', '.join(others)}: `baton profile --model` with theirs")
     threads = sorted({r.threads for r in records if r.threads} - {profile.threads})
     if threads and profile.device.split(":")[0] == "cpu":  # as pick_profile reads its kind
-        # a profile times each worker on a core of its own with one torch thread: a worker of
-        # two threads on two cores runs its steps at other times
+        # a profile times each worker at its --threads on cores of its own: a worker of
+        # two threads on two cores runs its steps at other times than one of one
         raise ValueError(f"the profile was measured at {profile.threads} torch thread(s) a "
                          f"worker, the workers run {', '.join(map(str, threads))}: start them "
                          f"with --threads {profile.threads} (`baton up --threads "
-                         f"{profile.threads}`)")
+                         f"{profile.threads}`), or measure theirs (`baton profile --threads "
+                         f"{threads[0]}`)")
     changes = {}
     for name, flag in (("max_num_seqs", "--max-num-seqs"), ("num_blocks", "KV pool blocks")):
         told = sorted({getattr(r, name) for r in records if getattr(r, name)})

@@ -99,6 +99,16 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         assert out.returncode == 1 and refused["reason"].startswith(
             "error: switches nothing: the profile was measured on the model another "
             f"(fingerprint 0000000000000000), the workers serve {records[0].model}")
+        # and one of another thread count, naming both ways out
+        two = tmp_path / "two.json"
+        replace(make_profile(block_size=4), threads=2).save(two)
+        out = subprocess.run(command(c.redis.url, c.router.http_address, two),
+                             capture_output=True, text=True, timeout=300)
+        refused = json.loads(out.stdout.strip().splitlines()[-1])
+        assert out.returncode == 1 and refused["reason"] == (
+            "error: switches nothing: the profile was measured at 2 torch thread(s) a worker, "
+            "the workers run 1: start them with --threads 2 (`baton up --threads 2`), or "
+            "measure theirs (`baton profile --threads 1`)")
 
         # too little traffic in the router's window to decide on: nothing switches
         few = tune(c.redis.url, c.router.http_address, profile, "--apply",

@@ -128,7 +128,7 @@ def test_the_simulator_replays_the_trace_for_each_fixed_layout_and_a_written_run
 
 
 def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_starts(
-        capsys, monkeypatch):
+        capsys, monkeypatch, tmp_path):
     """On its own profile the slower VM kind of 2026-12-02 serves no fixed layout within the
     SLOs (its run of the full trace: 1, 6 and 1 met of 1,572, an hour): refused unless
     --anyway; a faster machine's profile passes to the setups."""
@@ -159,3 +159,22 @@ def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_s
     assert shifting_load.main([*base, "--profile", str(fast), "--dtype", "float32"]) == 2
     assert ("measured at --dtype bfloat16, the setups' workers run at --dtype float32"
             in capsys.readouterr().err)
+    # and of another thread count than theirs (one each): refused too, by its flag
+    import dataclasses
+
+    from baton.control.profile import Profile
+
+    two = dataclasses.replace(Profile.load(fast), threads=2).save(tmp_path / "two.json")
+    assert shifting_load.main([*base, "--profile", str(two)]) == 2
+    assert ("measured at --threads 2, the setups' workers run one torch thread each"
+            in capsys.readouterr().err)
+    # bench/tune_validation.py and bench/sim_check.py read their profile the same way
+    from baton.bench import tune_validation
+
+    a = tune_validation.parse_args(["--profile", str(two), "--dtype", "bfloat16"])
+    with pytest.raises(SystemExit, match="measured at --threads 2, the setups' workers run "
+                                         "one torch thread each"):
+        tune_validation.load_profile(a)
+    a = tune_validation.parse_args(["--profile", str(fast), "--dtype", "float32"])
+    with pytest.raises(SystemExit, match="measured at --dtype bfloat16"):
+        tune_validation.load_profile(a)

@@ -229,6 +229,45 @@ def test_baton_profile_check_refuses_another_device_and_a_missing_file(tmp_path,
     assert cmd_profile(ap.parse_args(["--check", str(bare.save(tmp_path / "bare.json")),
                                       "--serving", "--device", "cpu"])) == 2
     assert "no serving measurements" in capsys.readouterr().err
+    # a thread count the workers cannot run, or one with ranks (each runs one thread)
+    assert cmd_profile(ap.parse_args(["--threads", "0", "--device", "cpu"])) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    assert cmd_profile(ap.parse_args(["--threads", "2", "--tensor-parallel-size", "2",
+                                      "--device", "cpu"])) == 2
+    assert "--threads with --tensor-parallel-size" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # ~6-8 s: a tiny engine measured
+def test_baton_profile_measures_a_worker_of_several_threads_on_cores_of_its_own(tiny_llama,
+                                                                               tmp_path):
+    """`baton profile --threads 2` times the engine as a `baton up --threads 2` worker runs:
+    two torch threads on two cores of its own, a neighbour only on cores beyond them, and the
+    profile says 2 (the live tuner checks the workers' threads against it)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "profile", "--model", str(tiny_llama[0]),
+         "--threads", "2", "--no-handoff", "--repeats", "1", "--out", str(tmp_path / "p.json")],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    cores = sorted(os.sched_getaffinity(0))
+    mine = sorted({cores[i % len(cores)] for i in range(2)})
+    assert (f"timing the engine: 2 torch thread(s) on core(s) {','.join(map(str, mine))}"
+            in out.stderr)
+    p = Profile.load(tmp_path / "p.json")
+    assert p.threads == 2
+    assert p.neighbors == [c for c in cores if c not in mine][:2]
+    assert ("share cores" in out.stderr) == (len(cores) < 4)  # said when they cannot have their own
+
+
+def test_the_measuring_workers_run_the_profiles_threads_on_groups_of_cores():
+    """The workers `baton profile --threads N` and its serving check start run N torch threads,
+    each on a group of N cores (wrapping round the cores given when there are too few)."""
+    from baton.bench.profile import _groups, _worker_args
+
+    flags = _worker_args(None, "bfloat16", "cpu", 1, [64], [], [], 4)
+    assert flags[flags.index("--threads") + 1] == "4"
+    assert _groups([0, 1, 2, 3, 4, 5, 6, 7], 4) == [{0, 1, 2, 3}, {4, 5, 6, 7}]
+    assert _groups([0, 1, 2], 2) == [{0, 1}, {2, 0}]
+    assert _groups([5, 6], 1) == [{5}, {6}]
 
 
 def test_baton_tune_names_a_missing_profile(tmp_path):

@@ -300,8 +300,13 @@ def test_the_live_tuner_refuses_a_profile_of_another_model_or_thread_count_by_na
         with_workers_settings(p, [rec("a", model="SmolLM2-135M"),
                                   rec("b", "b" * 32, model="gemma-3-270m")])
     with pytest.raises(ValueError, match=r"measured at 1 torch thread\(s\) a worker, the "
-                                         r"workers run 2: start them with --threads 1"):
+                                         r"workers run 2: start them with --threads 1 "
+                                         r"\(`baton up --threads 1`\), or measure theirs "
+                                         r"\(`baton profile --threads 2`\)"):
         with_workers_settings(p, [rec("a", threads=1), rec("b", threads=2)])
+    # a profile of their thread count serves them
+    two = dataclasses.replace(p, threads=2)
+    assert with_workers_settings(two, [rec("a", threads=2), rec("b", threads=2)]) == two
     # on a GPU the threads do not set a step's pace; an older profile cannot be checked
     gpu = dataclasses.replace(p, device="cuda")
     assert with_workers_settings(gpu, [rec("a", threads=2), rec("b", threads=2)]) == gpu
