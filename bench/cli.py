@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from baton.bench import loadgen as lg
-from baton.control.workload import draws_arg
+from baton.control.workload import draws_arg, sampling_arg
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
@@ -55,6 +55,10 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--max-output", type=int, default=256, help="cap on output tokens")
     g.add_argument("--vocab", type=_range, default=(100, 10000),
                    help="prompt token ids are drawn from LO:HI (default 100:10000)")
+    g.add_argument("--sampling", type=sampling_arg, default=(),
+                   help="every request samples with these filters, comma-separated: "
+                        "temperature (1.0), top_k (50), min_p (0.05), top_p (0.95), as "
+                        "`baton profile` times them (default greedy)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -117,6 +121,7 @@ class Workload:
     max_output: int
     vocab: tuple[int, int]
     seed: int
+    sampling: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,11 @@ def flat(cfg) -> dict:
 
 
 def workload(a: Workload, salt: str) -> list[lg.Req]:
+    reqs = _lengths(a, salt)
+    return lg.with_sampling(reqs, a.sampling) if a.sampling else reqs
+
+
+def _lengths(a: Workload, salt: str) -> list[lg.Req]:
     toks = lg.Tokens(a.vocab[0], a.vocab[1], salt)
     if a.workload == "synthetic":
         return lg.synthetic(a.requests, a.input_len, a.output_len, toks, a.seed)

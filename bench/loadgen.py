@@ -37,9 +37,11 @@ from baton.control.workload import (  # noqa: F401 (the workloads are part of th
     mooncake,
     multi_turn,
     poisson,
+    sampling_params,
     shared_prefix,
     speed_up,
     synthetic,
+    with_sampling,
 )
 
 # ---- workloads -----------------------------------------------------------------------------------
@@ -65,7 +67,8 @@ class GrpcTarget:
         rec = Record(len(req.prompt), req.max_tokens, time.monotonic())
         try:
             stream = self.client.stream(token_ids=req.prompt, max_tokens=req.max_tokens,
-                                        ignore_eos=True, temperature=0.0, timeout=self.timeout)
+                                        ignore_eos=True, timeout=self.timeout,
+                                        **sampling_params(req.sampling))
             for delta in stream:
                 now = time.monotonic()
                 if delta.token_ids:
@@ -133,8 +136,9 @@ class OpenAITarget:
     def __call__(self, req: Req) -> Record:
         rec = Record(len(req.prompt), req.max_tokens, time.monotonic())
         body = json.dumps({"model": self.model, "prompt": req.prompt,
-                           "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
-                           "ignore_eos": True, "stream_options": {"include_usage": True}})
+                           "max_tokens": req.max_tokens, **sampling_params(req.sampling),
+                           "stream": True, "ignore_eos": True,
+                           "stream_options": {"include_usage": True}})
         c = self._conn()
         try:
             c.request("POST", f"{self.prefix}/completions", body=body, headers=self.headers)

@@ -28,6 +28,9 @@ from baton.control.profile import (
     PREFILL_ROUNDS,
     PREFILL_STREAMS,
     PREFILL_TOKENS,
+    SAMPLING,
+    SAMPLING_BATCH,
+    SAMPLING_CONTEXT,
     SATURATED_PROMPTS,
     SERVED,
     SERVED_ROUNDS,
@@ -158,18 +161,71 @@ def measure_engine(engine, repeats: int = 3, say: Callable[[str], None] = print)
         say(f"decode batch {batch:3d} x context {ctx:5d}, "
             f"{'scattered' if key == 'decode' else 'fresh'} pool: {s * 1000:8.2f} ms "
             f"(rounds {', '.join(f'{t * 1000:.1f}' for t in ts)})")
+    if SAMPLING_CONTEXT + 3 * repeats + 8 <= limit:
+        out["sampling"] = measure_sampling(engine, prompts, repeats, say)
     return out
 
 
-def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
+def measure_sampling(engine, prompts, repeats: int = 3, say: Callable[[str], None] = print
+                     ) -> dict:
+    """What a sampled row adds to a step, per filter of the sampler (:data:`SAMPLING`): the
+    logits of one decode step of :data:`SAMPLING_BATCH` streams at context
+    :data:`SAMPLING_CONTEXT` (this model's own, on the CPU as the runner samples them), then
+    the sampler on them all greedy and at each setting in turn, :data:`DECODE_ROUNDS` rounds of
+    ``3 * repeats`` calls, each setting's median; temperature's share is its call over
+    greedy's, each other filter's its call over temperature's, per row (none below 0). Timed
+    apart from the step: a step's time moves by more than a row's sampling between two
+    steps (temperature, ~0.15 ms a row beside a 52 ms step of 16 streams on a 2-vCPU VM, came
+    out below zero as a difference of steps)."""
+    import torch
+    from baton.engine.params import SamplingParams
+    from baton.engine.sampler import make_generator, sample
+
+    runner, captured = engine.runner, []
+    forward = runner._forward
+
+    def keep(*args):
+        captured.append(forward(*args))
+        return captured[-1]
+
+    runner._forward = keep  # this engine's next step hands its logits over as well
+    try:
+        _decode_steps(engine, prompts, [SAMPLING_BATCH], SAMPLING_CONTEXT, 1)
+    finally:
+        del runner._forward
+    logits = captured[-1].float().cpu()
+    assert logits.shape[0] == SAMPLING_BATCH, logits.shape
+    modes = {"greedy": {"temperature": 0.0}, **SAMPLING}
+    params = {name: [SamplingParams(max_tokens=1, **kw)] * SAMPLING_BATCH
+              for name, kw in modes.items()}
+    gens = [make_generator(i) for i in range(SAMPLING_BATCH)]
+    times: dict[str, list[float]] = {name: [] for name in modes}
+    for name in modes:  # warm-up
+        sample(logits, params[name], gens)
+    for _ in range(DECODE_ROUNDS):
+        for name in modes:
+            times[name] += _times(lambda ps=params[name]: sample(logits, ps, gens), 3 * repeats)
+    call = {name: statistics.median(ts) for name, ts in times.items()}
+    out = {name: max(0.0, (call[name] - call["greedy" if name == "temperature"
+                                               else "temperature"]) / SAMPLING_BATCH)
+           for name in SAMPLING}
+    say(f"sampling {SAMPLING_BATCH} rows of {logits.shape[-1]} logits ({torch.get_num_threads()} "
+        f"thread(s)): greedy {call['greedy'] * 1000:.2f} ms; a sampled row adds "
+        + ", ".join(f"{name.replace('_', '-')} {v * 1000:.3f} ms" for name, v in out.items()))
+    return out
+
+
+def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int,
+                  sampling: dict | None = None):
     """Median decode step time for each batch size (descending): prefill ``batches[0]``
-    requests of ``ctx`` tokens once, then abort requests down to each next size."""
+    requests of ``ctx`` tokens once, then abort requests down to each next size. ``sampling``:
+    the requests' sampling settings (default greedy)."""
     from baton.engine.params import SamplingParams
 
     if not batches:
         return []
     params = SamplingParams(max_tokens=len(batches) * (repeats + 2) + 4, ignore_eos=True,
-                            detokenize=False)
+                            detokenize=False, **(sampling or {}))
     reqs = [engine.add_request(prompt_token_ids=prompts(ctx), params=params)
             for _ in range(batches[0])]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):

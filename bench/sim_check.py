@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 from baton.bench.common import machine, pct, write_result
 
@@ -108,15 +109,28 @@ def main() -> None:
             salt = f"sim-check/{len(runs)}/{time.time_ns()}"
             recs, _ = lg.run(target, lg.poisson(workload(ca.workload, salt), rate,
                                                 ca.workload.seed), 0)
-            sim = simulate(layout, ev.p, shape(cw.poisson(ev.reqs, rate, ev.search.seed),
-                                               ev.keys), ev.knobs, ev.cost, ev.profiles)
+            arrivals = shape(cw.poisson(ev.reqs, rate, ev.search.seed), ev.keys)
+            sim = simulate(layout, ev.p, arrivals, ev.knobs, ev.cost, ev.profiles)
+            # sampled requests: also as a profile without the sampler's costs would have them
+            greedy = (simulate(layout, replace(ev.p, sampling={}), arrivals, ev.knobs, None,
+                               ev.profiles) if a.sampling and ev.p.sampling else sim)
             rows = [{"prompt": r.prompt_tokens, "ttft": r.ttft, "tpot": r.tpot, "path": r.path,
                      "stages": r.stages, "error": r.error, "cached": r.cached_tokens,
                      "sim_ttft": s.ttft, "sim_tpot": s.tpot, "sim_path": s.path,
                      "sim_cached": s.cached_tokens, "sim_prefill": s.prefill_s,
-                     "sim_queue": s.queue_s} for r, s in zip(recs, sim)]
+                     "sim_queue": s.queue_s, "sim_tpot_greedy_cost": g.tpot}
+                    for r, s, g in zip(recs, sim, greedy)]
             runs.append({"rate": rate, **compare(rows, a.ttft_slo, a.tpot_slo), "requests": rows})
             m, s = runs[-1]["measured"], runs[-1]["simulated"]
+            if greedy is not sim:
+                runs[-1]["simulated_greedy_cost"] = compare(
+                    [{**r, "sim_tpot": r["sim_tpot_greedy_cost"]} for r in rows],
+                    a.ttft_slo, a.tpot_slo)["simulated"]
+                print(f"{rate:g} req/s, sampled with {','.join(a.sampling)}: TPOT p50 measured "
+                      f"{m['tpot_p50_p90'][0] * 1000:.1f} ms, simulated "
+                      f"{s['tpot_p50_p90'][0] * 1000:.1f} ms, at greedy's cost "
+                      f"{runs[-1]['simulated_greedy_cost']['tpot_p50_p90'][0] * 1000:.1f} ms",
+                      flush=True)
             print(f"{rate:g} req/s: attainment measured {100 * m['attainment']:.0f}% simulated "
                   f"{100 * s['attainment']:.0f}%; TTFT failed {m['ttft_failed']}/"
                   f"{s['ttft_failed']}, TPOT failed {m['tpot_failed']}/{s['tpot_failed']}, "

@@ -23,7 +23,7 @@ from dataclasses import asdict, replace
 
 from baton.bench.common import RESULTS, machine, write_result
 from baton.control.sim import Layout
-from baton.control.workload import draws_arg
+from baton.control.workload import draws_arg, sampling_arg
 
 # `baton bench compare`'s two targets, as the simulator's layouts
 LAYOUTS = {"baton-disaggregated": Layout(1, 1), "baton-colocated": Layout(0, 2, True)}
@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--ttft-slo", type=float, default=3.0)
     ap.add_argument("--tpot-slo", type=float, default=0.1)
+    ap.add_argument("--sampling", type=sampling_arg, default=(),
+                    help="every request samples with these filters, comma-separated "
+                         "(temperature, top_k, min_p, top_p), measured and simulated alike "
+                         "(default greedy)")
     ap.add_argument("--refine", type=int, default=3)
     ap.add_argument("--start-rate", type=float, default=1.0,
                     help="the goodput search's first rate, req/s (both searches)")
@@ -80,7 +84,8 @@ def slice_args(a: argparse.Namespace) -> list[str]:
             "--max-input", str(a.max_input), "--max-output", str(a.max_output),
             "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
             "--refine", str(a.refine), "--start-rate", str(a.start_rate),
-            "--draws", str(a.draws)]
+            "--draws", str(a.draws),
+            *(["--sampling", ",".join(a.sampling)] if getattr(a, "sampling", ()) else [])]
 
 
 def main() -> None:
@@ -105,6 +110,10 @@ def main() -> None:
         goodput, points = ev.goodput(layout)
         predicted[name] = {"layout": layout.name, "goodput_rps": goodput, "points": points}
         say(f"predicted {layout.name}: goodput {goodput:.3g} req/s")
+        if a.sampling and profile.sampling:  # as a profile without the sampler's costs would
+            plain = ev.with_profile(replace(profile, sampling={})).goodput(layout)[0]
+            predicted[name]["goodput_rps_greedy_cost"] = plain
+            say(f"  ({plain:.3g} req/s with the sampled tokens at greedy's cost)")
     measured, speed = {}, {}
     if not a.skip_measure:
         # the machine's speed against the profile's, before and after: a drift is the

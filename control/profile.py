@@ -131,6 +131,16 @@ STREAM_OUTPUT = 128  # tokens each of those streams decodes before the next one 
 # (with 256-token prompts prefilled on it as well, the rise came out 3-4x as steep, and the
 # simulator under-predicted a Mooncake slice's 1P+1D goodput by 30%)
 STREAM_PROMPT = 16
+# what a sampled request's row adds to a decode step over a greedy one, per filter of the
+# sampler (engine/sampler.py), each timed with the ones before it in force: temperature
+# alone, then each of the others on top of it; a request pays the sum of those it uses (the
+# router records them: services/router/workload_log.py). Decode steps of SAMPLING_BATCH
+# streams at context 128, all greedy or all at one setting, in turn, DECODE_ROUNDS times
+SAMPLING = {"temperature": {"temperature": 1.0}, "top_k": {"temperature": 1.0, "top_k": 50},
+            "min_p": {"temperature": 1.0, "min_p": 0.05},
+            "top_p": {"temperature": 1.0, "top_p": 0.95}}
+SAMPLING_BATCH = 16
+SAMPLING_CONTEXT = 128
 
 
 @dataclass
@@ -178,6 +188,9 @@ class Profile:
     # from before they were recorded, which the live tuner cannot check against its workers
     fingerprint: str = ""
     model_name: str = ""
+    # seconds a sampled row adds to a step, per sampler filter (:data:`SAMPLING`); {} in a
+    # profile from before they were measured: sampled requests simulated at greedy's cost
+    sampling: dict = field(default_factory=dict)
     version: int = VERSION
 
     def save(self, path: str | Path) -> Path:
@@ -293,6 +306,13 @@ class CostModel:
         self.local_prefill_scale = p.local_prefill_scale
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
                               if r.get("blocks")}
+        self._sample_s = {k: float(v) for k, v in p.sampling.items()}
+
+    def sample_row(self, filters: Sequence[str]) -> float:
+        """What one row sampled with ``filters`` (the router's names, :data:`SAMPLING`) adds to
+        the bare engine's step; 0 for a greedy row, and for a filter the profile did not
+        measure."""
+        return sum(self._sample_s.get(f, 0.0) for f in filters)
 
     def tok(self, n: int) -> float:
         """Per-token work of a step that runs ``n`` tokens (no attention)."""
@@ -300,14 +320,15 @@ class CostModel:
 
     def step(self, chunks: Sequence[tuple[int, int]], decode_ctxs: Sequence[int],
              streamed_tps: float = 0.0, local: bool = False, others_busy: float = 1.0,
-             others_decoding: float = 0.0) -> float:
+             others_decoding: float = 0.0, sampled_s: float = 0.0) -> float:
         """One engine step: ``chunks`` = (new tokens, tokens already computed) per prefilling
         request, ``decode_ctxs`` = context length per decoding request, ``streamed_tps`` the
         tokens a second the cluster streams to its clients meanwhile; ``local``: a decode
         worker's step (its prompts at ``local_prefill_scale``); ``others_busy``: the share of
         the time the other workers ran steps meanwhile (0 idle .. 1 busy, as the profile's
         served grid), ``others_decoding`` the decode part of it, between the decode factors
-        (:meth:`decode_factor`)."""
+        (:meth:`decode_factor`); ``sampled_s``: what its sampled rows add to the bare engine's
+        step (:meth:`sample_row`)."""
         p, d = sum(c[0] for c in chunks), len(decode_ctxs)
         if not p + d:
             return 0.0
@@ -317,7 +338,7 @@ class CostModel:
             prefill *= self.local_prefill_scale
         decode = self.decode_factor(others_busy, others_decoding)
         factor = (p * prefill + d * decode) / (p + d)
-        return factor * self.engine_step(p + d, pairs, decode_ctxs)
+        return factor * (self.engine_step(p + d, pairs, decode_ctxs) + sampled_s)
 
     def decode_factor(self, others_busy: float = 1.0, others_decoding: float = 0.0) -> float:
         """A serving worker's decode step over the bare engine's, with the other workers busy

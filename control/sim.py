@@ -96,6 +96,7 @@ class SimRequest(Record):
     prefill_s: float | None = None
     # the wait before that first step on the worker that computed it (the worker's ``queue_s``)
     queue_s: float | None = None
+    sampling: tuple = ()  # its sampler's filters (() greedy): each token's row costs more
 
     def finish(self, t: float) -> None:
         self.end, self.output_tokens, self.error = t, self.max_tokens, None
@@ -329,8 +330,11 @@ class SimEngine:
         # decode factors differ (a version-6 profile has one)
         busy, decoding = (self.sim.others_busy(self, t)
                           if decodes and self.cost.decode_factors_differ else (1.0, 0.0))
+        # every row that ends this step with a token samples it (a prompt's last chunk too)
+        sampled = sum(self.cost.sample_row(s.req.sampling) for s, n in batch
+                      if s.req.sampling and s.computed + n >= s.num_tokens)
         step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local, busy,
-                              decoding)
+                              decoding, sampled)
         end = t + loads + step
         self._forget(t - self.sim.BUSY_WINDOW_S)  # bounded when nobody asks
         f = len(decodes) / max(1, len(decodes) + sum(c[0] for c in chunks))
@@ -528,10 +532,11 @@ class Cluster:
 def simulate(layout: Layout, profile: Profile, shape: Sequence[tuple],
              knobs: Knobs | None = None, cost: CostModel | None = None,
              profiles: dict[int, Profile] | None = None) -> list[SimRequest]:
-    """``shape``: (prompt tokens, output tokens, arrival seconds[, the prompt's block keys])
-    per request (:func:`block_keys`)."""
-    reqs = [SimRequest(x[0], x[1], x[2], keys=tuple(x[3]) if len(x) > 3 else ())
-            for x in shape]
+    """``shape``: (prompt tokens, output tokens, arrival seconds[, the prompt's block keys[,
+    its sampler's filters]]) per request (:func:`block_keys`; filters as the router records
+    them, :data:`baton.control.profile.SAMPLING`)."""
+    reqs = [SimRequest(x[0], x[1], x[2], keys=tuple(x[3]) if len(x) > 3 else (),
+                       sampling=tuple(x[4]) if len(x) > 4 else ()) for x in shape]
     return Cluster(layout, profile, cost, knobs, profiles).run(reqs)
 
 

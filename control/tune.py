@@ -20,7 +20,7 @@ from pathlib import Path
 
 from baton.control.profile import CostModel, Profile, ProfileError, default_path
 from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
-from baton.control.workload import draws_arg
+from baton.control.workload import draws_arg, sampling_arg
 
 
 def layouts(n: int, prefill_tp: int = 1, decode_tp: int = 1) -> list[Layout]:
@@ -40,6 +40,9 @@ class TraceSlice:
     scale: float
     max_input: int
     max_output: int
+    # every request's sampler filters (--sampling); () keeps the trace's own (a router's
+    # window records them; the other traces are greedy)
+    sampling: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class TuneConfig:
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> TuneConfig:
         return cls(TraceSlice(a.trace, a.format, a.requests, a.trace_start, a.scale,
-                              a.max_input, a.max_output),
+                              a.max_input, a.max_output, a.sampling),
                    Search(a.ttft_slo, a.tpot_slo, a.attainment, a.start_rate, a.max_rate,
                           a.min_rate, a.refine, a.seed, a.draws),
                    Knobs(a.local_prefill_max_tokens, a.prefill_saturation,
@@ -109,14 +112,15 @@ def load_trace(a: TraceSlice) -> list:
                          f"{e}") from None
     if not reqs:
         raise SystemExit(f"error: no requests in {a.trace} from row {a.trace_start}")
-    return reqs
+    return lg.with_sampling(reqs, a.sampling) if a.sampling else reqs
 
 
 def shape(reqs, keys: list[tuple] | None = None) -> list[tuple]:
-    """(prompt tokens, output tokens, arrival[, block keys]) per request, for the simulator."""
+    """(prompt tokens, output tokens, arrival[, block keys, sampler filters]) per request, for
+    the simulator."""
     if keys is None:
         return [(len(r.prompt), r.max_tokens, r.at) for r in reqs]
-    return [(len(r.prompt), r.max_tokens, r.at, k) for r, k in zip(reqs, keys)]
+    return [(len(r.prompt), r.max_tokens, r.at, k, r.sampling) for r, k in zip(reqs, keys)]
 
 
 class Evaluator:
@@ -425,6 +429,12 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--scale", type=float, default=1.0, help="Azure: multiply the lengths")
     g.add_argument("--max-input", type=int, default=1024, help="cap on prompt tokens")
     g.add_argument("--max-output", type=int, default=256, help="cap on output tokens")
+    g.add_argument("--sampling", type=sampling_arg, default=(),
+                   help="every request samples with these filters, comma-separated "
+                        "(temperature, top_k, min_p, top_p; `baton bench --sampling`): each "
+                        "sampled token costs a step what the profile measured (default: the "
+                        "trace's own: a router's window records them, the other traces are "
+                        "greedy)")
     g = ap.add_argument_group("goodput search (as `baton bench --goodput`)")
     g.add_argument("--attainment", type=float, default=0.9,
                    help="share of requests that must meet both SLOs (default 0.9)")

@@ -390,6 +390,7 @@ def live_once(cfg, registry, say, fits: dict | None = None,
                "the profile records no model fingerprint (measured before Baton recorded "
                "one), so its model is not checked against the workers': `baton profile` "
                "again records it"),
+           "sampling_unmeasured": _sampling_unmeasured(profile, reqs),
            "switches": [],
            "calibration": ({**calibration.summary(used), "kept": kept.summary(now_s)}
                            if calibration is not None else
@@ -411,6 +412,19 @@ def live_once(cfg, registry, say, fits: dict | None = None,
     return out
 
 
+def _sampling_unmeasured(profile, reqs) -> str:
+    """What the look says when the window's requests sample with filters the profile has no
+    cost for ("" when it has them all, or none samples)."""
+    used = {f for r in reqs for f in r.sampling}
+    missing = sorted(used - set(profile.sampling))
+    if not missing:
+        return ""
+    n = sum(1 for r in reqs if set(r.sampling) & set(missing))
+    return (f"{n} of the window's {len(reqs)} requests sample with {', '.join(missing)}, which "
+            "the profile has no cost for (measured before Baton timed the sampler): simulated "
+            "at greedy's cost; `baton profile` again measures them")
+
+
 def report(out: dict) -> str:
     lines = []
     if "configurations" in out:
@@ -423,8 +437,9 @@ def report(out: dict) -> str:
             lines.append(f"measured now: {100 * out['attainment_measured']:.0f}% of the "
                          "window's finished requests met both SLOs")
         lines.append(f"recommended: {out['recommended']}; {out['validation']}")
-        if out.get("profile_unchecked"):
-            lines.append(f"note: {out['profile_unchecked']}")
+        for key in ("profile_unchecked", "sampling_unmeasured"):
+            if out.get(key):
+                lines.append(f"note: {out[key]}")
         cal = out.get("calibration") or {}
         if cal.get("applied"):
             lines.append(f"calibrated on the live window: decode factor x{cal['decode_ratio']:.3f}"

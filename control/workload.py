@@ -22,6 +22,8 @@ class Req:
     prompt: list[int]
     max_tokens: int
     at: float = 0.0  # seconds after the run's start (open loop)
+    # the sampler's filters it asks for (control/profile.py SAMPLING's names; () greedy)
+    sampling: tuple[str, ...] = ()
 
 
 @dataclass
@@ -144,7 +146,7 @@ def baton_trace(path: str | Path, n: int, tokens: Tokens, max_input: int = 2048,
         nin = max(1, min(max_input, int(r["prompt_tokens"])))
         ids = (ids + tokens.random(rng, max(0, nin - len(ids))))[:nin]
         nout = max(1, min(max_output, int(r["output_tokens"])))
-        out.append(Req(ids, nout, r["at"] - rows[start]["at"]))
+        out.append(Req(ids, nout, r["at"] - rows[start]["at"], tuple(r.get("sampling") or ())))
     return out
 
 
@@ -152,9 +154,40 @@ def poisson(reqs: Sequence[Req], rate: float, seed: int = 0) -> list[Req]:
     """The same requests arriving as a Poisson process of ``rate`` per second."""
     rng, t, out = random.Random(seed), 0.0, []
     for r in reqs:
-        out.append(Req(r.prompt, r.max_tokens, t))
+        out.append(Req(r.prompt, r.max_tokens, t, r.sampling))
         t += rng.expovariate(rate)
     return out
+
+
+def sampling_arg(text: str) -> tuple[str, ...]:
+    """``--sampling``'s argparse type: comma-separated sampler filters every request of the
+    workload asks for, by the names `baton profile` times (``temperature``, ``top_k``,
+    ``min_p``, ``top_p``; the settings ``baton.control.profile.SAMPLING`` gives them);
+    ``greedy`` or nothing: none. Any filter samples, so temperature is always one of them."""
+    from baton.control.profile import SAMPLING
+
+    names = [n.strip() for n in text.split(",") if n.strip() and n.strip() != "greedy"]
+    unknown = sorted(set(names) - set(SAMPLING))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown)}: not a sampler filter (one of "
+                                         f"greedy, {', '.join(SAMPLING)})")
+    return tuple(n for n in SAMPLING if n in names or (names and n == "temperature"))
+
+
+def sampling_params(filters: Sequence[str]) -> dict:
+    """The sampling settings of a request that asks for ``filters`` (:func:`sampling_arg`),
+    as ``baton.control.profile.SAMPLING`` gives each: ``{"temperature": 0.0}`` for none."""
+    from baton.control.profile import SAMPLING
+
+    out: dict = {"temperature": 0.0}
+    for name in filters:
+        out.update(SAMPLING[name])
+    return out
+
+
+def with_sampling(reqs: Sequence[Req], filters: Sequence[str]) -> list[Req]:
+    """``reqs``, every one asking for the sampler's ``filters``."""
+    return [Req(r.prompt, r.max_tokens, r.at, tuple(filters)) for r in reqs]
 
 
 def draws_arg(text: str) -> int:
@@ -168,7 +201,7 @@ def draws_arg(text: str) -> int:
 
 def speed_up(reqs: Sequence[Req], factor: float) -> list[Req]:
     """A trace's own arrival times, ``factor`` times faster."""
-    return [Req(r.prompt, r.max_tokens, r.at / factor) for r in reqs]
+    return [Req(r.prompt, r.max_tokens, r.at / factor, r.sampling) for r in reqs]
 
 
 # ---- targets -------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from baton.services.router.limits import (
 from baton.services.router.progress import Attempt, Sent, call_span, final_attrs, request_attrs
 from baton.services.router.routing import Decision, NoWorkerError, RoutingPolicy
 from baton.services.router.workers import Stream, WorkerError, WorkerPool
-from baton.services.router.workload_log import WorkloadLog
+from baton.services.router.workload_log import WorkloadLog, sampling_filters
 from baton.v1 import worker_pb2
 from baton_client.v1 import api_pb2
 
@@ -338,7 +338,8 @@ class Orchestrator:
             arrived = time.time() - (time.monotonic() - t0)
             if self.workload is not None:
                 self.workload.arrive(rid, arrived, len(call.ids), call.params.max_tokens,
-                                     call.hashes.of(call.ids), call.hashes.block_size)
+                                     call.hashes.of(call.ids), call.hashes.block_size,
+                                     sampling_filters(call.params))
             for msg in self._admitted(call, caller):
                 if msg.HasField("final"):
                     status = "OK"

@@ -7,7 +7,9 @@ of its ``max_tokens`` while none has finished).
 
 A record holds lengths, counts and times only: arrival time, prompt and output token counts,
 cached tokens (what the workers reused, what the index predicted), the path and finish reason,
-the time to first token split into its phases (metrics.TTFT_PHASES), TPOT. No prompt text and
+the time to first token split into its phases (metrics.TTFT_PHASES), TPOT, and the names of the
+sampler's filters it asked for (:func:`sampling_filters`: a sampled token costs a step more than
+a greedy one, by filter). No prompt text and
 no token ids leave the router: the prompt's prefix structure is kept as block numbers, each
 prompt block's hash replaced by a small integer in first-seen order (two prompts that share
 their first k blocks share their first k numbers, and nothing else can be read from them).
@@ -28,6 +30,23 @@ from baton.services.common.metrics import ttft_phases
 HASH_BYTES = 32  # one SHA-256 digest per prompt block (engine/block_hash.py)
 
 
+def sampling_filters(params) -> list[str]:
+    """The sampler's filters a request's ``params`` (a ``baton.v1.SamplingParams``) put to
+    work on each token's row, by the names `baton profile` times them under
+    (``baton.control.profile.SAMPLING``): none for greedy (temperature 0: an argmax, whatever
+    else it sets), else temperature and each of top-k, min-p, top-p it sets."""
+    if params.temperature == 0.0:
+        return []
+    out = ["temperature"]
+    if params.top_k > 0:
+        out.append("top_k")
+    if params.min_p > 0.0:
+        out.append("min_p")
+    if params.HasField("top_p") and params.top_p < 1.0:
+        out.append("top_p")
+    return out
+
+
 class WorkloadLog:
     def __init__(self, window_s: float = 900.0, max_records: int = 50_000,
                  max_blocks: int = 200_000, clock=time.time) -> None:
@@ -40,11 +59,14 @@ class WorkloadLog:
         self._lock = threading.Lock()
 
     def arrive(self, rid: str, arrived: float, prompt_tokens: int, max_tokens: int,
-               hashes: bytes | None, block_size: int) -> None:
+               hashes: bytes | None, block_size: int, sampling: list[str] | None = None
+               ) -> None:
         """A request the router admitted (``rid``: the router's id for it; ``arrived``: unix
-        seconds); it stays in flight until :meth:`record` or :meth:`forget`."""
+        seconds; ``sampling``: its :func:`sampling_filters`); it stays in flight until
+        :meth:`record` or :meth:`forget`."""
         rec: dict = {"at": round(arrived, 4), "prompt_tokens": prompt_tokens,
-                     "max_tokens": max_tokens, "block_tokens": block_size}
+                     "max_tokens": max_tokens, "block_tokens": block_size,
+                     "sampling": list(sampling or ())}
         with self._lock:
             rec["blocks"] = self._number(hashes)
             self._open[rid] = rec
@@ -75,6 +97,7 @@ class WorkloadLog:
                 return  # it arrived before the window: not part of it
             rec["block_tokens"] = opened["block_tokens"] if opened else block_size
             rec["blocks"] = opened["blocks"] if opened else self._number(hashes)
+            rec["sampling"] = opened["sampling"] if opened else []
             self._records.append(rec)
             self._expire()
 

@@ -171,4 +171,25 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
                     "--min-gain", "0")
         assert soon["action"] == "none"
         assert "too recent" in soon["reason"] or soon["reason"].startswith("stay")
+        # the window records the sampler's filters each request put to work: an OpenAI
+        # client's default temperature (1) with top_p, and one at temperature 0; a look whose
+        # profile timed no sampling names the requests it simulates at greedy's cost
+        base = f"http://{c.router.http_address}/v1"
+        with urllib.request.urlopen(f"{base}/models") as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        for extra in ({"top_p": 0.9}, {"temperature": 0}):
+            body = json.dumps({"model": model, "prompt": "Once upon", "max_tokens": 4,
+                               "ignore_eos": True, **extra}).encode()
+            req = urllib.request.Request(f"{base}/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+        with urllib.request.urlopen(f"{base}/baton/workload") as r:
+            rows = [json.loads(x) for x in r.read().decode().splitlines() if x.strip()]
+        assert [x["sampling"] for x in rows[-2:]] == [["temperature", "top_p"], []]
+        assert {tuple(x["sampling"]) for x in rows[:-2]} == {()}  # gRPC's default: greedy
+        noted = tune(c.redis.url, c.router.http_address, profile)
+        assert noted["sampling_unmeasured"].startswith(
+            "1 of the window's 14 requests sample with temperature, top_p, which the profile "
+            "has no cost for")
         c.assert_quiet()

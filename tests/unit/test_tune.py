@@ -18,6 +18,8 @@ from baton.control.profile import (
     PREFILL_ROUNDS,
     PREFILL_STREAMS,
     PREFILL_TOKENS,
+    SAMPLING,
+    SAMPLING_BATCH,
     SATURATED_PROMPTS,
     SERVED_TOKENS,
     CostModel,
@@ -115,6 +117,28 @@ def test_one_request_colocated():
     assert r.ttft == pytest.approx(0.004 + tok(100))  # router, then one prefill step
     assert r.tpot == pytest.approx(tok(1))  # then one decode step per token
     assert r.end == pytest.approx(0.004 + tok(100) + 4 * tok(1))
+
+
+def test_a_sampled_token_costs_its_step_what_the_profile_measured_for_its_filters():
+    """Each row that ends a step with a token it samples with filters adds what the profile
+    timed for them (the serving factor over it, as over the rest of the step), the first
+    token's prefill step included; greedy rows and a profile that timed nothing add nothing."""
+    import dataclasses
+
+    p = dataclasses.replace(make_profile(), serving_factor=1.5, prefill_factor=1.5,
+                            sampling={"temperature": 0.002, "top_k": 0.001, "top_p": 0.01})
+    greedy, top_p, both = simulate(Layout(0, 3, colocated=True), p, [
+        (100, 5, 0.0, (), ()), (100, 5, 100.0, (), ("temperature", "top_p")),
+        (100, 5, 200.0, (), ("temperature", "top_k", "top_p"))])
+    assert top_p.tpot == pytest.approx(greedy.tpot + 1.5 * 0.012)
+    assert top_p.ttft == pytest.approx(greedy.ttft + 1.5 * 0.012)
+    assert both.tpot == pytest.approx(greedy.tpot + 1.5 * 0.013)
+    assert greedy.tpot == pytest.approx(1.5 * tok(1))
+    # a filter the profile did not time, and a profile from before sampling was timed: greedy's
+    (minp,) = simulate(Layout(0, 1, colocated=True), p, [(100, 5, 0.0, (), ("min_p",))])
+    (old,) = simulate(Layout(0, 1, colocated=True), dataclasses.replace(p, sampling={}),
+                      [(100, 5, 0.0, (), ("temperature", "top_p"))])
+    assert minp.tpot == pytest.approx(greedy.tpot) and old.tpot == pytest.approx(greedy.tpot)
 
 
 def test_one_request_disaggregated():
@@ -313,6 +337,9 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
 
     model = load_model(tiny_llama[0])
     assert p.fingerprint == model.fingerprint(p.dtype, p.block_size, "cpu")
+    # what a sampled row adds to a step, per sampler filter, timed on this model's logits
+    assert set(p.sampling) == set(SAMPLING) and all(v >= 0 for v in p.sampling.values())
+    assert f"sampling {SAMPLING_BATCH} rows of {model.config.vocab_size} logits" in out.stderr
     assert p.model_name == model.name
     assert ("as the neighbour" in out.stderr) == bool(others)
     assert [r["tokens"] for r in p.prefill] == [1, 4, 16, 32, 64, 128, 256, 512, 1024]

@@ -240,6 +240,30 @@ def test_the_report_puts_the_windows_measured_attainment_beside_the_simulated_on
     assert "measured now" not in report({**out, "attainment_measured": None})
 
 
+def test_a_look_says_when_the_window_samples_with_filters_the_profile_has_no_cost_for():
+    """Sampled requests simulated at greedy's cost are named, not passed over: the look counts
+    those that use a filter the profile did not time (a profile from before the sampler was
+    timed has none) and the report carries the note."""
+    import dataclasses
+
+    from baton.control.tune_live import _sampling_unmeasured
+    from baton.control.workload import Req
+
+    reqs = [Req([1], 4), Req([1], 4, 0.0, ("temperature", "top_p")),
+            Req([1], 4, 0.0, ("temperature",))]
+    old = make_profile()
+    note = _sampling_unmeasured(old, reqs)
+    assert note.startswith("2 of the window's 3 requests sample with temperature, top_p, which "
+                           "the profile has no cost for")
+    timed = dataclasses.replace(old, sampling={"temperature": 1e-4, "top_p": 5e-4})
+    assert _sampling_unmeasured(timed, reqs) == ""
+    assert _sampling_unmeasured(old, [Req([1], 4)]) == ""  # greedy needs none
+    out = {"current": "1P+1D", "recommended": "1P+1D", "validation": "v", "action": "none",
+           "reason": "r", "sampling_unmeasured": note,
+           "configurations": [{"layout": "1P+1D", "goodput_rps": 2.0, "attainment_live": 1.0}]}
+    assert f"note: {note}" in report(out)
+
+
 def test_the_live_tuner_simulates_the_workers_own_engine_settings_at_their_dtype():
     """The simulated engines take the workers' --max-num-seqs and KV pool size from their
     registry entries (a `baton up` worker's pool is often far smaller than the profiling

@@ -105,3 +105,50 @@ def test_running_requests_are_in_the_window_with_their_output_estimated():
     assert rows[1]["max_tokens"] == 8 and "ttft_s" not in rows[1]
     clock.t += 45  # the running ones arrived more than 60 s ago now
     assert log.export() == [] and len(log._open) == 0
+
+
+def test_the_window_records_the_samplers_filters_each_request_asked_for(tmp_path):
+    """A sampled token costs a step more than a greedy one, by filter: the window records the
+    filters each request's parameters put to work (none for greedy, whatever else it sets),
+    running or finished, and `baton tune` reads them back with the trace; `--sampling`
+    overrides them, and names what it does not know."""
+    import argparse
+
+    import pytest
+    from baton.control.profile import SAMPLING
+    from baton.control.workload import sampling_arg, sampling_params
+    from baton.services.router.workload_log import sampling_filters
+
+    P = api_pb2.SamplingParams
+    assert sampling_filters(P()) == []  # gRPC's default: greedy
+    assert sampling_filters(P(temperature=0.0, top_p=0.5, top_k=5)) == []  # an argmax
+    assert sampling_filters(P(temperature=0.7)) == ["temperature"]
+    assert sampling_filters(P(temperature=1.0, top_p=1.0)) == ["temperature"]  # cuts nothing
+    assert sampling_filters(P(temperature=1.0, top_k=40, min_p=0.1, top_p=0.9)) == list(SAMPLING)
+    clock = Clock()
+    log = WorkloadLog(clock=clock)
+    log.arrive("g", clock(), 40, 8, None, 16, [])
+    log.arrive("s", clock() + 1, 41, 8, None, 16, ["temperature", "top_p"])
+    log.arrive("r", clock() + 2, 42, 8, None, 16, ["temperature"])
+    clock.t += 5
+    log.record(final(40, 8), clock() - 5, rid="g")
+    log.record(final(41, 8), clock() - 4, rid="s")
+    rows = log.export()
+    assert [r["sampling"] for r in rows] == [[], ["temperature", "top_p"], ["temperature"]]
+    assert rows[2]["in_flight"]
+    path = tmp_path / "w.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reqs = load_trace(TraceSlice(str(path), "baton", 10, 0, 1.0, 2048, 512))
+    assert [r.sampling for r in reqs] == [(), ("temperature", "top_p"), ("temperature",)]
+    every = load_trace(TraceSlice(str(path), "baton", 10, 0, 1.0, 2048, 512, ("temperature",
+                                                                               "min_p")))
+    assert {r.sampling for r in every} == {("temperature", "min_p")}
+    # --sampling: temperature comes with any filter, in the profile's order; greedy is none
+    assert sampling_arg("top_p") == ("temperature", "top_p")
+    assert sampling_arg("top_p,top_k") == ("temperature", "top_k", "top_p")
+    assert sampling_arg("greedy") == ()
+    with pytest.raises(argparse.ArgumentTypeError, match="nucleus: not a sampler filter"):
+        sampling_arg("top_p,nucleus")
+    # and a load generator sends what `baton profile` timed for them
+    assert sampling_params(()) == {"temperature": 0.0}
+    assert sampling_params(("temperature", "top_p")) == {"temperature": 1.0, "top_p": 0.95}
