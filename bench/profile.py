@@ -215,17 +215,15 @@ def measure_sampling(engine, prompts, repeats: int = 3, say: Callable[[str], Non
     return out
 
 
-def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int,
-                  sampling: dict | None = None):
+def _decode_steps(engine, prompts, batches: list[int], ctx: int, repeats: int):
     """Median decode step time for each batch size (descending): prefill ``batches[0]``
-    requests of ``ctx`` tokens once, then abort requests down to each next size. ``sampling``:
-    the requests' sampling settings (default greedy)."""
+    requests of ``ctx`` tokens once, then abort requests down to each next size."""
     from baton.engine.params import SamplingParams
 
     if not batches:
         return []
     params = SamplingParams(max_tokens=len(batches) * (repeats + 2) + 4, ignore_eos=True,
-                            detokenize=False, **(sampling or {}))
+                            detokenize=False)
     reqs = [engine.add_request(prompt_token_ids=prompts(ctx), params=params)
             for _ in range(batches[0])]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
