@@ -306,7 +306,12 @@ class CostModel:
         self.local_prefill_scale = p.local_prefill_scale
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
                               if r.get("blocks")}
-        self._sample_s = {k: float(v) for k, v in p.sampling.items()}
+        self._sample_s = {k: float(v) for k, v in p.sampling.items() if v}
+
+    @property
+    def samples(self) -> bool:
+        """Whether a sampled row costs anything here (the profile timed the sampler)."""
+        return bool(self._sample_s)
 
     def sample_row(self, filters: Sequence[str]) -> float:
         """What one row sampled with ``filters`` (the router's names, :data:`SAMPLING`) adds to

@@ -331,8 +331,10 @@ class SimEngine:
         busy, decoding = (self.sim.others_busy(self, t)
                           if decodes and self.cost.decode_factors_differ else (1.0, 0.0))
         # every row that ends this step with a token samples it (a prompt's last chunk too)
+        # (none to sum, greedy, with a profile that timed no sampler)
         sampled = sum(self.cost.sample_row(s.req.sampling) for s, n in batch
-                      if s.req.sampling and s.computed + n >= s.num_tokens)
+                      if s.req.sampling and s.computed + n >= s.num_tokens
+                      ) if self.cost.samples else 0.0
         step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local, busy,
                               decoding, sampled)
         end = t + loads + step
