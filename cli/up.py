@@ -23,7 +23,12 @@ from typing import TYPE_CHECKING
 
 from baton.control.redis_client import redact
 from baton.engine.families import MODEL_HELP
-from baton.services.common.config import DTYPES
+from baton.services.common.config import (
+    DEFAULT_KV_CACHE_GB,
+    DTYPES,
+    KV_CACHE_GB_ENV,
+    kv_cache_gb,
+)
 from baton.transfer import cluster_secret
 
 from baton import set_on_signals
@@ -66,6 +71,9 @@ def _add_worker_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help=MODEL_HELP)
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="each CPU worker's KV pool in GiB, when --num-blocks is not given "
+                         f"(default ${KV_CACHE_GB_ENV}, else {DEFAULT_KV_CACHE_GB:g})")
     ap.add_argument("--device", default="auto", type=_device,
                     help="where the workers run: cuda gives each worker its own GPU (the ones "
                          "CUDA_VISIBLE_DEVICES names, else all), round-robin when there are "
@@ -164,6 +172,7 @@ class UpConfig:
     model: str | None
     dtype: str
     num_blocks: int | None
+    kv_cache_gb: float | None
     device: str
     gpu_memory_utilization: float
     threads: int | None
@@ -216,6 +225,13 @@ def _check(a: UpConfig) -> str:
         return "--kv-host-tier-gb and --kv-disk-tier-gb must be >= 0"
     if a.prefill_tp < 1 or a.decode_tp < 1:
         return "--prefill-tp and --decode-tp must be >= 1"
+    if a.kv_cache_gb is not None:
+        if a.num_blocks is not None:
+            return "--kv-cache-gb and --num-blocks both size the KV pool: give one"
+        try:
+            kv_cache_gb(a.kv_cache_gb)
+        except ValueError as e:
+            return str(e)
     if a.ray and max(a.prefill_tp, a.decode_tp) > 1:
         return ("--prefill-tp/--decode-tp > 1 with --ray: a Ray placement group per worker is "
                 "not built yet; run the cluster without --ray")
@@ -366,7 +382,7 @@ class _LocalCluster:
             threads = threads_each(a.colocated or a.prefill + a.decode)
             self.say(f"{threads} torch thread(s) per worker (--threads)")
         for flag, value in (("--model", a.model), ("--num-blocks", a.num_blocks),
-                            ("--threads", threads)):
+                            ("--kv-cache-gb", a.kv_cache_gb), ("--threads", threads)):
             if value is not None:
                 self.common += [flag, str(value)]
         self.role = ["--role", "both"] if a.colocated else []

@@ -24,12 +24,35 @@ from baton.services.common import faults
 # the engine's dtypes: one declaration for the worker's flag and baton up's
 DTYPES = ["float32", "bfloat16", "float16"]
 
+# a CPU worker's KV pool without --num-blocks: --kv-cache-gb, else this variable, else 1 GiB
+KV_CACHE_GB_ENV = "BATON_KV_CACHE_GB"
+DEFAULT_KV_CACHE_GB = 1.0
+
+
+def kv_cache_gb(given: float | None) -> float:
+    """A CPU pool's GiB: ``given`` (--kv-cache-gb), else ``$BATON_KV_CACHE_GB``, else
+    :data:`DEFAULT_KV_CACHE_GB`. Raises ValueError naming the flag or the variable when it is
+    not a positive number."""
+    if given is not None:
+        name, value = "--kv-cache-gb", given
+    elif os.environ.get(KV_CACHE_GB_ENV):
+        name, raw = f"${KV_CACHE_GB_ENV}", os.environ[KV_CACHE_GB_ENV]
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: a KV pool size in GiB is a number") from None
+    else:
+        return DEFAULT_KV_CACHE_GB
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} {value:g}: a KV pool size in GiB is a positive number")
+    return value
+
 
 @dataclass(frozen=True)
 class EngineSettings:
     model: str | None  # GGUF file or HF folder; None: the default model
     dtype: str
-    num_blocks: int | None  # None: 1 GiB worth on CPU, the device's share on a GPU
+    num_blocks: int | None  # None: kv_cache_gb's worth on CPU, the device's share on a GPU
     block_size: int
     max_num_seqs: int
     threads: int | None  # torch threads; None: torch's default
@@ -42,6 +65,7 @@ class EngineSettings:
     kv_cache_dtype: str = "auto"  # auto (the --dtype) | fp8 (GPU)
     tensor_parallel_size: int = 1  # ranks of this worker's group (engine/tp.py)
     kv_layout: str = "head"  # head | block (engine/kv_layout.py)
+    kv_cache_gb: float | None = None  # a CPU pool's GiB without --num-blocks; None: the default
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -77,8 +101,13 @@ class EngineSettings:
                             "their own share: two at 0.45 (default "
                             "$BATON_GPU_MEMORY_UTILIZATION, else 0.9)")
         g.add_argument("--num-blocks", type=int, default=None,
-                       help="KV-cache blocks in the pool (default: 1 GiB worth on CPU; on a GPU "
-                            "what --gpu-memory-utilization leaves)")
+                       help="KV-cache blocks in the pool (default: --kv-cache-gb worth on CPU; "
+                            "on a GPU what --gpu-memory-utilization leaves)")
+        g.add_argument("--kv-cache-gb", type=float, default=None,
+                       help="a CPU worker's KV pool in GiB, when --num-blocks is not given: "
+                            "host memory the worker zero-fills as it starts (default "
+                            f"${KV_CACHE_GB_ENV}, else {DEFAULT_KV_CACHE_GB:g}). A GPU pool is "
+                            "sized by --gpu-memory-utilization: there it is refused")
         g.add_argument("--block-size", type=int, default=16)
         g.add_argument("--max-num-seqs", type=int, default=64)
         g.add_argument("--threads", type=int, default=None,
@@ -122,7 +151,7 @@ class EngineSettings:
         t.add_argument("--kv-host-tier-gb", type=float, default=None,
                        help="pinned host memory for blocks a GPU pool evicts (default 4; 0 "
                             "turns it off). A CPU pool is host memory already: give it the "
-                            "memory instead (--num-blocks) and use the disk tier")
+                            "memory instead (--kv-cache-gb) and use the disk tier")
         t.add_argument("--kv-disk-tier-gb", type=float, default=0.0,
                        help="local disk for evicted blocks, one preallocated file with a "
                             "checksum per block (default 0: off). A full disk or an I/O error "
@@ -140,7 +169,7 @@ class EngineSettings:
         return cls(a.model, a.dtype, a.num_blocks, a.block_size, a.max_num_seqs, a.threads,
                    a.device, a.gpu_memory_utilization, a.kv_staging, a.kv_host_tier_gb,
                    a.kv_disk_tier_gb, a.kv_disk_tier_dir, a.kv_cache_dtype,
-                   a.tensor_parallel_size, a.kv_layout)
+                   a.tensor_parallel_size, a.kv_layout, a.kv_cache_gb)
 
     def resolved_device(self) -> str:
         """``--device`` with auto decided: cuda when this process sees a GPU, else cpu."""
@@ -160,8 +189,17 @@ class EngineSettings:
         host_gb = self.kv_host_tier_gb
         if device == "cpu" and host_gb:
             raise ValueError(f"--kv-host-tier-gb {host_gb}: a CPU worker's KV pool is host "
-                             "memory already; give the pool that memory (--num-blocks) and use "
+                             "memory already; give the pool that memory (--kv-cache-gb) and use "
                              "--kv-disk-tier-gb for the tier below it")
+        if device != "cpu" and self.kv_cache_gb is not None:
+            raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g} sizes a CPU worker's KV pool; "
+                             f"on {device} the pool is what --gpu-memory-utilization leaves "
+                             "(or give --num-blocks)")
+        if self.kv_cache_gb is not None and self.num_blocks is not None:
+            raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g} and --num-blocks "
+                             f"{self.num_blocks} both size the KV pool: give one")
+        cpu_pool = ({"kv_cache_bytes": int(kv_cache_gb(self.kv_cache_gb) * (1 << 30))}
+                    if device == "cpu" and self.num_blocks is None else {})
         if device == "cpu" and self.kv_cache_dtype == "fp8":
             raise ValueError("--kv-cache-dtype fp8: an FP8 KV cache is read by the Triton "
                              "attention kernels and needs a GPU (--device cuda); the CPU "
@@ -184,7 +222,7 @@ class EngineSettings:
                             kv_disk_tier_bytes=int(self.kv_disk_tier_gb * (1 << 30)),
                             kv_disk_tier_dir=disk_dir, kv_cache_dtype=self.kv_cache_dtype,
                             tensor_parallel_size=self.tensor_parallel_size,
-                            kv_layout=self.kv_layout)
+                            kv_layout=self.kv_layout, **cpu_pool)
 
 
 @dataclass(frozen=True)

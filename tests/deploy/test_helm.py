@@ -563,6 +563,24 @@ def test_worker_memory_follows_the_model(helm):
     assert out.returncode != 0 and "weightsGb" in out.stderr
 
 
+def test_a_cpu_pools_kv_cache_gb_sizes_its_workers_pool(helm):
+    """The memory the chart reserves for a CPU pool's KV pool (kvCacheGb) is the pool its
+    workers allocate (--kv-cache-gb); numBlocks, where set, sizes it instead, and a GPU pool's
+    is what its memory share leaves."""
+    def args(*sets, values=None):
+        deps = by_kind(render(helm, values, *sets), "Deployment")
+        return {r: deps[f"rel-baton-{r}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+                for r in ("prefill", "decode")}
+
+    got = args("decode.kvCacheGb=3.5", "prefill.numBlocks=900")
+    assert got["decode"][got["decode"].index("--kv-cache-gb") + 1] == "3.5"
+    assert "--num-blocks" not in got["decode"]
+    assert got["prefill"][got["prefill"].index("--num-blocks") + 1] == "900"
+    assert "--kv-cache-gb" not in got["prefill"]
+    gpu = args(values=VALUES["gpu-pools"])
+    assert all("--kv-cache-gb" not in a for a in gpu.values())
+
+
 @pytest.mark.parametrize("name", VALUES)
 def test_every_pod_runs_non_root_without_privileges_on_a_read_only_root(helm, name):
     docs = render(helm, VALUES[name])

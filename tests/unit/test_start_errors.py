@@ -3,6 +3,7 @@ real `baton up` and worker commands, run as processes."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -136,3 +137,59 @@ def test_an_unresolvable_hostname_without_a_route_names_advertise_host(monkeypat
         advertised_host(SimpleNamespace(host="0.0.0.0", advertise_host=None))
     assert advertised_host(SimpleNamespace(host="0.0.0.0", advertise_host="10.0.0.7")) \
         == "10.0.0.7"
+
+
+def test_a_cpu_pools_size_comes_from_kv_cache_gb_then_the_environment(monkeypatch):
+    """--kv-cache-gb sizes a CPU worker's pool when --num-blocks is not given, else
+    $BATON_KV_CACHE_GB, else 1 GiB; sizes that are not positive numbers, both flags at once, and
+    the flag on a GPU are refused naming what was wrong."""
+    from dataclasses import replace
+
+    from baton.services.common.config import EngineSettings
+
+    base = EngineSettings(None, "float32", None, 16, 8, None, device="cpu")
+    monkeypatch.delenv("BATON_KV_CACHE_GB", raising=False)
+    assert base.engine_config(False).kv_cache_bytes == 1 << 30
+    monkeypatch.setenv("BATON_KV_CACHE_GB", "0.5")
+    assert base.engine_config(False).kv_cache_bytes == 1 << 29
+    assert replace(base, kv_cache_gb=0.125).engine_config(False).kv_cache_bytes == 1 << 27
+    cfg = replace(base, num_blocks=40).engine_config(False)
+    assert (cfg.num_kv_blocks, cfg.kv_cache_bytes) == (40, 1 << 30)  # blocks rule; the
+    # variable is a default, not a request
+    for bad, says in ((replace(base, kv_cache_gb=0.0), "--kv-cache-gb 0: a KV pool size"),
+                      (replace(base, kv_cache_gb=-1.0), "--kv-cache-gb -1: a KV pool size"),
+                      (replace(base, kv_cache_gb=1.0, num_blocks=8), "give one"),
+                      (replace(base, kv_cache_gb=1.0, device="cuda"),
+                       "on cuda the pool is what --gpu-memory-utilization leaves")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            bad.engine_config(False)
+    monkeypatch.setenv("BATON_KV_CACHE_GB", "lots")
+    with pytest.raises(ValueError, match=re.escape("$BATON_KV_CACHE_GB='lots'")):
+        base.engine_config(False)
+    monkeypatch.setenv("BATON_KV_CACHE_GB", "0.5")
+    cfg = replace(base, device="cuda").engine_config(False)  # a GPU pool ignores the variable
+    assert cfg.kv_cache_bytes == 1 << 30
+    r = run("-m", "baton.cli.main", "up", "--kv-cache-gb", "0.5", "--num-blocks", "64")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == ("error: --kv-cache-gb and --num-blocks both size the KV pool: "
+                                "give one")
+
+
+@pytest.mark.slow  # a worker process, ~3 s
+def test_a_worker_started_with_kv_cache_gb_holds_that_much(tiny_llama, monkeypatch):
+    """A real worker: the pool --kv-cache-gb asks for, over the variable the suite sets for
+    every worker (tests/conftest.py), in blocks of the model's size, as Info and the log say."""
+    from baton.engine.loader import load_model
+    from baton.services.launch.local import WorkerProcess
+
+    monkeypatch.setenv("BATON_KV_CACHE_GB", "0.25")
+    model = load_model(tiny_llama[0])
+    c = model.config
+    block = 16 * c.num_layers * 2 * c.num_kv_heads * c.head_dim * 4  # 16 tokens, k and v, fp32
+    w = WorkerProcess("prefill", ["--model", str(tiny_llama[0]), "--threads", "1",
+                                  "--metrics-port", "-1", "--kv-cache-gb", "0.0625"])
+    try:
+        assert w.info().num_blocks == (1 << 26) // block
+        assert f"{(1 << 26) // block} blocks of {block // 1024} KiB (0.06 GiB)" in w.log_tail()
+    finally:
+        w.stop()
