@@ -149,16 +149,19 @@ def test_a_burst_across_two_routers_spreads_over_the_workers(cluster):
     assert not any(r.zcard(inflight_key(w.worker_id))
                    for w in (*cluster.prefill, cluster.decode[0]))
     per_worker = {w.worker_id: 0 for w in cluster.prefill}
+    uncached = dict(per_worker)
     for f in results:
         per_worker[f.prefill_worker] += 1
+        uncached[f.prefill_worker] += not f.index_cached_tokens
     counts = list(per_worker.values())
-    cached = sum(f.index_cached_tokens > 0 for f in results)
-    print(f"burst of 12 over 2 prefill workers: {per_worker}; max/mean "
-          f"{max(counts) / (sum(counts) / len(counts)):.2f}; {cached} routed to a cached prefix")
+    print(f"burst of 12 over 2 prefill workers: {per_worker}, of them with no cached prefix "
+          f"{uncached}; max/mean {max(counts) / (sum(counts) / len(counts)):.2f}")
     assert len(results) == 12 and all(f.path == "remote" for f in results)
     # a request routed after an earlier one of the burst is cached goes where the prompt is
-    # (the prefix outweighs load by design); the rest split on the shared in-flight counts
-    assert max(counts) <= 8 and min(counts) >= 4 - cached, per_worker
+    # (the prefix outweighs load by design, and on a slow machine the first prefills end while
+    # the burst still arrives: a 10/2 split failed the bound on all 12 once); the rest split
+    # on the shared in-flight counts, at worst as 8/4 of 12
+    assert max(uncached.values()) - min(uncached.values()) <= 4, (per_worker, uncached)
 
 
 def test_a_prefill_worker_counts_a_request_in_flight_only_while_it_prefills(cluster):
