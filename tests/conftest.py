@@ -17,12 +17,12 @@ _XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _XDIST_WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_each(_XDIST_WORKERS)))
 
-# Every worker the tests start without --num-blocks (test clusters, `baton up`, `baton
-# profile`'s) takes a 256 MiB KV pool, not the 1 GiB a CPU worker zero-fills by default: on the
+# Every worker the tests start without --num-blocks (test clusters, `baton up`)
+# takes a 256 MiB KV pool, not the 1 GiB a CPU worker zero-fills by default: on the
 # 2-vCPU VM that 1 GiB took 1-2.4 s of each worker's start (ready in 3.1-4.4 s against 2.0-2.1 s
-# with a small pool), and the suite starts hundreds of workers. SmolLM2's float32 blocks are
-# the largest here: 256 MiB holds 364 of them (5,824 tokens). A test that needs the default
-# sets --num-blocks or --kv-cache-gb itself.
+# with a small pool); in a clean-clone .ci/run the tests' times added to 2,016 s against 2,071 s
+# (docs/testing.md). SmolLM2's float32 blocks are the largest here: 256 MiB holds 364 of them
+# (5,824 tokens). A test that needs the default sets --num-blocks or --kv-cache-gb itself.
 os.environ.setdefault("BATON_KV_CACHE_GB", "0.25")
 
 import pytest  # noqa: E402 (after OMP_NUM_THREADS, which torch reads as it loads)
