@@ -226,10 +226,8 @@ def _check(a: UpConfig) -> str:
     if a.prefill_tp < 1 or a.decode_tp < 1:
         return "--prefill-tp and --decode-tp must be >= 1"
     if a.kv_cache_gb is not None:
-        if a.num_blocks is not None:
-            return "--kv-cache-gb and --num-blocks both size the KV pool: give one"
         try:
-            kv_cache_gb(a.kv_cache_gb)
+            kv_cache_gb(a.kv_cache_gb, a.num_blocks)
         except ValueError as e:
             return str(e)
     if a.ray and max(a.prefill_tp, a.decode_tp) > 1:

@@ -29,11 +29,14 @@ KV_CACHE_GB_ENV = "BATON_KV_CACHE_GB"
 DEFAULT_KV_CACHE_GB = 1.0
 
 
-def kv_cache_gb(given: float | None) -> float:
+def kv_cache_gb(given: float | None, num_blocks: int | None = None) -> float:
     """A CPU pool's GiB: ``given`` (--kv-cache-gb), else ``$BATON_KV_CACHE_GB``, else
     :data:`DEFAULT_KV_CACHE_GB`. Raises ValueError naming the flag or the variable when it is
-    not a positive number."""
+    not a positive number, and when --kv-cache-gb is given beside ``num_blocks``
+    (--num-blocks)."""
     if given is not None:
+        if num_blocks is not None:
+            raise ValueError("--kv-cache-gb and --num-blocks both size the KV pool: give one")
         name, value = "--kv-cache-gb", given
     elif os.environ.get(KV_CACHE_GB_ENV):
         name, raw = f"${KV_CACHE_GB_ENV}", os.environ[KV_CACHE_GB_ENV]
@@ -43,7 +46,7 @@ def kv_cache_gb(given: float | None) -> float:
             raise ValueError(f"{name}={raw!r}: a KV pool size in GiB is a number") from None
     else:
         return DEFAULT_KV_CACHE_GB
-    if not value > 0 or value == float("inf"):
+    if not 0 < value < float("inf"):
         raise ValueError(f"{name} {value:g}: a KV pool size in GiB is a positive number")
     return value
 
@@ -195,11 +198,10 @@ class EngineSettings:
             raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g} sizes a CPU worker's KV pool; "
                              f"on {device} the pool is what --gpu-memory-utilization leaves "
                              "(or give --num-blocks)")
-        if self.kv_cache_gb is not None and self.num_blocks is not None:
-            raise ValueError(f"--kv-cache-gb {self.kv_cache_gb:g} and --num-blocks "
-                             f"{self.num_blocks} both size the KV pool: give one")
-        cpu_pool = ({"kv_cache_bytes": int(kv_cache_gb(self.kv_cache_gb) * (1 << 30))}
-                    if device == "cpu" and self.num_blocks is None else {})
+        cpu_pool = {}  # the flag given (refused beside --num-blocks), or a CPU pool's default
+        if self.kv_cache_gb is not None or (device == "cpu" and self.num_blocks is None):
+            gb = kv_cache_gb(self.kv_cache_gb, self.num_blocks)
+            cpu_pool["kv_cache_bytes"] = int(gb * (1 << 30))
         if device == "cpu" and self.kv_cache_dtype == "fp8":
             raise ValueError("--kv-cache-dtype fp8: an FP8 KV cache is read by the Triton "
                              "attention kernels and needs a GPU (--device cuda); the CPU "
