@@ -57,7 +57,9 @@ def add_up_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--routing", default="cache-aware",
                     choices=["cache-aware", "least-loaded", "round-robin"],
                     help="the router's policy (default cache-aware: Redis prefix index + load)")
-    ap.add_argument("--log-dir", default=None, help="where the processes' logs go")
+    ap.add_argument("--log-dir", default=None,
+                    help="where the processes' logs go (made when missing; default a new "
+                         "temporary folder, named at start)")
     ap.add_argument("--router-args", default="",
                     help="more options for the router, e.g. \"--max-concurrent 64 "
                          "--max-concurrent-per-key 8 --max-tokens 1024\" (see python -m "
@@ -360,6 +362,11 @@ class _LocalCluster:
         self.procs: list = []  # the processes now, None while one waits for its restart
         self.slots: list[_Slot] = []  # one per entry of procs
         self.ray_local = a.ray == "local"
+        if a.log_dir:  # made when missing, as the processes' own log files are
+            try:
+                Path(a.log_dir).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise SystemExit(f"error: --log-dir {a.log_dir}: {e.strerror}") from None
         self.kw = {"log_dir": a.log_dir or tempfile.mkdtemp(prefix="baton-up-")}
         self.redis_slot = _Slot("redis-server", self._restart_redis)  # its restarts
 

@@ -82,9 +82,15 @@ class IndexPublisher:
     """
 
     def __init__(self, client, worker_id: str, incarnation: str, events: deque, load,
-                 ttl_s: float = 10.0, interval_s: float = 0.02) -> None:
+                 ttl_s: float = 10.0, interval_s: float = 0.02,
+                 idle_interval_s: float = 0.1) -> None:
         self.redis, self.worker_id, self.incarnation = client, worker_id, incarnation
         self.events, self.load, self.ttl_s, self.interval_s = events, load, ttl_s, interval_s
+        # while the engine holds no request (its last load: none waiting, none running) it
+        # looks every idle_interval_s instead: an idle worker's changes are a new request's
+        # arrival (the routers count their own in flight at once) and lease or tier moves,
+        # and its looks at 50 a second cost ~1% of a core per worker
+        self.idle_interval_s = idle_interval_s
         self.load_key = load_key(worker_id)
         self.keys = {t: index_key(worker_id, incarnation, t) for t in ("pool", *TIERS)}
         # what the index should say, per place (pool, host, disk): resent whole after an outage
@@ -105,7 +111,8 @@ class IndexPublisher:
         while not self._stop.wait(backoff):
             try:
                 self.flush()
-                backoff = self.interval_s
+                idle = self._last_load is not None and not any(self._last_load[:2])
+                backoff = self.idle_interval_s if idle else self.interval_s
             except (RedisError, OSError) as e:
                 self.num_errors += 1
                 if not self._dirty:

@@ -9,6 +9,10 @@
 #                            ("" = pip's configured index, which on some mirrors is CPU already)
 #   BATON_WHEELHOUSE=DIR     install only from these wheels (no network): what build.sh does
 #   BATON_WARM=0             skip converting the default model and compiling the native kernels
+#   BATON_PYC=0              skip byte-compiling the installed modules (~40 s of CPU): Python then
+#                            compiles what it imports, once, into the venv, as root. For a root
+#                            built for one run (.ci/run's); the images keep them, as their uid
+#                            1000 cannot write the venv and would compile at every start
 set -euo pipefail
 TORCH=${BATON_TORCH:-cpu}
 VENV=/opt/baton/venv
@@ -28,6 +32,7 @@ fi
 
 python3 -m venv "$VENV"
 pip=("$VENV/bin/pip" install -q --no-cache-dir)
+[[ "${BATON_PYC:-1}" == 0 ]] && pip+=(--no-compile)
 if [[ -n "${BATON_WHEELHOUSE:-}" ]]; then
     pip+=(--no-index --find-links "$BATON_WHEELHOUSE")
     torch_from=()

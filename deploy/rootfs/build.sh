@@ -13,7 +13,8 @@
 # Packages come from the host: this machine's pip builds a wheelhouse (its index, mirror and
 # cache) when its Python is the root's (3.11), and the root installs from it offline; otherwise
 # the root's pip uses the network itself. BATON_DEBIAN_MIRROR picks the Debian mirror;
-# BATON_ROOTFS_BASE=DIR starts from a base root made before (--base-only) instead of debootstrap.
+# BATON_ROOTFS_BASE=DIR starts from a base root made before (--base-only) instead of debootstrap;
+# BATON_PYC=0 goes to the install script (no byte-compiling at install: a root for one run).
 set -euo pipefail
 ROOT=${1:?usage: build.sh ROOT [--base-only]}
 BASE_ONLY=${2:-}
@@ -49,6 +50,7 @@ tar -C "$SRC" --exclude=.git --exclude=build --exclude='*.egg-info' --exclude=__
     --exclude=bench/results --exclude=.whl --exclude='*.so' -c . | tar -C "$ROOT/opt/baton/src" -x
 
 env=()
+[[ -n "${BATON_PYC:-}" ]] && env+=(BATON_PYC="$BATON_PYC")
 if [[ $("$PY" -c 'import sys; print(sys.version_info[:2] == (3, 11))') == True ]]; then
     step "wheelhouse from this machine's pip"
     mkdir -p "$ROOT/wheelhouse"

@@ -73,6 +73,7 @@ class WorkerProcess:
         self._asked_to_end = False
         if log_dir:
             log_dir = Path(log_dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
         else:
             log_dir = Path(tempfile.mkdtemp(prefix="baton-workers-"))
             _OWN_LOG_DIRS.append((self, log_dir))

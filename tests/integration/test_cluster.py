@@ -518,10 +518,13 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
     import subprocess
 
     port = free_port()
+    logs = tmp_path / "logs" / "up"  # made by baton up: neither folder exists yet
     up, lines = start_baton_up("--num-blocks", "96", "--grpc-port", str(port), "--http-port", "0",
-                               "--log-dir", str(tmp_path))
+                               "--log-dir", str(logs))
     try:
         assert f"127.0.0.1:{port}" in lines[-1], "".join(lines)
+        assert f"logs in {logs}" in "".join(lines)
+        assert {p.name.split("-")[0] for p in logs.glob("*.log")} >= {"prefill", "decode"}
         # one prefill and one decode worker share the cores out
         from baton.cli.up import threads_each
 

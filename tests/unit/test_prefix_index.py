@@ -4,9 +4,16 @@ load out, incarnations, TTL purge, shared in-flight counters, and Redis going aw
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import redis
-from baton.control.prefix_index import PrefixIndex, index_key, inflight_key
+from baton.control.prefix_index import (
+    IndexPublisher,
+    PrefixIndex,
+    index_key,
+    inflight_key,
+    load_key,
+)
 from baton.control.redis_server import EmbeddedRedis
 from baton.engine.block_hash import hash_blocks, namespace_for
 from baton.engine.kv_cache import CLEARED, EVICTED, STORED
@@ -124,6 +131,32 @@ def test_a_redis_that_came_back_empty_between_flushes_gets_the_whole_set(client)
     assert pub.num_resends == 1 and client.scard(key) == 2
     pub.flush()
     assert client.smembers(key) == set(prompt[:8]) and client.pttl(key) > 0
+
+
+def test_an_idle_worker_looks_less_often_and_a_change_still_goes_out(client):
+    """With nothing waiting or running, the publisher looks every idle_interval_s (each gap
+    at least that: a lower bound, no timing race); a request arriving is published, and while
+    the engine holds one it looks every interval_s again."""
+    events, load, looks = deque(), [0, 0, 90, 100], []
+
+    def read_load():
+        looks.append(time.monotonic())
+        return list(load)
+
+    pub = IndexPublisher(client, "a", "i1", events, read_load, ttl_s=60.0, interval_s=0.001,
+                         idle_interval_s=0.3)
+    pub.start()
+    try:
+        _wait(lambda: len(looks) >= 4)
+        idle = list(looks)
+        assert all(b - a >= 0.3 for a, b in zip(idle[1:], idle[2:]))  # after the first flush
+        load[:3] = [1, 0, 80]  # a request arrived
+        _wait(lambda: client.get(load_key("a")) == b"i1 1 0 80 100")
+        _wait(lambda: len(looks) >= len(idle) + 40)  # busy: looks at interval_s
+        busy = looks[len(idle) + 1:]
+        assert sum(b - a for a, b in zip(busy, busy[1:])) < 0.3 * (len(busy) - 1)
+    finally:
+        pub.stop()
 
 
 def test_inflight_counts_are_shared_released_and_expire(client):

@@ -48,6 +48,14 @@ def test_baton_up_checks_the_model_before_starting_anything(tmp_path):
     assert r.returncode == 2 and "model_type 'no-such-family' is not supported" in r.stderr
 
 
+def test_baton_up_refuses_a_log_dir_it_cannot_make(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    r = run("-m", "baton.cli.main", "up", "--log-dir", str(tmp_path / "a-file" / "logs"))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == f"error: --log-dir {tmp_path / 'a-file' / 'logs'}: Not a directory"
+    assert r.stdout == ""  # no process was started (it would have said so)
+
+
 def test_baton_up_checks_its_ports_before_starting_anything():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
