@@ -9,10 +9,9 @@ killing the serving decode worker's namespace mid-stream must migrate the reques
 
 Root only (network namespaces, chroot); ``.ci/run`` runs it as root and sets
 BATON_REQUIRE_HOSTS=1 so that it fails there rather than skips. BATON_TEST_ROOTFS=DIR reuses a
-root built before (developing the test), or one being built (.ci/run's: the test waits while
-DIR.building exists, and fails with the build's log if DIR.failed does);
-BATON_CONTAINERS_OUT=DIR writes the figures (root size, time to ready, hand-off time over the
-veth) as containers-*.json there, bench/results/ in the repository.
+root built before (developing the test); BATON_CONTAINERS_OUT=DIR writes the figures (root size,
+time to ready, hand-off time over the veth) as containers-*.json there, bench/results/ in the
+repository.
 """
 
 from __future__ import annotations
@@ -52,9 +51,7 @@ def rootfs(tmp_path_factory):
             pytest.fail(f"the multi-host test must run here: {why}")
         pytest.skip(why)
     if os.environ.get("BATON_TEST_ROOTFS"):
-        root = Path(os.environ["BATON_TEST_ROOTFS"])
-        _wait_for_build(root)
-        yield root, None
+        yield Path(os.environ["BATON_TEST_ROOTFS"]), None
         return
     root = tmp_path_factory.mktemp("rootfs") / "root"
     t0 = time.monotonic()
@@ -63,21 +60,6 @@ def rootfs(tmp_path_factory):
     assert build.returncode == 0, build.stderr[-4000:]
     yield root, time.monotonic() - t0
     shutil.rmtree(root, ignore_errors=True)
-
-
-def _wait_for_build(root: Path) -> None:
-    """A root still being built (.ci/run's, beside the suite: ROOT.building exists until its
-    build ends, ROOT.failed after one that failed) is waited for; one built before is taken
-    as it is."""
-    building, failed = Path(f"{root}.building"), Path(f"{root}.failed")
-    end = time.monotonic() + 1200  # a hang detector: the build takes 2-3 minutes here
-    while building.exists():
-        assert time.monotonic() < end, f"{building} still there after 20 minutes"
-        time.sleep(1)
-    if failed.exists():
-        log = Path(f"{root}.log")
-        tail = log.read_text(errors="replace")[-4000:] if log.exists() else "(no log)"
-        pytest.fail(f"the image's root failed to build ({log}):\n{tail}")
 
 
 def _wait_redis(address: str, end: float) -> None:
