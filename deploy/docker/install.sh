@@ -9,10 +9,11 @@
 #                            ("" = pip's configured index, which on some mirrors is CPU already)
 #   BATON_WHEELHOUSE=DIR     install only from these wheels (no network): what build.sh does
 #   BATON_WARM=0             skip converting the default model and compiling the native kernels
-#   BATON_PYC=0              skip byte-compiling the installed modules (~40 s of CPU): Python then
-#                            compiles what it imports, once, into the venv, as root. For a root
-#                            built for one run (.ci/run's); the images keep them, as their uid
-#                            1000 cannot write the venv and would compile at every start
+#   BATON_PYC=0              skip byte-compiling the installed modules (torch's alone: ~20 s of
+#                            CPU on a 2-vCPU VM): Python then compiles what it imports, once,
+#                            into the venv, as root. For a root built for one run (.ci/run's);
+#                            the images keep them, as their uid 1000 cannot write the venv and
+#                            would compile at every start
 set -euo pipefail
 TORCH=${BATON_TORCH:-cpu}
 VENV=/opt/baton/venv
