@@ -33,8 +33,9 @@ def machine() -> dict:
                 info["cpu"] = line.split(":", 1)[1].strip()
                 break
         flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split()
-        info["cpu_flags"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
-                             if f in flags]
+        from baton.engine.config import SPEED_FLAGS
+
+        info["cpu_flags"] = [f for f in SPEED_FLAGS if f in flags]
     except OSError:
         pass
     try:
@@ -52,6 +53,18 @@ def machine() -> dict:
     except ImportError:
         pass
     return info
+
+
+def other_processor(profile) -> str | None:
+    """How ``profile`` (a :class:`baton.control.profile.Profile`) was measured on another
+    processor than this machine's CPU, where a benchmark's workers run, or None (the same, or
+    a profile or machine that does not say): "measured on X, this machine is Y"."""
+    from baton.engine.config import processor
+
+    theirs, here = profile.processor, processor("cpu")
+    if theirs and here and theirs != here:
+        return f"measured on {theirs}, this machine is {here}; `baton profile` here"
+    return None
 
 
 def random_word_prompts(tokenizer, lengths: list[int], seed: str) -> list[list[int]]:

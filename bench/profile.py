@@ -816,12 +816,15 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     finally:  # the caller's cores and threads back (its later workers pin themselves)
         os.sched_setaffinity(0, affinity)
         torch.set_num_threads(caller_threads)
+    from baton.engine.config import processor
+
     p = Profile(model=model or DEFAULT_MODEL, dtype=dtype, threads=threads,
                 block_size=engine.cfg.block_size,
                 max_num_batched_tokens=engine.cfg.max_num_batched_tokens,
                 max_num_seqs=engine.cfg.max_num_seqs, num_blocks=engine.num_blocks,
                 kv_bytes_per_token=engine.block_nbytes // engine.cfg.block_size,
-                neighbors=others, machine=machine(), device=device, tensor_parallel_size=tp,
+                neighbors=others, machine={**machine(), "processor": processor(engine.cfg.device)},
+                device=device, tensor_parallel_size=tp,
                 fingerprint=engine.fingerprint, model_name=engine.model_info.name, **costs)
     engine_len, vocab = engine.max_model_len, engine.model_config.vocab_size
     engine.close()  # a group's followers end with it

@@ -52,7 +52,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from baton.bench.common import RESULTS, machine, write_result
+from baton.bench.common import RESULTS, machine, other_processor, write_result
 
 SETUPS = ("1P+1D", "2 colocated", "live")
 FIXED = {"1P+1D": (1, 1, False), "2 colocated": (0, 2, True)}  # (prefill, decode, colocated)
@@ -330,6 +330,12 @@ def main(argv=None) -> int:
     # before any setup: a profile the simulator cannot read fails here, not after the run
     sim = simulated(a, shape, PHASES)
     if sim is None:
+        return 2
+    from baton.control.profile import Profile
+
+    if why := other_processor(Profile.load(a.profile)):  # the tuner's refusal, at every look
+        print(f"error: --profile {a.profile}: {why}: the live tuner refuses a profile of "
+              "another machine", file=sys.stderr)
         return 2
     if (why := out_of_reach(sim)) and not a.anyway:
         print(f"error: {why}", file=sys.stderr)

@@ -21,7 +21,7 @@ import argparse
 import time
 from dataclasses import asdict, replace
 
-from baton.bench.common import RESULTS, machine, write_result
+from baton.bench.common import RESULTS, machine, other_processor, write_result
 from baton.control.sim import Layout
 from baton.control.workload import draws_arg, sampling_arg
 
@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def load_profile(a: argparse.Namespace):
     """``a.profile``, refused (SystemExit) when its step times are not those of the setups'
     workers: another --dtype than ``a.dtype``, or another torch thread count than the one
-    each `baton bench compare` worker runs."""
+    each `baton bench compare` worker runs, or on another processor than this machine's."""
     from baton.control.profile import Profile
 
     profile = Profile.load(a.profile)
@@ -74,6 +74,8 @@ def load_profile(a: argparse.Namespace):
         raise SystemExit(f"error: --profile {a.profile} was measured at --threads "
                          f"{profile.threads}, the setups' workers run one torch thread each "
                          "on a core of their own: `baton profile --threads 1`")
+    if why := other_processor(profile):  # another machine's costs predict nothing here
+        raise SystemExit(f"error: --profile {a.profile} was {why}")
     return profile
 
 

@@ -193,6 +193,19 @@ class Profile:
     sampling: dict = field(default_factory=dict)
     version: int = VERSION
 
+    @property
+    def processor(self) -> str:
+        """What it was measured on, named as workers register theirs
+        (:func:`baton.engine.config.processor`); "" where its machine does not say."""
+        m = self.machine
+        if m.get("processor") is not None:
+            return m["processor"]
+        if self.device.split(":")[0] == "cuda":  # before the profile named it: GPU 0's name
+            return m.get("gpu", "")
+        from baton.engine.config import cpu_processor
+
+        return cpu_processor(m["cpu"], m.get("cpu_flags", [])) if m.get("cpu") else ""
+
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,9 @@ class WorkerRecord:
     dtype: str = ""  # its weights' and KV cache's precision (--dtype); "" from older workers
     num_blocks: int = 0  # its KV pool's blocks (--num-blocks, or what the device left); 0: older
     threads: int = 0  # its torch threads on a CPU (--threads, or torch's default); 0: GPU, older
+    # what computes: the GPU's name, or the CPU's model and speed flags
+    # (baton.engine.config.processor); "" from older workers
+    processor: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -207,9 +207,9 @@ def with_workers_settings(profile, records):
     workers do, not as the profiling run's engine did (a `baton up` worker's pool is often a
     tenth of a profile's 1 GiB); a setting no worker states (older workers) stays the profile's.
     Raises ValueError when the workers differ in one (the simulator runs one engine setting
-    for all) or run another dtype, block size, model or (on a CPU) thread count than the
-    profile's (its costs were measured at them; "" and 0: an older worker or profile that does
-    not say)."""
+    for all) or run another dtype, block size, model, processor or (on a CPU) thread count than
+    the profile's (its costs were measured at them; "" and 0: an older worker or profile that
+    does not say)."""
     import dataclasses
 
     off = sorted({r.dtype for r in records if r.dtype} - {profile.dtype})
@@ -234,6 +234,13 @@ def with_workers_settings(profile, records):
                          f"{profile.model_name or profile.model} (fingerprint "
                          f"{profile.fingerprint[:16]}), the workers serve "
                          f"{', '.join(others)}: `baton profile --model` with theirs")
+    machines = sorted({r.processor for r in records if r.processor} - {profile.processor})
+    if profile.processor and machines:
+        # a step's time moves with the processor: a 1,024-token bfloat16 prefill step of
+        # SmolLM2 took 0.40 s on a 2-vCPU Xeon with AMX and 1.43 s on a 2-vCPU EPYC, whose
+        # decode steps took the same time (their profiles of 2026-12-03)
+        raise ValueError(f"the profile was measured on {profile.processor}, the workers run "
+                         f"on {'; '.join(machines)}: `baton profile` on their machine")
     threads = sorted({r.threads for r in records if r.threads} - {profile.threads})
     if threads and profile.device.split(":")[0] == "cpu":  # as pick_profile reads its kind
         # a profile times each worker at its --threads on cores of its own: a worker of

@@ -278,6 +278,37 @@ def device_kind(device: str) -> str:
     return device.split(":", 1)[0]
 
 
+# the CPU instruction sets that set an engine step's time (bf16 matmuls in hardware, their width)
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "fma")
+
+
+def cpu_processor(model_name: str, flags) -> str:
+    """A CPU as :func:`processor` names it: its model name and which :data:`SPEED_FLAGS` it
+    has, ``"AMD EPYC (avx2 avx512f avx512_bf16 fma)"``."""
+    return f"{model_name} ({' '.join(f for f in SPEED_FLAGS if f in flags)})"
+
+
+def processor(device: str) -> str:
+    """What computes on ``device``, by name, as a worker registers it and a profile records
+    it: the GPU's name (``"NVIDIA H200"``), or the CPU's model name and speed flags (Linux
+    /proc/cpuinfo); "" where neither can be read. Two machines of one name can still differ
+    in speed (a VM's host), but two names are two machines' costs."""
+    if device_kind(device) == "cuda":
+        try:
+            return torch.cuda.get_device_name(device)
+        except (RuntimeError, AssertionError, ValueError):
+            return ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    name = next((ln.split(":", 1)[1].strip() for ln in lines
+                 if ln.startswith("model name")), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    return cpu_processor(name, flags) if name else ""
+
+
 def model_fingerprint(cfg: ModelConfig, weights_id: str, dtype: str, block_size: int,
                       device: str = "cpu", *, fp8_matmul: bool = False,
                       kv_dtype: str = "auto") -> str:

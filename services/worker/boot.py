@@ -109,12 +109,15 @@ class WorkerBoot:
             print(f"BATON_METRICS {metrics_address}", flush=True)
         log.info("%s worker %s (incarnation %s) serving on %s, model fingerprint %s", self.role,
                  self.worker_id, self.incarnation, self.address, self.engine.fingerprint[:16])
+        from baton.engine.config import processor
+
         registration = self.registration = register(cfg, self.role, self.worker_id, self.address,
                                 self.engine.fingerprint, self.incarnation,
                                 self.engine.model_info.name, self.engine.cfg.block_size,
                                 metrics_address, self.engine.cfg.max_num_seqs,
                                 self.engine.ranks, self.engine.cfg.dtype,
-                                self.engine.num_blocks, cpu_threads(self.engine.cfg.device))
+                                self.engine.num_blocks, cpu_threads(self.engine.cfg.device),
+                                processor(self.engine.cfg.device))
         publisher = publish_index(cfg, self.engine, self.worker_id, self.incarnation)
         drain = announce(self.address, self.worker_id, self.incarnation)
 

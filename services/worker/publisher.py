@@ -14,7 +14,7 @@ log = logging.getLogger("baton.services")
 def register(cfg: ServerSettings, role: str, worker_id: str, address: str,
              fingerprint: str, incarnation: str, model: str, block_size: int = 16,
              metrics_address: str = "", max_num_seqs: int = 0, ranks: str = "",
-             dtype: str = "", num_blocks: int = 0, threads: int = 0):
+             dtype: str = "", num_blocks: int = 0, threads: int = 0, processor: str = ""):
     """Put this worker in the Redis registry (if ``--redis-url``); returns the Registration."""
     if not cfg.redis_url:
         return None
@@ -24,7 +24,7 @@ def register(cfg: ServerSettings, role: str, worker_id: str, address: str,
     record = WorkerRecord(worker_id, role, address, fingerprint, incarnation, model,
                           block_size=block_size, metrics_address=metrics_address,
                           max_num_seqs=max_num_seqs, ranks=ranks, dtype=dtype,
-                          num_blocks=num_blocks, threads=threads)
+                          num_blocks=num_blocks, threads=threads, processor=processor)
     from redis.exceptions import AuthenticationError, AuthorizationError
 
     try:

@@ -87,9 +87,12 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         assert set(serve(stub, 8)) == {"remote"}
         registry = WorkerRegistry.from_url(c.redis.url)
         # the workers register what a profile is checked against: their model's fingerprint,
-        # and their torch threads (the Cluster's --threads 1, a profile's)
+        # their torch threads (the Cluster's --threads 1, a profile's) and their processor
+        from baton.engine.config import processor
+
         records = registry.workers()
         assert {w.threads for w in records} == {1} and len({w.fingerprint for w in records}) == 1
+        assert {w.processor for w in records} == {processor("cpu")} != {""}
         # a profile of another model is refused naming both (a single look exits 1)
         other = tmp_path / "other.json"
         replace(make_profile(block_size=4), fingerprint="0" * 32, model_name="another").save(other)

@@ -145,6 +145,23 @@ def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_s
     slow = RESULTS / "tune-validation-profile-v8-20261202T1040.json"
     fast = RESULTS / "tune-validation-profile-v8-20261202.json"
     base = ["--minutes", "1", "--no-speed-check"]
+    # both measured on the AMD VMs: a machine of another processor is refused first, naming
+    # both (the live setup's tuner would refuse the profile at every look)
+    import baton.engine.config
+
+    intel = "Intel(R) Xeon(R) Processor (avx2 avx512f avx512_bf16 amx_bf16 fma)"
+    monkeypatch.setattr(baton.engine.config, "processor", lambda device: intel)
+    assert shifting_load.main([*base, "--profile", str(fast)]) == 2
+    assert (f"--profile {fast}: measured on AMD EPYC (avx2 avx512f avx512_bf16 fma), this "
+            f"machine is {intel}; `baton profile` here: the live tuner refuses a profile of "
+            "another machine") in capsys.readouterr().err
+    from baton.bench import tune_validation  # and the simulator's validation
+
+    a = tune_validation.parse_args(["--profile", str(fast), "--dtype", "bfloat16"])
+    with pytest.raises(SystemExit, match=f"--profile {fast} was measured on AMD EPYC "):
+        tune_validation.load_profile(a)
+    monkeypatch.setattr(baton.engine.config, "processor",
+                        lambda device: "AMD EPYC (avx2 avx512f avx512_bf16 fma)")
     assert shifting_load.main([*base, "--profile", str(slow)]) == 2
     err = capsys.readouterr().err
     assert (f"--profile {slow}'s costs no fixed layout meets both SLOs for 20 of the trace's "
@@ -169,8 +186,6 @@ def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_s
     assert ("measured at --threads 2, the setups' workers run one torch thread each"
             in capsys.readouterr().err)
     # bench/tune_validation.py and bench/sim_check.py read their profile the same way
-    from baton.bench import tune_validation
-
     a = tune_validation.parse_args(["--profile", str(two), "--dtype", "bfloat16"])
     with pytest.raises(SystemExit, match="measured at --threads 2, the setups' workers run "
                                          "one torch thread each"):
