@@ -298,15 +298,15 @@ def processor(device: str) -> str:
             return torch.cuda.get_device_name(device)
         except (RuntimeError, AssertionError, ValueError):
             return ""
+    from baton.kernels.native import cpu_flags
+
     try:
         with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
+            name = next((ln.split(":", 1)[1].strip() for ln in f
+                         if ln.startswith("model name")), "")
     except OSError:
         return ""
-    name = next((ln.split(":", 1)[1].strip() for ln in lines
-                 if ln.startswith("model name")), "")
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
-    return cpu_processor(name, flags) if name else ""
+    return cpu_processor(name, cpu_flags()) if name else ""
 
 
 def model_fingerprint(cfg: ModelConfig, weights_id: str, dtype: str, block_size: int,
