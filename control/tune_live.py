@@ -19,6 +19,11 @@ the lowest that failed), the last switch is at least ``--min-dwell`` seconds old
 Redis, so separate runs do not flap), and, with ``--every``, ``--confirm`` looks in a row
 (default 2) wanted the same switch: one window that straddles a change in the traffic (a
 decode-heavy burst's backlog and the lighter traffic after it) must not switch on its own.
+When the window arrives faster than every layout's goodput (each layout is past what it
+sustains, and goodput, the highest rate served at the attainment target, no longer tells them
+apart), the layouts are ranked instead by the share of the window's requests each is
+simulated to serve within both SLOs at the window's own arrival times, and a switch needs
+that share --min-gain higher, relatively and in points.
 ``--every S`` repeats it.
 """
 
@@ -88,23 +93,52 @@ def switches(roles: dict[str, str], target: dict[str, str]) -> list[tuple[str, s
 class Verdict:
     best: dict  # the recommended row
     current: dict | None  # the current layout's row (None: a mix the simulator has no name for)
-    gain: float  # predicted goodput of best over current, minus 1 (inf: current meets none)
+    gain: float  # best over current, minus 1, in ``by`` (inf: current meets none)
     act: bool  # --apply would switch now
     reason: str
     wants: bool = False  # every check passed but the dwell and --confirm: this look agrees
+    by: str = "goodput"  # what ranked the layouts: "goodput", or "attainment_live" (overloaded)
 
 
-def best_row(rows: list[dict]) -> dict:
-    """The layout with the highest predicted goodput; ties: colocated."""
+def arrival_rate(ats: list[float]) -> float | None:
+    """Requests per second between the first arrival and the last (None: fewer than two
+    arrivals, or all at one instant)."""
+    if len(ats) < 2 or max(ats) <= min(ats):
+        return None
+    return (len(ats) - 1) / (max(ats) - min(ats))
+
+
+def overloaded(rows: list[dict], rate: float | None) -> bool:
+    """Whether the window (arriving at ``rate``) is past every layout's goodput. There every
+    layout falls behind, and the goodputs (each the highest Poisson rate a layout serves at the
+    attainment target, all under the rate offered) no longer say which serves the window
+    better: shifting-load run 24 (2026-12-03) tied 1P+1D and colocated at 0.44-0.63 req/s
+    under 0.7-0.9 req/s of long prompts, while at the window's own times colocated served
+    32-48% of it within the SLOs and 1P+1D 9-11%."""
+    return (rate is not None and bool(rows)
+            and all(r.get("attainment_live") is not None and r["goodput_rps"] < rate
+                    for r in rows))
+
+
+def best_row(rows: list[dict], rate: float | None = None) -> dict:
+    """The layout with the highest predicted goodput; past every layout's goodput
+    (:func:`overloaded`), the highest share of the window served within the SLOs at its own
+    arrival times. Ties: the higher goodput, then colocated."""
+    if overloaded(rows, rate):
+        return max(rows, key=lambda r: (r["attainment_live"], r["goodput_rps"], r["colocated"]))
     return max(rows, key=lambda r: (r["goodput_rps"], r["colocated"]))
 
 
 def verdict(rows: list[dict], current: Layout | None, min_gain: float,
-            dwell_left: float, agreed: int = 0, confirm: int = 1) -> Verdict:
+            dwell_left: float, agreed: int = 0, confirm: int = 1,
+            rate: float | None = None) -> Verdict:
     """The look's decision on the simulated ``rows``. ``agreed``: how many looks in a row before
-    this one wanted the same switch (:class:`Streak`); it acts only at the ``confirm``-th."""
-    best = best_row(rows)
+    this one wanted the same switch (:class:`Streak`); it acts only at the ``confirm``-th.
+    ``rate``: the window's arrival rate (:func:`arrival_rate`; None: goodput ranks always)."""
+    best = best_row(rows, rate)
     cur = next((r for r in rows if current is not None and r["layout"] == current.name), None)
+    if overloaded(rows, rate):
+        return _overloaded_verdict(best, cur, rate, min_gain, dwell_left, agreed, confirm)
     if cur is best:
         return Verdict(best, cur, 0.0, False, f"stay: {best['layout']} is predicted best")
     if best["goodput_rps"] <= 0:
@@ -133,15 +167,49 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
                        f"worse ({100 * live:.0f}% meeting the SLOs at its own arrival times, "
                        f"against {100 * now:.0f}% now): switches nothing")
     said = f"{'+inf' if math.isinf(gain) else f'+{100 * gain:.1f}'}% goodput"
+    return _wanted(best, cur, gain, said, dwell_left, agreed, confirm, "goodput")
+
+
+def _overloaded_verdict(best: dict, cur: dict | None, rate: float, min_gain: float,
+                        dwell_left: float, agreed: int, confirm: int) -> Verdict:
+    """:func:`verdict` past every layout's goodput: the layouts ranked by the share of the
+    window each serves within the SLOs at its own arrival times."""
+    by = "attainment_live"
+    past = (f"the window's {rate:.3g} req/s is past every layout's goodput (the most "
+            f"{max(best['goodput_rps'], cur['goodput_rps'] if cur else 0.0):.3g}): ranked by "
+            "the share of the window served within the SLOs at its own times")
+    live = best["attainment_live"]
+    if cur is best:
+        return Verdict(best, cur, 0.0, False, f"stay: {best['layout']} is predicted best "
+                       f"({100 * live:.0f}%; {past})", by=by)
+    if live <= 0:
+        return Verdict(best, cur, 0.0, False, f"no layout serves any of the window within the "
+                       f"SLOs ({past}): switches nothing", by=by)
+    now = cur["attainment_live"] if cur is not None else 0.0
+    gain = live / now - 1 if now > 0 else math.inf
+    # a relative gain on a small share can be a request or two of the window: the points too
+    if gain < min_gain or live - now < min_gain:
+        return Verdict(best, cur, gain, False, f"{best['layout']} would serve {100 * live:.0f}% "
+                       f"of the window within the SLOs against {100 * now:.0f}% now, under "
+                       f"--min-gain {100 * min_gain:.0f}% more ({past}): switches nothing",
+                       by=by)
+    said = (f"{100 * live:.0f}% of the window within the SLOs against {100 * now:.0f}% now; "
+            f"{past}")
+    return _wanted(best, cur, gain, said, dwell_left, agreed, confirm, by)
+
+
+def _wanted(best: dict, cur: dict | None, gain: float, said: str, dwell_left: float,
+            agreed: int, confirm: int, by: str) -> Verdict:
+    """A switch every check wants: made now, or held by the dwell or by ``--confirm``."""
     if dwell_left > 0:
         return Verdict(best, cur, gain, False, f"the last switch was too recent: waits "
-                       f"{dwell_left:.0f}s more (--min-dwell)", wants=True)
+                       f"{dwell_left:.0f}s more (--min-dwell)", wants=True, by=by)
     if agreed + 1 < confirm:
         return Verdict(best, cur, gain, False, f"{best['layout']} predicted {said}: look "
                        f"{agreed + 1} of {confirm} in a row that must want it before a switch "
-                       "(--confirm)", wants=True)
+                       "(--confirm)", wants=True, by=by)
     return Verdict(best, cur, gain, True, f"switch to {best['layout']} (predicted {said})",
-                   wants=True)
+                   wants=True, by=by)
 
 
 class Streak:
@@ -386,12 +454,15 @@ def live_once(cfg, registry, say, fits: dict | None = None,
     dwell_left = cfg.min_dwell - (time.time() - float(last)) if last else 0.0
     now_name = cur.name if cur else "mixed"
     confirm = cfg.confirm if streak is not None else 1
-    agreed = streak.agreed(now_name, best_row(rows)["layout"]) if streak is not None else 0
-    v = verdict(rows, cur, cfg.min_gain, dwell_left, agreed, confirm)
+    rate = arrival_rate([r.at for r in reqs])
+    agreed = (streak.agreed(now_name, best_row(rows, rate)["layout"]) if streak is not None
+              else 0)
+    v = verdict(rows, cur, cfg.min_gain, dwell_left, agreed, confirm, rate)
     measured = served(rows_read, cfg.tune.search.ttft_slo, cfg.tune.search.tpot_slo)
     out = {"requests": len(reqs), "workers": roles, "current": now_name,
-           "attainment_measured": measured,
+           "attainment_measured": measured, "window_rps": rate,
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
+           "ranked_by": v.by,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
            "profile_unchecked": "" if profile.fingerprint else (
                "the profile records no model fingerprint (measured before Baton recorded "
@@ -443,6 +514,10 @@ def report(out: dict) -> str:
         if out.get("attainment_measured") is not None:  # beside the simulated "now"
             lines.append(f"measured now: {100 * out['attainment_measured']:.0f}% of the "
                          "window's finished requests met both SLOs")
+        if out.get("window_rps"):
+            ranked = ("past every layout's goodput: ranked by attain live"
+                      if out.get("ranked_by") == "attainment_live" else "ranked by goodput")
+            lines.append(f"the window arrived at {out['window_rps']:.3g} req/s; {ranked}")
         lines.append(f"recommended: {out['recommended']}; {out['validation']}")
         for key in ("profile_unchecked", "sampling_unmeasured"):
             if out.get(key):

@@ -13,6 +13,7 @@ import pytest
 from baton.control.sim import Layout
 from baton.control.tune_live import (
     Streak,
+    arrival_rate,
     assignment,
     best_row,
     current_layout,
@@ -123,6 +124,58 @@ def test_it_never_switches_to_a_layout_that_serves_the_live_window_worse():
     assert v.best["layout"] == "1P+1D" and math.isclose(v.gain, 1 / 3)  # still reported
     rows[0]["attainment_live"] = 0.94  # as good at the live times, better at higher rates
     assert verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0).act
+
+
+def test_past_every_layouts_goodput_it_ranks_by_the_share_served_at_the_windows_times():
+    """Shifting-load run 24 (2026-12-03 12:51): 0.7 req/s of 1,000-2,000-token prompts on
+    1P+1D, past what either layout sustains. The goodput search put both at 0.44-0.63 req/s
+    (gains 0% or inside its steps: no switch), while at the window's own arrival times
+    colocated served 32-58% of it within the SLOs and 1P+1D 9-52%; colocated held still met
+    the SLOs for 4x more of the run's requests. Past every goodput the share ranks."""
+    split, colo = Layout(1, 1), Layout(0, 2, colocated=True)
+    looks = [  # (1P+1D goodput, its share; colocated's) of the run's second and third looks
+        [{**ROWS[0], "goodput_rps": 0.438, "attainment_live": 0.52, "goodput_below_rps": 0.5},
+         {**ROWS[1], "goodput_rps": 0.5, "attainment_live": 0.58, "goodput_below_rps": 0.625}],
+        [{**ROWS[0], "goodput_rps": 0.5, "attainment_live": 0.11, "goodput_below_rps": 0.625},
+         {**ROWS[1], "goodput_rps": 0.5, "attainment_live": 0.32, "goodput_below_rps": 0.625}]]
+    # without the window's rate, goodput ranks: inside the steps, then a tie
+    assert "within the goodput search's steps" in verdict(looks[0], split, 0.05, 0.0).reason
+    assert "under --min-gain" in verdict(looks[1], split, 0.05, 0.0).reason
+    streak, said = Streak(), []
+    for rows in looks:
+        rate = 0.8  # past both goodputs
+        v = verdict(rows, split, 0.05, 0.0, streak.agreed(split.name,
+                    best_row(rows, rate)["layout"]), confirm=2, rate=rate)
+        streak.record(split.name, v, switched=v.act)
+        assert v.by == "attainment_live" and v.best["layout"] == "2 colocated"
+        said.append(v)
+    assert said[0].wants and not said[0].act and "look 1 of 2" in said[0].reason
+    assert v.act and v.reason.startswith("switch to 2 colocated")  # the second in a row
+    assert "32% of the window within the SLOs against 11% now" in v.reason
+    assert "0.8 req/s is past every layout's goodput" in v.reason
+    assert math.isclose(v.gain, 0.32 / 0.11 - 1)
+    # a rate under one layout's goodput: that layout sustains it, goodput ranks as before
+    under = verdict(looks[1], split, 0.05, 0.0, rate=0.45)
+    assert under.by == "goodput" and "under --min-gain" in under.reason
+    # from the layout that serves the most: it stays, and says why
+    stay = verdict(looks[1], colo, 0.05, 0.0, rate=0.8)
+    assert stay.reason.startswith("stay: 2 colocated is predicted best (32%")
+    # a relative gain of a few requests: 5% against 3% is +67%, but 2 points, under 5
+    few = [{**looks[1][0], "attainment_live": 0.03}, {**looks[1][1], "attainment_live": 0.05}]
+    assert not verdict(few, split, 0.05, 0.0, rate=0.8).act
+    # none of the window served by any layout: nothing to rank
+    zero = [{**r, "attainment_live": 0.0} for r in looks[1]]
+    assert "no layout serves any of the window" in verdict(zero, split, 0.05, 0.0,
+                                                           rate=0.8).reason
+    # a look without the live share (a caller of the goodput rows alone): goodput ranks
+    bare = [{k: v for k, v in r.items() if k != "attainment_live"} for r in looks[1]]
+    assert verdict(bare, split, 0.05, 0.0, rate=0.8).by == "goodput"
+
+
+def test_the_windows_arrival_rate():
+    assert arrival_rate([0.0, 1.0, 2.0, 4.0]) == 0.75  # three gaps in four seconds
+    assert arrival_rate([5.0]) is None and arrival_rate([]) is None
+    assert arrival_rate([3.0, 3.0]) is None  # all at one instant: no rate
 
 
 def test_it_never_switches_on_a_gain_inside_the_goodput_search_steps():
@@ -238,6 +291,10 @@ def test_the_report_puts_the_windows_measured_attainment_beside_the_simulated_on
     assert "100% (now)" in text
     assert "measured now: 25% of the window's finished requests met both SLOs" in text
     assert "measured now" not in report({**out, "attainment_measured": None})
+    assert "arrived at" not in text  # an older look's output, with no rate
+    past = report({**out, "window_rps": 0.8, "ranked_by": "attainment_live"})
+    assert "the window arrived at 0.8 req/s; past every layout's goodput: ranked by" in past
+    assert "ranked by goodput" in report({**out, "window_rps": 0.8, "ranked_by": "goodput"})
 
 
 def test_a_look_says_when_the_window_samples_with_filters_the_profile_has_no_cost_for():
