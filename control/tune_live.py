@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from baton.control.sim import Layout
+from baton.control.tune import arrival_rate, overloaded, ranked_best
 from baton.control.workload import lowest_failing
 
 LAST_APPLY = "baton:tune:last_apply"  # Redis: unix time of the last switch --apply made
@@ -100,33 +101,11 @@ class Verdict:
     by: str = "goodput"  # what ranked the layouts: "goodput", or "attainment_live" (overloaded)
 
 
-def arrival_rate(ats: list[float]) -> float | None:
-    """Requests per second between the first arrival and the last (None: fewer than two
-    arrivals, or all at one instant)."""
-    if len(ats) < 2 or max(ats) <= min(ats):
-        return None
-    return (len(ats) - 1) / (max(ats) - min(ats))
-
-
-def overloaded(rows: list[dict], rate: float | None) -> bool:
-    """Whether the window (arriving at ``rate``) is past every layout's goodput. There every
-    layout falls behind, and the goodputs (each the highest Poisson rate a layout serves at the
-    attainment target, all under the rate offered) no longer say which serves the window
-    better: shifting-load run 24 (2026-12-03) tied 1P+1D and colocated at 0.44-0.63 req/s
-    under 0.7-0.9 req/s of long prompts, while at the window's own times colocated served
-    32-48% of it within the SLOs and 1P+1D 9-11%."""
-    return (rate is not None and bool(rows)
-            and all(r.get("attainment_live") is not None and r["goodput_rps"] < rate
-                    for r in rows))
-
-
 def best_row(rows: list[dict], rate: float | None = None) -> dict:
     """The layout with the highest predicted goodput; past every layout's goodput
-    (:func:`overloaded`), the highest share of the window served within the SLOs at its own
-    arrival times. Ties: the higher goodput, then colocated."""
-    if overloaded(rows, rate):
-        return max(rows, key=lambda r: (r["attainment_live"], r["goodput_rps"], r["colocated"]))
-    return max(rows, key=lambda r: (r["goodput_rps"], r["colocated"]))
+    (:func:`~baton.control.tune.overloaded`), the highest share of the window served within
+    the SLOs at its own arrival times. Ties: the higher goodput, then colocated."""
+    return ranked_best(rows, rate, "attainment_live")
 
 
 def verdict(rows: list[dict], current: Layout | None, min_gain: float,
@@ -134,10 +113,11 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
             rate: float | None = None) -> Verdict:
     """The look's decision on the simulated ``rows``. ``agreed``: how many looks in a row before
     this one wanted the same switch (:class:`Streak`); it acts only at the ``confirm``-th.
-    ``rate``: the window's arrival rate (:func:`arrival_rate`; None: goodput ranks always)."""
+    ``rate``: the window's arrival rate (:func:`~baton.control.tune.arrival_rate`; None:
+    goodput ranks always)."""
     best = best_row(rows, rate)
     cur = next((r for r in rows if current is not None and r["layout"] == current.name), None)
-    if overloaded(rows, rate):
+    if overloaded(rows, rate, "attainment_live"):
         return _overloaded_verdict(best, cur, rate, min_gain, dwell_left, agreed, confirm)
     if cur is best:
         return Verdict(best, cur, 0.0, False, f"stay: {best['layout']} is predicted best")

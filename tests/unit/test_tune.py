@@ -316,6 +316,31 @@ def test_recommendation_prefers_colocated_on_a_tie():
     assert not math.isnan(rows[0]["goodput_rps"])
 
 
+def test_a_trace_past_every_configurations_goodput_is_said_with_what_serves_most_of_it():
+    """`baton tune` on a trace that arrives faster than any configuration sustains does not
+    recommend by goodput alone (each is under the trace's rate, and a tie says nothing): it
+    says so, and names the configuration the simulator has serving most of the trace within
+    the SLOs at its own times."""
+    from baton.control.tune import arrival_rate, recommend
+
+    rows = [{"layout": "1P+1D", "prefill": 1, "decode": 1, "colocated": False,
+             "goodput_rps": 0.5, "attainment_at_trace_rate": 0.11},
+            {"layout": "2 colocated", "prefill": 0, "decode": 2, "colocated": True,
+             "goodput_rps": 0.5, "attainment_at_trace_rate": 0.32}]
+    rows[0]["goodput_rps"] = 0.625  # goodput alone would run the split
+    assert "1 prefill + 1 decode" in recommend(rows)
+    assert "1 prefill + 1 decode" in recommend(rows, 0.6)  # 0.6/s: the split sustains it
+    past = recommend(rows, 0.8)
+    assert past.startswith("the trace's 0.8 req/s is past every configuration's goodput "
+                           "(the most 0.625)")
+    assert "2 colocated serves the most of it within them (32%)" in past
+    none = [{**r, "goodput_rps": 0.0} for r in rows]  # no rate at all: the SLOs are the advice
+    assert recommend(none, 0.8).startswith("no configuration meets the SLOs at any rate")
+    assert arrival_rate([0.0, 1.0, 2.0, 4.0]) == 0.75  # three gaps in four seconds
+    assert arrival_rate([5.0]) is None and arrival_rate([]) is None
+    assert arrival_rate([3.0, 3.0]) is None  # all at one instant: no rate
+
+
 @pytest.mark.slow  # ~14 s of measuring: the fast lane's largest single test
 def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_path):
     """`baton profile` on a tiny model, with real prefill and decode worker processes, a router

@@ -13,7 +13,6 @@ import pytest
 from baton.control.sim import Layout
 from baton.control.tune_live import (
     Streak,
-    arrival_rate,
     assignment,
     best_row,
     current_layout,
@@ -170,12 +169,6 @@ def test_past_every_layouts_goodput_it_ranks_by_the_share_served_at_the_windows_
     # a look without the live share (a caller of the goodput rows alone): goodput ranks
     bare = [{k: v for k, v in r.items() if k != "attainment_live"} for r in looks[1]]
     assert verdict(bare, split, 0.05, 0.0, rate=0.8).by == "goodput"
-
-
-def test_the_windows_arrival_rate():
-    assert arrival_rate([0.0, 1.0, 2.0, 4.0]) == 0.75  # three gaps in four seconds
-    assert arrival_rate([5.0]) is None and arrival_rate([]) is None
-    assert arrival_rate([3.0, 3.0]) is None  # all at one instant: no rate
 
 
 def test_it_never_switches_on_a_gain_inside_the_goodput_search_steps():
