@@ -118,7 +118,8 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
     best = best_row(rows, rate)
     cur = next((r for r in rows if current is not None and r["layout"] == current.name), None)
     if overloaded(rows, rate, "attainment_live"):
-        return _overloaded_verdict(best, cur, rate, min_gain, dwell_left, agreed, confirm)
+        top = max(r["goodput_rps"] for r in rows)
+        return _overloaded_verdict(best, cur, rate, top, min_gain, dwell_left, agreed, confirm)
     if cur is best:
         return Verdict(best, cur, 0.0, False, f"stay: {best['layout']} is predicted best")
     if best["goodput_rps"] <= 0:
@@ -150,14 +151,15 @@ def verdict(rows: list[dict], current: Layout | None, min_gain: float,
     return _wanted(best, cur, gain, said, dwell_left, agreed, confirm, "goodput")
 
 
-def _overloaded_verdict(best: dict, cur: dict | None, rate: float, min_gain: float,
-                        dwell_left: float, agreed: int, confirm: int) -> Verdict:
-    """:func:`verdict` past every layout's goodput: the layouts ranked by the share of the
-    window each serves within the SLOs at its own arrival times."""
+def _overloaded_verdict(best: dict, cur: dict | None, rate: float, top: float,
+                        min_gain: float, dwell_left: float, agreed: int,
+                        confirm: int) -> Verdict:
+    """:func:`verdict` past every layout's goodput (the highest ``top``): the layouts ranked by
+    the share of the window each serves within the SLOs at its own arrival times."""
     by = "attainment_live"
     past = (f"the window's {rate:.3g} req/s is past every layout's goodput (the most "
-            f"{max(best['goodput_rps'], cur['goodput_rps'] if cur else 0.0):.3g}): ranked by "
-            "the share of the window served within the SLOs at its own times")
+            f"{top:.3g}): ranked by the share of the window served within the SLOs at its own "
+            "times")
     live = best["attainment_live"]
     if cur is best:
         return Verdict(best, cur, 0.0, False, f"stay: {best['layout']} is predicted best "

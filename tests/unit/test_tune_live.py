@@ -162,6 +162,9 @@ def test_past_every_layouts_goodput_it_ranks_by_the_share_served_at_the_windows_
     # a relative gain of a few requests: 5% against 3% is +67%, but 2 points, under 5
     few = [{**looks[1][0], "attainment_live": 0.03}, {**looks[1][1], "attainment_live": 0.05}]
     assert not verdict(few, split, 0.05, 0.0, rate=0.8).act
+    # three layouts: the most goodput named is every layout's, not only the two compared
+    third = {**ROWS[0], "layout": "2P+1D", "goodput_rps": 0.7, "attainment_live": 0.05}
+    assert "(the most 0.7)" in verdict(looks[1] + [third], split, 0.05, 0.0, rate=0.8).reason
     # none of the window served by any layout: nothing to rank
     zero = [{**r, "attainment_live": 0.0} for r in looks[1]]
     assert "no layout serves any of the window" in verdict(zero, split, 0.05, 0.0,
