@@ -4,8 +4,30 @@ one fixture that starts clusters of real processes (tests/support/cluster.py).""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-from baton.cli.up import threads_each  # no torch
+# The repository's top-level folders are Baton's packages under the `baton.` prefix (kernels/ is
+# baton.kernels, engine/ baton.engine): at the front of sys.path (`python -m pytest` puts the
+# working directory there, pytest's default import mode the repository) they shadow PyPI
+# packages of the same names. transformers 5.25 imports the `kernels` package it depends on and
+# found ours: every test with a Hugging Face reference failed with "cannot import name
+# 'CUDAProperties' from 'kernels'". The repository goes to the back, where the `tests` package
+# is still found, and pytest appends rather than prepends (`--import-mode=append`,
+# pyproject.toml).
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _is_root(entry: str) -> bool:
+    try:
+        return Path(entry or ".").resolve() == _ROOT
+    except OSError:
+        return False
+
+
+sys.path[:] = [e for e in sys.path if not _is_root(e)] + [str(_ROOT)]
+
+from baton.cli.up import threads_each  # noqa: E402 (no torch)
 
 # The cores shared out among the pytest workers (`-n 2` on two cores: one torch thread each),
 # as `baton up` shares them among its workers, for this process and, through OMP_NUM_THREADS,
