@@ -324,11 +324,10 @@ def test_a_trace_past_every_configurations_goodput_is_said_with_what_serves_most
     from baton.control.tune import arrival_rate, recommend
 
     rows = [{"layout": "1P+1D", "prefill": 1, "decode": 1, "colocated": False,
-             "goodput_rps": 0.5, "attainment_at_trace_rate": 0.11},
+             "goodput_rps": 0.625, "attainment_at_trace_rate": 0.11},
             {"layout": "2 colocated", "prefill": 0, "decode": 2, "colocated": True,
              "goodput_rps": 0.5, "attainment_at_trace_rate": 0.32}]
-    rows[0]["goodput_rps"] = 0.625  # goodput alone would run the split
-    assert "1 prefill + 1 decode" in recommend(rows)
+    assert "1 prefill + 1 decode" in recommend(rows)  # goodput alone runs the split
     assert "1 prefill + 1 decode" in recommend(rows, 0.6)  # 0.6/s: the split sustains it
     past = recommend(rows, 0.8)
     assert past.startswith("the trace's 0.8 req/s is past every configuration's goodput "
