@@ -185,16 +185,21 @@ def overloaded(rows: list[dict], rate: float | None, key: str) -> bool:
             and all(r.get(key) is not None and r["goodput_rps"] < rate for r in rows))
 
 
-def ranked_best(rows: list[dict], rate: float | None, key: str) -> dict:
-    """The layout with the highest goodput; past every layout's (:func:`overloaded`), the
-    highest share ``key``. Ties: the higher goodput, then colocated."""
-    if overloaded(rows, rate, key):
-        return max(rows, key=lambda r: (r[key], r["goodput_rps"], r["colocated"]))
+def most_goodput(rows: list[dict]) -> dict:
+    """The layout with the highest goodput; ties: colocated."""
     return max(rows, key=lambda r: (r["goodput_rps"], r["colocated"]))
 
 
+def ranked_best(rows: list[dict], rate: float | None, key: str) -> dict:
+    """:func:`most_goodput`; past every layout's goodput (:func:`overloaded`), the highest
+    share ``key``, ties going to the higher goodput, then colocated."""
+    if overloaded(rows, rate, key):
+        return max(rows, key=lambda r: (r[key], r["goodput_rps"], r["colocated"]))
+    return most_goodput(rows)
+
+
 def recommend(rows: list[dict], trace_rate: float | None = None) -> str:
-    best = ranked_best(rows, None, "")  # ties: colocated
+    best = most_goodput(rows)
     if best["goodput_rps"] > 0 and overloaded(rows, trace_rate, "attainment_at_trace_rate"):
         most = ranked_best(rows, trace_rate, "attainment_at_trace_rate")
         return (f"the trace's {trace_rate:.3g} req/s is past every configuration's goodput "
