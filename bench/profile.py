@@ -916,6 +916,10 @@ def cmd_profile(a) -> int:
     if a.serving and not a.check:
         print("error: --serving checks a profile: pass --check PROFILE", file=sys.stderr)
         return 2
+    if a.check and a.out and not a.serving:
+        print("error: --check --out writes the profile scaled by the serving factors measured "
+              "now: pass --serving too", file=sys.stderr)
+        return 2
     if a.check:
         try:
             p = Profile.load(a.check)
@@ -934,6 +938,15 @@ def cmd_profile(a) -> int:
         if a.serving:
             out["serving"] = serving_probe(p, cores, say)
         print(json.dumps(out))
+        if a.out:
+            from baton.control.calibrate import checked
+
+            s = out["serving"]
+            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            path = checked(p, s, at, str(a.check)).save(a.out)
+            say(f"wrote {path}: {a.check} with its decode factors x{s['decode_ratio']:.3f} and "
+                f"its prefill factors x{s['prefill_ratio']:.3f}, as the serving check found "
+                "this machine")
         return 0
     p = run_profile(a.model, a.dtype, cores, a.repeats, not a.no_handoff, say,
                     not a.idle_neighbors, device, a.tensor_parallel_size, a.threads)
@@ -985,4 +998,7 @@ def add_profile_args(ap) -> None:
                          "engine's speed holds (~2 min more on a 2-vCPU VM)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "
-                         "~/.cache/baton/profile.json)")
+                         "~/.cache/baton/profile.json); with --check PROFILE --serving: write "
+                         "PROFILE there with its serving factors scaled as the check found "
+                         "this machine (2 minutes where measuring again takes 20; the check is "
+                         "kept in its `checked`)")

@@ -116,13 +116,14 @@ def main() -> None:
             plain = ev.with_profile(replace(profile, sampling={})).goodput(layout)[0]
             predicted[name]["goodput_rps_greedy_cost"] = plain
             say(f"  ({plain:.3g} req/s with the sampled tokens at greedy's cost)")
-    measured, speed = {}, {}
+    measured, speed, checked = {}, {}, {}
     if not a.skip_measure:
         # the machine's speed against the profile's, before and after: a drift is the
         # machine's, not the simulator's error
         speed["before"] = speed_probe(profile, [0, 1], say=say)
         if a.serving_check:  # the serving overheads too: they move while the engine's hold
             speed["before"]["serving"] = serving_probe(profile, [0, 1], say=say)
+            checked = predict_checked(ev, profile, speed["before"]["serving"], say)
         say("measuring both setups with `baton bench compare` ...")
         for res in run_compare(ca) or []:
             measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
@@ -138,11 +139,29 @@ def main() -> None:
                   for name, m in measured.items()}
     for m in measured.values():
         del m["runs"]
-    result = {**report(a, profile, flags, predicted, measured), "machine_speed": speed,
-              "calibrated": calibrated}
+    result = {**report(a, profile, flags, predicted, measured, checked),
+              "machine_speed": speed, "checked": checked, "calibrated": calibrated}
     if calibrated:
         print_calibrated(calibrated, measured)
     print(f"wrote {write_result('tune-validation', result)}")
+
+
+def predict_checked(ev, profile, serving: dict, say) -> dict:
+    """Both setups' goodput with the profile scaled by the serving check taken just before
+    measuring (:func:`baton.control.calibrate.checked`): what `baton tune` predicts after
+    `baton profile --check PROFILE --serving --out NEW`, from nothing measured on the trace."""
+    from baton.control.calibrate import checked
+
+    cev = ev.with_profile(checked(profile, serving, time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                  time.gmtime()),
+                                  "the serving check before measuring"))
+    out = {}
+    for name, layout in LAYOUTS.items():
+        goodput, points = cev.goodput(layout)
+        out[name] = {"layout": layout.name, "goodput_rps": goodput, "points": points}
+        say(f"predicted {layout.name} with the profile scaled by the serving check: goodput "
+            f"{goodput:.3g} req/s")
+    return out
 
 
 def calibration_run(runs: list[dict], attainment: float) -> dict | None:
@@ -210,10 +229,14 @@ def configs(a, profile, slice_args: list[str]):
     return ca, Evaluator(profile, load_trace(tc.slice), tc.search, tc.knobs)
 
 
-def report(a, profile, slice_args, predicted: dict, measured: dict) -> dict:
-    """Predicted against measured goodput per setup, and the winners; printed, and returned."""
+def report(a, profile, slice_args, predicted: dict, measured: dict,
+           checked: dict | None = None) -> dict:
+    """Predicted against measured goodput per setup, and the winners; printed, and returned.
+    ``checked``: the predictions with the profile scaled by the serving check
+    (:func:`predict_checked`; a column of their own)."""
     from baton.control.profile import CostModel
 
+    checked = checked or {}
     rows = []
     for name, pred in predicted.items():
         m = measured.get(name, {}).get("goodput_rps")
@@ -221,14 +244,25 @@ def report(a, profile, slice_args, predicted: dict, measured: dict) -> dict:
         rows.append({"setup": name, "layout": pred["layout"], "predicted_rps": pred["goodput_rps"],
                      "measured_rps": m, "error": err,
                      "within_20pct": None if err is None else abs(err) <= 0.2})
+        if name in checked:
+            c = checked[name]["goodput_rps"]
+            rows[-1].update(checked_rps=c, checked_error=(c - m) / m if m else None)
     winner = {k: max(rows, key=lambda r: r[k] or 0)["setup"] if all(r[k] is not None
                                                                       for r in rows) else None
               for k in ("predicted_rps", "measured_rps")}
-    print(f"\n{'setup':<22} {'predicted':>10} {'measured':>10} {'error':>7}")
+    print(f"\n{'setup':<22} {'predicted':>10} {'measured':>10} {'error':>7}"
+          + (f" {'checked':>8} {'error':>7}" if checked else ""))
     for r in rows:
         m = "-" if r["measured_rps"] is None else f"{r['measured_rps']:.3g}"
         e = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
-        print(f"{r['setup']:<22} {r['predicted_rps']:>10.3g} {m:>10} {e:>7}")
+        c = ""
+        if "checked_rps" in r:
+            ce = r["checked_error"]
+            c = f" {r['checked_rps']:>8.3g} {'-' if ce is None else f'{100 * ce:+.0f}%':>7}"
+        print(f"{r['setup']:<22} {r['predicted_rps']:>10.3g} {m:>10} {e:>7}{c}")
+    if checked:
+        print("checked: predicted with the profile scaled by the serving check before "
+              "measuring (`baton profile --check PROFILE --serving --out NEW`)")
     print(f"winner: predicted {winner['predicted_rps']}, measured {winner['measured_rps']}")
     for name, m in measured.items():
         pairs = m["simulated_at_measured_rates"]

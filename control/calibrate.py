@@ -158,6 +158,22 @@ def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
                    prefill_stream_factor=p.prefill_stream_factor * kp)
 
 
+def checked(p: Profile, serving: dict, at: str, source: str) -> Profile:
+    """``p`` as a serving check (`baton profile --check --serving`,
+    :func:`baton.bench.profile.serving_probe`) found the machine: the decode factors scaled by
+    its ``decode_ratio`` and the prefill factors by its ``prefill_ratio`` (as :func:`scaled`
+    scales them for a fit on the remote path), the check kept in ``checked``. A shared VM's
+    serving speed moves by tens of percent in hours; two minutes of checking bring a profile
+    back to it, where measuring it again takes twenty."""
+    kd, kp = float(serving["decode_ratio"]), float(serving["prefill_ratio"])
+    if not (kd > 0 and kp > 0 and math.isfinite(kd) and math.isfinite(kp)):
+        raise ValueError(f"a serving check's ratios must be positive: decode {kd}, "
+                         f"prefill {kp}")
+    return replace(scaled(p, kd, kp, None),
+                   checked=[*p.checked, {"at": at, "source": source, "decode_ratio": kd,
+                                         "prefill_ratio": kp}])
+
+
 def _means(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:
     """(measured, simulated) trimmed means: each side's middle 80%."""
     if len(pairs) < MIN_SAMPLES:

@@ -191,6 +191,9 @@ class Profile:
     # seconds a sampled row adds to a step, per sampler filter (:data:`SAMPLING`); {} in a
     # profile from before they were measured: sampled requests simulated at greedy's cost
     sampling: dict = field(default_factory=dict)
+    # the serving checks this profile was scaled by (`baton profile --check FILE --serving
+    # --out NEW`), oldest first: {at, source, decode_ratio, prefill_ratio}; [] as measured
+    checked: list[dict] = field(default_factory=list)
     version: int = VERSION
 
     @property

@@ -371,3 +371,53 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
         assert serving["error_now"] == pytest.approx(slower[name] - 1.0)
     run.write_text(json.dumps(stored))
     assert again(run, speed_fits) == []
+
+
+def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
+    """`baton profile --check P --serving --out NEW`'s profile (calibrate.checked): the decode
+    factors scaled by the check's decode ratio and the prefill factors by its prefill ratio,
+    as a fit on the remote path scales them; every check kept, oldest first, through a save
+    and a load; a ratio that is not a positive number refused."""
+    from baton.control.calibrate import checked
+    from baton.control.calibrate import scaled as scaled_as_a_fit
+    from baton.control.profile import Profile
+
+    p = make_profile(attn_decode=2e-6, per_seq=5e-4)
+    once = checked(p, {"decode_ratio": 1.2, "prefill_ratio": 0.9}, "t1", "p.json")
+    assert once == dataclasses.replace(scaled_as_a_fit(p, 1.2, 0.9, "remote"), checked=once.checked)
+    assert once.serving_factor == pytest.approx(1.2 * p.serving_factor)
+    assert once.prefill_factor == pytest.approx(0.9 * p.prefill_factor)
+    assert p.checked == []
+    twice = Profile.load(checked(once, {"decode_ratio": 0.5, "prefill_ratio": 2.0}, "t2",
+                                 "once.json").save(tmp_path / "twice.json"))
+    assert twice.serving_factor == pytest.approx(0.6 * p.serving_factor)
+    assert twice.prefill_factor == pytest.approx(1.8 * p.prefill_factor)
+    assert [(c["at"], c["source"]) for c in twice.checked] == [("t1", "p.json"),
+                                                                ("t2", "once.json")]
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive"):
+            checked(p, {"decode_ratio": bad, "prefill_ratio": 1.0}, "t", "p.json")
+
+
+def test_a_validation_predicts_with_the_serving_check_beside_the_profile(tmp_path, capsys):
+    """bench/tune_validation.py --serving-check: both setups predicted again with the profile
+    scaled by the check taken before measuring (a check 1.5x slower predicts what the profile
+    scaled by hand predicts, less than the profile as measured), and the report gives that
+    column beside the measured goodput with its own error."""
+    from baton.bench.tune_validation import LAYOUTS, predict_checked, report
+    from baton.control.calibrate import scaled as scaled_as_a_fit
+
+    a, p, ev = validation_slice(tmp_path, seed=7)
+    predicted = {name: {"layout": layout.name, "goodput_rps": ev.goodput(layout)[0]}
+                 for name, layout in LAYOUTS.items()}
+    got = predict_checked(ev, p, {"decode_ratio": 1.5, "prefill_ratio": 1.5}, lambda _: None)
+    for name, layout in LAYOUTS.items():
+        by_hand = ev.with_profile(scaled_as_a_fit(p, 1.5, 1.5, "remote")).goodput(layout)[0]
+        assert got[name]["goodput_rps"] == by_hand < predicted[name]["goodput_rps"]
+    measured = {name: {"goodput_rps": 1.0, "simulated_at_measured_rates": []}
+                for name in LAYOUTS}
+    rows = {r["setup"]: r for r in report(a, p, [], predicted, measured, got)["rows"]}
+    for name in LAYOUTS:
+        assert rows[name]["checked_rps"] == got[name]["goodput_rps"]
+        assert rows[name]["checked_error"] == pytest.approx(got[name]["goodput_rps"] - 1.0)
+    assert "profile scaled by the serving check" in capsys.readouterr().out

@@ -249,6 +249,12 @@ def test_baton_profile_check_refuses_another_device_and_a_missing_file(tmp_path,
     # profile measured without workers
     assert cmd_profile(ap.parse_args(["--serving", "--device", "cpu"])) == 2
     assert "pass --check PROFILE" in capsys.readouterr().err
+    # --check --out writes the profile scaled by the serving check: --serving it needs
+    assert cmd_profile(ap.parse_args(["--check", str(make_profile().save(tmp_path / "p.json")),
+                                      "--out", str(tmp_path / "now.json"),
+                                      "--device", "cpu"])) == 2
+    assert "pass --serving too" in capsys.readouterr().err
+    assert not (tmp_path / "now.json").exists()
     bare = dataclasses.replace(make_profile(), served=[], served_prefill=[])
     assert cmd_profile(ap.parse_args(["--check", str(bare.save(tmp_path / "bare.json")),
                                       "--serving", "--device", "cpu"])) == 2
@@ -444,10 +450,12 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert "machine speed against the profile" in check.stderr
     assert (tmp_path / "p.json").read_bytes() == before
     # with --serving, the serving factors again on real workers, against the profile's: the
-    # profile's own, computed as the profile computed them
+    # profile's own, computed as the profile computed them; with --out, the profile scaled by
+    # them is written there, and the profile checked is left as it was
     check = subprocess.run(
         [sys.executable, "-m", "baton.cli.main", "profile", "--check", str(tmp_path / "p.json"),
-         "--repeats", "1", "--serving"], capture_output=True, text=True, timeout=300)
+         "--repeats", "1", "--serving", "--out", str(tmp_path / "now.json")],
+        capture_output=True, text=True, timeout=300)
     assert check.returncode == 0, check.stderr
     serving = json.loads(check.stdout.splitlines()[-1])["serving"]
     assert serving["decode_factor_profile"] == pytest.approx(p.serving_factor)
@@ -460,6 +468,13 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
         serving["prefill_factor"] / serving["prefill_factor_profile"])
     assert "serving factors against the profile's" in check.stderr
     assert (tmp_path / "p.json").read_bytes() == before
+    now = Profile.load(tmp_path / "now.json")
+    assert now.serving_factor == pytest.approx(p.serving_factor * serving["decode_ratio"])
+    assert now.prefill_factor == pytest.approx(p.prefill_factor * serving["prefill_ratio"])
+    assert now.prefill == p.prefill and now.fingerprint == p.fingerprint
+    assert [(c["source"], c["decode_ratio"], c["prefill_ratio"]) for c in now.checked] == [
+        (str(tmp_path / "p.json"), serving["decode_ratio"], serving["prefill_ratio"])]
+    assert f"wrote {tmp_path / 'now.json'}" in check.stderr
 
 
 def test_the_measuring_workers_pool_holds_the_grid_beside_the_busy_clients_hand_offs():
