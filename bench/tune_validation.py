@@ -3,7 +3,9 @@ engine, predict the goodput of 1 prefill + 1 decode and of 2 colocated workers f
 then measure both with `baton bench compare` on the same slice (same lengths, same Poisson
 arrivals, same goodput search). Before and after measuring, the profile's largest prefill step
 and a decode step are timed again (`machine_speed`: the machine's drift from its profile; with
-`--serving-check`, the serving factors too, before measuring). Then, as `baton tune --live`
+`--serving-check`, the serving factors too, before measuring, and both setups predicted again
+with the profile scaled by them, `checked`: what `baton profile --check --serving --out` gives
+`baton tune`). Then, as `baton tune --live`
 would, the profile calibrated on each setup's measured requests at one rate (the highest it
 served at the target attainment; control/calibrate.py) and both setups' goodput predicted
 with it (`calibrated`): what the live tuner, watching one layout, predicts for the other. The
