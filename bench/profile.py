@@ -834,6 +834,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
          p.served_decoding) = measure_workers(
             model, dtype, cores, repeats, say, engine_len, vocab, device, tp, threads)
         _serving_factors(p, say)
+    p.measured_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     weights = tier_weights(p)
     if weights:
         say("KV tier weights for the router (the share of a block's prefill time a load saves): "

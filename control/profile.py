@@ -91,8 +91,10 @@ other workers prefilling) and ``serving_factor_decoding`` (decoding) by their bu
 from __future__ import annotations
 
 import bisect
+import calendar
 import json
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -194,7 +196,30 @@ class Profile:
     # the serving checks this profile was scaled by (`baton profile --check FILE --serving
     # --out NEW`), oldest first: {at, source, decode_ratio, prefill_ratio}; [] as measured
     checked: list[dict] = field(default_factory=list)
+    # when `baton profile` finished measuring it (UTC, ISO 8601); "" in a profile from before
+    # that was recorded
+    measured_at: str = ""
     version: int = VERSION
+
+    def age(self, now: float | None = None) -> str:
+        """When it was measured and when a serving check last scaled it, with how long ago
+        (`baton tune` says it: a shared VM's speed drifts by tens of percent within hours)."""
+        def ago(stamp: str) -> str:
+            try:
+                t = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+            except ValueError:
+                return stamp
+            h = ((time.time() if now is None else now) - t) / 3600
+            return f"{stamp}, {h:.1f} h ago" if h < 48 else f"{stamp}, {h / 24:.0f} days ago"
+
+        said = f"measured {ago(self.measured_at)}" if self.measured_at else \
+            "measured at a time it does not record"
+        if self.checked:
+            c = self.checked[-1]
+            return (f"{said}; scaled by a serving check {ago(c['at'])} (decode "
+                    f"x{c['decode_ratio']:.3f}, prefill x{c['prefill_ratio']:.3f})")
+        return (f"{said}; `baton profile --check FILE --serving --out NEW` brings it to this "
+                "machine's speed now in ~2 minutes")
 
     @property
     def processor(self) -> str:

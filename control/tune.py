@@ -386,7 +386,7 @@ def tune(cfg: TuneConfig) -> int:
     t0 = time.monotonic()
     own = profile.tensor_parallel_size
     print(f"[baton tune] costs measured on {profile.device} ({profile.dtype}, "
-          f"TP {sorted(by_tp)})", file=sys.stderr)
+          f"TP {sorted(by_tp)}); the profile {profile.age()}", file=sys.stderr)
     for layout in layouts(cfg.workers, cfg.prefill_tp or own, cfg.decode_tp or own):
         goodput, points = ev.goodput(layout)
         rows.append({"layout": layout.name, "prefill": layout.prefill, "decode": layout.decode,

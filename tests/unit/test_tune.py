@@ -347,6 +347,24 @@ def test_a_trace_past_every_configurations_goodput_is_said_with_what_serves_most
 
 
 @pytest.mark.slow  # ~14 s of measuring: the fast lane's largest single test
+def test_a_profile_says_when_it_was_measured_and_checked():
+    """What `baton tune` prints of its profile: when it was measured and how long ago, and the
+    last serving check that scaled it, or the command that would; a profile from before the
+    time was recorded says so."""
+    p = dataclasses.replace(make_profile(), measured_at="2026-12-03T12:00:00Z")
+    noon = 1_796_299_200.0  # 2026-12-03 12:00:00 UTC
+    assert p.age(now=noon + 5400) == (
+        "measured 2026-12-03T12:00:00Z, 1.5 h ago; `baton profile --check FILE --serving "
+        "--out NEW` brings it to this machine's speed now in ~2 minutes")
+    p.checked = [{"at": "2026-12-03T13:00:00Z", "source": "p.json", "decode_ratio": 1.31,
+                  "prefill_ratio": 0.9}]
+    assert p.age(now=noon + 5400) == (
+        "measured 2026-12-03T12:00:00Z, 1.5 h ago; scaled by a serving check "
+        "2026-12-03T13:00:00Z, 0.5 h ago (decode x1.310, prefill x0.900)")
+    assert p.age(now=noon + 3 * 86400).startswith("measured 2026-12-03T12:00:00Z, 3 days ago")
+    assert make_profile().age().startswith("measured at a time it does not record; ")
+
+
 def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_path):
     """`baton profile` on a tiny model, with real prefill and decode worker processes, a router
     and redis-server for the hand-off and serving measurements: every table is filled (as far
@@ -362,6 +380,7 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     others = sorted(os.sched_getaffinity(0))[1:2]
     assert p.neighbors == others  # measured beside a busy engine wherever there is a core for it
     assert (p.device, p.tensor_parallel_size) == ("cpu", 1)  # --device auto: no GPU here
+    assert p.age().startswith(f"measured {p.measured_at}, 0.") and p.checked == []
     # the model as the workers register it, for the live tuner to check theirs against
     from baton.engine.loader import load_model
 
