@@ -537,6 +537,8 @@ def run_live(cfg) -> int:
 
     if cfg.nice:  # the workers' CPU first: a look waits for what they leave
         os.nice(cfg.nice)
+    for tp, profile in sorted(cfg.profiles.items()):  # the calibration moves from there
+        say(f"the profile of TP {tp} {profile.age()}")
     fits: dict = {}  # the calibration's fits, carried from look to look
     streak = Streak() if cfg.every else None  # --confirm counts repeated looks only
     while True:
