@@ -346,7 +346,6 @@ def test_a_trace_past_every_configurations_goodput_is_said_with_what_serves_most
     assert arrival_rate([3.0, 3.0]) is None  # all at one instant: no rate
 
 
-@pytest.mark.slow  # ~14 s of measuring: the fast lane's largest single test
 def test_a_profile_says_when_it_was_measured_and_checked():
     """What `baton tune` prints of its profile: when it was measured and how long ago, and the
     last serving check that scaled it, or the command that would; a profile from before the
@@ -365,6 +364,7 @@ def test_a_profile_says_when_it_was_measured_and_checked():
     assert make_profile().age().startswith("measured at a time it does not record; ")
 
 
+@pytest.mark.slow  # ~14 s of measuring: the fast lane's largest single test
 def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_path):
     """`baton profile` on a tiny model, with real prefill and decode worker processes, a router
     and redis-server for the hand-off and serving measurements: every table is filled (as far
