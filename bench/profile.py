@@ -45,6 +45,7 @@ from baton.control.profile import (
     prefill_throughput_factor,
     prefill_windows,
     tier_weights,
+    utc_stamp,
 )
 
 
@@ -834,7 +835,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
          p.served_decoding) = measure_workers(
             model, dtype, cores, repeats, say, engine_len, vocab, device, tp, threads)
         _serving_factors(p, say)
-    p.measured_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    p.measured_at = utc_stamp()
     weights = tier_weights(p)
     if weights:
         say("KV tier weights for the router (the share of a block's prefill time a load saves): "
@@ -943,8 +944,7 @@ def cmd_profile(a) -> int:
             from baton.control.calibrate import checked
 
             s = out["serving"]
-            at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            path = checked(p, s, at, str(a.check)).save(a.out)
+            path = checked(p, s, str(a.check)).save(a.out)
             say(f"wrote {path}: {a.check} with its decode factors x{s['decode_ratio']:.3f} and "
                 f"its prefill factors x{s['prefill_ratio']:.3f}, as the serving check found "
                 "this machine")

@@ -154,15 +154,19 @@ def predict_checked(ev, profile, serving: dict, say) -> dict:
     `baton profile --check PROFILE --serving --out NEW`, from nothing measured on the trace."""
     from baton.control.calibrate import checked
 
-    cev = ev.with_profile(checked(profile, serving, time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                  time.gmtime()),
-                                  "the serving check before measuring"))
+    return predict_each(ev.with_profile(checked(profile, serving, "the serving check before "
+                                                "measuring")), LAYOUTS, say,
+                        "with the profile scaled by the serving check")
+
+
+def predict_each(ev, layouts: dict, say, how: str) -> dict:
+    """Every setup's simulated goodput on ``ev`` ({name: {layout, goodput_rps, points}}),
+    each said as predicted ``how``."""
     out = {}
-    for name, layout in LAYOUTS.items():
-        goodput, points = cev.goodput(layout)
+    for name, layout in layouts.items():
+        goodput, points = ev.goodput(layout)
         out[name] = {"layout": layout.name, "goodput_rps": goodput, "points": points}
-        say(f"predicted {layout.name} with the profile scaled by the serving check: goodput "
-            f"{goodput:.3g} req/s")
+        say(f"  predicted {layout.name} {how}: goodput {goodput:.3g} req/s")
     return out
 
 
@@ -190,14 +194,8 @@ def calibrated_predictions(ev, layouts: dict, name: str, runs: list[dict], say) 
     observed = [None if o is None else Observed(o[0], o[1], o[2]) for o in run["observed"]]
     cal = calibrate(ev.p, layouts[name], shape(reqs, ev.keys), observed, ev.knobs)
     say(f"calibrated on {name} at {run['rate']:.3g} req/s: {cal.line()}")
-    out = {"rate": run["rate"], "attainment": run["attainment"], **cal.summary(),
-           "predicted": {}}
-    cev = ev.with_profile(cal.profile)
-    for other, layout in layouts.items():
-        goodput, points = cev.goodput(layout)
-        out["predicted"][other] = {"goodput_rps": goodput, "points": points}
-        say(f"  predicted {layout.name} with it: goodput {goodput:.3g} req/s")
-    return out
+    return {"rate": run["rate"], "attainment": run["attainment"], **cal.summary(),
+            "predicted": predict_each(ev.with_profile(cal.profile), layouts, say, "with it")}
 
 
 def print_calibrated(calibrated: dict, measured: dict) -> None:

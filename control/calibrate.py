@@ -40,7 +40,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from baton.control.profile import Profile
+from baton.control.profile import Profile, utc_stamp
 from baton.control.sim import Knobs, Layout, simulate
 
 MIN_SAMPLES = 10  # requests per mean: fewer leave that factor as the profile has it
@@ -158,20 +158,20 @@ def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
                    prefill_stream_factor=p.prefill_stream_factor * kp)
 
 
-def checked(p: Profile, serving: dict, at: str, source: str) -> Profile:
+def checked(p: Profile, serving: dict, source: str, at: str | None = None) -> Profile:
     """``p`` as a serving check (`baton profile --check --serving`,
     :func:`baton.bench.profile.serving_probe`) found the machine: the decode factors scaled by
     its ``decode_ratio`` and the prefill factors by its ``prefill_ratio`` (as :func:`scaled`
     scales them for a fit on the remote path), the check kept in ``checked``. A shared VM's
     serving speed moves by tens of percent in hours; two minutes of checking bring a profile
-    back to it, where measuring it again takes twenty."""
+    back to it, where measuring it again takes twenty. ``at``: when (default now)."""
     kd, kp = float(serving["decode_ratio"]), float(serving["prefill_ratio"])
     if not (kd > 0 and kp > 0 and math.isfinite(kd) and math.isfinite(kp)):
         raise ValueError(f"a serving check's ratios must be positive: decode {kd}, "
                          f"prefill {kp}")
     return replace(scaled(p, kd, kp, None),
-                   checked=[*p.checked, {"at": at, "source": source, "decode_ratio": kd,
-                                         "prefill_ratio": kp}])
+                   checked=[*p.checked, {"at": at or utc_stamp(), "source": source,
+                                         "decode_ratio": kd, "prefill_ratio": kp}])
 
 
 def _means(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:

@@ -145,6 +145,14 @@ SAMPLING_BATCH = 16
 SAMPLING_CONTEXT = 128
 
 
+STAMP = "%Y-%m-%dT%H:%M:%SZ"  # UTC, ISO 8601: `measured_at`, and each check's `at`
+
+
+def utc_stamp() -> str:
+    """Now, as :data:`STAMP` writes it."""
+    return time.strftime(STAMP, time.gmtime())
+
+
 @dataclass
 class Profile:
     """Measured costs of one engine configuration on one machine (seconds, bytes)."""
@@ -206,7 +214,7 @@ class Profile:
         (`baton tune` says it: a shared VM's speed drifts by tens of percent within hours)."""
         def ago(stamp: str) -> str:
             try:
-                t = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+                t = calendar.timegm(time.strptime(stamp, STAMP))
             except ValueError:
                 return stamp
             h = ((time.time() if now is None else now) - t) / 3600

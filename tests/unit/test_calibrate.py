@@ -383,20 +383,20 @@ def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
     from baton.control.profile import Profile
 
     p = make_profile(attn_decode=2e-6, per_seq=5e-4)
-    once = checked(p, {"decode_ratio": 1.2, "prefill_ratio": 0.9}, "t1", "p.json")
+    once = checked(p, {"decode_ratio": 1.2, "prefill_ratio": 0.9}, "p.json", "t1")
     assert once == dataclasses.replace(scaled_as_a_fit(p, 1.2, 0.9, "remote"), checked=once.checked)
     assert once.serving_factor == pytest.approx(1.2 * p.serving_factor)
     assert once.prefill_factor == pytest.approx(0.9 * p.prefill_factor)
     assert p.checked == []
-    twice = Profile.load(checked(once, {"decode_ratio": 0.5, "prefill_ratio": 2.0}, "t2",
-                                 "once.json").save(tmp_path / "twice.json"))
+    twice = Profile.load(checked(once, {"decode_ratio": 0.5, "prefill_ratio": 2.0},
+                                 "once.json", "t2").save(tmp_path / "twice.json"))
     assert twice.serving_factor == pytest.approx(0.6 * p.serving_factor)
     assert twice.prefill_factor == pytest.approx(1.8 * p.prefill_factor)
     assert [(c["at"], c["source"]) for c in twice.checked] == [("t1", "p.json"),
                                                                 ("t2", "once.json")]
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="positive"):
-            checked(p, {"decode_ratio": bad, "prefill_ratio": 1.0}, "t", "p.json")
+            checked(p, {"decode_ratio": bad, "prefill_ratio": 1.0}, "p.json", "t")
 
 
 def test_a_validation_predicts_with_the_serving_check_beside_the_profile(tmp_path, capsys):
