@@ -421,3 +421,47 @@ def test_a_validation_predicts_with_the_serving_check_beside_the_profile(tmp_pat
         assert rows[name]["checked_rps"] == got[name]["goodput_rps"]
         assert rows[name]["checked_error"] == pytest.approx(got[name]["goodput_rps"] - 1.0)
     assert "profile scaled by the serving check" in capsys.readouterr().out
+
+
+def test_a_validation_run_is_read_draw_by_draw(tmp_path):
+    """bench/validation_draws.py: a stored two-draw run whose log (rates rounded as the run
+    prints them) gives every draw's attainment as the simulator does, less 4 points on the
+    second: the difference is found draw by draw (mean -2, spread as the draws give it), every
+    rate maps to the run's own, and the two draws together give the goodput the simulator's
+    search finds where the measured search visited the rates it needs."""
+    import json
+
+    from baton.bench.tune_validation import LAYOUTS
+    from baton.bench.validation_draws import by_draw, measured_draws
+
+    a, p, ev = validation_slice(tmp_path, seed=7)
+    a.draws = 2
+    ev.search = dataclasses.replace(ev.search, draws=2)
+    layout = LAYOUTS["baton-colocated"]
+    predicted, points = ev.goodput(layout)  # the rates the search visits, both draws
+    lines = []
+    for rate, _ in points:
+        for k in (1, 2):
+            # draw k arrives as the run drew it: seed + k - 1
+            done = simulate(layout, p, shape(poisson(ev.reqs, rate, ev.search.seed + k - 1),
+                                             ev.keys))
+            att = attainment(done, a.ttft_slo, a.tpot_slo) - (0.04 if k == 2 else 0.0)
+            lines.append(f"  baton-colocated {rate:.3g} req/s, draw {k}/2: 30/30 ok, "
+                         f"attainment {round(100 * att)}%, TTFT p90 1 ms")
+    run = tmp_path / "tune-validation-x.json"
+    run.write_text(json.dumps({"args": {**vars(a), "draws": 2},
+                               "profile": dataclasses.asdict(p),
+                               "measured": {"baton-colocated": {"points": points}}}))
+    run.with_suffix(".log").write_text("\n".join(["== baton-colocated", *lines]) + "\n")
+    table = measured_draws(run.with_suffix(".log").read_text(),
+                           {"baton-colocated": [r for r, _ in points]})
+    assert sorted(table["baton-colocated"]) == sorted(r for r, _ in points)
+    s = by_draw(run)["setups"]["baton-colocated"]
+    assert s["difference_mean"] == pytest.approx(-0.02, abs=0.005)  # the log's rounding
+    assert [r["rate"] for r in s["per_rate"]] == sorted(r for r, _ in points)
+    both = next(r for r in s["subsets"] if r["draws"] == [1, 2])
+    assert both["simulated_rps"] == predicted  # the run's own prediction
+    assert [r["draws"] for r in s["subsets"]] == [[1, 2], [1], [2]]
+    first = next(r for r in s["subsets"] if r["draws"] == [1])
+    assert first["measured_rps"] is None or first["error"] == pytest.approx(
+        first["simulated_rps"] / first["measured_rps"] - 1)
