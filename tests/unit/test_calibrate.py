@@ -465,3 +465,10 @@ def test_a_validation_run_is_read_draw_by_draw(tmp_path):
     first = next(r for r in s["subsets"] if r["draws"] == [1])
     assert first["measured_rps"] is None or first["error"] == pytest.approx(
         first["simulated_rps"] / first["measured_rps"] - 1)
+    # a run without its log, or of one draw, is refused naming what it lacks
+    run.with_suffix(".log").unlink()
+    with pytest.raises(SystemExit, match="no log beside it"):
+        by_draw(run)
+    run.write_text(json.dumps({"args": {**vars(a), "draws": 1}}))
+    with pytest.raises(SystemExit, match="it ran --draws 1"):
+        by_draw(run)
