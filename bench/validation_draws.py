@@ -74,15 +74,13 @@ def by_draw(path: Path) -> dict:
 
     d = json.loads(path.read_text())
     a = argparse.Namespace(**d["args"])
-    log = path.with_suffix(".log")
-    if (a.draws or 1) < 2 or not log.exists():  # the draws' attainments are in its log only
+    n, log = getattr(a, "draws", None) or 1, path.with_suffix(".log")  # runs before --draws: 1
+    if n < 2 or not log.exists():  # the draws' attainments are in its log only
         raise SystemExit(f"error: {path} has no draws to read one by one: "
-                         + (f"it ran --draws {a.draws or 1}" if (a.draws or 1) < 2 else
-                            f"no log beside it ({log})"))
+                         + (f"it ran --draws {n}" if n < 2 else f"no log beside it ({log})"))
     _, ev = configs(a, Profile(**d["profile"]), slice_args(a))
     points = {name: [r for r, _ in m["points"]] for name, m in d["measured"].items()}
     table = measured_draws(log.read_text(), points)
-    n = a.draws
     out: dict = {}
     for name, rates in table.items():
         layout = LAYOUTS[name]

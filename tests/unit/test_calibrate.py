@@ -469,6 +469,7 @@ def test_a_validation_run_is_read_draw_by_draw(tmp_path):
     run.with_suffix(".log").unlink()
     with pytest.raises(SystemExit, match="no log beside it"):
         by_draw(run)
-    run.write_text(json.dumps({"args": {**vars(a), "draws": 1}}))
-    with pytest.raises(SystemExit, match="it ran --draws 1"):
-        by_draw(run)
+    for args in ({**vars(a), "draws": 1}, {k: v for k, v in vars(a).items() if k != "draws"}):
+        run.write_text(json.dumps({"args": args}))  # one draw; a run from before --draws
+        with pytest.raises(SystemExit, match="it ran --draws 1"):
+            by_draw(run)
