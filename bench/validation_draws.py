@@ -39,37 +39,17 @@ def measured_draws(log: str, points: dict[str, list[float]]) -> dict[str, dict]:
 
 def subset_goodput(table: dict[float, dict[int, float]], draws: tuple[int, ...], search,
                    ) -> float | None:
-    """The goodput the run's search would have found over ``draws`` alone, from the measured
-    ``table``; None when it needs a rate the run did not measure."""
-    from baton.control.workload import find_goodput
-
-    def at(rate: float) -> float:
-        got = [r for r in table if abs(r - rate) <= 1e-6 * rate]
-        if not got:
-            raise KeyError(rate)
-        return statistics.fmean(table[got[0]][k] for k in draws)
-
+    """The goodput ``search`` (the run's) would have found over ``draws`` alone, from the
+    measured ``table``; None when it needs a rate the run did not measure."""
     try:
-        return find_goodput(at, search.start_rate, search.attainment, max_rate=search.max_rate,
-                            refine=search.refine, min_rate=search.min_rate)[0]
+        return search.goodput(lambda rate: statistics.fmean(table[rate][k] for k in draws))[0]
     except KeyError:
         return None
-
-
-def simulated_at(ev, layout, rate: float, draws: tuple[int, ...]) -> float:
-    """The simulator's attainment at ``rate`` over ``draws`` (from 1; seed + draw - 1, as the
-    run's own simulation and measurement drew their arrivals)."""
-    from baton.control import workload as lg
-
-    return statistics.fmean(ev._attainment(layout, lg.poisson(ev.reqs, rate,
-                                                              ev.search.seed + k - 1))
-                            for k in draws)
 
 
 def by_draw(path: Path) -> dict:
     """The run at ``path`` (its log beside it), draw by draw (see the module's docstring)."""
     from baton.bench.tune_validation import LAYOUTS, configs, slice_args
-    from baton.control import workload as lg
     from baton.control.profile import Profile
 
     d = json.loads(path.read_text())
@@ -84,7 +64,8 @@ def by_draw(path: Path) -> dict:
     out: dict = {}
     for name, rates in table.items():
         layout = LAYOUTS[name]
-        sim = {rate: {k: simulated_at(ev, layout, rate, (k,)) for k in range(1, n + 1)}
+        # draw k (from 1, as the log counts) arrived with seed + k - 1, measured and simulated
+        sim = {rate: {k: ev.at(layout, rate, [k - 1]) for k in range(1, n + 1)}
                for rate in rates}
         diffs = [rates[r][k] - sim[r][k] for r in rates for k in rates[r]]
         subsets = [tuple(range(1, n + 1))] + [
@@ -92,10 +73,8 @@ def by_draw(path: Path) -> dict:
         rows = []
         for sub in subsets:
             measured = subset_goodput(rates, sub, ev.search)
-            simulated = lg.find_goodput(  # the simulator's own search over these draws
-                lambda r, layout=layout, sub=sub: simulated_at(ev, layout, r, sub),
-                ev.search.start_rate, ev.search.attainment, max_rate=ev.search.max_rate,
-                refine=ev.search.refine, min_rate=ev.search.min_rate)[0]
+            # the simulator's own search over these draws
+            simulated = ev.goodput(layout, [k - 1 for k in sub])[0]
             rows.append({"draws": list(sub), "measured_rps": measured,
                          "simulated_rps": simulated,
                          "error": None if not measured else simulated / measured - 1})

@@ -59,6 +59,14 @@ class Search:
     seed: int
     draws: int = 1  # Poisson draws per rate (seeds seed, seed+1, ...), attainment over all
 
+    def goodput(self, attainment_at) -> tuple[float, list[tuple[float, float]]]:
+        """This search over ``attainment_at(rate)``: (goodput, [(rate, attainment), ...])."""
+        from baton.control import workload as lg
+
+        return lg.find_goodput(attainment_at, self.start_rate, self.attainment,
+                               max_rate=self.max_rate, refine=self.refine,
+                               min_rate=self.min_rate)
+
 
 @dataclass(frozen=True)
 class TuneConfig:
@@ -143,26 +151,26 @@ class Evaluator:
         ev.p, ev.cost = profile, CostModel(profile)
         return ev
 
-    def at(self, layout: Layout, rate: float | None) -> float:
+    def at(self, layout: Layout, rate: float | None, draws=None) -> float:
+        """The simulated attainment at ``rate`` (None: the requests' own arrival times), the
+        mean over ``draws`` (Poisson draw k arrives with seed + k; default all the search's)."""
         from baton.control import workload as lg
 
         if rate is None:
             return self._attainment(layout, self.reqs)
-        draws = [lg.poisson(self.reqs, rate, self.search.seed + k)
-                 for k in range(self.search.draws)]
-        return sum(self._attainment(layout, reqs) for reqs in draws) / len(draws)
+        seqs = [lg.poisson(self.reqs, rate, self.search.seed + k)
+                for k in (range(self.search.draws) if draws is None else draws)]
+        return sum(self._attainment(layout, reqs) for reqs in seqs) / len(seqs)
 
     def _attainment(self, layout: Layout, reqs) -> float:
         done = simulate(layout, self.p, shape(reqs, self.keys), self.knobs, self.cost,
                         self.profiles)
         return attainment(done, self.search.ttft_slo, self.search.tpot_slo)
 
-    def goodput(self, layout: Layout) -> tuple[float, list[tuple[float, float]]]:
-        from baton.control import workload as lg
-
-        return lg.find_goodput(lambda r: self.at(layout, r), self.search.start_rate,
-                               self.search.attainment, max_rate=self.search.max_rate,
-                               refine=self.search.refine, min_rate=self.search.min_rate)
+    def goodput(self, layout: Layout, draws=None) -> tuple[float, list[tuple[float, float]]]:
+        """The search's goodput of ``layout``, each rate's attainment over ``draws`` (as
+        :meth:`at`)."""
+        return self.search.goodput(lambda r: self.at(layout, r, draws))
 
 
 def arrival_rate(ats: list[float]) -> float | None:
