@@ -11,7 +11,17 @@ With ``--speed``, the fits are the run's speed checks taken before it measured i
 remote path does: would a profile scaled to the machine's speed at the start of the
 measurement have predicted better than the profile as measured?
 
-    python bench/validation_again.py [--speed] bench/results/tune-validation-*.json
+With ``--as-measured``, the one fit is the profile as the run measured it (nothing scaled): with
+``--stream-slope`` it is how a change to the cost model alone would have predicted. With
+``--stream-slope S[,S...]`` each decode step's factor rises by S for every stream the step
+decodes past ``--above`` (default 14), times the share of the time the other workers ran steps
+meanwhile (beside an idle worker it does not rise), one set of rows per S: the served factor
+`bench/served_beside.py` read rising with the streams beside a busy or decoding worker (on the
+2-vCPU Xeon VM 1.06-1.09 at 12-16 streams, 1.28 at 64), which the profile's served grid (16
+streams at most) does not see.
+
+    python bench/validation_again.py [--speed | --as-measured] [--stream-slope 0,0.004]
+        bench/results/tune-validation-*.json
 """
 
 from __future__ import annotations
@@ -21,6 +31,26 @@ import json
 from pathlib import Path
 
 from baton.bench.common import machine, write_result
+from baton.control.profile import CostModel
+
+
+class StreamSloped(CostModel):
+    """The cost model with each decode step's factor ``slope`` higher for every stream the
+    step decodes past ``above``, times the share of the time the other workers were busy (the
+    rise is the neighbours' contention: none beside an idle worker)."""
+
+    def __init__(self, p, slope: float, above: int) -> None:
+        super().__init__(p)
+        self.slope, self.above, self._streams = slope, above, 0
+
+    def step(self, chunks, decode_ctxs, *args, **kw) -> float:
+        self._streams = len(decode_ctxs)
+        return super().step(chunks, decode_ctxs, *args, **kw)
+
+    def decode_factor(self, others_busy: float = 1.0, others_decoding: float = 0.0) -> float:
+        share = min(1.0, max(0.0, others_busy))
+        return (super().decode_factor(others_busy, others_decoding)
+                + self.slope * max(0, self._streams - self.above) * share)
 
 
 def calibrated_fits(d: dict) -> list[tuple[str, dict, dict]]:
@@ -42,11 +72,19 @@ def speed_fits(d: dict) -> list[tuple[str, dict, dict]]:
             if c.get("decode_ratio") and c.get("prefill_ratio")]
 
 
-def again(path: Path, fits=calibrated_fits) -> list[dict]:
+def as_measured(d: dict) -> list[tuple[str, dict, dict]]:
+    """The profile as the run measured it (nothing scaled), with the run's own predictions."""
+    return [("as measured", {"decode_ratio": 1.0, "prefill_ratio": 1.0,
+                             "prefill_path": "remote"}, d["predicted"])]
+
+
+def again(path: Path, fits=calibrated_fits, stream_slope: float = 0.0,
+          above: int = 14) -> list[dict]:
     """One row per (fit, setup) of the run at ``path``: the profile scaled by the fit, both
     setups' goodput simulated again, against the fit's predictions then and the goodput the run
     measured. ``fits`` picks the fits from the run (:func:`calibrated_fits`,
-    :func:`speed_fits`)."""
+    :func:`speed_fits`, :func:`as_measured`); ``stream_slope`` and ``above``: the cost model
+    :class:`StreamSloped` (0: the cost model as it is)."""
     from baton.bench.tune_validation import LAYOUTS, configs, slice_args
     from baton.control.calibrate import scaled
     from baton.control.profile import Profile
@@ -62,6 +100,8 @@ def again(path: Path, fits=calibrated_fits) -> list[dict]:
     for label, fit, predicted in chosen:
         cev = ev.with_profile(scaled(profile, fit["decode_ratio"], fit["prefill_ratio"],
                                      fit["prefill_path"]))
+        if stream_slope:
+            cev.cost = StreamSloped(cev.p, stream_slope, above)
         for name, layout in LAYOUTS.items():
             measured = d["measured"][name]["goodput_rps"]
             then = predicted[name]["goodput_rps"]
@@ -70,6 +110,7 @@ def again(path: Path, fits=calibrated_fits) -> list[dict]:
                          "prefill_path": fit["prefill_path"],
                          "decode_ratio": fit["decode_ratio"],
                          "prefill_ratio": fit["prefill_ratio"], "setup": name,
+                         "stream_slope": stream_slope, "above": above,
                          "measured_rps": measured, "predicted_then_rps": then,
                          "predicted_now_rps": now, "error_then": then / measured - 1,
                          "error_now": now / measured - 1})
@@ -79,28 +120,50 @@ def again(path: Path, fits=calibrated_fits) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="tune-validation-*.json files")
-    ap.add_argument("--speed", action="store_true",
-                    help="scale each run's profile by its speed checks before measuring, "
-                         "not by its calibrated fits")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--speed", action="store_true",
+                     help="scale each run's profile by its speed checks before measuring, "
+                          "not by its calibrated fits")
+    how.add_argument("--as-measured", action="store_true",
+                     help="each run's profile as measured, nothing scaled")
+    ap.add_argument("--stream-slope", default="0", metavar="S[,S...]",
+                    help="a decode step's factor rises by S a stream past --above, beside "
+                         "busy workers (one set of rows per S; default 0: the cost model as "
+                         "it is)")
+    ap.add_argument("--above", type=int, default=14, metavar="STREAMS",
+                    help="streams a decode step runs before --stream-slope applies")
     a = ap.parse_args()
-    rows = [r for p in a.runs for r in again(p, speed_fits if a.speed else calibrated_fits)]
+    fits = speed_fits if a.speed else as_measured if a.as_measured else calibrated_fits
+    slopes = [float(x) for x in a.stream_slope.split(",")]
+    rows = [r for s in slopes for p in a.runs for r in again(p, fits, s, a.above)]
     # --speed: "then" is the run's own prediction (its profile as measured), "now" the
     # profile scaled by the check
-    print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'setup':<14} "
-          f"{'measured':>8} {'then':>13} {'now':>13}")
+    print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'slope':>6} "
+          f"{'setup':<14} {'measured':>8} {'then':>13} {'now':>13}")
     for r in rows:
         print(f"{r['run']:<36} {r['calibrated_on'].removeprefix('baton-'):<14} "
+              f"{r['stream_slope']:>6.4g} "
               f"{r['setup'].removeprefix('baton-'):<14} "
               f"{r['measured_rps']:>8.3g} {r['predicted_then_rps']:>6.3g} "
               f"({100 * r['error_then']:+3.0f}%) {r['predicted_now_rps']:>6.3g} "
               f"({100 * r['error_now']:+3.0f}%)")
-    worst = {k: max((abs(r[k]) for r in rows), default=None) for k in ("error_then", "error_now")}
-    within = {k: sum(abs(r[k]) <= 0.1 for r in rows) for k in ("error_then", "error_now")}
-    print(f"largest error: then {100 * worst['error_then']:.0f}%, now "
-          f"{100 * worst['error_now']:.0f}%; within 10%: then {within['error_then']}, now "
-          f"{within['error_now']} of {len(rows)}")
+    by_slope = {}
+    for s in slopes:
+        rs = [r for r in rows if r["stream_slope"] == s]
+        worst = {k: max((abs(r[k]) for r in rs), default=None)
+                 for k in ("error_then", "error_now")}
+        within = {k: sum(abs(r[k]) <= 0.1 for r in rs) for k in ("error_then", "error_now")}
+        mean_abs = sum(abs(r["error_now"]) for r in rs) / len(rs) if rs else None
+        by_slope[str(s)] = {"largest_error": worst, "within_10pct": within,
+                            "mean_abs_error_now": mean_abs, "rows": len(rs)}
+        if rs:
+            print(f"slope {s:g}: largest error then {100 * worst['error_then']:.0f}%, now "
+                  f"{100 * worst['error_now']:.0f}%; within 10%: then "
+                  f"{within['error_then']}, now {within['error_now']} of {len(rs)}; mean "
+                  f"|error| now {100 * mean_abs:.1f}%")
     out = {"machine": machine(), "runs": [str(p) for p in a.runs], "speed": a.speed,
-           "rows": rows, "largest_error": worst, "within_10pct": within}
+           "as_measured": a.as_measured, "above": a.above, "rows": rows,
+           "by_slope": by_slope}
     print(f"wrote {write_result('validation-again', out)}")
 
 

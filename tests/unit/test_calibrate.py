@@ -373,6 +373,43 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
     assert again(run, speed_fits) == []
 
 
+def test_stored_runs_are_predicted_again_with_a_decode_factor_rising_with_the_streams(
+        tmp_path):
+    """bench/validation_again.py --as-measured --stream-slope: a decode step's factor rises by
+    the slope for each stream past ``above``, scaled by the neighbours' busy share (none beside
+    an idle worker, none at or under ``above``); slope 0 gives the run's own predictions, a
+    slope predicts no more than that, and less for some setup."""
+    import json
+
+    from baton.bench.tune_validation import LAYOUTS
+    from baton.bench.validation_again import StreamSloped, again, as_measured
+
+    a, p, ev = validation_slice(tmp_path, seed=7)
+    plain, sloped = CostModel(p), StreamSloped(p, 0.01, 4)
+    ctxs = [100] * 10
+    rise = (plain.decode_factor(1.0) + 0.01 * 6) / plain.decode_factor(1.0)
+    assert sloped.step([], ctxs, others_busy=1.0) == pytest.approx(
+        plain.step([], ctxs, others_busy=1.0) * rise)
+    assert sloped.step([], ctxs, others_busy=0.5) == pytest.approx(
+        plain.step([], ctxs, others_busy=0.5)
+        * (plain.decode_factor(0.5) + 0.01 * 6 * 0.5) / plain.decode_factor(0.5))
+    assert sloped.step([], ctxs, others_busy=0.0) == pytest.approx(
+        plain.step([], ctxs, others_busy=0.0))
+    assert sloped.step([], [100] * 4) == pytest.approx(plain.step([], [100] * 4))
+    predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
+    run = tmp_path / "tune-validation-x.json"
+    run.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
+                               "predicted": predicted,
+                               "measured": {name: {"goodput_rps": 1.0} for name in LAYOUTS}}))
+    same = {r["setup"]: r for r in again(run, as_measured)}
+    assert {n: r["predicted_now_rps"] for n, r in same.items()} == {
+        n: v["goodput_rps"] for n, v in predicted.items()}
+    slower = {r["setup"]: r for r in again(run, as_measured, 0.2, 0)}
+    assert all(r["stream_slope"] == 0.2 and r["above"] == 0 for r in slower.values())
+    assert all(slower[n]["predicted_now_rps"] <= same[n]["predicted_now_rps"] for n in LAYOUTS)
+    assert any(slower[n]["predicted_now_rps"] < same[n]["predicted_now_rps"] for n in LAYOUTS)
+
+
 def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
     """`baton profile --check P --serving --out NEW`'s profile (calibrate.checked): the decode
     factors scaled by the check's decode ratio and the prefill factors by its prefill ratio,
