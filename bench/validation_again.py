@@ -73,7 +73,10 @@ def speed_fits(d: dict) -> list[tuple[str, dict, dict]]:
 
 
 def as_measured(d: dict) -> list[tuple[str, dict, dict]]:
-    """The profile as the run measured it (nothing scaled), with the run's own predictions."""
+    """The profile as the run measured it (nothing scaled), with the run's own predictions;
+    none for a run that measured nothing (``--skip-measure``)."""
+    if not d.get("measured") or not d.get("predicted"):
+        return []
     return [("as measured", {"decode_ratio": 1.0, "prefill_ratio": 1.0,
                              "prefill_path": "remote"}, d["predicted"])]
 

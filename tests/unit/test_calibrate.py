@@ -408,6 +408,9 @@ def test_stored_runs_are_predicted_again_with_a_decode_factor_rising_with_the_st
     assert all(r["stream_slope"] == 0.2 and r["above"] == 0 for r in slower.values())
     assert all(slower[n]["predicted_now_rps"] <= same[n]["predicted_now_rps"] for n in LAYOUTS)
     assert any(slower[n]["predicted_now_rps"] < same[n]["predicted_now_rps"] for n in LAYOUTS)
+    run.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
+                               "predicted": predicted}))  # --skip-measure: nothing to set against
+    assert again(run, as_measured) == []
 
 
 def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
