@@ -33,10 +33,12 @@ from baton.control.profile import (
     SAMPLING_CONTEXT,
     SATURATED_PROMPTS,
     SERVED,
+    SERVED_MANY,
     SERVED_ROUNDS,
     SERVED_TOKENS,
     STREAM_OUTPUT,
     STREAM_PROMPT,
+    STREAM_SLOPE_ABOVE,
     CostModel,
     Profile,
     ProfileError,
@@ -298,7 +300,8 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
                     say: Callable[[str], None] = print,
                     max_model_len: int = 1 << 30, vocab: int = 10000, device: str = "cpu",
                     tp: int = 1, threads: int = 1
-                    ) -> tuple[list[dict], list[dict], list[dict], list[dict], list[dict]]:
+                    ) -> tuple[list[dict], list[dict], list[dict], list[dict], list[dict],
+                               list[dict]]:
     """Real prefill and decode worker processes (``threads`` cores each, or ``tp``): per prompt
     size, the time from the Prefill RPC's answer to the Decode stream's first chunk, and the KV
     bytes moved; then the decode worker's time per token with B concurrent streams (:data:`SERVED`)
@@ -307,17 +310,19 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     cores, as in a cluster near its goodput), in turn with the prefill worker idle (the routers and
     the clients have its core), and with it decoding too (:func:`_served_decoding`); then the
     prefill worker saturated on its own (:func:`_saturated_prefill`: each prompt's prefill call, as
-    the router times it). Returns the hand-offs, the served grid (busy), the saturated prefill rows,
-    and the served grid idle and decoding."""
+    the router times it). Each round also times :data:`SERVED_MANY` in the three conditions.
+    Returns the hand-offs, the served grid (busy), the saturated prefill rows, the served grid
+    idle and decoding, and the rows past it (each with its ``beside``)."""
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
     from baton_client.v1 import api_pb2_grpc
 
     handoffs = [n for n in HANDOFF_TOKENS if n + 2 <= max_model_len]
     grid = [(c, b) for c, b in SERVED if c + SERVED_TOKENS[1] + 4 <= max_model_len]
+    many = [(c, b) for c, b in SERVED_MANY if c + SERVED_TOKENS[1] + 4 <= max_model_len]
     fits = [n for n in LONG_PROMPTS if n < max_model_len]
     sizes = [n for n in BUSY_PROMPTS if n < max_model_len] or fits[-1:]
-    common = _worker_args(model, dtype, device, tp, handoffs, grid, sizes, threads)
+    common = _worker_args(model, dtype, device, tp, handoffs, grid + many, sizes, threads)
     say("starting a prefill and a decode worker and a router for the hand-off and serving "
         "measurements ...")
     prompts = _Prompts(min(vocab, 10000))
@@ -333,14 +338,25 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
                 f"{rows[-1]['s'] * 1000:8.2f} ms")
         rstub = api_pb2_grpc.BatonStub(router.channel)
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
-        served, served_idle, served_decoding = [], [], []
+        served, served_idle, served_decoding, served_many = [], [], [], []
+
+        def beside(rows: list[dict], cond: str) -> tuple[list[dict], list[dict]]:
+            """The grid's rows, and its rows past the grid marked with their condition."""
+            return rows[:len(grid)], [{**r, "beside": cond} for r in rows[len(grid):]]
+
         for i in range(SERVED_ROUNDS):  # idle, busy, decoding in turn: a slow minute hits all
-            served_idle += [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
-                            for c, b in grid]
+            rows_i, more = beside([{"batch": b, "context": c,
+                                    "s": _served_itl(rstub, prompts, c, b)}
+                                   for c, b in grid + many], "idle")
+            served_idle, served_many = served_idle + rows_i, served_many + more
             with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1 + i), sizes):
-                served += [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
-                           for c, b in grid]
-            served_decoding += _served_decoding(prefill, rstub, prompts, grid)
+                rows_i, more = beside([{"batch": b, "context": c,
+                                        "s": _served_itl(rstub, prompts, c, b)}
+                                       for c, b in grid + many], "busy")
+            served, served_many = served + rows_i, served_many + more
+            rows_i, more = beside(_served_decoding(prefill, rstub, prompts, grid + many),
+                                  "decoding")
+            served_decoding, served_many = served_decoding + rows_i, served_many + more
         busy = []
         for streams in PREFILL_STREAMS:
             say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
@@ -349,8 +365,8 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             busy += _saturated_prefill(busy_stub, rstub, _Prompts(min(vocab, 10000),
                                                                   seed=2 + len(busy)),
                                        sizes, streams)
-    _say_served(say, served, served_idle, served_decoding, busy, sizes)
-    return rows, served, busy, served_idle, served_decoding
+    _say_served(say, served, served_idle, served_decoding, served_many, busy, sizes)
+    return rows, served, busy, served_idle, served_decoding, served_many
 
 
 def _served_decoding(prefill, rstub, prompts: _Prompts, grid: list[tuple[int, int]]
@@ -468,8 +484,12 @@ def _remote_prefill_timing(rstub, ids: list[int], params):
 
 
 def _say_served(say, served: list[dict], served_idle: list[dict], served_decoding: list[dict],
-                busy: list[dict], sizes) -> None:
-    for r, q, d in zip(served, served_idle, served_decoding):
+                served_many: list[dict], busy: list[dict], sizes) -> None:
+    def cond(c: str) -> list[dict]:
+        return [r for r in served_many if r["beside"] == c]
+
+    for r, q, d in [*zip(served, served_idle, served_decoding),
+                    *zip(cond("busy"), cond("idle"), cond("decoding"))]:
         say(f"served decode {r['batch']:3d} streams x context {r['context']:5d}: "
             f"{r['s'] * 1000:8.2f} ms a token, {q['s'] * 1000:8.2f} with the prefill worker "
             f"idle, {d['s'] * 1000:8.2f} with it decoding as many")
@@ -831,8 +851,8 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     engine.close()  # a group's followers end with it
     del engine
     if handoff:
-        (p.handoff, p.served, p.served_prefill, p.served_idle,
-         p.served_decoding) = measure_workers(
+        (p.handoff, p.served, p.served_prefill, p.served_idle, p.served_decoding,
+         p.served_many) = measure_workers(
             model, dtype, cores, repeats, say, engine_len, vocab, device, tp, threads)
         _serving_factors(p, say)
     p.measured_at = utc_stamp()
@@ -856,7 +876,7 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     # the profile's workers are freshly started, their pools unscattered: their decode steps
     # against the bare engine's on a fresh pool
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
-    for r in [*p.served, *p.served_idle, *p.served_decoding]:
+    for r in [*p.served, *p.served_idle, *p.served_decoding, *p.served_many]:
         r["model_s"] = _served_model_s(fresh_cost, r)
     for r in p.served_prefill:
         r["model_s"] = engine_cost.engine_prompt(r["tokens"])
@@ -867,6 +887,9 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     if p.served_decoding:
         p.serving_factor_decoding = statistics.median(r["s"] / r["model_s"]
                                                       for r in p.served_decoding)
+    slopes = stream_slopes(p)
+    p.serving_stream_slope = max(0.0, statistics.median(
+        [*slopes["busy"], *slopes["decoding"]])) if slopes["busy"] + slopes["decoding"] else 0.0
     fit = prefill_factors(p.served_prefill, engine_cost.engine_prompt)
     if fit is None:
         p.prefill_factor, p.prefill_stream_factor = p.serving_factor, 0.0
@@ -879,6 +902,24 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     say(f"serving factors: decode {p.serving_factor:.3f}{idle}, prefill {p.prefill_factor:.3f} "
         f"+ {p.prefill_stream_factor * 100:.4f} per 100 tokens a second streamed meanwhile "
         "(a serving worker's time over the bare engine's)")
+    if p.served_many:
+        each = ", ".join(f"{c} {statistics.median(v):+.4f}" for c, v in slopes.items() if v)
+        say(f"the decode factor's rise per stream past {STREAM_SLOPE_ABOVE}: "
+            f"{p.serving_stream_slope:.4f} beside a busy or a decoding worker (medians: {each})")
+
+
+def stream_slopes(p: Profile) -> dict[str, list[float]]:
+    """Per condition (idle, busy, decoding), each :data:`SERVED_MANY` row's rise over that
+    condition's factor per stream past :data:`STREAM_SLOPE_ABOVE` (the rows need ``model_s``)."""
+    factors = {"idle": p.serving_factor_idle, "busy": p.serving_factor,
+               "decoding": p.serving_factor_decoding}
+    out: dict[str, list[float]] = {c: [] for c in factors}
+    for r in p.served_many:
+        base = factors.get(r["beside"])
+        if base is not None and r["batch"] > STREAM_SLOPE_ABOVE:
+            out[r["beside"]].append((r["s"] / r["model_s"] - base)
+                                    / (r["batch"] - STREAM_SLOPE_ABOVE))
+    return out
 
 
 def cmd_profile(a) -> int:

@@ -14,11 +14,11 @@ measurement have predicted better than the profile as measured?
 With ``--as-measured``, the one fit is the profile as the run measured it (nothing scaled): with
 ``--stream-slope`` it is how a change to the cost model alone would have predicted. With
 ``--stream-slope S[,S...]`` each decode step's factor rises by S for every stream the step
-decodes past ``--above`` (default 14), times the share of the time the other workers ran steps
-meanwhile (beside an idle worker it does not rise), one set of rows per S: the served factor
-`bench/served_beside.py` read rising with the streams beside a busy or decoding worker (on the
-2-vCPU Xeon VM 1.06-1.09 at 12-16 streams, 1.28 at 64), which the profile's served grid (16
-streams at most) does not see.
+decodes past ``--above`` (default 14, the cost model's), times the share of the time the other
+workers ran steps meanwhile (beside an idle worker it does not rise), one set of rows per S:
+the served factor `bench/served_beside.py` read rising with the streams beside a busy or
+decoding worker (on the 2-vCPU Xeon VM 1.06-1.09 at 12-16 streams, 1.28 at 64), in place of
+the rise the profile measured (a version-9 profile's ``serving_stream_slope``; none before).
 
     python bench/validation_again.py [--speed | --as-measured] [--stream-slope 0,0.004]
         bench/results/tune-validation-*.json
@@ -31,26 +31,18 @@ import json
 from pathlib import Path
 
 from baton.bench.common import machine, write_result
-from baton.control.profile import CostModel
+from baton.control.profile import STREAM_SLOPE_ABOVE, CostModel
 
 
-class StreamSloped(CostModel):
-    """The cost model with each decode step's factor ``slope`` higher for every stream the
-    step decodes past ``above``, times the share of the time the other workers were busy (the
-    rise is the neighbours' contention: none beside an idle worker)."""
-
-    def __init__(self, p, slope: float, above: int) -> None:
-        super().__init__(p)
-        self.slope, self.above, self._streams = slope, above, 0
-
-    def step(self, chunks, decode_ctxs, *args, **kw) -> float:
-        self._streams = len(decode_ctxs)
-        return super().step(chunks, decode_ctxs, *args, **kw)
-
-    def decode_factor(self, others_busy: float = 1.0, others_decoding: float = 0.0) -> float:
-        share = min(1.0, max(0.0, others_busy))
-        return (super().decode_factor(others_busy, others_decoding)
-                + self.slope * max(0, self._streams - self.above) * share)
+def sloped(p, slope: float, above: int) -> CostModel:
+    """The cost model of ``p`` with each decode step's factor ``slope`` higher for every stream
+    the step decodes past ``above``, times the share of the time the other workers were busy
+    (the rise is the neighbours' contention: none beside an idle worker), whatever rise the
+    profile measured."""
+    cost = CostModel(p)
+    cost.stream_slope, cost.stream_above = slope, above
+    cost.decode_factors_differ = True
+    return cost
 
 
 def calibrated_fits(d: dict) -> list[tuple[str, dict, dict]]:
@@ -81,13 +73,14 @@ def as_measured(d: dict) -> list[tuple[str, dict, dict]]:
                              "prefill_path": "remote"}, d["predicted"])]
 
 
-def again(path: Path, fits=calibrated_fits, stream_slope: float = 0.0,
-          above: int = 14) -> list[dict]:
+def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
+          above: int = STREAM_SLOPE_ABOVE) -> list[dict]:
     """One row per (fit, setup) of the run at ``path``: the profile scaled by the fit, both
     setups' goodput simulated again, against the fit's predictions then and the goodput the run
     measured. ``fits`` picks the fits from the run (:func:`calibrated_fits`,
     :func:`speed_fits`, :func:`as_measured`); ``stream_slope`` and ``above``: the cost model
-    :class:`StreamSloped` (0: the cost model as it is)."""
+    :func:`sloped` (None: the cost model as it is, the profile's own rise, none before
+    version 9)."""
     from baton.bench.tune_validation import LAYOUTS, configs, slice_args
     from baton.control.calibrate import scaled
     from baton.control.profile import Profile
@@ -103,8 +96,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float = 0.0,
     for label, fit, predicted in chosen:
         cev = ev.with_profile(scaled(profile, fit["decode_ratio"], fit["prefill_ratio"],
                                      fit["prefill_path"]))
-        if stream_slope:
-            cev.cost = StreamSloped(cev.p, stream_slope, above)
+        if stream_slope is not None:
+            cev.cost = sloped(cev.p, stream_slope, above)
         for name, layout in LAYOUTS.items():
             measured = d["measured"][name]["goodput_rps"]
             then = predicted[name]["goodput_rps"]
@@ -113,7 +106,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float = 0.0,
                          "prefill_path": fit["prefill_path"],
                          "decode_ratio": fit["decode_ratio"],
                          "prefill_ratio": fit["prefill_ratio"], "setup": name,
-                         "stream_slope": stream_slope, "above": above,
+                         "stream_slope": cev.cost.stream_slope,
+                         "above": cev.cost.stream_above,
                          "measured_rps": measured, "predicted_then_rps": then,
                          "predicted_now_rps": now, "error_then": then / measured - 1,
                          "error_now": now / measured - 1})
@@ -129,21 +123,23 @@ def main() -> None:
                           "not by its calibrated fits")
     how.add_argument("--as-measured", action="store_true",
                      help="each run's profile as measured, nothing scaled")
-    ap.add_argument("--stream-slope", default="0", metavar="S[,S...]",
+    ap.add_argument("--stream-slope", metavar="S[,S...]",
                     help="a decode step's factor rises by S a stream past --above, beside "
-                         "busy workers (one set of rows per S; default 0: the cost model as "
-                         "it is)")
-    ap.add_argument("--above", type=int, default=14, metavar="STREAMS",
-                    help="streams a decode step runs before --stream-slope applies")
+                         "busy workers (one set of rows per S), in place of the rise the "
+                         "profile measured (default: the cost model as it is, the profile's "
+                         "own rise, none before version 9)")
+    ap.add_argument("--above", type=int, default=STREAM_SLOPE_ABOVE, metavar="STREAMS",
+                    help="streams a decode step runs before --stream-slope applies (default "
+                         "%(default)s, the cost model's)")
     a = ap.parse_args()
     fits = speed_fits if a.speed else as_measured if a.as_measured else calibrated_fits
-    slopes = [float(x) for x in a.stream_slope.split(",")]
-    rows = [r for s in slopes for p in a.runs for r in again(p, fits, s, a.above)]
+    slopes = [float(x) for x in a.stream_slope.split(",")] if a.stream_slope else [None]
+    rows = [(s, r) for s in slopes for p in a.runs for r in again(p, fits, s, a.above)]
     # --speed: "then" is the run's own prediction (its profile as measured), "now" the
     # profile scaled by the check
     print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'slope':>6} "
           f"{'setup':<14} {'measured':>8} {'then':>13} {'now':>13}")
-    for r in rows:
+    for _, r in rows:
         print(f"{r['run']:<36} {r['calibrated_on'].removeprefix('baton-'):<14} "
               f"{r['stream_slope']:>6.4g} "
               f"{r['setup'].removeprefix('baton-'):<14} "
@@ -152,20 +148,22 @@ def main() -> None:
               f"({100 * r['error_now']:+3.0f}%)")
     by_slope = {}
     for s in slopes:
-        rs = [r for r in rows if r["stream_slope"] == s]
+        rs = [r for asked, r in rows if asked == s]
         worst = {k: max((abs(r[k]) for r in rs), default=None)
                  for k in ("error_then", "error_now")}
         within = {k: sum(abs(r[k]) <= 0.1 for r in rs) for k in ("error_then", "error_now")}
         mean_abs = sum(abs(r["error_now"]) for r in rs) / len(rs) if rs else None
-        by_slope[str(s)] = {"largest_error": worst, "within_10pct": within,
-                            "mean_abs_error_now": mean_abs, "rows": len(rs)}
+        name = "profile" if s is None else f"{s:g}"
+        by_slope[name] = {"largest_error": worst, "within_10pct": within,
+                          "mean_abs_error_now": mean_abs, "rows": len(rs)}
         if rs:
-            print(f"slope {s:g}: largest error then {100 * worst['error_then']:.0f}%, now "
+            print(f"slope {'of the profile' if s is None else name}: largest error then "
+                  f"{100 * worst['error_then']:.0f}%, now "
                   f"{100 * worst['error_now']:.0f}%; within 10%: then "
                   f"{within['error_then']}, now {within['error_now']} of {len(rs)}; mean "
                   f"|error| now {100 * mean_abs:.1f}%")
     out = {"machine": machine(), "runs": [str(p) for p in a.runs], "speed": a.speed,
-           "as_measured": a.as_measured, "above": a.above, "rows": rows,
+           "as_measured": a.as_measured, "above": a.above, "rows": [r for _, r in rows],
            "by_slope": by_slope}
     print(f"wrote {write_result('validation-again', out)}")
 

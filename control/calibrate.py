@@ -116,6 +116,7 @@ class Calibration:
                                         else round(p.serving_factor_idle, 4)),
                 "serving_factor_decoding": (None if p.serving_factor_decoding is None
                                             else round(p.serving_factor_decoding, 4)),
+                "serving_stream_slope": round(p.serving_stream_slope, 5),
                 "prefill_factor": round(p.prefill_factor, 4),
                 "local_prefill_scale": round(p.local_prefill_scale, 4),
                 "decode_samples": self.decode_samples, "prefill_samples": self.prefill_samples,
@@ -144,14 +145,15 @@ class Calibration:
 
 
 def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
-    """``p`` with the decode factors (idle, busy, decoding) scaled by ``kd`` and the prefill
-    factors by ``kp``: a prefill worker's and the local path's for a remote fit, the local
-    path's alone for a local one."""
+    """``p`` with the decode factors (idle, busy, decoding, and their rise with the streams)
+    scaled by ``kd`` and the prefill factors by ``kp``: a prefill worker's and the local path's
+    for a remote fit, the local path's alone for a local one."""
     decode = {"serving_factor": p.serving_factor * kd,
               "serving_factor_idle": (None if p.serving_factor_idle is None
                                       else p.serving_factor_idle * kd),
               "serving_factor_decoding": (None if p.serving_factor_decoding is None
-                                          else p.serving_factor_decoding * kd)}
+                                          else p.serving_factor_decoding * kd),
+              "serving_stream_slope": p.serving_stream_slope * kd}
     if path == "local":
         return replace(p, **decode, local_prefill_scale=p.local_prefill_scale * kp)
     return replace(p, **decode, prefill_factor=p.prefill_factor * kp,

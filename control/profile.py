@@ -72,6 +72,14 @@ Four measurements, each the median of a few repeats:
   prefill part of those steps and the decoding one for their decode part (by tokens)
   (:meth:`CostModel.decode_factor`); a version-7 profile, without the decoding grid, takes the
   busy factor for both, and a version-6 one, without the idle grid either, one factor for all.
+  Those grids stop at 16 streams, where a decode worker near a layout's goodput runs 30-60: on
+  a 2-vCPU VM the factor beside a busy or a decoding worker was flat to 12-16 streams and rose
+  about 0.004 a stream past them, to 1.27-1.28 at 64 (flat beside an idle one)
+  (bench/served_beside.py). Each round also times :data:`SERVED_MANY` in the three conditions
+  (``served_many``, each row's ``beside``), and the rise per stream past
+  :data:`STREAM_SLOPE_ABOVE` beside a busy or a decoding worker over that condition's factor
+  is ``serving_stream_slope``, added to a decode step's factor times the others' busy share; a
+  version-8 profile has none.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
@@ -85,7 +93,8 @@ prefill table and the other coefficients are least-squares fits of what is left;
 multiplied by the two factors weighed by the step's tokens:
 ``(P * (prefill_factor + prefill_stream_factor * streamed tokens/s) + D * decode_factor)
 / (P + D)``, ``decode_factor`` from ``serving_factor_idle`` toward ``serving_factor`` (the
-other workers prefilling) and ``serving_factor_decoding`` (decoding) by their busy shares.
+other workers prefilling) and ``serving_factor_decoding`` (decoding) by their busy shares,
+plus ``serving_stream_slope * max(0, D - STREAM_SLOPE_ABOVE) * busy share``.
 """
 
 from __future__ import annotations
@@ -102,11 +111,13 @@ from pathlib import Path
 # 2: the prefill factor; 3: from throughput under a queue; 4: measured on its own; 5: decode
 # steps on a scattered pool; 6: the batched prefill table measured warm, in rounds; 7: the
 # served grid with the prefill worker idle as well (``serving_factor_idle``); 8: and with the
-# other worker decoding (``serving_factor_decoding``)
-VERSION = 8
+# other worker decoding (``serving_factor_decoding``); 9: past 16 streams as well
+# (``served_many``, ``serving_stream_slope``)
+VERSION = 9
 # a version-6 profile reads as one whose decode factor is the same idle, busy or decoding; a
-# version-7 one as one whose decoding factor is its busy one
-READS = (6, 7, 8)
+# version-7 one as one whose decoding factor is its busy one; a version-8 one as one whose
+# factor does not rise with the streams
+READS = (6, 7, 8, 9)
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 PREFILL_ROUNDS = 3  # the table's sizes in turn, each point the median over the rounds
@@ -118,6 +129,13 @@ HANDOFF_TOKENS = (64, 256, 1024)
 # (context, concurrent streams) on a real worker: short and long contexts, small and large
 # batches (the ratio moves by ±5% from one to the next; the median of five is steadier)
 SERVED = ((128, 16), (384, 8), (768, 4), (768, 12), (1536, 8))
+# (context, streams per decoding worker) past the grid, timed in the same three conditions in
+# each round: the factor's rise with the streams (56: a decode worker's max_num_seqs of 64
+# holds them beside the busy clients' hand-offs)
+SERVED_MANY = ((256, 32), (256, 56))
+# the streams past which the rise is counted: the grid's largest batches (16) and the point
+# its medians sit near, where bench/served_beside.py found the factor still flat
+STREAM_SLOPE_ABOVE = 14
 SERVED_ROUNDS = 2  # the grid twice, the median of ten: one point moved 1.16 -> 1.63 between
 # two profiles on a 2-core VM, and the median of five 1.15 -> 1.29
 SERVED_TOKENS = (12, 36)  # the window of each stream timed: every stream decoding by then
@@ -180,6 +198,11 @@ class Profile:
     # the same with the other worker decoding B streams too (None: not measured, as busy)
     served_decoding: list[dict] = field(default_factory=list)
     serving_factor_decoding: float | None = None
+    # SERVED_MANY in the three conditions, {batch, context, s, model_s, beside: idle | busy |
+    # decoding}; the rise of the busy and the decoding factor per stream past
+    # STREAM_SLOPE_ABOVE (0: not measured, a version-8 profile)
+    served_many: list[dict] = field(default_factory=list)
+    serving_stream_slope: float = 0.0
     served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
     # its rise per token a second streamed to clients meanwhile (router and clients share cores)
@@ -349,8 +372,11 @@ class CostModel:
                                     else p.serving_factor_idle)
         self.serving_factor_decoding = (p.serving_factor if p.serving_factor_decoding is None
                                         else p.serving_factor_decoding)
+        self.stream_slope, self.stream_above = p.serving_stream_slope, STREAM_SLOPE_ABOVE
+        # whether a decode step's factor depends on the others' busy share
         self.decode_factors_differ = (self.serving_factor_idle != self.serving_factor
-                                      or self.serving_factor_decoding != self.serving_factor)
+                                      or self.serving_factor_decoding != self.serving_factor
+                                      or self.stream_slope != 0.0)
         self.prefill_stream_factor = p.prefill_stream_factor
         self.local_prefill_scale = p.local_prefill_scale
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
@@ -390,19 +416,22 @@ class CostModel:
         prefill = self.prefill_factor + self.prefill_stream_factor * streamed_tps
         if local:
             prefill *= self.local_prefill_scale
-        decode = self.decode_factor(others_busy, others_decoding)
+        decode = self.decode_factor(others_busy, others_decoding, d)
         factor = (p * prefill + d * decode) / (p + d)
         return factor * (self.engine_step(p + d, pairs, decode_ctxs) + sampled_s)
 
-    def decode_factor(self, others_busy: float = 1.0, others_decoding: float = 0.0) -> float:
+    def decode_factor(self, others_busy: float = 1.0, others_decoding: float = 0.0,
+                      streams: int = 0) -> float:
         """A serving worker's decode step over the bare engine's, with the other workers busy
         ``others_busy`` of the time (0 .. 1), ``others_decoding`` of it (at most
-        ``others_busy``) decoding and the rest prefilling."""
+        ``others_busy``) decoding and the rest prefilling, for a step of ``streams`` decodes
+        (the rise past :data:`STREAM_SLOPE_ABOVE`, by the busy share)."""
         share = min(1.0, max(0.0, others_busy))
         dec = min(share, max(0.0, others_decoding))
         idle = self.serving_factor_idle
         return (idle + (self.serving_factor - idle) * (share - dec)
-                + (self.serving_factor_decoding - idle) * dec)
+                + (self.serving_factor_decoding - idle) * dec
+                + self.stream_slope * max(0, streams - self.stream_above) * share)
 
     def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
         """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
@@ -427,6 +456,7 @@ class CostModel:
         return {"serving_factor": self.serving_factor,
                 "serving_factor_idle": self.serving_factor_idle,
                 "serving_factor_decoding": self.serving_factor_decoding,
+                "serving_stream_slope": self.stream_slope,
                 "prefill_factor": self.prefill_factor,
                 "prefill_stream_factor_per_tps": self.prefill_stream_factor,
                 "attn_prefill_s_per_pair": self.attn_prefill,

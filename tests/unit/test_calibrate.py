@@ -382,20 +382,20 @@ def test_stored_runs_are_predicted_again_with_a_decode_factor_rising_with_the_st
     import json
 
     from baton.bench.tune_validation import LAYOUTS
-    from baton.bench.validation_again import StreamSloped, again, as_measured
+    from baton.bench.validation_again import again, as_measured, sloped
 
     a, p, ev = validation_slice(tmp_path, seed=7)
-    plain, sloped = CostModel(p), StreamSloped(p, 0.01, 4)
+    plain, more = CostModel(p), sloped(p, 0.01, 4)
     ctxs = [100] * 10
     rise = (plain.decode_factor(1.0) + 0.01 * 6) / plain.decode_factor(1.0)
-    assert sloped.step([], ctxs, others_busy=1.0) == pytest.approx(
+    assert more.step([], ctxs, others_busy=1.0) == pytest.approx(
         plain.step([], ctxs, others_busy=1.0) * rise)
-    assert sloped.step([], ctxs, others_busy=0.5) == pytest.approx(
+    assert more.step([], ctxs, others_busy=0.5) == pytest.approx(
         plain.step([], ctxs, others_busy=0.5)
         * (plain.decode_factor(0.5) + 0.01 * 6 * 0.5) / plain.decode_factor(0.5))
-    assert sloped.step([], ctxs, others_busy=0.0) == pytest.approx(
+    assert more.step([], ctxs, others_busy=0.0) == pytest.approx(
         plain.step([], ctxs, others_busy=0.0))
-    assert sloped.step([], [100] * 4) == pytest.approx(plain.step([], [100] * 4))
+    assert more.step([], [100] * 4) == pytest.approx(plain.step([], [100] * 4))
     predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
     run = tmp_path / "tune-validation-x.json"
     run.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),

@@ -21,6 +21,7 @@ from baton.control.profile import (
     SAMPLING,
     SAMPLING_BATCH,
     SATURATED_PROMPTS,
+    SERVED_MANY,
     SERVED_TOKENS,
     CostModel,
     Profile,
@@ -382,6 +383,7 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert (p.device, p.tensor_parallel_size) == ("cpu", 1)  # --device auto: no GPU here
     assert p.age().startswith(f"measured {p.measured_at}, 0.") and p.checked == []
     # the model as the workers register it, for the live tuner to check theirs against
+    from baton.bench.profile import stream_slopes
     from baton.engine.loader import load_model
 
     model = load_model(tiny_llama[0])
@@ -425,6 +427,16 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.serving_factor_decoding == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served_decoding))
     assert "with it decoding as many" in out.stderr and "beside a decoding worker" in out.stderr
+    # past the grid: SERVED_MANY (256-token contexts fit) in the three conditions, each round;
+    # the rise a stream is the median of the busy and the decoding rows' over their factors
+    many = [(c, b) for c, b in SERVED_MANY]
+    assert [(r["beside"], (r["context"], r["batch"])) for r in p.served_many] == [
+        (cond, m) for cond in ("idle", "busy", "decoding") for m in many] * 2
+    assert all(r["model_s"] > 0 for r in p.served_many)
+    risen = stream_slopes(p)
+    assert p.serving_stream_slope == pytest.approx(
+        max(0.0, statistics.median(risen["busy"] + risen["decoding"])))
+    assert "rise per stream past" in out.stderr
     # the prefill worker prefilled its largest long prompt that fits, over and over, sent by
     # several clients so its queue never emptied, in windows with and without other streams
     # through the router; the factor and its rise are a line through the windows' throughput
@@ -647,6 +659,65 @@ def test_a_decode_step_costs_more_while_the_other_workers_run_steps():
     assert dec.decode_factor(1.0) == pytest.approx(1.3)  # the old callers: the busy factor
     only = CostModel(dataclasses.replace(p, serving_factor_idle=None, serving_factor_decoding=2))
     assert only.decode_factors_differ and only.decode_factor(0.0) == 1.3
+
+
+def test_a_decode_step_past_the_grid_costs_more_a_stream_beside_busy_workers():
+    """A version-9 profile's rise per stream past STREAM_SLOPE_ABOVE (its served rows past the
+    grid, beside a busy or a decoding worker), times the others' busy share: none beside idle
+    workers, none at or under the grid's streams; a calibration scales it with the factors."""
+    from baton.control.calibrate import scaled
+    from baton.control.profile import STREAM_SLOPE_ABOVE
+
+    p = dataclasses.replace(make_profile(), serving_factor=1.3, serving_factor_idle=1.1,
+                            serving_stream_slope=0.004)
+    cm, bare = CostModel(p), CostModel(make_profile())
+    past = STREAM_SLOPE_ABOVE + 50
+    assert cm.decode_factors_differ
+    assert cm.decode_factor(1.0, 0.0, past) == pytest.approx(1.3 + 0.2)
+    assert cm.decode_factor(0.5, 0.0, past) == pytest.approx(1.2 + 0.1)
+    assert cm.decode_factor(0.0, 0.0, past) == pytest.approx(1.1)
+    assert cm.decode_factor(1.0, 0.0, STREAM_SLOPE_ABOVE) == pytest.approx(1.3)
+    assert cm.step([], [200] * past, others_busy=1.0) == pytest.approx(
+        1.5 * bare.step([], [200] * past))
+    # a step that prefills too: its decode tokens at the risen factor, its prompt's at the
+    # prefill one
+    mixed = cm.step([(64, 0)], [200] * past, others_busy=1.0)
+    assert mixed == pytest.approx((64 * cm.prefill_factor + past * 1.5) / (64 + past)
+                                  * bare.step([(64, 0)], [200] * past))
+    assert scaled(p, 2.0, 1.0, "remote").serving_stream_slope == pytest.approx(0.008)
+    # the slope alone makes the others' share matter
+    flat = CostModel(dataclasses.replace(make_profile(), serving_stream_slope=0.004))
+    assert flat.decode_factors_differ
+
+
+def test_the_rise_a_stream_is_each_row_past_the_grid_over_its_conditions_factor():
+    from baton.bench.profile import stream_slopes
+    from baton.control.profile import STREAM_SLOPE_ABOVE
+
+    p = dataclasses.replace(make_profile(), serving_factor=1.2, serving_factor_idle=1.0,
+                            serving_factor_decoding=1.4)
+    n = STREAM_SLOPE_ABOVE + 10
+    p.served_many = [{"batch": n, "context": 256, "s": f * 0.1, "model_s": 0.1, "beside": c}
+                     for c, f in (("idle", 1.01), ("busy", 1.25), ("decoding", 1.46),
+                                  ("busy", 1.3))]
+    p.served_many.append({"batch": STREAM_SLOPE_ABOVE, "context": 256, "s": 1, "model_s": 0.1,
+                          "beside": "busy"})  # at the threshold: no slope to read
+    got = stream_slopes(p)
+    assert got["idle"] == pytest.approx([0.001])
+    assert got["busy"] == pytest.approx([0.005, 0.01])
+    assert got["decoding"] == pytest.approx([0.006])
+
+
+def test_a_version_8_profile_reads_with_a_factor_flat_in_the_streams(tmp_path):
+    d = dataclasses.asdict(make_profile())
+    for k in ("served_many", "serving_stream_slope"):
+        del d[k]
+    d["version"] = 8
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    p = Profile.load(tmp_path / "p.json")
+    assert (p.version, p.serving_stream_slope) == (8, 0.0)
+    cm = CostModel(p)
+    assert cm.decode_factor(1.0, 0.0, 64) == cm.decode_factor(1.0, 0.0, 1)
 
 
 def test_a_version_6_profile_reads_with_one_decode_factor(tmp_path):
