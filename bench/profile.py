@@ -340,23 +340,19 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
         served, served_idle, served_decoding, served_many = [], [], [], []
 
-        def beside(rows: list[dict], cond: str) -> tuple[list[dict], list[dict]]:
-            """The grid's rows, and its rows past the grid marked with their condition."""
-            return rows[:len(grid)], [{**r, "beside": cond} for r in rows[len(grid):]]
+        def timed() -> list[dict]:
+            return [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
+                    for c, b in grid + many]
 
         for i in range(SERVED_ROUNDS):  # idle, busy, decoding in turn: a slow minute hits all
-            rows_i, more = beside([{"batch": b, "context": c,
-                                    "s": _served_itl(rstub, prompts, c, b)}
-                                   for c, b in grid + many], "idle")
-            served_idle, served_many = served_idle + rows_i, served_many + more
+            idle_rows = timed()
             with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1 + i), sizes):
-                rows_i, more = beside([{"batch": b, "context": c,
-                                        "s": _served_itl(rstub, prompts, c, b)}
-                                       for c, b in grid + many], "busy")
-            served, served_many = served + rows_i, served_many + more
-            rows_i, more = beside(_served_decoding(prefill, rstub, prompts, grid + many),
-                                  "decoding")
-            served_decoding, served_many = served_decoding + rows_i, served_many + more
+                busy_rows = timed()
+            decoding_rows = _served_decoding(prefill, rstub, prompts, grid + many)
+            for got, into, cond in ((idle_rows, served_idle, "idle"), (busy_rows, served, "busy"),
+                                    (decoding_rows, served_decoding, "decoding")):
+                into += got[:len(grid)]
+                served_many += [{**r, "beside": cond} for r in got[len(grid):]]
         busy = []
         for streams in PREFILL_STREAMS:
             say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
