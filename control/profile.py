@@ -72,14 +72,14 @@ Four measurements, each the median of a few repeats:
   prefill part of those steps and the decoding one for their decode part (by tokens)
   (:meth:`CostModel.decode_factor`); a version-7 profile, without the decoding grid, takes the
   busy factor for both, and a version-6 one, without the idle grid either, one factor for all.
-  Those grids stop at 16 streams, where a decode worker near a layout's goodput runs 30-60: on
-  a 2-vCPU VM the factor beside a busy or a decoding worker was flat to 12-16 streams and rose
-  about 0.004 a stream past them, to 1.27-1.28 at 64 (flat beside an idle one)
-  (bench/served_beside.py). Each round also times :data:`SERVED_MANY` in the three conditions
-  (``served_many``, each row's ``beside``), and the rise per stream past
-  :data:`STREAM_SLOPE_ABOVE` beside a busy or a decoding worker over that condition's factor
-  is ``serving_stream_slope``, added to a decode step's factor times the others' busy share; a
-  version-8 profile has none.
+  Those grids stop at 16 streams, where a decode worker near a layout's goodput runs up to
+  19-30 at once (the validation's Mooncake slice, simulated), or more: on a 2-vCPU VM the
+  factor beside a busy or a decoding worker was flat to 12-16 streams and rose about 0.004 a
+  stream past them, to 1.27-1.28 at 64 (flat beside an idle one) (bench/served_beside.py).
+  Each round also times :data:`SERVED_MANY` in the three conditions (``served_many``, each
+  row's ``beside``), and the rise per stream past :data:`STREAM_SLOPE_ABOVE` beside a busy or a
+  decoding worker over that condition's factor is ``serving_stream_slope``, added to a decode
+  step's factor times the others' busy share; a version-8 profile has none.
 
 :class:`CostModel` turns a profile into step times for any batch::
 
