@@ -884,8 +884,8 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
         p.serving_factor_decoding = statistics.median(r["s"] / r["model_s"]
                                                       for r in p.served_decoding)
     slopes = stream_slopes(p)
-    p.serving_stream_slope = max(0.0, statistics.median(
-        [*slopes["busy"], *slopes["decoding"]])) if slopes["busy"] + slopes["decoding"] else 0.0
+    rises = slopes["busy"] + slopes["decoding"]
+    p.serving_stream_slope = max(0.0, statistics.median(rises)) if rises else 0.0
     fit = prefill_factors(p.served_prefill, engine_cost.engine_prompt)
     if fit is None:
         p.prefill_factor, p.prefill_stream_factor = p.serving_factor, 0.0
@@ -907,8 +907,7 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
 def stream_slopes(p: Profile) -> dict[str, list[float]]:
     """Per condition (idle, busy, decoding), each :data:`SERVED_MANY` row's rise over that
     condition's factor per stream past :data:`STREAM_SLOPE_ABOVE` (the rows need ``model_s``)."""
-    factors = {"idle": p.serving_factor_idle, "busy": p.serving_factor,
-               "decoding": p.serving_factor_decoding}
+    factors = p.factors_beside()
     out: dict[str, list[float]] = {c: [] for c in factors}
     for r in p.served_many:
         base = factors.get(r["beside"])

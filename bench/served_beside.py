@@ -103,8 +103,7 @@ def main(argv=None) -> int:
                for k in besides}
         summary.append({"context": c, "batch": b, **med})
         print(f"{c:8d} {b:8d} " + " ".join(f"{med[k]:8.3f}" for k in besides))
-    factors = {"busy": p.serving_factor, "idle": p.serving_factor_idle,
-               "decoding": p.serving_factor_decoding}
+    factors = p.factors_beside()
     print("profile: " + ", ".join(f"{v:.3f} {k}" if v is not None else f"no {k} factor"
                                   for k, v in factors.items()))
     path = write_result("served-beside", {

@@ -232,6 +232,12 @@ class Profile:
     measured_at: str = ""
     version: int = VERSION
 
+    def factors_beside(self) -> dict[str, float | None]:
+        """The decode serving factor by what the other worker did meanwhile (the served grid's
+        three conditions; None where the profile did not measure one)."""
+        return {"idle": self.serving_factor_idle, "busy": self.serving_factor,
+                "decoding": self.serving_factor_decoding}
+
     def age(self, now: float | None = None) -> str:
         """When it was measured and when a serving check last scaled it, with how long ago
         (`baton tune` says it: a shared VM's speed drifts by tens of percent within hours)."""
