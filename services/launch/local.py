@@ -52,11 +52,22 @@ def spawn(cmd: list[str], env: dict, *, stdout=None, stderr=None, cpus: set[int]
     (:func:`baton.adopt_launch_settings`), never in a ``preexec_fn``: that forces a real fork,
     and a fork of a process with gRPC running can abort the child before exec."""
     env = dict(env)
+    # a native crash (gRPC, torch) prints the Python stacks to the process's log, not nothing
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     if die_with_parent:
         env[PARENT_ENV] = str(os.getpid())
     if cpus:
         env[PIN_CPUS_ENV] = ",".join(map(str, sorted(cpus)))
     return subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env)
+
+
+def _signal_name(num: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 class WorkerProcess:
@@ -88,10 +99,15 @@ class WorkerProcess:
         self.address = self.worker_id = self.incarnation = self.http_address = ""
         self.metrics_address = ""
         ready = threading.Event()
+        said: list[str] = []  # what else it printed before it served (an error, a warning)
 
         def pump() -> None:
             for raw in self.proc.stdout:
-                line = raw.decode(errors="replace").split()
+                text = raw.decode(errors="replace")
+                line = text.split()
+                if line[:1] not in (["BATON_HTTP"], ["BATON_METRICS"], ["BATON_READY"]) \
+                        and not ready.is_set():
+                    said[:] = [*said[-19:], text.rstrip()]
                 if line[:1] == ["BATON_HTTP"]:
                     self.http_address = line[1]
                 if line[:1] == ["BATON_METRICS"]:
@@ -102,14 +118,24 @@ class WorkerProcess:
             ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(ready_timeout) or not self.address:
-            if self.proc.poll() is None:
+        ended = ready.wait(ready_timeout)  # it served, or its stdout closed (it is exiting)
+        if not ended or not self.address:
+            try:
+                rc = self.proc.wait(10 if ended else 0)
+            except subprocess.TimeoutExpired:
+                rc = None
+            if rc is None:
                 self.proc.kill()
-            self.proc.wait()
+                self.proc.wait()
             tail = self.log_tail()
             self._close()
-            raise WorkerStartError(f"{role} worker did not start (exit {self.proc.returncode}); "
-                                   f"log:\n{tail}")
+            how = (f"exit {rc}" if rc is not None and rc >= 0
+                   else f"killed by {_signal_name(-rc)}" if rc is not None
+                   else "its output closed, it did not exit: killed it" if ended
+                   else f"not serving after {ready_timeout:g}s: killed it")
+            out = "; its output:\n" + "\n".join(said) if said else ""
+            raise WorkerStartError(f"{role} worker did not start ({how}); log "
+                                   f"{self.log_path}:\n{tail or '(empty)'}{out}")
         self.channel = cluster_secret.channel(self.address, secret=self._secret or "")
 
     @property
