@@ -19,9 +19,14 @@ workers ran steps meanwhile (beside an idle worker it does not rise), one set of
 the served factor `bench/served_beside.py` read rising with the streams beside a busy or
 decoding worker (on the 2-vCPU Xeon VM 1.06-1.09 at 12-16 streams, 1.28 at 64), in place of
 the rise the profile measured (a version-9 profile's ``serving_stream_slope``; none before).
+With ``--local-prefill S[,S...]`` the local path's prompts (a colocated worker's, a decode
+worker's) cost S times the remote path's (the cost model's ``local_prefill_scale``, 1 in a
+profile as measured; a calibration on a colocated window sets it). With ``--as-measured
+--profile P.json`` each run is predicted with another profile in place of its own: how far a
+second profile of the same machine moves the predictions.
 
-    python bench/validation_again.py [--speed | --as-measured] [--stream-slope 0,0.004]
-        bench/results/tune-validation-*.json
+    python bench/validation_again.py [--speed | --as-measured [--profile P.json]]
+        [--stream-slope 0,0.004] [--local-prefill 1,1.1] bench/results/tune-validation-*.json
 """
 
 from __future__ import annotations
@@ -74,13 +79,17 @@ def as_measured(d: dict) -> list[tuple[str, dict, dict]]:
 
 
 def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
-          above: int = STREAM_SLOPE_ABOVE) -> list[dict]:
+          above: int = STREAM_SLOPE_ABOVE, local_prefill: float | None = None,
+          profile: dict | None = None) -> list[dict]:
     """One row per (fit, setup) of the run at ``path``: the profile scaled by the fit, both
     setups' goodput simulated again, against the fit's predictions then and the goodput the run
     measured. ``fits`` picks the fits from the run (:func:`calibrated_fits`,
     :func:`speed_fits`, :func:`as_measured`); ``stream_slope`` and ``above``: the cost model
     :func:`sloped` (None: the cost model as it is, the profile's own rise, none before
-    version 9)."""
+    version 9); ``local_prefill``: the local path's prompts cost this many times the remote
+    path's, after the fit (None: as the fit left it); ``profile``: another profile's JSON in
+    place of the run's own (with :func:`as_measured`: what that profile would have predicted
+    for the run)."""
     from baton.bench.tune_validation import LAYOUTS, configs, slice_args
     from baton.control.calibrate import scaled
     from baton.control.profile import Profile
@@ -90,7 +99,7 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     if not chosen:
         return []
     a = argparse.Namespace(**d["args"])
-    profile = Profile(**d["profile"])
+    profile = Profile(**(profile or d["profile"]))
     _, ev = configs(a, profile, slice_args(a))
     rows = []
     for label, fit, predicted in chosen:
@@ -98,6 +107,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
                                      fit["prefill_path"]))
         if stream_slope is not None:
             cev.cost = sloped(cev.p, stream_slope, above)
+        if local_prefill is not None:
+            cev.cost.local_prefill_scale = local_prefill
         for name, layout in LAYOUTS.items():
             measured = d["measured"][name]["goodput_rps"]
             then = predicted[name]["goodput_rps"]
@@ -107,6 +118,7 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
                          "decode_ratio": fit["decode_ratio"],
                          "prefill_ratio": fit["prefill_ratio"], "setup": name,
                          "stream_slope": cev.cost.stream_slope,
+                         "local_prefill_scale": cev.cost.local_prefill_scale,
                          "above": cev.cost.stream_above,
                          "measured_rps": measured, "predicted_then_rps": then,
                          "predicted_now_rps": now, "error_then": then / measured - 1,
@@ -131,39 +143,59 @@ def main() -> None:
     ap.add_argument("--above", type=int, default=STREAM_SLOPE_ABOVE, metavar="STREAMS",
                     help="streams a decode step runs before --stream-slope applies (default "
                          "%(default)s, the cost model's)")
+    ap.add_argument("--local-prefill", metavar="S[,S...]",
+                    help="the local path's prompts (a colocated worker's, a decode worker's) "
+                         "cost S times the remote path's, after the fit (one set of rows per "
+                         "S; default: as the fit left it, 1 for a profile as measured)")
+    ap.add_argument("--profile", type=Path, metavar="P.json",
+                    help="with --as-measured: predict each run with this profile in place of "
+                         "its own (how far another profile of the same machine moves the "
+                         "predictions)")
     a = ap.parse_args()
+    if a.profile and not a.as_measured:
+        ap.error("--profile needs --as-measured (a run's calibrated fits and speed checks are "
+                 "ratios to its own profile)")
+    other = json.loads(a.profile.read_text()) if a.profile else None
     fits = speed_fits if a.speed else as_measured if a.as_measured else calibrated_fits
     slopes = [float(x) for x in a.stream_slope.split(",")] if a.stream_slope else [None]
-    rows = [(s, r) for s in slopes for p in a.runs for r in again(p, fits, s, a.above)]
+    locals_ = [float(x) for x in a.local_prefill.split(",")] if a.local_prefill else [None]
+    asked = [(s, lp) for s in slopes for lp in locals_]
+    rows = [((s, lp), r) for s, lp in asked for p in a.runs
+            for r in again(p, fits, s, a.above, lp, other)]
     # --speed: "then" is the run's own prediction (its profile as measured), "now" the
     # profile scaled by the check
     print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'slope':>6} "
-          f"{'setup':<14} {'measured':>8} {'then':>13} {'now':>13}")
+          f"{'local':>6} {'setup':<14} {'measured':>8} {'then':>13} {'now':>13}")
     for _, r in rows:
         print(f"{r['run']:<36} {r['calibrated_on'].removeprefix('baton-'):<14} "
-              f"{r['stream_slope']:>6.4g} "
+              f"{r['stream_slope']:>6.4g} {r['local_prefill_scale']:>6.4g} "
               f"{r['setup'].removeprefix('baton-'):<14} "
               f"{r['measured_rps']:>8.3g} {r['predicted_then_rps']:>6.3g} "
               f"({100 * r['error_then']:+3.0f}%) {r['predicted_now_rps']:>6.3g} "
               f"({100 * r['error_now']:+3.0f}%)")
     by_slope = {}
-    for s in slopes:
-        rs = [r for asked, r in rows if asked == s]
+    for s, lp in asked:
+        rs = [r for k, r in rows if k == (s, lp)]
         worst = {k: max((abs(r[k]) for r in rs), default=None)
                  for k in ("error_then", "error_now")}
         within = {k: sum(abs(r[k]) <= 0.1 for r in rs) for k in ("error_then", "error_now")}
         mean_abs = sum(abs(r["error_now"]) for r in rs) / len(rs) if rs else None
         name = "profile" if s is None else f"{s:g}"
+        if lp is not None:
+            name += f" local {lp:g}"
         by_slope[name] = {"largest_error": worst, "within_10pct": within,
                           "mean_abs_error_now": mean_abs, "rows": len(rs)}
         if rs:
-            print(f"slope {'of the profile' if s is None else name}: largest error then "
+            print(f"slope {'of the profile' if s is None else f'{s:g}'}"
+                  f"{'' if lp is None else f', local prefill x{lp:g}'}: largest error then "
                   f"{100 * worst['error_then']:.0f}%, now "
                   f"{100 * worst['error_now']:.0f}%; within 10%: then "
                   f"{within['error_then']}, now {within['error_now']} of {len(rs)}; mean "
                   f"|error| now {100 * mean_abs:.1f}%")
     out = {"machine": machine(), "runs": [str(p) for p in a.runs], "speed": a.speed,
-           "as_measured": a.as_measured, "above": a.above, "rows": [r for _, r in rows],
+           "as_measured": a.as_measured, "above": a.above,
+           "local_prefill": locals_, "profile": str(a.profile) if a.profile else None,
+           "rows": [r for _, r in rows],
            "by_slope": by_slope}
     print(f"wrote {write_result('validation-again', out)}")
 
