@@ -413,6 +413,35 @@ def test_stored_runs_are_predicted_again_with_a_decode_factor_rising_with_the_st
     assert again(run, as_measured) == []
 
 
+def test_stored_runs_are_predicted_again_with_a_dearer_local_path_or_another_profile(tmp_path):
+    """bench/validation_again.py --local-prefill S: the local path's prompts (all of colocated
+    workers' prompts) at S times the remote path's predict colocated workers less, and at 1 as
+    the run did; --as-measured --profile P: each run predicted with P in place of its own, as
+    the evaluator with P predicts it."""
+    import json
+
+    from baton.bench.tune_validation import LAYOUTS
+    from baton.bench.validation_again import again, as_measured
+    from baton.control.calibrate import scaled as scaled_as_a_fit
+
+    a, p, ev = validation_slice(tmp_path, seed=8)
+    predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
+    run = tmp_path / "tune-validation-x.json"
+    run.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
+                               "predicted": predicted,
+                               "measured": {name: {"goodput_rps": 1.0} for name in LAYOUTS}}))
+    same = {r["setup"]: r["predicted_now_rps"] for r in again(run, as_measured, local_prefill=1)}
+    assert same == {n: v["goodput_rps"] for n, v in predicted.items()}
+    dear = {r["setup"]: r for r in again(run, as_measured, local_prefill=1.5)}
+    assert all(r["local_prefill_scale"] == 1.5 for r in dear.values())
+    assert dear["baton-colocated"]["predicted_now_rps"] < same["baton-colocated"]
+    other = scaled_as_a_fit(p, 1.5, 1.5, "remote")
+    want = {name: ev.with_profile(other).goodput(layout)[0] for name, layout in LAYOUTS.items()}
+    got = {r["setup"]: r["predicted_now_rps"]
+           for r in again(run, as_measured, profile=dataclasses.asdict(other))}
+    assert got == want and all(got[n] < same[n] for n in LAYOUTS)
+
+
 def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
     """`baton profile --check P --serving --out NEW`'s profile (calibrate.checked): the decode
     factors scaled by the check's decode ratio and the prefill factors by its prefill ratio,
