@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 from baton.transfer import cluster_secret
@@ -99,22 +100,21 @@ class WorkerProcess:
         self.address = self.worker_id = self.incarnation = self.http_address = ""
         self.metrics_address = ""
         ready = threading.Event()
-        said: list[str] = []  # what else it printed before it served (an error, a warning)
+        said = deque(maxlen=20)  # what else it printed before it served (an error, a warning)
 
         def pump() -> None:
             for raw in self.proc.stdout:
                 text = raw.decode(errors="replace")
                 line = text.split()
-                if line[:1] not in (["BATON_HTTP"], ["BATON_METRICS"], ["BATON_READY"]) \
-                        and not ready.is_set():
-                    said[:] = [*said[-19:], text.rstrip()]
                 if line[:1] == ["BATON_HTTP"]:
                     self.http_address = line[1]
-                if line[:1] == ["BATON_METRICS"]:
+                elif line[:1] == ["BATON_METRICS"]:
                     self.metrics_address = line[1]
-                if line[:1] == ["BATON_READY"]:
+                elif line[:1] == ["BATON_READY"]:
                     self.address, self.worker_id, self.incarnation = line[1:4]
                     ready.set()
+                elif not ready.is_set():
+                    said.append(text.rstrip())
             ready.set()
 
         threading.Thread(target=pump, daemon=True).start()
@@ -127,12 +127,12 @@ class WorkerProcess:
             if rc is None:
                 self.proc.kill()
                 self.proc.wait()
+                how = ("its output closed, it did not exit: killed it" if ended
+                       else f"not serving after {ready_timeout:g}s: killed it")
+            else:
+                how = f"exit {rc}" if rc >= 0 else f"killed by {_signal_name(-rc)}"
             tail = self.log_tail()
             self._close()
-            how = (f"exit {rc}" if rc is not None and rc >= 0
-                   else f"killed by {_signal_name(-rc)}" if rc is not None
-                   else "its output closed, it did not exit: killed it" if ended
-                   else f"not serving after {ready_timeout:g}s: killed it")
             out = "; its output:\n" + "\n".join(said) if said else ""
             raise WorkerStartError(f"{role} worker did not start ({how}); log "
                                    f"{self.log_path}:\n{tail or '(empty)'}{out}")
