@@ -10,22 +10,22 @@ import torch
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_layout import KVLayout
-from baton.engine.model import AttentionMetadata, LlamaModel, PrefillSeq
+from baton.engine.model import AttentionMetadata, LlamaModel, PrefillSeq, advise_huge_pages
 from baton.engine.request import Request
 from baton.engine.sampler import History, TokenLogprobs, sample, token_seed
 from baton.engine.scheduler import ScheduledBatch
 
 
 def alloc_kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """A zeroed KV pool. On CPU it is an anonymous mapping advised to use transparent huge pages:
-    a hand-off reads blocks from another process (``process_vm_readv`` under UCX's cma), which
-    pins pages one by one, so 2 MiB pages make it markedly cheaper."""
+    """A zeroed KV pool. On CPU it is an anonymous mapping advised to use transparent huge pages
+    (unless ``$BATON_HUGE_PAGES=0``: :func:`~baton.engine.model.advise_huge_pages`): a hand-off
+    reads blocks from another process (``process_vm_readv`` under UCX's cma), which pins pages
+    one by one, so 2 MiB pages make it markedly cheaper."""
     if device != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
+    advise_huge_pages(region)
     # the tensor keeps the mapping alive (it holds a reference to the buffer)
     kv = torch.frombuffer(region, dtype=dtype, count=math.prod(shape)).view(shape)
     # Fault every page in now: a first touch inside a hand-off (another process's

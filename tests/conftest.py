@@ -46,6 +46,12 @@ if _XDIST_WORKERS > 1:
 # (docs/testing.md). SmolLM2's float32 blocks are the largest here: 256 MiB holds 364 of them
 # (5,824 tokens). A test that needs the default sets --num-blocks or --kv-cache-gb itself.
 os.environ.setdefault("BATON_KV_CACHE_GB", "0.25")
+# ... and on plain pages: on the 2-vCPU Firecracker VM faulting in transparent huge pages costs
+# ~8 s of system time a GiB against ~0.5 s (engine/model.py advise_huge_pages), in every fresh
+# process; test_transfer.py alone took 100 s (21 s system) against 112 s (35 s), test_cluster.py
+# 139 s against 151 s. Nothing here times the engine; tests/unit/test_engine.py checks the
+# advice itself.
+os.environ.setdefault("BATON_HUGE_PAGES", "0")
 
 import pytest  # noqa: E402 (after OMP_NUM_THREADS, which torch reads as it loads)
 import torch  # noqa: E402

@@ -3,6 +3,7 @@ sampling, bad input, and the prefill -> decode hand-off between two engine insta
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -344,3 +345,42 @@ def test_handoff_reserve_then_abort_frees(tiny_engine):
     drain(pre)
     pre.check_integrity()
     assert pre.kv.pool.num_free_blocks == pre.num_blocks
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The kernel's VmFlags of the mapping of this process holding ``addr``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="a kernel without transparent huge pages")
+def test_the_kv_pool_and_weights_ask_for_huge_pages_unless_told_not_to(monkeypatch):
+    """A CPU KV pool and a resident weight are advised to use transparent huge pages (the
+    kernel marks the mapping ``hg``) by default; ``BATON_HUGE_PAGES=0`` (which the tests run
+    under) leaves them on plain pages; any other value is refused naming the variable."""
+    import torch
+    from baton.engine.model import resident
+    from baton.engine.runner import alloc_kv_pool
+
+    def advised() -> list[bool]:
+        pool = alloc_kv_pool((4, 2, 1 << 18), torch.float32)
+        weight = resident(torch.ones(1 << 20))
+        assert pool.abs().sum() == 0 and weight.sum() == 1 << 20
+        return ["hg" in _vm_flags(t.data_ptr()) for t in (pool, weight)]
+
+    monkeypatch.setenv("BATON_HUGE_PAGES", "1")
+    assert advised() == [True, True]
+    monkeypatch.setenv("BATON_HUGE_PAGES", "0")
+    assert advised() == [False, False]
+    monkeypatch.setenv("BATON_HUGE_PAGES", "yes")
+    with pytest.raises(ValueError, match=r"\$BATON_HUGE_PAGES='yes'"):
+        alloc_kv_pool((4, 16), torch.float32)
