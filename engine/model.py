@@ -310,9 +310,9 @@ def huge_pages() -> bool:
 def advise_huge_pages(region: mmap.mmap) -> None:
     """Advise ``region`` to use transparent huge pages, unless ``$BATON_HUGE_PAGES=0`` (or the
     kernel has THP off: plain pages, same data). Faulting a huge page in costs more where the
-    hypervisor backs guest memory lazily: on the 2-vCPU Firecracker VM, zero-filling 1 GiB took
-    6.7-9.1 s of system time on huge pages against 0.45-0.51 s on plain ones, every time, in a
-    fresh process; there a short-lived worker (the tests') starts faster without them, and a
+    hypervisor backs guest memory lazily: on the 2-vCPU Firecracker VM an engine with a 1 GiB
+    pool started in 12.0 s on huge pages against 1.8 s on plain ones and decoded 1.03x as fast
+    (``bench/huge_pages.py``); a short-lived worker (the tests') starts faster without them, a
     long-lived one pays it once."""
     if huge_pages() and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):
