@@ -344,7 +344,9 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             return [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
                     for c, b in grid + many]
 
-        for i in range(SERVED_ROUNDS):  # idle, busy, decoding in turn: a slow minute hits all
+        # idle, busy, decoding in turn: a slow minute hits all; --repeats 1 (a quick, rough
+        # profile) times the grid once
+        for i in range(min(SERVED_ROUNDS, repeats)):
             idle_rows = timed()
             with _busy_prefill(busy_stub, _Prompts(min(vocab, 10000), seed=1 + i), sizes):
                 busy_rows = timed()
@@ -937,6 +939,9 @@ def cmd_profile(a) -> int:
     if a.threads < 1:
         print("error: --threads must be >= 1", file=sys.stderr)
         return 2
+    if a.repeats < 1:
+        print("error: --repeats must be >= 1", file=sys.stderr)
+        return 2
     if a.threads > 1 and a.tensor_parallel_size > 1:
         print("error: --threads with --tensor-parallel-size: a worker of several ranks runs "
               "one torch thread a rank; measure one or the other", file=sys.stderr)
@@ -1016,7 +1021,9 @@ def add_profile_args(ap) -> None:
                     help="comma-separated cores: the engine runs on the first (--threads of "
                          "them), the hand-off's prefill and decode workers on the first and "
                          "the next (default: this process's)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed repeats per point (median); 1 also times the served grid once, "
+                         "not twice (a quick, rough profile)")
     ap.add_argument("--idle-neighbors", action="store_true",
                     help="measure with the other cores idle (default: a busy engine runs on them, "
                          "as the cluster's other workers would near its goodput)")

@@ -263,6 +263,8 @@ def test_baton_profile_check_refuses_another_device_and_a_missing_file(tmp_path,
     # a thread count the workers cannot run, or one with ranks (each runs one thread)
     assert cmd_profile(ap.parse_args(["--threads", "0", "--device", "cpu"])) == 2
     assert "--threads must be >= 1" in capsys.readouterr().err
+    assert cmd_profile(ap.parse_args(["--repeats", "0", "--device", "cpu"])) == 2
+    assert "--repeats must be >= 1" in capsys.readouterr().err
     assert cmd_profile(ap.parse_args(["--threads", "2", "--tensor-parallel-size", "2",
                                       "--device", "cpu"])) == 2
     assert "--threads with --tensor-parallel-size" in capsys.readouterr().err
@@ -405,7 +407,8 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert "scattered pool" in out.stderr and "fresh pool" in out.stderr
     assert [r["tokens"] for r in p.handoff] == [64, 256]  # 1024 does not fit the context
     assert p.handoff[1]["bytes"] == 4 * p.handoff[0]["bytes"] > 0
-    assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128), (8, 384)] * 2  # fit
+    # the grid's points that fit, timed once: --repeats 1 (SERVED_ROUNDS times with more)
+    assert [(r["batch"], r["context"]) for r in p.served] == [(16, 128), (8, 384)]
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served)
     fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh))  # the workers' reference
     assert [r["model_s"] for r in p.served] == pytest.approx(
@@ -414,24 +417,24 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert p.serving_factor == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served))
     # the same grid with the prefill worker idle, in turn with the busy one: its own factor
-    assert [(r["batch"], r["context"]) for r in p.served_idle] == [(16, 128), (8, 384)] * 2
+    assert [(r["batch"], r["context"]) for r in p.served_idle] == [(16, 128), (8, 384)]
     assert [r["model_s"] for r in p.served_idle] == pytest.approx(
         [r["model_s"] for r in p.served])
     assert p.serving_factor_idle == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served_idle))
     assert "with the prefill worker idle" in out.stderr
     # and with the prefill worker switched to decode, twice the streams split over the two
-    assert [(r["batch"], r["context"]) for r in p.served_decoding] == [(16, 128), (8, 384)] * 2
+    assert [(r["batch"], r["context"]) for r in p.served_decoding] == [(16, 128), (8, 384)]
     assert [r["model_s"] for r in p.served_decoding] == pytest.approx(
         [r["model_s"] for r in p.served])
     assert p.serving_factor_decoding == pytest.approx(
         statistics.median(r["s"] / r["model_s"] for r in p.served_decoding))
     assert "with it decoding as many" in out.stderr and "beside a decoding worker" in out.stderr
-    # past the grid: SERVED_MANY (256-token contexts fit) in the three conditions, each round;
+    # past the grid: SERVED_MANY (256-token contexts fit) in the three conditions;
     # the rise a stream is the median of the busy and the decoding rows' over their factors
     many = [(c, b) for c, b in SERVED_MANY]
     assert [(r["beside"], (r["context"], r["batch"])) for r in p.served_many] == [
-        (cond, m) for cond in ("idle", "busy", "decoding") for m in many] * 2
+        (cond, m) for cond in ("idle", "busy", "decoding") for m in many]
     assert all(r["model_s"] > 0 for r in p.served_many)
     risen = stream_slopes(p)
     assert p.serving_stream_slope == pytest.approx(
