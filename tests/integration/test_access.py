@@ -24,6 +24,7 @@ from baton.v1 import worker_pb2
 from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.processes import descendants
+from tests.support.up import own_cache
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ def test_default_cluster_is_loopback_only_and_needs_a_key(tiny_llama, tmp_path):
          str(tmp_path), "--api-keys-file", str(keys),
          "--router-args", "--max-concurrent-per-key 1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "BATON_CACHE_DIR": str(tmp_path)})
+        env={**os.environ, **own_cache(tmp_path)})
     lines: list[str] = []
     try:
         for line in up.stdout:
@@ -189,7 +190,7 @@ def test_baton_up_keeps_the_redis_password_and_the_api_key_off_every_command_lin
     from baton.control.redis_server import EmbeddedRedis
 
     r = EmbeddedRedis(password="s3cret-up-pw").start()
-    env = {**os.environ, "BATON_CACHE_DIR": str(tmp_path), "BATON_REDIS_URL": r.url,
+    env = {**os.environ, **own_cache(tmp_path), "BATON_REDIS_URL": r.url,
            "BATON_AUTH_TOKEN": "s3cret-api-key"}
     up = subprocess.Popen(
         [sys.executable, "-m", "baton.cli.main", "up", "--model", str(tiny_llama[0]),

@@ -18,6 +18,8 @@ import pytest
 from baton.bench.loadgen import ClosedLoop, GrpcTarget, Req
 from baton.control.registry import WorkerRegistry
 
+from tests.support.up import own_cache
+
 pytestmark = pytest.mark.slow
 
 
@@ -44,7 +46,7 @@ def test_decode_pool_follows_a_step_in_load_without_failing_a_request(tiny_llama
          "--scale-interval", "1", "--scale-window", "4", "--scale-up-cooldown", "3",
          "--scale-down-cooldown", "6", "--scale-down-after", "6"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**__import__("os").environ, "BATON_CACHE_DIR": str(tmp_path)})
+        env={**__import__("os").environ, **own_cache(tmp_path)})
     lines: list[str] = []
     pump = threading.Thread(target=lambda: lines.extend(up.stdout), daemon=True)
     load = None
