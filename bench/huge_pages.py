@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--model", help="GGUF file or HF folder (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be >= 1")
     runs = []
     for r in range(a.rounds):
         for huge in ("1", "0") if r % 2 == 0 else ("0", "1"):

@@ -367,7 +367,7 @@ def test_a_profile_says_when_it_was_measured_and_checked():
     assert make_profile().age().startswith("measured at a time it does not record; ")
 
 
-@pytest.mark.slow  # the real `baton profile`: 46 s alone on the 2-vCPU VM, 75 s in the suite
+@pytest.mark.slow  # the real `baton profile` and its --check: 46 s alone on the 2-vCPU VM
 def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_path):
     """`baton profile` on a tiny model, with real prefill and decode worker processes, a router
     and redis-server for the hand-off and serving measurements: every table is filled (as far
