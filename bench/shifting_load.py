@@ -31,7 +31,8 @@ from this machine's. ``--replay RESULT.json`` prints that comparison for a run a
 with the ``--profile`` given (the machine's own profile, say), and runs nothing.
 
     python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live] [--rounds 1]
-        [--tuner-every 30] [--tuner-min-dwell 90] [--tuner-confirm 2] [--window 60]
+        [--tuner-every 30] [--tuner-min-dwell 90] [--tuner-confirm 2] [--tuner-min-requests 20]
+        [--window 60]
     python bench/shifting_load.py --replay bench/results/shifting-load-STAMP.json --profile FILE
 
 Before any setup starts, a trace the profile's machine cannot serve is refused: when the
@@ -99,6 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tuner-confirm", type=int, default=2,
                     help="the tuner's --confirm (runs 1-16 had none: one look switched)")
     ap.add_argument("--tuner-refine", type=int, default=2)
+    ap.add_argument("--tuner-min-requests", type=int, default=20,
+                    help="the tuner's --min-requests: the fewest requests in the window it "
+                         "decides on (default 20, as runs 1-29 had)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the setups this many times, each round in the reverse order of "
@@ -170,7 +174,7 @@ class Tuner:
                "--ttft-slo", str(a.ttft_slo), "--tpot-slo", str(a.tpot_slo),
                "--every", str(a.tuner_every), "--min-dwell", str(a.tuner_min_dwell),
                "--min-gain", str(a.tuner_min_gain), "--refine", str(a.tuner_refine),
-               "--confirm", str(a.tuner_confirm),
+               "--confirm", str(a.tuner_confirm), "--min-requests", str(a.tuner_min_requests),
                "--max-input", "2048", "--max-output", "256"]
         self.cmd, self.looks, self.t0 = cmd, [], time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

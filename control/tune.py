@@ -525,8 +525,11 @@ def add_tune_args(ap: argparse.ArgumentParser) -> None:
                    help="with --every: switch only when this many looks in a row want the same "
                         "switch (past --min-gain, --min-dwell and the other checks), so that a "
                         "window straddling a change in the traffic does not switch on its own; "
-                        "a look that decides nothing breaks the row (default 2; 1: one look "
-                        "switches; a single look without --every needs no other)")
+                        "a look that decides nothing breaks the row; a steady window (its "
+                        "first and last thirds by arrival time agree on their requests within "
+                        "2.5x, on mean prompt and mean output within 1.5x) straddles no change "
+                        "and switches on one look (default 2; "
+                        "1: one look switches; a single look without --every needs no other)")
     g.add_argument("--min-requests", type=int, default=20,
                    help="fewer requests in the router's window: decide nothing (default 20)")
     g.add_argument("--every", type=float, default=0.0,

@@ -131,10 +131,13 @@ def test_the_live_tuner_switches_to_the_predicted_best_then_keeps_still(tiny_lla
         assert [(x["action"], x["requests"], x["filling"]) for x in looks] == \
             [("none", 8, True)] * 2
         # repeating, a switch needs --confirm looks in a row that want it: the first two of
-        # three only count; the third would switch (no --apply here: it says so, nothing moves)
+        # three only count; the third would switch (no --apply here: it says so, nothing moves).
+        # The window's 8 requests, one after another, are too few to call it steady (4 in
+        # each third: tests/unit/test_tune_live.py), which would let one look switch
         looks = looping(command(c.redis.url, c.router.http_address, profile, "--every", "0.1",
                                 "--confirm", "3"), 3)
         assert [x["recommended"] for x in looks] == ["2 colocated"] * 3
+        assert {x["steady"] for x in looks} == {""}
         assert "look 1 of 3 in a row" in looks[0]["reason"]
         assert "look 2 of 3 in a row" in looks[1]["reason"]
         assert looks[2]["reason"].startswith("switch to 2 colocated")

@@ -16,8 +16,10 @@ from baton.control.tune_live import (
     assignment,
     best_row,
     current_layout,
+    looks_needed,
     next_look_in,
     report,
+    steady,
     switches,
     validation_error,
     verdict,
@@ -109,6 +111,56 @@ def test_repeating_it_switches_only_when_confirm_looks_in_a_row_want_the_same_sw
                   switched=False)
     assert streak.agreed(split.name, "2 colocated") == 1
     assert streak.agreed(colo.name, "2 colocated") == 0
+
+
+def _window(shape, start: float, end: float, running_since: float | None = None):
+    """The router's window at ``end``: the requests of the shifting-load trace ``shape`` that
+    arrived in [start, end), and with ``running_since`` those that arrived since then and
+    still run (a backlog: the window holds the requests still running)."""
+    from baton.control.workload import Req
+
+    lo = start if running_since is None else running_since
+    return [Req([7] * p, o, at) for p, o, at, _ in shape if lo <= at < end]
+
+
+def test_a_steady_window_needs_one_look_and_one_that_straddles_a_change_needs_confirm():
+    """--confirm exists for a window that straddles a change in the traffic (run 16's look at
+    506 s, above); a window whose first and last thirds offer the same traffic straddles none,
+    and one look switches. On the shifting-load benchmark's own trace (bench/shifting_load.py,
+    the phases of every run): its first phase's windows from the first look on (~12-20
+    requests), and every 60 s window inside a phase for most seeds, are steady; those that
+    straddle a change of phase by 15 s or more, or hold a phase's backlog, are not."""
+    from baton.bench.shifting_load import PHASES, trace
+
+    inside = straddling = 0
+    for seed in range(5):
+        shape = trace(PHASES, 4.0, seed)
+        first = next(t for t in range(5, 120, 5) if len(_window(shape, 0, t)) >= 12)
+        assert steady(_window(shape, 0, first + 10)), (seed, first)
+        for end in range(60, 721, 5):
+            w = _window(shape, end - 60, end)
+            if not any(end - 60 < b < end for b in (240, 480)):
+                inside += bool(steady(w))
+            elif any(end - 45 <= b <= end - 15 for b in (240, 480)):
+                assert not steady(w), (seed, end)
+                straddling += 1
+    assert straddling == 5 * 2 * 7 and inside >= 0.9 * 5 * (133 - 2 * 11)
+    shape = trace(PHASES, 4.0, 0)
+    # run 16's window at 506 s: the decode-heavy phase's backlog (still running since 420 s)
+    # and the first 26 s of the prefill-heavy phase after it
+    assert not steady(_window(shape, 446, 506, running_since=420))
+    # the reason names what agreed
+    said = steady(_window(shape, 0, 60))
+    assert said.startswith("the window is steady (its first and last thirds: requests ")
+    assert "mean prompt" in said and "mean output" in said
+    # too few requests in a third to say: not steady
+    assert steady(_window(shape, 0, 60)[:6]) == "" and steady([]) == ""
+    # a repeating tuner asks --confirm looks of a window that is not steady, one of one that
+    # is; a single look (no --every) always one
+    calm, moving = _window(shape, 0, 60), _window(shape, 446, 506, running_since=420)
+    assert looks_needed(2, True, calm) == (1, steady(calm))
+    assert looks_needed(2, True, moving) == (2, "")
+    assert looks_needed(3, False, moving) == (1, "")
 
 
 def test_it_never_switches_to_a_layout_that_serves_the_live_window_worse():
