@@ -326,6 +326,10 @@ def live(a: argparse.Namespace) -> int:
         print("error: --min-gain, --min-dwell and --every must be >= 0, --fill-every > 0",
               file=sys.stderr)
         return 2
+    if a.min_requests < 1:
+        print(f"error: --min-requests {a.min_requests}: must be >= 1 (the fewest requests in "
+              "the router's window a look decides on)", file=sys.stderr)
+        return 2
     if a.confirm < 1:
         print(f"error: --confirm {a.confirm}: must be >= 1 (1: a single look switches)",
               file=sys.stderr)

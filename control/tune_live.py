@@ -596,11 +596,16 @@ def run_live(cfg) -> int:
         say(f"the profile of TP {tp} {profile.age()}")
     fits: dict = {}  # the calibration's fits, carried from look to look
     streak = Streak() if cfg.every else None  # --confirm counts repeated looks only
+    from redis.exceptions import RedisError
+
     while True:
         try:
             out = live_once(cfg, registry, say, fits, streak)
         except (OSError, RuntimeError) as e:  # the router or a worker did not answer
             out = {"action": "none", "reason": f"error: {e}"}
+        except RedisError as e:  # down or restarting: a repeating tuner looks again after it
+            out = {"action": "none", "reason": f"error: the cluster's Redis did not answer "
+                                               f"({type(e).__name__}: {e}): switches nothing"}
         if streak is not None and "configurations" not in out:
             streak.reset()
         print(json.dumps(out, default=str) if cfg.json else report(out), flush=True)

@@ -946,6 +946,7 @@ def test_a_rates_simulated_attainment_is_over_its_draws():
 
 @pytest.mark.parametrize("flag, value, said", [
     ("--confirm", "0", "--confirm 0: must be >= 1"),
+    ("--min-requests", "0", "--min-requests 0: must be >= 1"),
     ("--nice", "20", "--nice 20: must be 0-19"),
 ])
 def test_baton_tune_live_refuses_a_setting_out_of_range_by_name(tmp_path, flag, value, said):
@@ -957,3 +958,21 @@ def test_baton_tune_live_refuses_a_setting_out_of_range_by_name(tmp_path, flag, 
          "--tpot-slo", "0.1", flag, value],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and said in out.stderr, out.stderr
+
+
+def test_baton_tune_live_says_when_the_clusters_redis_does_not_answer(tmp_path):
+    """A look whose Redis is down (or restarting) says so and exits 1 (a repeating tuner looks
+    again after it), where it ended in a redis-py traceback. Port 9 on loopback: nothing
+    listens (the test above's address)."""
+    profile = tmp_path / "profile.json"
+    make_profile().save(profile)
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.cli.main", "tune", "--live", "127.0.0.1:9",
+         "--redis-url", "redis://127.0.0.1:9", "--profile", str(profile), "--ttft-slo", "4",
+         "--tpot-slo", "0.1", "--json"],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    look = json.loads(out.stdout.strip().splitlines()[-1])
+    assert look["action"] == "none"
+    assert look["reason"].startswith("error: the cluster's Redis did not answer (ConnectionError")
+    assert look["reason"].endswith("): switches nothing")
