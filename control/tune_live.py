@@ -48,6 +48,11 @@ from baton.control.tune import arrival_rate, overloaded, ranked_best
 from baton.control.workload import lowest_failing
 
 LAST_APPLY = "baton:tune:last_apply"  # Redis: unix time of the last switch --apply made
+# a gain inside the goodput search's brackets is searched further, up to this many more
+# bisections of the two layouts' brackets (--refine's steps, 2 at a time): shifting-load runs
+# 24 and 28 held 1P+1D for minutes on looks whose colocated was +14-20% but whose brackets
+# overlapped ("at least +0.0%"), each breaking the --confirm row the look before had started
+MORE_STEPS = 4
 # a window is steady when its first and last thirds (by arrival time) agree on the requests
 # that arrived (within STEADY_COUNT_WITHIN: a Poisson stream's thirds of 4-8 requests can
 # differ 2x) and on their mean prompt and mean output tokens (within STEADY_MEAN_WITHIN). On
@@ -492,14 +497,17 @@ def live_once(cfg, registry, say, fits: dict | None = None,
     rate = arrival_rate([r.at for r in reqs])
     agreed = (streak.agreed(now_name, best_row(rows, rate)["layout"]) if streak is not None
               else 0)
+    refined = searched_finer(rows, cur, cfg.min_gain, rate, ev, tp, cfg.tune.search.attainment)
     v = verdict(rows, cur, cfg.min_gain, dwell_left, agreed, confirm, rate)
+    if refined:
+        v = replace(v, reason=f"{v.reason} (goodputs searched {refined} steps finer)")
     if v.act and calm and streak is not None and agreed + 1 < cfg.confirm:
         v = replace(v, reason=f"{v.reason}; {calm}")  # what let it act on this look alone
     measured = served(rows_read, cfg.tune.search.ttft_slo, cfg.tune.search.tpot_slo)
     out = {"requests": len(reqs), "workers": roles, "current": now_name,
            "attainment_measured": measured, "window_rps": rate,
            "configurations": rows, "recommended": v.best["layout"], "gain": v.gain,
-           "ranked_by": v.by, "steady": calm,
+           "ranked_by": v.by, "steady": calm, "refined": refined,
            "reason": v.reason, "validation": validation_error(cfg.results), "action": "none",
            "profile_unchecked": "" if profile.fingerprint else (
                "the profile records no model fingerprint (measured before Baton recorded "
@@ -525,6 +533,56 @@ def live_once(cfg, registry, say, fits: dict | None = None,
     if streak is not None:
         streak.record(now_name, v, bool(out["switches"]))
     return out
+
+
+def undecided(rows: list[dict], current: Layout | None, min_gain: float,
+              rate: float | None = None) -> list[dict]:
+    """The rows whose goodput brackets leave the look undecided ([]: decided): ranked by
+    goodput, no layout is surely --min-gain over the current one (its goodput over the
+    lowest rate the current one failed), yet some might be (the lowest rate it failed over
+    the current's goodput). Those and the current one's, to search finer."""
+    if current is None or overloaded(rows, rate, "attainment_live"):
+        return []
+    cur = next((r for r in rows if r["layout"] == current.name), None)
+    if cur is None or cur["goodput_rps"] <= 0 or cur.get("goodput_below_rps") is None:
+        return []
+    others = [r for r in rows if r is not cur]
+    if any(r["goodput_rps"] / cur["goodput_below_rps"] - 1 >= min_gain for r in others):
+        return []  # a gain past --min-gain whatever the brackets hold
+    rivals = [r for r in others if r.get("goodput_below_rps") is not None
+              and r["goodput_below_rps"] / cur["goodput_rps"] - 1 >= min_gain]
+    return [cur, *rivals] if rivals else []
+
+
+def searched_finer(rows: list[dict], current: Layout | None, min_gain: float,
+                   rate: float | None, ev, tp: int, target: float) -> int:
+    """Bisects the goodput brackets of :func:`undecided`'s rows 2 steps more at a time (in
+    place; up to :data:`MORE_STEPS`) until the look is decided; the steps more searched.
+    ``ev``: the look's evaluator (its ``at(layout, rate)``), ``tp`` the layouts' workers'
+    tensor-parallel size."""
+    refined = 0
+    while refined < MORE_STEPS:
+        todo = undecided(rows, current, min_gain, rate)
+        if not todo:
+            break
+        refined += 2
+        narrow_rows(todo, ev, tp, target, 2)
+    return refined
+
+
+def narrow_rows(rows: list[dict], ev, tp: int, target: float, steps: int) -> None:
+    """``steps`` more bisections of each row's goodput bracket (``goodput_rps`` met the
+    attainment target, ``goodput_below_rps`` failed), in place; a row with no failing rate
+    above the one that met (every rate searched met it) stays."""
+    from baton.control.workload import narrow
+
+    for row in rows:
+        hi = row.get("goodput_below_rps")
+        if hi is None or hi <= row["goodput_rps"]:
+            continue
+        layout = Layout(row["prefill"], row["decode"], row["colocated"], tp, tp)
+        row["goodput_rps"], row["goodput_below_rps"], _ = narrow(
+            lambda r, layout=layout: ev.at(layout, r), row["goodput_rps"], hi, target, steps)
 
 
 def _sampling_unmeasured(profile, reqs) -> str:

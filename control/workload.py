@@ -261,6 +261,22 @@ def lowest_failing(points: list[tuple[float, float]], target: float = 0.9) -> fl
     return min((rate for rate, a in points if not _met(a, target)), default=None)
 
 
+def narrow(attainment_at: Callable[[float], float], lo: float, hi: float, target: float,
+           steps: int) -> tuple[float, float, list[tuple[float, float]]]:
+    """``steps`` more bisections of a goodput bracket (``lo`` met ``target``, ``hi`` failed):
+    (lo, hi, [(rate, attainment), ...] of the rates tried)."""
+    points: list[tuple[float, float]] = []
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        a = attainment_at(mid)
+        points.append((mid, a))
+        if _met(a, target):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi, points
+
+
 def find_goodput(attainment_at: Callable[[float], float], start: float, target: float = 0.9,
                  max_rate: float = 1e6, refine: int = 3,
                  min_rate: float | None = None) -> tuple[float, list[tuple[float, float]]]:

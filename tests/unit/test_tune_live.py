@@ -248,6 +248,67 @@ def test_it_never_switches_on_a_gain_inside_the_goodput_search_steps():
     assert verdict(rows, Layout(0, 2, colocated=True), 0.05, 0.0).act
 
 
+def test_a_gain_inside_the_goodput_search_steps_is_searched_finer_until_it_says():
+    """Shifting-load runs 24 and 28 held 1P+1D for minutes: look after look the two layouts'
+    goodputs shared a step of the search (a tie, 0.0%) or colocated was +14-20% inside its
+    steps ("at least +0.0%"), and each such look broke the --confirm row the one before had
+    started. A look now bisects the brackets of the current layout and of every layout that
+    might be --min-gain over it, 2 steps at a time, up to 4 more, until one surely is or none
+    can be. Attainment here is a step at each layout's true goodput: this is the search's
+    logic (the simulator's attainment is tests/unit/test_tune.py's)."""
+    from baton.control.tune_live import MORE_STEPS, searched_finer, undecided
+    from baton.control.workload import find_goodput, lowest_failing
+
+    colo = Layout(0, 2, colocated=True)
+
+    class Steps:  # the attainment of a layout whose true goodput is tops[its name]
+        def __init__(self, tops):
+            self.tops, self.asked = tops, []
+
+        def at(self, layout, rate):
+            self.asked.append((layout.name, rate))
+            return 1.0 if rate <= self.tops[layout.name] else 0.0
+
+    def look(tops):  # the look's first search (--refine 2 from 0.5 req/s), and its evaluator
+        rows = []
+        for row in ROWS:
+            good, points = find_goodput(lambda r, n=row["layout"]: 1.0 if r <= tops[n] else 0.0,
+                                        0.5, refine=2)
+            rows.append({**row, "goodput_rps": good, "goodput_below_rps": lowest_failing(points)})
+        return Steps(tops), rows
+
+    # the 2026-11-29 look above: colocated sustains 3.9, 1P+1D 4.2 (+7.7%); the first search
+    # has colocated 3.5-4.0 and 1P+1D 4.0-5.0 (inside the steps), two steps more 3.875-4.0
+    # and 4.0-4.25 (still), four 3.875-3.906 and 4.1875-4.25: at least +7.2%, it acts
+    ev, rows = look({"1P+1D": 4.2, "2 colocated": 3.9})
+    assert "within the goodput search's steps" in verdict(rows, colo, 0.05, 0.0).reason
+    assert undecided(rows, colo, 0.05) == [rows[1], rows[0]]
+    assert searched_finer(rows, colo, 0.05, None, ev, 1, 0.9) == 4 == MORE_STEPS
+    assert rows[0]["goodput_rps"] == 4.1875 and rows[1]["goodput_below_rps"] == 3.90625
+    assert len(ev.asked) == 8 and undecided(rows, colo, 0.05) == []  # 2 layouts x 4 steps
+    assert verdict(rows, colo, 0.05, 0.0).act
+    # run 24's ties: both layouts 3.5-4.0 on the first search, 1P+1D truly +7.7%: a tie stays
+    # with the current layout, but it is undecided too, and four steps more say it
+    ev, rows = look({"1P+1D": 4.2 * 0.93, "2 colocated": 3.9 * 0.93})
+    assert rows[0]["goodput_rps"] == rows[1]["goodput_rps"] == 3.5
+    assert verdict(rows, colo, 0.05, 0.0).reason.startswith("stay")
+    assert searched_finer(rows, colo, 0.05, None, ev, 1, 0.9) == 4
+    assert verdict(rows, colo, 0.05, 0.0).act
+    # goodputs 1% apart: once the brackets say no layout can be 5% over (both 3.875-4.0 two
+    # steps on), it stops, and nothing switches
+    ev, rows = look({"1P+1D": 3.94, "2 colocated": 3.9})
+    assert searched_finer(rows, colo, 0.05, None, ev, 1, 0.9) == 2
+    assert undecided(rows, colo, 0.05) == [] and not verdict(rows, colo, 0.05, 0.0).act
+    # decided by the first search, either way: nothing is searched again
+    for tops, acts in (({"1P+1D": 4.2, "2 colocated": 2.9}, True),  # surely +33% at least
+                       ({"1P+1D": 3.9, "2 colocated": 4.2}, False)):  # 1P+1D under 4.0
+        ev, rows = look(tops)
+        assert searched_finer(rows, colo, 0.05, None, ev, 1, 0.9) == 0 and ev.asked == []
+        assert verdict(rows, colo, 0.05, 0.0).act is acts
+    # past every goodput the share served ranks, not goodput: nothing to search
+    ev, rows = look({"1P+1D": 4.2, "2 colocated": 3.9})
+    assert undecided([{**r, "attainment_live": 0.5} for r in rows], colo, 0.05, rate=9.0) == []
+
 def test_it_looks_again_sooner_while_the_window_fills():
     filling = {"action": "none", "requests": 16, "filling": True, "reason": "under"}
     assert next_look_in(filling, 30.0, 5.0) == 5.0  # the first decision not a whole --every late
