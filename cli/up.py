@@ -247,13 +247,19 @@ def _check(a: UpConfig) -> str:
 
 
 def _preflight(a: UpConfig) -> str:
-    """What can be checked before any process starts ("" when all is well): the model is
-    there and of a kind Baton serves, and the router's ports are free."""
+    """What can be checked before any process starts ("" when all is well): the workers'
+    ``$BATON_HUGE_PAGES``, the model is there and of a kind Baton serves, and the router's
+    ports are free."""
     import socket
 
     from baton.engine.errors import ModelLoadError
     from baton.engine.loader import check_model
+    from baton.engine.model import huge_pages
 
+    try:  # every worker reads it: one bad value, refused before any of them starts
+        huge_pages()
+    except ValueError as e:
+        return str(e)
     try:
         check_model(a.model)
     except ModelLoadError as e:

@@ -133,10 +133,15 @@ class WorkerBoot:
 
 def boot_worker(cfg: WorkerConfig) -> WorkerBoot:
     """Logging, UCX reporting, the engine, a bound (not started) gRPC server, the NIXL agent."""
+    from baton.engine.model import huge_pages
     from baton.transfer.agent import KVAgent, configure_ucx
 
     net, role = cfg.server, cfg.role
     setup_logging(net.log_level)
+    try:  # refused by name on any device, not only where a CPU pool or weight reads it
+        huge_pages()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     # before the agent: UCX reads its environment once
     configure_ucx(loopback_only=is_loopback(net.host))
     try:

@@ -38,6 +38,21 @@ def test_baton_worker_runs_each_role():
     assert "--kv-cache-dtype fp8" in r.stderr.strip().splitlines()[-1]
 
 
+def test_a_bad_huge_pages_setting_is_refused_by_name_on_any_device(monkeypatch):
+    """``$BATON_HUGE_PAGES`` is read where a CPU pool or weight is made resident; a worker on a
+    GPU (its pool on the device) never read it, so a bad value passed in silence there. The
+    worker now refuses it as it starts, whatever its device (before its model: the path here
+    does not exist), and `baton up` before starting anything."""
+    monkeypatch.setenv("BATON_HUGE_PAGES", "yes")
+    said = ("error: $BATON_HUGE_PAGES='yes': 1 (transparent huge pages, the default) or 0 "
+            "(plain pages)")
+    r = run("-m", "baton.services.decode", "--model", "/no/such/path", "--device", "cpu")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1] == said
+    r = run("-m", "baton.cli.main", "up", "--model", "/no/such/path")
+    assert r.returncode == 2 and r.stderr.strip() == said and r.stdout == ""
+
+
 def test_baton_up_checks_the_model_before_starting_anything(tmp_path):
     r = run("-m", "baton.cli.main", "up", "--model", "/no/such/path")
     assert r.returncode == 2
