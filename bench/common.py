@@ -52,6 +52,10 @@ def machine() -> dict:
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
+    # the engine's CPU weights and KV pool on transparent huge pages (1, the default) or not
+    # (engine/model.py): a start ~6.7x and a decode ~1.03x apart on the 2-vCPU VM
+    # (bench/huge_pages.py), so a figure says which it ran under
+    info["baton_huge_pages"] = os.environ.get("BATON_HUGE_PAGES", "1")
     return info
 
 
