@@ -48,10 +48,11 @@ from baton.control.tune import arrival_rate, overloaded, ranked_best
 from baton.control.workload import lowest_failing
 
 LAST_APPLY = "baton:tune:last_apply"  # Redis: unix time of the last switch --apply made
-# a gain inside the goodput search's brackets is searched further, up to this many more
-# bisections of the two layouts' brackets (--refine's steps, 2 at a time): shifting-load runs
-# 24 and 28 held 1P+1D for minutes on looks whose colocated was +14-20% but whose brackets
-# overlapped ("at least +0.0%"), each breaking the --confirm row the look before had started
+# a look whose goodput brackets leave the switch open (undecided) searches further, up to
+# this many more bisections (2 at a time) of the current layout's bracket and of those that
+# might be --min-gain over it: shifting-load runs 24 and 28 held 1P+1D for minutes on looks
+# whose goodputs tied in one step or differed inside the steps ("at least +0.0%"), each
+# breaking the --confirm row the look before had started
 MORE_STEPS = 4
 # a window is steady when its first and last thirds (by arrival time) agree on the requests
 # that arrived (within STEADY_COUNT_WITHIN: a Poisson stream's thirds of 4-8 requests can
@@ -642,6 +643,7 @@ def next_look_in(out: dict, every: float, fill_every: float) -> float:
 def run_live(cfg) -> int:
     from baton.control.redis_client import connect
     from baton.control.registry import WorkerRegistry
+    from redis.exceptions import RedisError
 
     registry = WorkerRegistry(connect(cfg.redis_url, socket_timeout=5))
 
@@ -654,8 +656,6 @@ def run_live(cfg) -> int:
         say(f"the profile of TP {tp} {profile.age()}")
     fits: dict = {}  # the calibration's fits, carried from look to look
     streak = Streak() if cfg.every else None  # --confirm counts repeated looks only
-    from redis.exceptions import RedisError
-
     while True:
         try:
             out = live_once(cfg, registry, say, fits, streak)

@@ -313,10 +313,5 @@ def find_goodput(attainment_at: Callable[[float], float], start: float, target: 
             hi = rate
         if lo is None:
             return 0.0, points
-    for _ in range(refine):
-        mid = (lo + hi) / 2
-        if ok(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo, points
+    lo, _, tried = narrow(attainment_at, lo, hi, target, refine)
+    return lo, points + tried
