@@ -502,7 +502,7 @@ def live_once(cfg, registry, say, fits: dict | None = None,
     v = verdict(rows, cur, cfg.min_gain, dwell_left, agreed, confirm, rate)
     if refined:
         v = replace(v, reason=f"{v.reason} (goodputs searched {refined} steps finer)")
-    if v.act and calm and streak is not None and agreed + 1 < cfg.confirm:
+    if v.act and calm and agreed + 1 < cfg.confirm:  # calm: only ever said when repeating
         v = replace(v, reason=f"{v.reason}; {calm}")  # what let it act on this look alone
     measured = served(rows_read, cfg.tune.search.ttft_slo, cfg.tune.search.tpot_slo)
     out = {"requests": len(reqs), "workers": roles, "current": now_name,
