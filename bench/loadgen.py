@@ -4,7 +4,8 @@ A *workload* is a list of :class:`Req` (prompt token ids, output length, arrival
 *target* runs one request and returns a :class:`Record` of when each token arrived: Baton's
 gRPC API (:class:`GrpcTarget`) or any OpenAI-compatible ``/v1/completions`` (:class:`OpenAITarget`:
 Baton's HTTP front, vLLM, ...). :func:`run` drives a target open-loop (each request at its
-arrival time, however many are in flight) or closed-loop (``concurrency`` in flight).
+arrival time, from up to 512 clients; its times count from its arrival even when it waited for
+a client) or closed-loop (``concurrency`` in flight).
 :func:`summarize` turns records into TTFT / TPOT / ITL / end-to-end statistics, throughput and
 SLO attainment; :func:`find_goodput` searches the highest rate at which a share (90%) of requests
 meet both SLOs.
@@ -191,28 +192,41 @@ def target_for(spec: str, **kw):
 # ---- running -------------------------------------------------------------------------------------
 
 
+OPEN_LOOP_CLIENTS = 512
+
+
 def run(target: Callable[[Req], Record], reqs: Sequence[Req], concurrency: int = 0,
-        progress: Callable[[int, int], None] | None = None) -> tuple[list[Record], float]:
+        progress: Callable[[int, int], None] | None = None,
+        clients: int = OPEN_LOOP_CLIENTS) -> tuple[list[Record], float]:
     """Send ``reqs``: open loop at their ``at`` times (``concurrency`` 0), or closed loop with
-    ``concurrency`` in flight. Returns the records (in request order) and the wall time."""
+    ``concurrency`` in flight. Returns the records (in request order) and the wall time.
+
+    Open loop sends from at most ``clients`` threads. A request that arrives while all of
+    them wait on earlier ones is sent when one is free, and its times count from its arrival
+    (``Record.late``: how long it waited for a client), so a backlog past ``clients`` shows in
+    TTFT and end-to-end time instead of vanishing from them; the servers see it late."""
     records: list[Record | None] = [None] * len(reqs)
     done = 0
     lock = threading.Lock()
+    t0 = time.monotonic()
 
     def one(i: int) -> None:
         nonlocal done
-        records[i] = target(reqs[i])
+        rec = target(reqs[i])
+        if concurrency <= 0:
+            due = t0 + reqs[i].at
+            rec.late, rec.sent = max(rec.sent - due, 0.0), min(rec.sent, due)
+        records[i] = rec
         with lock:
             done += 1
             if progress is not None:
                 progress(done, len(reqs))
 
-    t0 = time.monotonic()
     if concurrency > 0:
         with ThreadPoolExecutor(concurrency) as ex:
             list(ex.map(one, range(len(reqs))))
     else:
-        with ThreadPoolExecutor(min(512, max(1, len(reqs)))) as ex:
+        with ThreadPoolExecutor(min(clients, max(1, len(reqs)))) as ex:
             for i, r in enumerate(reqs):
                 wait = t0 + r.at - time.monotonic()
                 if wait > 0:
@@ -290,6 +304,9 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo: float,
         "tpot_s": stats([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": stats([x for r in ok for x in r.itls()]),
         "e2e_s": stats([r.e2e for r in ok if r.e2e is not None]),
+        # open loop: each request's wait for a free client, counted in its TTFT (see run)
+        "late_s": {**stats([r.late for r in records]),
+                   "max": max((r.late for r in records), default=None)},
         "output_tokens_per_s": out_tokens / wall_s if wall_s > 0 else None,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
         "slo": {"ttft_s": ttft_slo, "tpot_s": tpot_slo},

@@ -300,15 +300,30 @@ def _score(a, name, records, wall, shape, phases, tuned, roles) -> dict:
         per_phase.append({"phase": ph.name, "requests": len(rs), "met_slo": good,
                           "goodput_rps": good / (a.minutes * 60), "attainment": s["attainment"],
                           "failed": len(rs) - s["succeeded"], "errors": s["errors"],
-                          "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"]})
+                          "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"], "late_s": s["late_s"]})
     good = sum(lg.meets(r, a.ttft_slo, a.tpot_slo) for r in records)
     failed = sum(r.error is not None for r in records)
     out = {"setup": name, "requests": len(records), "met_slo": good,
            "goodput_rps": good / duration, "attainment": good / len(records) if records else 0,
-           "failed": failed, "wall_s": wall, "phases": per_phase, "roles_at_end": roles}
+           "failed": failed, "wall_s": wall, "phases": per_phase, "roles_at_end": roles,
+           "outstanding_peak": outstanding_peak(records),
+           "late_over_1s": sum(r.late > 1.0 for r in records)}
     if tuned is not None:
         out["tuner"] = tuned
     return out
+
+
+def outstanding_peak(records) -> int:
+    """The most requests arrived and not yet ended at once: past the load generator's clients
+    (`bench/loadgen.py run`), the rest wait for one, late (``late_over_1s``)."""
+    events = sorted([(r.sent, 1) for r in records]
+                    + [(r.end if r.end is not None else r.sent + r.late, -1) for r in records],
+                    key=lambda e: (e[0], e[1]))
+    peak = n = 0
+    for _, d in events:
+        n += d
+        peak = max(peak, n)
+    return peak
 
 
 def main(argv=None) -> int:
@@ -523,6 +538,11 @@ def table(results: list[dict], summary: dict) -> str:
         if r.get("speed"):
             lines.append(f"machine speed, {r['setup']} round {r.get('round', 0) + 1}: "
                          + speed_line(r["speed"]))
+    for r in results:
+        if "outstanding_peak" in r:
+            lines.append(f"clients, {r['setup']} round {r.get('round', 0) + 1}: at most "
+                         f"{r['outstanding_peak']} requests outstanding; "
+                         f"{r['late_over_1s']} waited over 1 s for a client (timed from arrival)")
     for r in results:
         if r.get("cpu_s"):
             lines.append(f"CPU s over the trace, {r['setup']} round {r.get('round', 0) + 1}: "

@@ -221,6 +221,9 @@ class Record:
     path: str | None = None
     stages: dict[str, float] | None = None
     cached_tokens: int | None = None  # prompt tokens the worker reused (its pool or tiers)
+    # open loop: seconds from the request's arrival time to its send (a client free to send
+    # it); ``sent`` is then the arrival, so its TTFT and end-to-end time count that wait
+    late: float = 0.0
 
     @property
     def ttft(self) -> float | None:

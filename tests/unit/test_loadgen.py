@@ -191,6 +191,55 @@ def test_closed_loop_counts_successes_errors_and_short_outputs():
     assert loop.ok == n // 3
 
 
+def test_an_open_loop_request_waiting_for_a_client_counts_the_wait_in_its_times():
+    # open loop sends from a bounded pool of clients; a request that arrives while every
+    # client is busy is sent when one is free, and its TTFT still counts from its arrival
+    import threading
+    import time as _time
+
+    from baton.bench.loadgen import Record, Req
+
+    lock, started = threading.Lock(), []
+    busy, release = threading.Event(), threading.Event()
+
+    def target(req):
+        rec = Record(len(req.prompt), req.max_tokens, _time.monotonic())
+        with lock:
+            started.append(req.max_tokens)
+            if len(started) == 2:
+                busy.set()
+        if req.max_tokens < 2:  # the first two hold both clients until released
+            assert release.wait(60)
+        rec.first = rec.end = _time.monotonic()
+        rec.chunk_times, rec.output_tokens = [rec.first], 1
+        return rec
+
+    reqs = [Req([1, 2, 3], i, at=0.0) for i in range(4)]
+    out: list = []
+    runner = threading.Thread(target=lambda: out.append(lg.run(target, reqs, clients=2)))
+    runner.start()
+    assert busy.wait(60)
+    with lock:
+        assert sorted(started) == [0, 1]  # no third client to send the others
+    released_at = _time.monotonic()
+    release.set()
+    runner.join(60)
+    records, _ = out[0]
+    t0 = records[0].sent  # every request arrived at the run's start
+    assert all(r.sent == t0 for r in records)
+    for r in records[:2]:
+        assert r.sent + r.late < released_at
+    for r in records[2:]:  # sent only once a client was free, timed from the arrival
+        assert r.sent + r.late >= released_at
+        assert r.ttft >= released_at - t0 and r.ttft >= r.late > 0
+    s = lg.summarize(records, 1.0, 10.0, 1.0)
+    assert s["late_s"]["n"] == 4 and s["late_s"]["max"] == max(r.late for r in records)
+    # closed loop has no arrival times: nothing is late
+    records, _ = lg.run(lambda req: Record(3, req.max_tokens, _time.monotonic(),
+                                           _time.monotonic()), reqs[2:], 1)
+    assert [r.late for r in records] == [0.0, 0.0]
+
+
 def test_each_rate_is_measured_over_its_draws_each_with_its_own_arrivals():
     # `baton bench --goodput --draws 2`: every rate the search tries runs twice, the same
     # requests with the Poisson arrivals of seeds --seed and --seed+1, and the search goes by

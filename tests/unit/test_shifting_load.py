@@ -58,6 +58,26 @@ def test_the_table_names_each_round_and_the_pooled_ratios():
     assert "live tuner, all rounds pooled: 1.42x" in text
 
 
+def test_a_setup_says_how_many_requests_were_outstanding_and_how_many_waited_for_a_client():
+    from baton.bench.loadgen import Record
+    from baton.bench.shifting_load import outstanding_peak, table
+
+    def rec(sent, end, late=0.0, error=None):
+        r = Record(10, 4, sent, end=end, error=error)
+        r.late = late
+        return r
+
+    # arrivals at 0, 1, 2 overlap (3 outstanding at 2.5); the one ending at 3 frees its place
+    # for the arrival at 3; a failure without an end counts until it was sent
+    recs = [rec(0, 3), rec(1, 4), rec(2, 5.5, late=1.5), rec(3, 6), rec(7, None, 0.5, "X")]
+    assert outstanding_peak(recs) == 3
+    assert outstanding_peak([]) == 0
+    row = {**_res("live", 0, 285, 0, 1), "attainment": 0.2, "phases": [],
+           "outstanding_peak": 3, "late_over_1s": 1}
+    assert ("clients, live round 1: at most 3 requests outstanding; 1 waited over 1 s for a "
+            "client" in table([row], {"failed_requests": 0}))
+
+
 def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(capsys, tmp_path):
     from baton.bench.shifting_load import main
 
