@@ -32,7 +32,7 @@ with the ``--profile`` given (the machine's own profile, say), and runs nothing.
 
     python bench/shifting_load.py [--minutes 4] [--profile FILE] [--only live] [--rounds 1]
         [--tuner-every 30] [--tuner-min-dwell 90] [--tuner-confirm 2] [--tuner-min-requests 20]
-        [--window 60]
+        [--window 60] [--clients 512]
     python bench/shifting_load.py --replay bench/results/shifting-load-STAMP.json --profile FILE
 
 Before any setup starts, a trace the profile's machine cannot serve is refused: when the
@@ -104,6 +104,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the tuner's --min-requests: the fewest requests in the window it "
                          "decides on (default 20, as runs 1-29 had)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clients", type=int, default=512,
+                    help="client threads sending the trace (default 512, as every run so far "
+                         "had): past that many outstanding, requests wait for a client and "
+                         "reach the router late (timed from their arrival all the same; "
+                         "`late_over_1s` counts them)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the setups this many times, each round in the reverse order of "
                          "the one before; scored per round and pooled (default 1)")
@@ -235,7 +240,8 @@ def run_setup(a: argparse.Namespace, name: str, shape, phases, kind: str | None 
                 tuner = Tuner(a, setup.router.http_address, redis.url)
             procs = _processes(setup, tuner)
             before = {k: _cpu_s(pid) for k, pid in procs.items()}
-            records, wall = lg.run(target, reqs, progress=_progress(name, len(reqs)))
+            records, wall = lg.run(target, reqs, progress=_progress(name, len(reqs)),
+                                   clients=a.clients)
             cpu = {k: round(_cpu_s(pid) - before[k], 1) for k, pid in procs.items()}
             roles = _roles(redis.url)
             tuned = tuner.stop() if tuner else None
@@ -340,6 +346,9 @@ def main(argv=None) -> int:
         return 2
     if a.rounds < 1:
         print(f"error: --rounds {a.rounds}: must be >= 1", file=sys.stderr)
+        return 2
+    if a.clients < 1:
+        print(f"error: --clients {a.clients}: must be >= 1", file=sys.stderr)
         return 2
     if a.replay is not None:
         return replay(a)

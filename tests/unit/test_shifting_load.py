@@ -83,6 +83,8 @@ def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(caps
 
     assert main(["--rounds", "0"]) == 2
     assert "--rounds 0: must be >= 1" in capsys.readouterr().err
+    assert main(["--clients", "0"]) == 2
+    assert "--clients 0: must be >= 1" in capsys.readouterr().err
     # the speed check reads the profile even with no tuner among the setups
     missing = tmp_path / "none.json"
     assert main(["--only", "1P+1D", "--profile", str(missing)]) == 2
