@@ -68,9 +68,12 @@ def test_a_setup_says_how_many_requests_were_outstanding_and_how_many_waited_for
         return r
 
     # arrivals at 0, 1, 2 overlap (3 outstanding at 2.5); the one ending at 3 frees its place
-    # for the arrival at 3; a failure without an end counts until it was sent
-    recs = [rec(0, 3), rec(1, 4), rec(2, 5.5, late=1.5), rec(3, 6), rec(7, None, 0.5, "X")]
+    # for the arrival at 3; a failure without an end counts until it was sent (7.5), so the
+    # three arrivals after it make 3 again, not 4
+    recs = [rec(0, 3), rec(1, 4), rec(2, 5.5, late=1.5), rec(3, 6), rec(7, None, 0.5, "X"),
+            rec(7.6, 9), rec(7.7, 9), rec(7.8, 9)]
     assert outstanding_peak(recs) == 3
+    assert outstanding_peak(recs[:4] + [rec(7, None, 2.0, "X")] + recs[5:]) == 4
     assert outstanding_peak([]) == 0
     row = {**_res("live", 0, 285, 0, 1), "attainment": 0.2, "phases": [],
            "outstanding_peak": 3, "late_over_1s": 1}
