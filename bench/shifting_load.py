@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from baton.bench.common import RESULTS, machine, other_processor, write_result
+from baton.bench.loadgen import OPEN_LOOP_CLIENTS
 
 SETUPS = ("1P+1D", "2 colocated", "live")
 FIXED = {"1P+1D": (1, 1, False), "2 colocated": (0, 2, True)}  # (prefill, decode, colocated)
@@ -104,11 +105,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the tuner's --min-requests: the fewest requests in the window it "
                          "decides on (default 20, as runs 1-29 had)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--clients", type=int, default=512,
-                    help="client threads sending the trace (default 512, as every run so far "
-                         "had): past that many outstanding, requests wait for a client and "
-                         "reach the router late (timed from their arrival all the same; "
-                         "`late_over_1s` counts them)")
+    ap.add_argument("--clients", type=int, default=OPEN_LOOP_CLIENTS,
+                    help=f"client threads sending the trace (default {OPEN_LOOP_CLIENTS}, as "
+                         "every run so far had): past that many outstanding, requests wait "
+                         "for a client and reach the router late (timed from their arrival "
+                         "all the same; `late_over_1s` counts them)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the setups this many times, each round in the reverse order of "
                          "the one before; scored per round and pooled (default 1)")
