@@ -80,7 +80,7 @@ class GrpcTarget:
             rec.path, rec.stages = stream.result.path, ttft_stages(stream.result)
             rec.cached_tokens = stream.result.usage.cached_tokens
         except BatonError as e:
-            rec.error = e.code.name
+            rec.error, rec.detail = e.code.name, str(e)[:300]
         return rec
 
     def close(self) -> None:
@@ -222,16 +222,22 @@ def run(target: Callable[[Req], Record], reqs: Sequence[Req], concurrency: int =
             if progress is not None:
                 progress(done, len(reqs))
 
-    if concurrency > 0:
-        with ThreadPoolExecutor(concurrency) as ex:
+    ex = ThreadPoolExecutor(concurrency if concurrency > 0 else min(clients, max(1, len(reqs))))
+    try:
+        if concurrency > 0:
             list(ex.map(one, range(len(reqs))))
-    else:
-        with ThreadPoolExecutor(min(clients, max(1, len(reqs)))) as ex:
+        else:
             for i, r in enumerate(reqs):
                 wait = t0 + r.at - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
                 ex.submit(one, i)
+        ex.shutdown(wait=True)
+    except BaseException:
+        # Ctrl-C (or an error): a request not yet started never is, and the caller does not
+        # wait for those in flight, which end when it stops their servers
+        ex.shutdown(wait=False, cancel_futures=True)
+        raise
     return records, time.monotonic() - t0  # type: ignore[return-value]
 
 
@@ -294,12 +300,16 @@ def summarize(records: Sequence[Record], wall_s: float, ttft_slo: float,
               tpot_slo: float) -> dict:
     ok = [r for r in records if r.error is None]
     errors: dict[str, int] = {}
+    said: dict[str, str] = {}  # each error's first message, where the target gives one
     for r in records:
         if r.error is not None:
             errors[r.error] = errors.get(r.error, 0) + 1
+            if r.detail and r.error not in said:
+                said[r.error] = r.detail
     out_tokens = sum(r.output_tokens for r in ok)
     return {
-        "requests": len(records), "succeeded": len(ok), "errors": errors, "wall_s": wall_s,
+        "requests": len(records), "succeeded": len(ok), "errors": errors,
+        "error_details": said, "wall_s": wall_s,
         "ttft_s": stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_s": stats([r.tpot for r in ok if r.tpot is not None]),
         "itl_s": stats([x for r in ok for x in r.itls()]),

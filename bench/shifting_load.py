@@ -23,7 +23,10 @@ its prefill and decode step ratios, ~15 s) and kept with the setup's result, and
 N`` runs the setups N times, each round in the reverse order of the one before (1P+1D,
 colocated, live; then live, colocated, 1P+1D), so a machine that slows or speeds up over the
 hour weighs on every setup alike. Each round is scored on its own (as a one-round run is) and
-all rounds pooled: each setup's met requests over all its rounds.
+all rounds pooled: each setup's met requests over all its rounds. Stopped part way (Ctrl-C or
+SIGTERM; a round takes ~50 min), the running setup's processes stop, the setups that finished
+are written with ``stopped`` saying where, and the ratios score the rounds every setup
+finished (exit status 130).
 
 Beside the measured setups, the simulator's account of each fixed layout on the same trace with
 the tuner's profile (met requests per phase; ~1 s): how far the costs the tuner decides on are
@@ -46,6 +49,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -307,6 +311,7 @@ def _score(a, name, records, wall, shape, phases, tuned, roles) -> dict:
         per_phase.append({"phase": ph.name, "requests": len(rs), "met_slo": good,
                           "goodput_rps": good / (a.minutes * 60), "attainment": s["attainment"],
                           "failed": len(rs) - s["succeeded"], "errors": s["errors"],
+                          "error_details": s["error_details"],
                           "ttft_s": s["ttft_s"], "tpot_s": s["tpot_s"], "late_s": s["late_s"]})
     good = sum(lg.meets(r, a.ttft_slo, a.tpot_slo) for r in records)
     failed = sum(r.error is not None for r in records)
@@ -369,24 +374,58 @@ def main(argv=None) -> int:
     if (why := out_of_reach(sim)) and not a.anyway:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    results = []
-    for r, name in round_order(names, a.rounds):
-        print(f"== {name} (round {r + 1} of {a.rounds})", file=sys.stderr, flush=True)
-        before = speed_check(a) if a.speed_check else None
-        res = run_setup(a, name, shape, PHASES)
-        res["round"] = r
-        if a.speed_check:
-            res["speed"] = {"before": before, "after": speed_check(a)}
-            print(f"  speed: {speed_line(res['speed'])}", file=sys.stderr, flush=True)
-        results.append(res)
-    summary = pooled(results, a.rounds)
+    results: list[dict] = []
+    stopped = None
+    term = signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the running setup stops
+    try:
+        for r, name in round_order(names, a.rounds):
+            stopped = f"{name} round {r + 1}"
+            print(f"== {name} (round {r + 1} of {a.rounds})", file=sys.stderr, flush=True)
+            before = speed_check(a) if a.speed_check else None
+            res = run_setup(a, name, shape, PHASES)
+            res["round"] = r
+            if a.speed_check:
+                res["speed"] = {"before": before, "after": speed_check(a)}
+                print(f"  speed: {speed_line(res['speed'])}", file=sys.stderr, flush=True)
+            results.append(res)
+        stopped = None
+    except KeyboardInterrupt:
+        print(f"stopped during {stopped}", file=sys.stderr, flush=True)
+        if not results:
+            print("no setup had finished: nothing written", file=sys.stderr)
+            return 130
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    rounds = a.rounds if stopped is None else complete_rounds(results, names)
+    scored = [x for x in results if x["round"] < rounds]
+    summary = pooled(scored, rounds) if rounds else {
+        "failed_requests": sum(x["failed"] for x in results)}
+    out = {"machine": machine(), "args": vars(a), "argv": sys.argv,
+           "phases": [vars(p) for p in PHASES], "results": results, "summary": summary,
+           "simulated": sim}
+    if stopped is not None:
+        out["stopped"] = {"during": stopped, "rounds_scored": rounds}
     print(table(results, summary) + "\n" + sim_table(results, sim))
-    path = write_result("shifting-load", {
-        "machine": machine(), "args": vars(a), "argv": sys.argv,
-        "phases": [vars(p) for p in PHASES], "results": results, "summary": summary,
-        "simulated": sim})
+    if stopped is not None:
+        print(f"stopped during {stopped}: the ratios score the {rounds} round(s) every setup "
+              "finished; the setups listed past them are not scored")
+    path = write_result("shifting-load", out)
     print(f"wrote {path}")
-    return 0
+    return 0 if stopped is None else 130
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def complete_rounds(results: list[dict], names: list[str]) -> int:
+    """How many rounds, from the first, every setup of ``names`` finished (a run stopped
+    part way scores those)."""
+    n = 0
+    while names and all(any(x["round"] == n and x["setup"] == name for x in results)
+                        for name in names):
+        n += 1
+    return n
 
 
 def out_of_reach(sim: dict) -> str | None:
@@ -553,6 +592,13 @@ def table(results: list[dict], summary: dict) -> str:
             lines.append(f"clients, {r['setup']} round {r.get('round', 0) + 1}: at most "
                          f"{r['outstanding_peak']} requests outstanding; "
                          f"{r['late_over_1s']} waited over 1 s for a client (timed from arrival)")
+    for r in results:
+        for p in r["phases"]:
+            if p.get("errors"):
+                lines.append(f"failed, {r['setup']} round {r.get('round', 0) + 1}, {p['phase']}: "
+                             + ", ".join(f"{k} {v}" for k, v in p["errors"].items())
+                             + "".join(f"; first {k}: {m}"
+                                       for k, m in p.get("error_details", {}).items()))
     for r in results:
         if r.get("cpu_s"):
             lines.append(f"CPU s over the trace, {r['setup']} round {r.get('round', 0) + 1}: "

@@ -224,6 +224,8 @@ class Record:
     # open loop: seconds from the request's arrival time to its send (a client free to send
     # it); ``sent`` is then the arrival, so its TTFT and end-to-end time count that wait
     late: float = 0.0
+    detail: str | None = None  # the error's message (Baton's gRPC API: the router's; at most
+    # 300 characters), so a run's failures say why, not only which status
 
     @property
     def ttft(self) -> float | None:

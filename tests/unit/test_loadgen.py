@@ -91,9 +91,24 @@ def test_attainment_counts_failures_and_both_slos():
     s = lg.summarize(records, wall_s=2.0, ttft_slo=0.5, tpot_slo=0.3)
     assert s["attainment"] == pytest.approx(2 / 5)
     assert s["succeeded"] == 4 and s["errors"] == {"RESOURCE_EXHAUSTED": 1}
+    assert s["error_details"] == {}  # a target that gives no message (the HTTP ones)
     assert s["output_tokens_per_s"] == pytest.approx(7 / 2.0)
     assert s["ttft_s"]["n"] == 4 and s["tpot_s"]["n"] == 3
     assert s["ttft_s"]["p50"] == pytest.approx(0.15)
+
+
+def test_each_kind_of_failure_keeps_its_first_message():
+    # Baton's gRPC target keeps the router's message with the status, so a run's failures
+    # say why (a stall, a full queue), not only which status
+    first = rec(0.0, None, [], None, n=0, error="UNAVAILABLE")
+    first.detail = "UNAVAILABLE: worker 127.0.0.1:1 failed after tokens were streamed"
+    later = rec(1.0, None, [], None, n=0, error="UNAVAILABLE")
+    later.detail = "UNAVAILABLE: every attempt failed"
+    full = rec(2.0, None, [], None, n=0, error="RESOURCE_EXHAUSTED")
+    full.detail = "RESOURCE_EXHAUSTED: LimitExceededError: 1024 waiting"
+    s = lg.summarize([first, later, full, rec(0.0, 0.1, [0.1], 0.1, n=1)], 3.0, 1.0, 1.0)
+    assert s["errors"] == {"UNAVAILABLE": 2, "RESOURCE_EXHAUSTED": 1}
+    assert s["error_details"] == {"UNAVAILABLE": first.detail, "RESOURCE_EXHAUSTED": full.detail}
 
 
 def test_goodput_search_brackets_then_bisects():
@@ -238,6 +253,46 @@ def test_an_open_loop_request_waiting_for_a_client_counts_the_wait_in_its_times(
     records, _ = lg.run(lambda req: Record(3, req.max_tokens, _time.monotonic(),
                                            _time.monotonic()), reqs[2:], 1)
     assert [r.late for r in records] == [0.0, 0.0]
+
+
+def test_an_interrupted_open_loop_raises_at_once_and_sends_nothing_more():
+    # Ctrl-C (bench/shifting_load.py turns SIGTERM into it) while one request is in flight
+    # and another waits for the one client: run raises without waiting for the one in flight
+    # (its server stops next), and the waiting one is never sent
+    import threading
+    import time as _time
+
+    from baton.bench.loadgen import Record, Req
+
+    started, first, release = [], threading.Event(), threading.Event()
+
+    def target(req):
+        started.append(req.max_tokens)
+        first.set()
+        assert release.wait(60)
+        rec = Record(len(req.prompt), req.max_tokens, _time.monotonic())
+        rec.first = rec.end = _time.monotonic()
+        return rec
+
+    class CtrlC:  # the third arrival: Ctrl-C comes as the loop reads its time
+        prompt, max_tokens = [1], 2
+
+        @property
+        def at(self):
+            assert first.wait(60)
+            raise KeyboardInterrupt
+
+    before = set(threading.enumerate())
+    with pytest.raises(KeyboardInterrupt):
+        lg.run(target, [Req([1, 2, 3], 0, at=0.0), Req([1, 2, 3], 1, at=0.0), CtrlC()],
+               clients=1)
+    assert not release.is_set()  # raised with the first request still in flight
+    clients = [t for t in threading.enumerate() if t not in before]
+    release.set()
+    for t in clients:
+        t.join(60)
+        assert not t.is_alive()
+    assert started == [0]  # the second never left
 
 
 def test_each_rate_is_measured_over_its_draws_each_with_its_own_arrivals():

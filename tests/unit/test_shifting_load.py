@@ -52,7 +52,12 @@ def test_the_table_names_each_round_and_the_pooled_ratios():
     two = [{**x, "attainment": 0.2, "phases": phases}
            for x in (_res("1P+1D", 0, 220), _res("live", 0, 285, 0, 1),
                      _res("live", 1, 310, 0, 1), _res("1P+1D", 1, 200))]
+    two[2]["phases"] = [{**phases[0], "errors": {"UNAVAILABLE": 3},
+                         "error_details": {"UNAVAILABLE": "UNAVAILABLE: every attempt failed"}}]
     text = table(two, pooled(two, 2))
+    assert ("failed, live round 2, decode-heavy: UNAVAILABLE 3; first UNAVAILABLE: "
+            "UNAVAILABLE: every attempt failed") in text
+    assert text.count("failed, ") == 1  # only where requests failed
     assert "round 1, live tuner: 1.30x the worst fixed layout" in text
     assert "round 2, live tuner: 1.55x" in text
     assert "live tuner, all rounds pooled: 1.42x" in text
@@ -79,6 +84,63 @@ def test_a_setup_says_how_many_requests_were_outstanding_and_how_many_waited_for
            "outstanding_peak": 3, "late_over_1s": 1}
     assert ("clients, live round 1: at most 3 requests outstanding; 1 waited over 1 s for a "
             "client" in table([row], {"failed_requests": 0}))
+
+
+def test_a_run_stopped_part_way_writes_and_scores_the_rounds_every_setup_finished(
+        capsys, monkeypatch):
+    """Ctrl-C, or SIGTERM (turned into it), during a setup: that setup's processes stop (its
+    own cleanup), the setups that finished are written, and the ratios score only the rounds
+    every setup finished; stopped before any finished, nothing is written. SIGTERM's handler
+    is the caller's again afterwards."""
+    import signal
+
+    import baton.engine.config
+    from baton.bench import shifting_load
+    from baton.bench.common import RESULTS
+
+    monkeypatch.setattr(baton.engine.config, "processor",
+                        lambda device: "AMD EPYC (avx2 avx512f avx512_bf16 fma)")
+    written = []
+    monkeypatch.setattr(shifting_load, "write_result",
+                        lambda name, out: written.append(out) or RESULTS / "not-written.json")
+    met = {"1P+1D": 220, "2 colocated": 300, "live": 290}
+    calls = []
+
+    def run_setup(a, name, shape, phases):
+        calls.append(name)
+        if len(calls) == stop_at:
+            signal.raise_signal(signal.SIGTERM)  # as `timeout` or `kill` sends it
+            raise AssertionError("SIGTERM did not stop the setup")
+        phase = {"phase": "prefill-heavy", "attainment": 0.5, "met_slo": met[name],
+                 "tpot_s": None}
+        return {**_res(name, 0, met[name]), "attainment": 0.2, "phases": [phase]}
+
+    monkeypatch.setattr(shifting_load, "run_setup", run_setup)
+    argv = ["--minutes", "1", "--no-speed-check", "--rounds", "2",
+            "--profile", str(RESULTS / "tune-validation-profile-v8-20261202.json")]
+    mine = signal.getsignal(signal.SIGTERM)
+    stop_at = 5  # round 2's second setup (live, then 2 colocated)
+    assert shifting_load.main(argv) == 130
+    assert signal.getsignal(signal.SIGTERM) is mine
+    (out,) = written
+    assert out["stopped"] == {"during": "2 colocated round 2", "rounds_scored": 1}
+    assert [(r["setup"], r["round"]) for r in out["results"]] == [
+        ("1P+1D", 0), ("2 colocated", 0), ("live", 0), ("live", 1)]
+    assert out["summary"] == shifting_load.summarize(out["results"][:3])
+    assert out["summary"]["over_best_fixed"] == 290 / 300
+    captured = capsys.readouterr()
+    assert "stopped during 2 colocated round 2" in captured.err
+    assert ("stopped during 2 colocated round 2: the ratios score the 1 round(s) every setup "
+            "finished") in captured.out
+    assert "0.97x the best (2 colocated" in captured.out
+
+    calls.clear()
+    written.clear()
+    stop_at = 1
+    assert shifting_load.main(argv) == 130
+    assert written == [] and signal.getsignal(signal.SIGTERM) is mine
+    assert "stopped during 1P+1D round 1\nno setup had finished: nothing written" in (
+        capsys.readouterr().err)
 
 
 def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(capsys, tmp_path):
