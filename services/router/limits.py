@@ -26,6 +26,7 @@ named, instead of piling up in the router's or a worker's queue. Imports no torc
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -324,7 +325,9 @@ class StallWatch:
     :meth:`beat`) for ``timeout_s`` is cancelled from a watchdog thread and marked stalled, so
     the router can take its request elsewhere. A hung worker (SIGSTOP, a host gone without its
     TCP connection breaking) then costs ``timeout_s``, not the request's whole deadline.
-    ``timeout_s`` 0: off."""
+    While the router waits on its own client (:meth:`Watched.hold`, until the next beat) the
+    stream is not watched: a client slow to read holds back the router's reads of the worker,
+    and that silence is not the worker's. ``timeout_s`` 0: off."""
 
     class Watched:
         __slots__ = ("call", "last", "stalled")
@@ -334,6 +337,11 @@ class StallWatch:
 
         def beat(self) -> None:
             self.last = time.monotonic()
+
+        def hold(self) -> None:
+            """The router is handing a chunk to its client: quiet from here is the client's
+            (flow control), never the worker's, until the next :meth:`beat`."""
+            self.last = math.inf
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s

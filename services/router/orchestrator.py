@@ -611,13 +611,18 @@ class Orchestrator:
                     watch.beat()
                     delta = _absorb(st, chunk)
                     reason = chunk.finish_reason or reason
+                    # handing it on waits for the client to read (flow control): the time
+                    # that takes is not the worker's silence
+                    watch.hold()
                     if not reason or final is not None:
                         yield delta
+                        watch.beat()
                         continue
                     # the finishing chunk is the worker's last message: the client gets the
                     # final one now, while the worker's status is still on its way
                     for final in st.ending(delta, reason, path):
                         yield final
+                    watch.beat()
         except WorkerError as e:
             cs.end(error=e.status.name)
             return self._after_stream_error(call, e, decode, watch, final)
