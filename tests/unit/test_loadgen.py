@@ -109,6 +109,19 @@ def test_each_kind_of_failure_keeps_its_first_message():
     s = lg.summarize([first, later, full, rec(0.0, 0.1, [0.1], 0.1, n=1)], 3.0, 1.0, 1.0)
     assert s["errors"] == {"UNAVAILABLE": 2, "RESOURCE_EXHAUSTED": 1}
     assert s["error_details"] == {"UNAVAILABLE": first.detail, "RESOURCE_EXHAUSTED": full.detail}
+    # and the gRPC target fills it from the client's error (a client whose stream fails as the
+    # SDK's does when the router ends the call)
+    import grpc
+    from baton_client.errors import UnavailableError
+
+    class Failing:
+        def stream(self, **kw):
+            raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "every attempt failed")
+
+    target = lg.GrpcTarget.__new__(lg.GrpcTarget)
+    target.client, target.timeout = Failing(), 1.0
+    got = target(lg.Req([1, 2, 3], 4))
+    assert (got.error, got.detail) == ("UNAVAILABLE", "UNAVAILABLE: every attempt failed")
 
 
 def test_goodput_search_brackets_then_bisects():
