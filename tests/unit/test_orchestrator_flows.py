@@ -134,22 +134,26 @@ def test_a_stalled_stream_is_cancelled_and_migrated(tokenizer):
 def test_a_client_slow_to_read_is_not_taken_for_a_stalled_worker(tokenizer):
     # the router hands each chunk to its client before it reads the worker's next (gRPC's
     # flow control holds it there while the client does not read): that wait is the
-    # client's, so the stall watch must not cancel and migrate the worker's stream. Shifting
-    # load run 34 lost 319 requests UNAVAILABLE at once while its load generator had stopped
-    # reading for ~20 s; this is one way that could happen
+    # client's, so the stall watch must not cancel and migrate the worker's stream
     import time
+
+    def read_slowly(orch):
+        """Every message, the client not reading for 5x the stall timeout after the first
+        delta (the watchdog looks every 50 ms)."""
+        tokens, final = [], None
+        for msg in orch.generate(request(), Deadline.after(60), Cancellation()):
+            if msg.HasField("delta"):
+                if not tokens:
+                    time.sleep(1.0)
+                tokens += msg.delta.token_ids
+            else:
+                final = msg.final
+        return tokens, final
 
     orch, pool = orchestrator(tokenizer, [D1, D2], {
         "d1": [[chunk([7]), chunk([8]), chunk([9, 10], finish_reason="length")]],
         "d2": [[chunk([8, 9, 10], finish_reason="length")]]}, local=True, stall_timeout_s=0.2)
-    tokens, final = [], None
-    for msg in orch.generate(request(), Deadline.after(60), Cancellation()):
-        if msg.HasField("delta"):
-            if not tokens:  # a client that stops reading for 5x the stall timeout (the
-                time.sleep(1.0)  # watchdog looks every 50 ms): nothing may happen meanwhile
-            tokens += msg.delta.token_ids
-        else:
-            final = msg.final
+    tokens, final = read_slowly(orch)
     assert tokens == [7, 8, 9, 10]
     assert final.migrations == 0 and final.decode_worker == "d1"
     assert not pool.streams[0].cancelled.is_set() and len(pool.calls) == 1
@@ -157,14 +161,7 @@ def test_a_client_slow_to_read_is_not_taken_for_a_stalled_worker(tokenizer):
     orch, pool = orchestrator(tokenizer, [D1, D2], {
         "d1": [[chunk([7]), HANG]],
         "d2": [[chunk([8, 9, 10], finish_reason="length")]]}, local=True, stall_timeout_s=0.2)
-    tokens = []
-    for msg in orch.generate(request(), Deadline.after(60), Cancellation()):
-        if msg.HasField("delta"):
-            if not tokens:
-                time.sleep(1.0)
-            tokens += msg.delta.token_ids
-        else:
-            final = msg.final
+    tokens, final = read_slowly(orch)
     assert tokens == [7, 8, 9, 10] and final.migrations == 1
     assert pool.streams[0].cancelled.is_set()
 
