@@ -20,9 +20,17 @@ log = logging.getLogger("baton.services")
 
 def make_server(max_workers: int = 32, interceptors=(),
                 max_concurrent_rpcs: int | None = None,
-                control: Collection[str] = (), control_threads: int = 4) -> grpc.Server:
+                control: Collection[str] = (), control_threads: int = 4,
+                stall_timeout_s: float | None = None) -> grpc.Server:
     """A gRPC server on ``max_workers`` threads; with ``max_concurrent_rpcs``, calls past that
     many at once end RESOURCE_EXHAUSTED instead of queueing for a thread without bound.
+
+    ``stall_timeout_s``: how long a peer may leave what the server sent it unread (its
+    receive window full: a client process paused or too busy to read, or the machine stopped)
+    before its connection, and every call on it, is cut. gRPC cuts at 20 s by default: it sets
+    TCP_USER_TIMEOUT on a server's connections to the keepalive timeout (gRPC proposal A18),
+    which is what this sets. The server's own keepalive pings (every 2 hours by default) wait
+    as long for their answer.
 
     ``control``: full method names ("/baton.v1.WorkerAdmin/SetRole") that run on
     ``control_threads`` threads of their own. Every call holds a thread for as long as it runs
@@ -33,8 +41,11 @@ def make_server(max_workers: int = 32, interceptors=(),
         pool = futures.ThreadPoolExecutor(max_workers=control_threads,
                                           thread_name_prefix="grpc-control")
         interceptors.append(_OnOwnThreads(frozenset(control), pool))
+    options: list[tuple[str, int]] = [("grpc.so_reuseport", 0)]
+    if stall_timeout_s is not None:
+        options.append(("grpc.keepalive_timeout_ms", max(1, round(stall_timeout_s * 1000))))
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                       interceptors=interceptors, options=[("grpc.so_reuseport", 0)],
+                       interceptors=interceptors, options=options,
                        maximum_concurrent_rpcs=max_concurrent_rpcs)
 
 

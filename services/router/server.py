@@ -49,6 +49,10 @@ if TYPE_CHECKING:  # the HTTP front imports uvicorn; a router with --http-port -
 
 log = logging.getLogger("baton.services.router")
 
+# a paused client process or machine keeps its streams this long (gRPC's own default: 20 s;
+# the machine these benchmarks run on stopped for 22-38 s at times: docs/routing.md, run 37)
+CLIENT_STALL_TIMEOUT_S = 60.0
+
 # ---- flags ---------------------------------------------------------------------------------------
 
 
@@ -78,6 +82,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--startup-timeout", type=float, default=300.0,
                     help="seconds to wait for a first worker to register")
     ap.add_argument("--drain-timeout", type=float, default=30.0)
+    ap.add_argument("--client-stall-timeout", type=float, default=CLIENT_STALL_TIMEOUT_S,
+                    help="seconds a gRPC client may leave the router's answers unread (its "
+                         "process paused or too busy to read, or its machine stopped) before "
+                         "the router cuts its connection and every stream on it; gRPC's own "
+                         "default is 20 s, and the HTTP front never cuts a client for this "
+                         f"(default {CLIENT_STALL_TIMEOUT_S:g})")
     ap.add_argument("--log-level", default="INFO")
     _security_flags(ap.add_argument_group("security"))
     return ap
@@ -213,6 +223,7 @@ class RouterConfig:
     tls: tuple[str, str] | None  # (certificate file, key file)
     tier_weights: dict | None = None  # None: DEFAULT_TIER_WEIGHTS
     unknown_fields: str = "refuse"  # refuse | ignore (the OpenAI front)
+    client_stall_timeout: float = CLIENT_STALL_TIMEOUT_S  # make_server's stall_timeout_s
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> RouterConfig:
@@ -221,6 +232,8 @@ class RouterConfig:
             raise ValueError("--tls-cert and --tls-key go together")
         if a.request_timeout <= 0:
             raise ValueError(f"--request-timeout {a.request_timeout}: must be > 0")
+        if a.client_stall_timeout <= 0:
+            raise ValueError(f"--client-stall-timeout {a.client_stall_timeout}: must be > 0")
         try:
             weights = parse_weights(a.scorers)
         except ValueError as e:
@@ -303,7 +316,8 @@ def grpc_server(cfg: RouterConfig):
 
     server = make_server(max_workers=cfg.threads,
                          interceptors=[TokenAuth(cfg.keys)] if cfg.keys else [],
-                         max_concurrent_rpcs=cfg.threads)
+                         max_concurrent_rpcs=cfg.threads,
+                         stall_timeout_s=cfg.client_stall_timeout)
     if cfg.tls:
         with open(cfg.tls[0], "rb") as c, open(cfg.tls[1], "rb") as k:
             creds = grpc.ssl_server_credentials([(k.read(), c.read())])
