@@ -120,6 +120,53 @@ def settle(idle: float = 0.9, window_s: float = 0.5, max_s: float = 15.0) -> flo
         return window_s
 
 
+_PAUSE_LOOP = """
+import sys, time
+least, last = float(sys.argv[1]), time.monotonic()
+print("watching", flush=True)
+while True:
+    time.sleep(0.2)
+    now = time.monotonic()
+    if now - last - 0.2 > least:
+        print(f"{now:.3f} {now - last - 0.2:.3f}", flush=True)
+    last = now
+"""
+
+
+class PauseWatch:
+    """When the machine stopped (or left a process without a CPU) for over ``least_s``: a
+    child process of its own (none of the load generator's threads contend with it) sleeps
+    0.2 s at a time and notes each wake-up that came over ``least_s`` late. A run whose
+    clients and servers all stopped together (the VM paused: 22-38 s at times on the machine
+    of docs/routing.md, with "workqueue lockup" in dmesg past 30 s) is not the layout's doing,
+    and its result says when and for how long."""
+
+    def __init__(self, least_s: float = 2.0) -> None:
+        import subprocess
+        import threading
+
+        self.t0, self.pauses, self.watching = time.monotonic(), [], threading.Event()
+        self.proc = subprocess.Popen([sys.executable, "-c", _PAUSE_LOOP, str(least_s)],
+                                     stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("watching"):
+                self.watching.set()
+                continue
+            at, gap = (float(v) for v in line.split())
+            self.pauses.append({"at_s": round(at - gap - self.t0, 1), "s": round(gap, 1)})
+
+    def stop(self) -> list[dict]:
+        """The pauses seen: [{"at_s": seconds from the start, "s": how long}, ...]."""
+        self.proc.terminate()
+        self.proc.wait(30)
+        self._reader.join(30)
+        return list(self.pauses)
+
+
 def run_threads(target, n: int) -> None:
     """``target()`` on ``n`` threads at once; returns when every one has."""
     import threading

@@ -57,7 +57,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from baton.bench.common import RESULTS, machine, other_processor, write_result
+from baton.bench.common import RESULTS, PauseWatch, machine, other_processor, write_result
 from baton.bench.loadgen import OPEN_LOOP_CLIENTS
 
 SETUPS = ("1P+1D", "2 colocated", "live")
@@ -245,8 +245,12 @@ def run_setup(a: argparse.Namespace, name: str, shape, phases, kind: str | None 
                 tuner = Tuner(a, setup.router.http_address, redis.url)
             procs = _processes(setup, tuner)
             before = {k: _cpu_s(pid) for k, pid in procs.items()}
-            records, wall = lg.run(target, reqs, progress=_progress(name, len(reqs)),
-                                   clients=a.clients)
+            watch = PauseWatch()
+            try:
+                records, wall = lg.run(target, reqs, progress=_progress(name, len(reqs)),
+                                       clients=a.clients)
+            finally:
+                pauses = watch.stop()
             cpu = {k: round(_cpu_s(pid) - before[k], 1) for k, pid in procs.items()}
             roles = _roles(redis.url)
             tuned = tuner.stop() if tuner else None
@@ -258,7 +262,7 @@ def run_setup(a: argparse.Namespace, name: str, shape, phases, kind: str | None 
     finally:
         redis.stop()
     out = _score(a, name, records, wall, shape, phases, tuned, roles)
-    out["cpu_s"] = cpu
+    out["cpu_s"], out["pauses"] = cpu, pauses
     return out
 
 
@@ -599,6 +603,11 @@ def table(results: list[dict], summary: dict) -> str:
                              + ", ".join(f"{k} {v}" for k, v in p["errors"].items())
                              + "".join(f"; first {k}: {m}"
                                        for k, m in p.get("error_details", {}).items()))
+    for r in results:
+        if "pauses" in r:
+            lines.append(f"machine pauses over 2 s, {r['setup']} round {r.get('round', 0) + 1}: "
+                         + (", ".join(f"{p['s']:g} s at {p['at_s']:g} s" for p in r["pauses"])
+                            or "none"))
     for r in results:
         if r.get("cpu_s"):
             lines.append(f"CPU s over the trace, {r['setup']} round {r.get('round', 0) + 1}: "
