@@ -327,30 +327,33 @@ class StallWatch:
     TCP connection breaking) then costs ``timeout_s``, not the request's whole deadline.
     While the router waits on its own client (:meth:`Watched.hold`, until the next beat) the
     stream is not watched: a client slow to read holds back the router's reads of the worker,
-    and that silence is not the worker's. ``timeout_s`` 0: off."""
+    and that silence is not the worker's; nor is the time the router itself was stopped.
+    ``timeout_s`` 0: off."""
 
     class Watched:
-        __slots__ = ("call", "last", "stalled")
+        __slots__ = ("call", "last", "stalled", "_now")
 
-        def __init__(self, call) -> None:
-            self.call, self.last, self.stalled = call, time.monotonic(), False
+        def __init__(self, call, now=time.monotonic) -> None:
+            self.call, self._now, self.stalled = call, now, False
+            self.last = now()
 
         def beat(self) -> None:
-            self.last = time.monotonic()
+            self.last = self._now()
 
         def hold(self) -> None:
             """The router is handing a chunk to its client: quiet from here is the client's
             (flow control), never the worker's, until the next :meth:`beat`."""
             self.last = math.inf
 
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
+    def __init__(self, timeout_s: float, clock=time) -> None:
+        """``clock``: what has ``monotonic()`` and ``sleep(s)`` (tests stop it)."""
+        self.timeout_s, self._clock = timeout_s, clock
         self._watched: set[StallWatch.Watched] = set()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def watch(self, call) -> StallWatch.Watched:
-        w = StallWatch.Watched(call)
+        w = StallWatch.Watched(call, self._clock.monotonic)
         if self.timeout_s <= 0:
             return w
         with self._lock:
@@ -366,10 +369,19 @@ class StallWatch:
             self._watched.discard(w)
 
     def _run(self) -> None:
+        every = min(1.0, self.timeout_s / 4)
         while True:
-            time.sleep(min(1.0, self.timeout_s / 4))
-            now = time.monotonic()
+            before = self._clock.monotonic()
+            self._clock.sleep(every)
+            now = self._clock.monotonic()
+            # woken over a second late: the router's own process (or its whole machine) was
+            # stopped, and it could not have read what its workers sent meanwhile; that time
+            # is not their silence (a VM paused for 31 s would have migrated every stream)
+            late = now - before - every
             with self._lock:
+                if late > 1.0:
+                    for w in self._watched:
+                        w.last += late
                 quiet = [w for w in self._watched if now - w.last > self.timeout_s]
                 for w in quiet:
                     self._watched.discard(w)
