@@ -121,10 +121,10 @@ def settle(idle: float = 0.9, window_s: float = 0.5, max_s: float = 15.0) -> flo
 
 
 _PAUSE_LOOP = """
-import sys, time
-least, last = float(sys.argv[1]), time.monotonic()
+import os, sys, time
+least, last, parent = float(sys.argv[1]), time.monotonic(), os.getppid()
 print("watching", flush=True)
-while True:
+while os.getppid() == parent:  # not past its benchmark, even one killed outright
     time.sleep(0.2)
     now = time.monotonic()
     if now - last - 0.2 > least:
@@ -137,9 +137,9 @@ class PauseWatch:
     """When the machine stopped (or left a process without a CPU) for over ``least_s``: a
     child process of its own (none of the load generator's threads contend with it) sleeps
     0.2 s at a time and notes each wake-up that came over ``least_s`` late. A run whose
-    clients and servers all stopped together (the VM paused: 22-38 s at times on the machine
-    of docs/routing.md, with "workqueue lockup" in dmesg past 30 s) is not the layout's doing,
-    and its result says when and for how long."""
+    clients and servers all stopped together (the VM paused: over 20 s in runs 34 and 36 of
+    docs/routing.md, ~31 s by the kernel's "workqueue lockup" line in 36) is not the layout's
+    doing, and its result says when and for how long."""
 
     def __init__(self, least_s: float = 2.0) -> None:
         import subprocess

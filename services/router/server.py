@@ -50,7 +50,8 @@ if TYPE_CHECKING:  # the HTTP front imports uvicorn; a router with --http-port -
 log = logging.getLogger("baton.services.router")
 
 # a paused client process or machine keeps its streams this long (gRPC's own default: 20 s;
-# the machine these benchmarks run on stopped for 22-38 s at times: docs/routing.md, run 37)
+# the machine of docs/routing.md stopped for over 20 s in its runs 34 and 36, ~31 s by the
+# kernel's log in 36)
 CLIENT_STALL_TIMEOUT_S = 60.0
 
 # ---- flags ---------------------------------------------------------------------------------------
