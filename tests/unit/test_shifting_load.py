@@ -72,25 +72,27 @@ def test_a_setup_says_when_the_machine_paused():
     from baton.bench.common import PauseWatch
     from baton.bench.shifting_load import pooled, table
 
-    watch = PauseWatch(least_s=1.0)
+    watch = PauseWatch()  # wake-ups over 2 s late
     assert watch.watching.wait(60), "the watcher never started"
-    # the watcher stopped for 3 s, as every process is when the VM pauses
+    # the watcher stopped for 4 s, as every process is when the VM pauses
     os.kill(watch.proc.pid, signal.SIGSTOP)
-    time.sleep(3)
+    time.sleep(4)
     os.kill(watch.proc.pid, signal.SIGCONT)
     deadline = time.monotonic() + 60
     while not watch.pauses and time.monotonic() < deadline:
         time.sleep(0.05)
     pauses = watch.stop()
-    assert len(pauses) == 1 and 2 <= pauses[0]["s"] < 60, pauses
-    assert 0 <= pauses[0]["at_s"] < 10, pauses
+    # this one (a busy machine may add its own)
+    ours = [p for p in pauses if 3 <= p["s"] < 60 and 0 <= p["at_s"] < 10]
+    assert len(ours) == 1, pauses
     phases = [{"phase": "decode-heavy", "attainment": 0.1}]
     two = [{**_res("1P+1D", 0, 220), "attainment": 0.2, "phases": phases, "pauses": []},
            {**_res("live", 0, 285, 0, 1), "attainment": 0.3, "phases": phases,
             "pauses": pauses}]
     text = table(two, pooled(two, 1))
     assert "machine pauses over 2 s, 1P+1D round 1: none" in text
-    assert f"machine pauses over 2 s, live round 1: {pauses[0]['s']:g} s at " in text
+    assert f"{ours[0]['s']:g} s at {ours[0]['at_s']:g} s" in text.split(
+        "machine pauses over 2 s, live round 1: ")[1].splitlines()[0]
 
 
 def test_a_setup_says_how_many_requests_were_outstanding_and_how_many_waited_for_a_client():
