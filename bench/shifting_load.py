@@ -323,10 +323,21 @@ def _score(a, name, records, wall, shape, phases, tuned, roles) -> dict:
            "goodput_rps": good / duration, "attainment": good / len(records) if records else 0,
            "failed": failed, "wall_s": wall, "phases": per_phase, "roles_at_end": roles,
            "outstanding_peak": outstanding_peak(records),
-           "late_over_1s": sum(r.late > 1.0 for r in records)}
+           "late_over_1s": sum(r.late > 1.0 for r in records), "paths": path_counts(records)}
     if tuned is not None:
         out["tuner"] = tuned
     return out
+
+
+def path_counts(records) -> dict[str, int]:
+    """How many served requests took each path the router names: remote (a prefill worker),
+    local (the decode worker prefilled), migrated (resumed on another decode worker after its
+    first failed or went silent: a pause the router took for a stall shows here)."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r.error is None and r.path:
+            out[r.path] = out.get(r.path, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def outstanding_peak(records) -> int:
@@ -603,6 +614,10 @@ def table(results: list[dict], summary: dict) -> str:
                              + ", ".join(f"{k} {v}" for k, v in p["errors"].items())
                              + "".join(f"; first {k}: {m}"
                                        for k, m in p.get("error_details", {}).items()))
+    for r in results:
+        if r.get("paths"):
+            lines.append(f"paths, {r['setup']} round {r.get('round', 0) + 1}: "
+                         + ", ".join(f"{k} {v}" for k, v in r["paths"].items()))
     for r in results:
         if "pauses" in r:
             lines.append(f"machine pauses over 2 s, {r['setup']} round {r.get('round', 0) + 1}: "

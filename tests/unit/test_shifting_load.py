@@ -312,3 +312,20 @@ def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_s
     a = tune_validation.parse_args(["--profile", str(fast), "--dtype", "float32"])
     with pytest.raises(SystemExit, match="measured at --dtype bfloat16"):
         tune_validation.load_profile(a)
+
+
+def test_a_setup_counts_the_paths_its_requests_took():
+    from baton.bench.loadgen import Record
+    from baton.bench.shifting_load import path_counts, pooled, table
+
+    recs = []
+    for path, error in (("remote", None), ("local", None), ("migrated", None),
+                        ("remote", None), (None, "UNAVAILABLE")):
+        r = Record(10, 4, 0.0, end=1.0, error=error)
+        r.path = path
+        recs.append(r)
+    counts = path_counts(recs)
+    assert counts == {"local": 1, "migrated": 1, "remote": 2}  # failed ones not counted
+    res = [{**_res("live", 0, 285, 0, 1), "attainment": 0.3, "paths": counts,
+            "phases": [{"phase": "decode-heavy", "attainment": 0.1}]}]
+    assert "paths, live round 1: local 1, migrated 1, remote 2" in table(res, pooled(res, 1))
