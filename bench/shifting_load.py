@@ -333,11 +333,9 @@ def path_counts(records) -> dict[str, int]:
     """How many served requests took each path the router names: remote (a prefill worker),
     local (the decode worker prefilled), migrated (resumed on another decode worker after its
     first failed or went silent: a pause the router took for a stall shows here)."""
-    out: dict[str, int] = {}
-    for r in records:
-        if r.error is None and r.path:
-            out[r.path] = out.get(r.path, 0) + 1
-    return dict(sorted(out.items()))
+    from collections import Counter
+
+    return dict(sorted(Counter(r.path for r in records if r.error is None and r.path).items()))
 
 
 def outstanding_peak(records) -> int:
