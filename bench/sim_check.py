@@ -10,7 +10,8 @@ prefill phase against the profile's prompt time, with nothing else running. Resu
 bench/results/sim-check-*.json.
 
     python bench/sim_check.py --profile bench/results/tune-validation-profile.json \\
-        --layout disaggregated --rates 4.5,8,4.5 [--alone 150,600,2000] [the slice flags]
+        --layout disaggregated --rates 4.5,8,4.5 [--alone 150,600,2000] [--draws 2]
+        [the slice flags]
 """
 
 from __future__ import annotations
@@ -105,11 +106,12 @@ def main() -> None:
         lg.warm_up(target, ca.workload.vocab)
         alone = one_at_a_time(target, [int(n) for n in extra.alone.split(",") if n], ev.cost,
                               ca.workload.vocab)
-        for rate in (float(x) for x in extra.rates.split(",")):
+        # every rate at each of the validation's Poisson draws (``--draws``: seed + k)
+        for rate, k in ((float(x), k) for x in extra.rates.split(",") for k in range(a.draws)):
             salt = f"sim-check/{len(runs)}/{time.time_ns()}"
             recs, _ = lg.run(target, lg.poisson(workload(ca.workload, salt), rate,
-                                                ca.workload.seed), 0)
-            arrivals = shape(cw.poisson(ev.reqs, rate, ev.search.seed), ev.keys)
+                                                ca.workload.seed + k), 0)
+            arrivals = shape(cw.poisson(ev.reqs, rate, ev.search.seed + k), ev.keys)
             sim = simulate(layout, ev.p, arrivals, ev.knobs, ev.cost, ev.profiles)
             # sampled requests: also as a profile without the sampler's costs would have them
             greedy = (simulate(layout, replace(ev.p, sampling={}), arrivals, ev.knobs, None,
@@ -120,7 +122,8 @@ def main() -> None:
                      "sim_cached": s.cached_tokens, "sim_prefill": s.prefill_s,
                      "sim_queue": s.queue_s, "sim_tpot_greedy_cost": g.tpot}
                     for r, s, g in zip(recs, sim, greedy)]
-            runs.append({"rate": rate, **compare(rows, a.ttft_slo, a.tpot_slo), "requests": rows})
+            runs.append({"rate": rate, "draw": k, **compare(rows, a.ttft_slo, a.tpot_slo),
+                         "requests": rows})
             m, s = runs[-1]["measured"], runs[-1]["simulated"]
             if greedy is not sim:
                 runs[-1]["simulated_greedy_cost"] = compare(
@@ -131,8 +134,9 @@ def main() -> None:
                       f"{s['tpot_p50_p90'][0] * 1000:.1f} ms, at greedy's cost "
                       f"{runs[-1]['simulated_greedy_cost']['tpot_p50_p90'][0] * 1000:.1f} ms",
                       flush=True)
-            print(f"{rate:g} req/s: attainment measured {100 * m['attainment']:.0f}% simulated "
-                  f"{100 * s['attainment']:.0f}%; TTFT failed {m['ttft_failed']}/"
+            print(f"{rate:g} req/s, draw {k + 1}: attainment measured "
+                  f"{100 * m['attainment']:.0f}% simulated {100 * s['attainment']:.0f}%; "
+                  f"TTFT failed {m['ttft_failed']}/"
                   f"{s['ttft_failed']}, TPOT failed {m['tpot_failed']}/{s['tpot_failed']}, "
                   f"prompt tokens cached {100 * m['cached_share']:.0f}%/"
                   f"{100 * s['cached_share']:.0f}%",
