@@ -445,7 +445,8 @@ def out_of_reach(sim: dict) -> str | None:
     """Why the trace is beyond the profile's machine (no fixed layout simulated to meet both SLOs
     for :data:`MIN_MET` requests), or None. Such a run compares overloads: on the slower VM kind
     of 2026-12-02 (its own profile) the simulator gave 1P+1D 1 and colocated 5 met requests of
-    1,572, the run measured 1, 6 and the live tuner 1, an hour for ratios of single requests."""
+    1,572 (the router before its ``prefill`` scorer), the run measured 1, 6 and the live tuner
+    1, an hour for ratios of single requests."""
     met = {name: s["met_slo"] for name, s in sim["layouts"].items()}
     if max(met.values()) >= MIN_MET:
         return None

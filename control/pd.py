@@ -14,8 +14,20 @@ from __future__ import annotations
 # The router's default scorer weights with the index (`baton router --scorers`) and what a
 # block in a KV tier is worth against one in the pool: here, beside the P/D decision, because
 # the router (services/router/routing.py) and the simulator (control/sim.py) both use them.
-DEFAULT_SCORER_WEIGHTS = {"prefix": 3.0, "inflight": 1.0, "queue": 1.0, "kv": 0.5}
+DEFAULT_SCORER_WEIGHTS = {"prefix": 3.0, "inflight": 1.0, "queue": 1.0, "kv": 0.5,
+                          "prefill": 1.0}
 DEFAULT_TIER_WEIGHTS = {"host": 0.95, "disk": 0.8}
+# the ``prefill`` scorer's scale: a worker with this many prompt tokens still to compute scores
+# 1/2, as one with one request in flight does on ``inflight``
+PREFILL_SCORE_TOKENS = 1024
+
+
+def prefill_score(tokens: int | None) -> float:
+    """The ``prefill`` scorer: 1 / (1 + prompt tokens the worker has still to compute / 1,024);
+    1 where the worker publishes no such count (a worker of an earlier release). A request
+    count shows a worker that prefills a 2,000-token prompt as loaded as one decoding a short
+    answer, and a short prompt sent there waits for that prefill (on a 2-vCPU VM, seconds)."""
+    return 1.0 / (1 + (tokens or 0) / PREFILL_SCORE_TOKENS)
 
 # reasons, per path
 FEW_NEW_TOKENS = "few-new-tokens"  # local: the decode worker lacks at most the threshold

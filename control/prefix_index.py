@@ -1,6 +1,6 @@
 """The prefix-cache index and the shared load counters, in Redis.
 
-Three kinds of keys, all with TTLs, so nothing outlives the process that owns it::
+Four kinds of keys, all with TTLs, so nothing outlives the process that owns it::
 
     baton:pc:<worker id>:<incarnation>  SET of 32-byte block hashes the worker's KV cache holds
                                         (baton.engine.block_hash: they commit to the model
@@ -9,9 +9,14 @@ Three kinds of keys, all with TTLs, so nothing outlives the process that owns it
                                         the same for each KV tier under the pool (host, disk:
                                         baton.engine.kv_tiers), loaded back on a hit
     baton:load:<worker id>              "<incarnation> <waiting> <running> <free> <total>"
+    baton:prefill:<worker id>           "<incarnation> <prompt tokens it has still to compute>"
     baton:inflight:<worker id>          ZSET "<router id>:<request id>" -> expiry (ms since epoch)
 
-Workers write the first two (:class:`IndexPublisher`): the engine's block pool records what its
+(The prompt tokens have a key of their own, not a sixth field of the load string: a router of an
+earlier release reads that string as exactly four numbers after the incarnation, and ignores a
+key it does not know.)
+
+Workers write the first three (:class:`IndexPublisher`): the engine's block pool records what its
 prefix cache gains and loses, and a publisher thread sends the net change every few milliseconds
 in one pipeline, refreshing the TTL (``--registry-ttl``) each time. A worker that dies stops
 refreshing, so its entries vanish within the TTL, as its registry entry does; a restarted worker
@@ -20,14 +25,14 @@ away the publisher keeps its own copy of the set and rewrites it whole when Redi
 that comes back empty without the connection noticing gets it whole too: each keep-alive flush
 (a third of the TTL) checks with an EXISTS ahead of its writes that the set is still there.
 
-Routers read all three in one round trip (:meth:`PrefixIndex.signals`, one Lua script): for a
+Routers read all four in one round trip (:meth:`PrefixIndex.signals`, one Lua script): for a
 prompt's chain of block hashes, how many leading blocks each candidate holds, plus its queue, KV
-usage and requests in flight. Routers write the third: a request is added to its workers'
-in-flight sets when routed and removed when it ends (in batches, by a background thread, off the
-request path; a router adds its own claims not yet written to what it reads); each router
-re-arms its own entries' expiry every few seconds, so the entries of a router that dies expire
-within ``inflight_ttl_s`` instead of counting forever. All keys of one
-lookup must live on one Redis (no Redis Cluster slot routing). Redis being down is never a
+usage, prompt tokens to compute and requests in flight. Routers write the last: a request is
+added to its workers' in-flight sets when routed and removed when it ends (in batches, by a
+background thread, off the request path; a router adds its own claims not yet written to what it
+reads); each router re-arms its own entries' expiry every few seconds, so the entries of a router
+that dies expire within ``inflight_ttl_s`` instead of counting forever. All keys of one lookup
+must live on one Redis (no Redis Cluster slot routing). Redis being down is never a
 routing error: :meth:`PrefixIndex.signals` returns ``None`` and the router routes on its own
 counts.
 """
@@ -49,6 +54,7 @@ log = logging.getLogger("baton.control")
 INDEX_PREFIX = "baton:pc:"
 LOAD_PREFIX = "baton:load:"
 INFLIGHT_PREFIX = "baton:inflight:"
+PREFILL_PREFIX = "baton:prefill:"
 _CHUNK = 1000  # members per SADD when a whole set is rewritten
 
 
@@ -64,6 +70,10 @@ def load_key(worker_id: str) -> str:
     return LOAD_PREFIX + worker_id
 
 
+def prefill_key(worker_id: str) -> str:
+    return PREFILL_PREFIX + worker_id
+
+
 def inflight_key(worker_id: str) -> str:
     return INFLIGHT_PREFIX + worker_id
 
@@ -77,8 +87,8 @@ class IndexPublisher:
     """Publishes one worker's prefix-cache events and load to Redis from a background thread.
 
     ``events`` is the engine's ``BlockPool.events`` deque (appended on the engine thread, popped
-    here); ``load()`` returns ``(waiting, running, free blocks, total blocks)`` and may be called
-    from this thread (it only reads counters).
+    here); ``load()`` returns ``(waiting, running, free blocks, total blocks[, prompt tokens to
+    compute])`` and may be called from this thread (it only reads counters).
     """
 
     def __init__(self, client, worker_id: str, incarnation: str, events: deque, load,
@@ -91,7 +101,7 @@ class IndexPublisher:
         # arrival (the routers count their own in flight at once) and lease or tier moves,
         # and its looks at 50 a second cost ~1% of a core per worker
         self.idle_interval_s = idle_interval_s
-        self.load_key = load_key(worker_id)
+        self.load_key, self.prefill_key = load_key(worker_id), prefill_key(worker_id)
         self.keys = {t: index_key(worker_id, incarnation, t) for t in ("pool", *TIERS)}
         # what the index should say, per place (pool, host, disk): resent whole after an outage
         self.held_by: dict[str, set[bytes]] = {t: set() for t in self.keys}
@@ -151,7 +161,9 @@ class IndexPublisher:
                     pipe.srem(key, *evicted)
             if place == "pool" or self.held_by[place] or evicted:
                 pipe.pexpire(key, ttl_ms)
-        pipe.set(self.load_key, " ".join(map(str, (self.incarnation, *load))), px=ttl_ms)
+        pipe.set(self.load_key, " ".join(map(str, (self.incarnation, *load[:4]))), px=ttl_ms)
+        if len(load) > 4:
+            pipe.set(self.prefill_key, f"{self.incarnation} {load[4]}", px=ttl_ms)
         replies = pipe.execute()
         if self._dirty and self.num_errors:
             log.info("prefix index: Redis is back; resent %d block hashes",
@@ -199,7 +211,7 @@ class IndexPublisher:
             self._thread.join(2)
         if withdraw:
             try:
-                self.redis.delete(*self.keys.values(), self.load_key)
+                self.redis.delete(*self.keys.values(), self.load_key, self.prefill_key)
             except (RedisError, OSError) as e:
                 log.warning("could not delete the prefix index of %s: %s (it expires in %.0fs)",
                             self.worker_id, e, self.ttl_s)
@@ -209,10 +221,11 @@ class IndexPublisher:
 # Router side
 # ------------------------------------------------------------------------------------------------
 
-# KEYS: 5 per candidate (index set, load string, in-flight zset, host-tier set, disk-tier set).
-# ARGV[1]: now in ms; ARGV[2]: the prompt's block hashes in order, concatenated (32 bytes each).
-# Returns one string, a line per candidate: "<leading blocks in the pool> <leading blocks in the
-# pool or host tier> <leading blocks anywhere> <in flight>[ <load string>]" (one bulk reply
+# KEYS: 6 per candidate (index set, load string, in-flight zset, host-tier set, disk-tier set,
+# prefill string). ARGV[1]: now in ms; ARGV[2]: the prompt's block hashes in order, concatenated
+# (32 bytes each). Returns one string, a line per candidate: "<leading blocks in the pool>
+# <leading blocks in the pool or host tier> <leading blocks anywhere> <in flight>|<load
+# string>|<prefill string>" (either string empty where its key is not there; one bulk reply
 # parses fast).
 #
 # A worker's pool set is prefix-closed: the engine frees a request's blocks tail first and revives
@@ -236,8 +249,8 @@ local function run(held)
   end
   return lo
 end
-for w = 0, #KEYS / 5 - 1 do
-  local pool, host, disk = KEYS[5 * w + 1], KEYS[5 * w + 4], KEYS[5 * w + 5]
+for w = 0, #KEYS / 6 - 1 do
+  local pool, host, disk = KEYS[6 * w + 1], KEYS[6 * w + 4], KEYS[6 * w + 5]
   local function has(key, i)
     return redis.call('SISMEMBER', key, string.sub(blob, 32 * i - 31, 32 * i)) == 1
   end
@@ -252,13 +265,15 @@ for w = 0, #KEYS / 5 - 1 do
   end
   -- unexpired entries only (expired ones are pruned by the routers' writer threads)
   out[w + 1] = p .. ' ' .. ph .. ' ' .. all .. ' ' ..
-    redis.call('ZCOUNT', KEYS[5 * w + 3], ARGV[1], '+inf')
+    redis.call('ZCOUNT', KEYS[6 * w + 3], ARGV[1], '+inf')
 end
-local loads = {}
-for w = 0, #KEYS / 5 - 1 do loads[w + 1] = KEYS[5 * w + 2] end
-loads = redis.call('MGET', unpack(loads))
+local strings = {}
+for w = 0, #KEYS / 6 - 1 do
+  strings[2 * w + 1], strings[2 * w + 2] = KEYS[6 * w + 2], KEYS[6 * w + 6]
+end
+strings = redis.call('MGET', unpack(strings))
 for w = 1, #out do
-  if loads[w] then out[w] = out[w] .. ' ' .. loads[w] end
+  out[w] = out[w] .. '|' .. (strings[2 * w - 1] or '') .. '|' .. (strings[2 * w] or '')
 end
 return table.concat(out, '\\n')
 """
@@ -276,6 +291,7 @@ class Signals:
     running: int | None = None
     free_blocks: int | None = None
     total_blocks: int | None = None
+    prefill_tokens: int | None = None  # prompt tokens its engine has still to compute
 
 
 @dataclass
@@ -329,7 +345,7 @@ class PrefixIndex:
                 k = self._keys[w.worker_id, w.incarnation] = (
                     index_key(w.worker_id, w.incarnation), load_key(w.worker_id),
                     inflight_key(w.worker_id), *(index_key(w.worker_id, w.incarnation, t)
-                                                 for t in TIERS))
+                                                 for t in TIERS), prefill_key(w.worker_id))
             keys += k
         # this router's unwritten claims, taken before Redis is read: a batch the writer thread
         # writes meanwhile is then counted twice for a moment (harmless: it only leans away from
@@ -347,12 +363,15 @@ class PrefixIndex:
         self._came_back()
         out = []
         for w, line in zip(workers, reply.decode().split("\n")):
-            hit, host, anywhere, infl, *load = line.split(" ")
-            hit, host, anywhere = int(hit), int(host), int(anywhere)
+            head, load, prefill = line.split("|")
+            hit, host, anywhere, infl = map(int, head.split(" "))
             s = Signals(hit, host - hit, anywhere - host,
-                        max(0, int(infl) + pending.get(w.worker_id, 0)))
-            if load and load[0] == w.incarnation:  # not an older incarnation's load
-                s.waiting, s.running, s.free_blocks, s.total_blocks = map(int, load[1:])
+                        max(0, infl + pending.get(w.worker_id, 0)))
+            load, prefill = load.split(" "), prefill.split(" ")
+            if load[0] == w.incarnation:  # not an older incarnation's load
+                s.waiting, s.running, s.free_blocks, s.total_blocks = map(int, load[1:5])
+            if prefill[0] == w.incarnation:  # a worker of an earlier release writes none
+                s.prefill_tokens = int(prefill[1])
             out.append(s)
         return out
 

@@ -25,7 +25,8 @@ Prefix caching: each engine holds the full blocks of the prompts it prefilled or
 (least recently used out first, ``num_blocks`` of them; with tier sizes in :class:`Knobs`, what
 the pool evicts goes to a host tier, then a disk tier), as the prefix index sees the workers.
 The router scores candidates as it does with the index (its default weights: prefix hits, with
-tier blocks discounted, requests in flight, queue, free KV); a hit is not computed again, a tier
+tier blocks discounted, requests in flight, queue, free KV, prompt tokens still to compute,
+without the few milliseconds the workers' published counts lag); a hit is not computed again, a tier
 hit costs its load time (the profile's ``tier_load``), and the P/D decision counts only the
 tokens the chosen decode worker lacks. A worker's tensor-parallel size is its profile's: each
 pool may have its own (:class:`Layout`'s ``prefill_tp``, ``decode_tp``).
@@ -48,6 +49,7 @@ from baton.control.pd import (
     DEFAULT_SCORER_WEIGHTS,
     DEFAULT_TIER_WEIGHTS,
     pd_path,
+    prefill_score,
     saturated_limit,
 )
 from baton.control.profile import CostModel, Profile
@@ -270,6 +272,16 @@ class SimEngine:
         seq.submitted = t
         self.run_op(t, lambda _t: self.waiting.append(seq))
 
+    def prefill_tokens_left(self) -> int:
+        """As the engine's scheduler counts them (``Scheduler.prefill_tokens_left``): the
+        tokens each queued request has to compute, whole (the engine looks up its prefix hit
+        when it admits it), and each running one's, where more than its next token."""
+        n = sum(s.num_tokens for s in self.waiting if s.num_tokens > 1)
+        for s in self.running:
+            left = s.num_tokens - s.computed
+            n += left if left > 1 else 0
+        return n
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.bs)
 
@@ -427,7 +439,8 @@ class Cluster:
                    + self._tier_w.get("disk", 0) * hits["disk"]) / n_blocks if n_blocks else 0.0)
         return (w.get("prefix", 0) * prefix + w.get("inflight", 0) / (1 + e.inflight)
                 + w.get("queue", 0) / (1 + len(e.waiting))
-                + w.get("kv", 0) * e.free_blocks / max(1, e.num_blocks))
+                + w.get("kv", 0) * e.free_blocks / max(1, e.num_blocks)
+                + w.get("prefill", 0) * prefill_score(e.prefill_tokens_left()))
 
     def _best(self, engines: Sequence[SimEngine], keys: tuple) -> tuple[SimEngine, dict]:
         """The highest-scored engine (ties in turn) and its hits."""

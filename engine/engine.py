@@ -113,6 +113,7 @@ class EngineStats:
     free_blocks: int  # KV blocks free (cached ones included)
     total_blocks: int
     quarantined_blocks: int = 0  # held for a transfer that may still write them
+    prefill_tokens: int = 0  # prompt tokens still to compute, queued and running
 
 
 @dataclass
@@ -324,7 +325,8 @@ class LLMEngine:
         """The engine's load: plain counter reads, safe from any thread (a moment's view)."""
         sched, pool = self.scheduler, self.kv.pool
         return EngineStats(len(sched.waiting), len(sched.running), pool.num_free_blocks,
-                           pool.num_blocks, self.kv.num_quarantined_blocks)
+                           pool.num_blocks, self.kv.num_quarantined_blocks,
+                           sched.prefill_tokens_left)
 
     @property
     def kv_events(self):
@@ -565,6 +567,7 @@ class LLMEngine:
                 if req.first_token_time is None:
                     req.first_token_time = time.monotonic()
                 outputs.append(self._on_token(req, token, lp))
+        self.scheduler.recount()
         if not self.scheduler.num_unfinished:
             self.kv.check_integrity()
         return outputs

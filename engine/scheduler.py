@@ -53,9 +53,21 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        # prompt tokens still to run through the model, over every queued and running request
+        # (a preempted one's output tokens too): the load a long prompt puts on this engine,
+        # which a count of requests does not show. Kept on the engine thread (add, finish,
+        # recount after each step) and read from any thread as one int (the prefix index
+        # publishes it; the routers' ``prefill`` scorer reads it)
+        self.prefill_tokens_left = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self.prefill_tokens_left += _left(request)
+
+    def recount(self) -> None:
+        """:attr:`prefill_tokens_left` from the queues (after a step moved them)."""
+        self.prefill_tokens_left = (sum(_left(r) for r in self.waiting)
+                                    + sum(_left(r) for r in self.running))
 
     @property
     def num_unfinished(self) -> int:
@@ -117,10 +129,21 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         """Take a request out of the queues. ``free_blocks=False`` pins them (prefill hand-off)."""
         assert status.finished, status
+        left = _left(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            left = 0
+        self.prefill_tokens_left = max(0, self.prefill_tokens_left - left)
         req.status = status
         if free_blocks:
             self.kv.free(req.request_id)
+
+
+def _left(req: Request) -> int:
+    """Tokens ``req`` still has to run through the model before its next one is sampled, when
+    that is more than one (a decoding request's one token is not prefill)."""
+    n = req.num_tokens - req.num_computed_tokens
+    return n if n > 1 else 0

@@ -2,7 +2,7 @@
 which one.
 
 Every candidate gets a score in [0, 1] from each scorer, combined with weights
-(``--scorers prefix=3,inflight=1,queue=1,kv=0.5``)::
+(``--scorers prefix=3,inflight=1,queue=1,kv=0.5,prefill=1``)::
 
     prefix    leading prompt blocks the worker's KV cache holds / prompt blocks (Redis index);
               a block in a KV tier (host memory, disk) counts its tier's weight (--tier-weights:
@@ -11,6 +11,8 @@ Every candidate gets a score in [0, 1] from each scorer, combined with weights
     inflight  1 / (1 + requests in flight on it, counted by every router in Redis)
     queue     1 / (1 + requests waiting in its engine's queue)
     kv        free KV blocks / total KV blocks
+    prefill   1 / (1 + prompt tokens its engine has still to compute / 1,024): a worker busy
+              with a long prompt is not as free as its request count says
 
 The best-scoring decode worker is chosen first (prefix overlap there means fewer blocks to move).
 Then conditional disaggregation: the decode worker prefills the prompt itself (``local``) when the
@@ -46,6 +48,7 @@ from baton.control.pd import (  # noqa: F401 (the reasons are part of the routin
     NO_PREFILL_WORKER,
     PREFILL_SATURATED,
     pd_path,
+    prefill_score,
     saturated_limit,
 )
 from baton.control.prefix_index import PrefixIndex, Signals
@@ -94,7 +97,12 @@ def _kv(x: ScoreInput) -> float:
     return s.free_blocks / s.total_blocks
 
 
-SCORERS = {"prefix": _prefix, "inflight": _inflight, "queue": _queue, "kv": _kv}
+def _prefill(x: ScoreInput) -> float:
+    return prefill_score(x.signals.prefill_tokens)
+
+
+SCORERS = {"prefix": _prefix, "inflight": _inflight, "queue": _queue, "kv": _kv,
+           "prefill": _prefill}
 
 
 def _parse_named_numbers(spec: str, known, what: str, lo: float, hi: float | None,

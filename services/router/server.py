@@ -102,7 +102,8 @@ def _routing_flags(g) -> None:
     g.add_argument("--scorers", default=DEFAULT_WEIGHTS,
                    help="scorer weights, name=weight,...: prefix (share of the prompt's blocks "
                         "the worker holds), inflight (requests in flight, all routers), queue "
-                        "(the worker's waiting requests), kv (free KV blocks) "
+                        "(the worker's waiting requests), kv (free KV blocks), prefill (prompt "
+                        "tokens the worker has still to compute) "
                         f"(default {DEFAULT_WEIGHTS})")
     g.add_argument("--tier-weights", default="auto",
                    help="what the prefix scorer counts for a block a worker holds in a KV tier "

@@ -49,9 +49,9 @@ def publish_index(cfg: ServerSettings, engine, worker_id: str, incarnation: str)
     from baton.control.redis_client import connect
 
     client = connect(cfg.redis_url, socket_timeout=2)
-    def load() -> tuple[int, int, int, int]:  # plain counter reads, safe off the engine thread
-        s = engine.stats()
-        return s.waiting, s.running, s.free_blocks, s.total_blocks
+    def load() -> tuple[int, int, int, int, int]:  # plain counter reads, safe off the engine
+        s = engine.stats()  # thread
+        return s.waiting, s.running, s.free_blocks, s.total_blocks, s.prefill_tokens
 
     return IndexPublisher(client, worker_id, incarnation, engine.kv_events, load,
                           ttl_s=cfg.registry_ttl).start()

@@ -669,6 +669,47 @@ def test_colocated_workers_prefill_for_each_other(engine):
         assert info.role == "both" and info.num_free_blocks == info.num_blocks
 
 
+def test_a_short_prompt_is_routed_past_a_worker_prefilling_a_long_one(engine):
+    """Two colocated workers; another router's two requests in flight on ``b`` (claimed in
+    Redis as that router would), so the long prompt goes to ``a``. While ``a`` prefills it
+    (steps of at least 1 s: its ~2,400 tokens take three of the engine's 1,024-token chunks),
+    ``a`` has one request in flight against ``b``'s two, and a short prompt still goes to
+    ``b``: ``a`` publishes the prompt tokens it has left (``baton:prefill:<id>``) and the
+    router's ``prefill`` scorer reads them. Both answers equal the engine's."""
+    import redis as redis_lib
+    from baton.control.prefix_index import PrefixIndex, prefill_key
+
+    with Cluster(prefill=0, decode=2, worker_args=["--num-blocks", "400", "--role", "both",
+                                                   "--faults", "step_delay=1"],
+                 routers=[["--local-prefill-max-tokens", "100000"]]) as c:
+        (a, b), router = c.decode, c.router
+        client = redis_lib.Redis.from_url(c.redis.url)
+        other = PrefixIndex(client, "another-router")
+        other.claim("x1", [b.worker_id])
+        other.claim("x2", [b.worker_id])
+        other.flush()
+        long_text = " ".join(f"Item {i}: the report." for i in range(400))
+        assert len(engine.tokenizer.encode(long_text)) > 2048
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(
+            long=generate(router, request("text", long_text, max_tokens=2))))
+        t.start()
+        end = time.monotonic() + 120  # a hang detector, not a timing assertion
+        while int((client.get(prefill_key(a.worker_id)) or b"- 0").split()[1]) <= 0:
+            assert time.monotonic() < end, "a never published the long prompt's tokens"
+            assert t.is_alive(), f"the long prompt ended first: {out}"
+            time.sleep(0.01)
+        ids, _, final = generate(router, request("text", "The capital of France is"))
+        assert final.decode_worker == b.worker_id and final.path == "local"
+        assert ids == expected(engine, "text", "The capital of France is").token_ids
+        t.join(120)
+        ids, _, final = out["long"]
+        assert final.decode_worker == a.worker_id
+        assert ids == expected(engine, "text", long_text, 2).token_ids
+        other.close()
+        client.close()
+
+
 def _processes_with_env(key: str, value: str) -> list[int]:
     """Pids of this machine's processes whose environment holds ``key=value``."""
     from pathlib import Path

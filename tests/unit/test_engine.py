@@ -61,6 +61,29 @@ def test_chunked_prefill_equals_whole_prefill(tiny_engine):
     eng.check_integrity()
 
 
+def test_the_prompt_tokens_left_to_compute_follow_each_request_to_its_first_token(tiny_engine):
+    """What the engine publishes for the routers' ``prefill`` scorer: every queued request's
+    tokens, a running one's until its prompt is in (a decoding request counts none), and a
+    request aborted while queued taken off at once."""
+    eng = tiny_engine(max_num_batched_tokens=16, max_num_seqs=2)
+    a = eng.add_request(params=GREEDY, prompt_token_ids=list(range(1, 41)))
+    b = eng.add_request(params=GREEDY, prompt_token_ids=list(range(101, 111)))
+    c = eng.add_request(params=GREEDY, prompt_token_ids=list(range(201, 231)))
+    assert eng.stats().prefill_tokens == 80
+    eng.step()  # 16 of a's 40
+    assert eng.stats().prefill_tokens == 64
+    eng.step()  # 16 more of a's
+    assert eng.stats().prefill_tokens == 48
+    eng.step()  # a's last 8 and b's 8 of 10 (two running: max_num_seqs); a decodes from here
+    assert a.num_output_tokens == 1 and eng.stats().prefill_tokens == 2 + 30
+    eng.abort(c.request_id)  # still queued
+    assert eng.stats().prefill_tokens == 2
+    eng.step()  # b's last 2: both decode
+    assert b.num_output_tokens == 1 and eng.stats().prefill_tokens == 0
+    drain(eng)
+    assert eng.stats().prefill_tokens == 0
+
+
 def test_integrity_check_mid_flight(tiny_engine):
     # workers run it on request (Info check_integrity) while requests run, not only when idle
     eng = tiny_engine()

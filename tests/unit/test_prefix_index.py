@@ -13,6 +13,7 @@ from baton.control.prefix_index import (
     index_key,
     inflight_key,
     load_key,
+    prefill_key,
 )
 from baton.control.redis_server import EmbeddedRedis
 from baton.engine.block_hash import hash_blocks, namespace_for
@@ -131,6 +132,30 @@ def test_a_redis_that_came_back_empty_between_flushes_gets_the_whole_set(client)
     assert pub.num_resends == 1 and client.scard(key) == 2
     pub.flush()
     assert client.smembers(key) == set(prompt[:8]) and client.pttl(key) > 0
+
+
+def test_the_prompt_tokens_a_worker_has_left_reach_the_routers_under_its_incarnation(client):
+    """A worker publishes the prompt tokens its engine has still to compute beside its load; a
+    worker of an earlier release publishes none (the scorer then reads None), a restarted one's
+    count is not read under the old incarnation, and a drained worker's is deleted."""
+    a, _, load_a = publisher(client, "a")
+    b, _, _ = publisher(client, "b")  # four numbers: an earlier release's load
+    load_a[:] = [1, 1, 80, 100, 1900]
+    a.flush()
+    b.flush()
+    assert client.get(load_key("a")) == b"i1 1 1 80 100"  # the string earlier routers parse
+    index = PrefixIndex(client, "r1")
+    sa, sb = index.signals([], [rec("a"), rec("b")])
+    assert (sa.prefill_tokens, sa.waiting, sa.total_blocks) == (1900, 1, 100)
+    assert sb.prefill_tokens is None and sb.total_blocks == 100
+    (restarted,) = index.signals([], [rec("a", incarnation="i2")])
+    assert restarted.prefill_tokens is None and restarted.waiting is None
+    a.stop()
+    assert client.get(prefill_key("a")) is None
+    (gone,) = index.signals([], [rec("a")])
+    assert gone.prefill_tokens is None
+    b.stop()
+    index.close()
 
 
 def test_an_idle_worker_looks_less_often_and_a_change_still_goes_out(client):

@@ -3,7 +3,7 @@ the load it sees and the prefix index (a real redis-server)."""
 
 from __future__ import annotations
 
-from baton.control.prefix_index import PrefixIndex
+from baton.control.prefix_index import PrefixIndex, prefill_key
 from baton.control.registry import WorkerRecord
 from baton.engine.block_hash import hash_blocks
 from baton.engine.kv_cache import STORED
@@ -134,4 +134,44 @@ def test_tier_aware_scoring_prefers_pool_over_host_over_disk_over_a_miss(client)
     policy = RoutingPolicy(Pool([d, ws["disk"], half]), index, weights={"prefix": 1},
                            tier_weights={"host": 0.9, "disk": 0.6}, local_max_new_tokens=0)
     assert policy.decide(ids, hashes, set()).prefill.worker_id == "disk"
+    index.close()
+
+
+def test_a_short_prompt_goes_past_a_worker_busy_with_a_long_prefill(client):
+    """Two colocated workers: ``a`` has fewer requests in flight but is prefilling a
+    1,900-token prompt (its published count), ``b`` only decodes. By request count ``a`` is the
+    less loaded; with the ``prefill`` scorer (a default) the short prompt goes to ``b``, where
+    it does not wait behind that prefill. A worker that publishes no count (an earlier release)
+    scores as one with none left."""
+    from baton.control.pd import DEFAULT_SCORER_WEIGHTS
+    from baton.services.router.routing import RoutingPolicy
+
+    pubs = []
+    for wid, left in (("a", 1900), ("b", 0)):
+        pub, _, load = publisher(client, wid)
+        load[:] = [0, 1, 90, 100, left]
+        pub.flush()
+        pubs.append(pub)
+    index = PrefixIndex(client, "r-prefill")
+    index.claim("q1", ["a"])
+    index.claim("q2", ["b"])
+    index.claim("q3", ["b"])
+    index.flush()
+    a = WorkerRecord("a", "both", "127.0.0.1:1", "fp", "i1")
+    b = WorkerRecord("b", "both", "127.0.0.1:2", "fp", "i1")
+    ids = list(range(100))
+
+    def decode_worker(**kw) -> str:
+        got = RoutingPolicy(Pool([a, b]), index, local_max_new_tokens=1 << 30,
+                            **kw).decide(ids, b"", set())
+        assert got.path == "local"  # colocated: it prefills where it decodes
+        return got.decode.worker_id
+
+    assert DEFAULT_SCORER_WEIGHTS["prefill"] > 0
+    assert [decode_worker() for _ in range(3)] == ["b", "b", "b"]
+    no_prefill = {k: v for k, v in DEFAULT_SCORER_WEIGHTS.items() if k != "prefill"}
+    assert decode_worker(weights=no_prefill) == "a"
+    # an earlier release's worker publishes no count: a scores as idle on it, and wins again
+    client.delete(prefill_key("a"))
+    assert decode_worker() == "a"
     index.close()

@@ -284,7 +284,7 @@ def test_a_trace_the_profiles_machine_cannot_serve_is_refused_before_any_setup_s
     assert shifting_load.main([*base, "--profile", str(slow)]) == 2
     err = capsys.readouterr().err
     assert (f"--profile {slow}'s costs no fixed layout meets both SLOs for 20 of the trace's "
-            "387 requests (1P+1D 1, 2 colocated 5)") in err
+            "387 requests (1P+1D 1, 2 colocated 8)") in err
     assert "--anyway" in err
     with pytest.raises(Started, match="1P"):
         shifting_load.main([*base, "--profile", str(slow), "--anyway"])

@@ -169,6 +169,28 @@ def test_a_saturated_prefill_worker_sends_only_short_prompts_to_the_decode_worke
     assert [r.path for r in anything] == ["remote", "local", "local"]
 
 
+def test_the_simulated_router_sends_a_short_prompt_past_a_long_prefill():
+    """As the router's ``prefill`` scorer does (tests/unit/test_routing_policy.py): of two
+    colocated workers, one prefilling a 3,000-token prompt with one request in flight and one
+    decoding two, the short prompt that comes next goes to the decoding one and has its first
+    token in tens of milliseconds; scored by request count alone it waits behind the three
+    1,024-token chunks of that prompt."""
+    from baton.control.pd import DEFAULT_SCORER_WEIGHTS
+
+    # (prompt, output, arrival): two long answers on one worker (the second one's short
+    # answer, on the other, ends), then the long prompt goes to the other, then the short one
+    shape = [(16, 400, 0.0), (16, 1, 0.001), (16, 400, 0.002), (3000, 4, 1.0), (32, 4, 1.1)]
+    no_prefill = Knobs(weights=tuple((k, w) for k, w in DEFAULT_SCORER_WEIGHTS.items()
+                                     if k != "prefill"))
+    ttft = {}
+    for name, knobs in (("prefill scorer", Knobs()), ("request count", no_prefill)):
+        done = simulate(Layout(0, 2, True), make_profile(), shape, knobs)
+        assert all(r.error is None for r in done)
+        ttft[name] = done[4].first - done[4].sent
+    assert ttft["prefill scorer"] < 0.1
+    assert ttft["request count"] > 2.0
+
+
 def test_a_saturated_queue_serves_in_arrival_order():
     """Budget 100 tokens a step: 5 prompts of 100 tokens arriving together prefill one a step;
     the k-th one's first token comes after k + 1 steps, each also carrying the decodes of those
