@@ -11,7 +11,11 @@ bench/results/sim-check-*.json.
 
     python bench/sim_check.py --profile bench/results/tune-validation-profile.json \\
         --layout disaggregated --rates 4.5,8,4.5 [--alone 150,600,2000] [--draws 2]
-        [the slice flags]
+        [--scorers prefix=3,inflight=1,queue=1,kv=0.5,prefill=0] [the slice flags]
+
+``--scorers`` runs the router and the simulator with other scorer weights than the router's
+defaults (e.g. without the ``prefill`` scorer: the routing before 2026-12-06), so two runs of
+this script compare the routings on the same machine.
 """
 
 from __future__ import annotations
@@ -93,12 +97,23 @@ def main() -> None:
     ap.add_argument("--rates", default="4.5,8,4.5", help="comma-separated req/s, in order")
     ap.add_argument("--alone", default="", help="comma-separated prompt lengths to send one "
                     "at a time before the rates (three rounds)")
+    ap.add_argument("--scorers", default=None, help="the router's and the simulator's scorer "
+                    "weights, as `baton router --scorers` (default: the router's own)")
     extra, rest = ap.parse_known_args()
     a = tv.parse_args(rest)
     if not a.profile:
         ap.error("--profile is required (a `baton profile` file)")
     profile = tv.load_profile(a)
     ca, ev = tv.configs(a, profile, tv.slice_args(a))
+    if extra.scorers:
+        from baton.services.router.routing import parse_weights
+
+        try:
+            weights = parse_weights(extra.scorers)
+        except ValueError as e:
+            ap.error(f"--scorers: {e}")
+        ca = replace(ca, router_args=f"{ca.router_args} --scorers {extra.scorers}".strip())
+        ev.knobs = replace(ev.knobs, weights=tuple(weights.items()))
     layout = Layout(1, 1) if extra.layout == "disaggregated" else Layout(0, 2, True)
     runs: list[dict] = []
     target, close = _open_target(ca, ("baton", extra.layout))
@@ -144,7 +159,7 @@ def main() -> None:
     finally:
         close()
     result = {"machine": machine(), "layout": extra.layout, "args": vars(a), "runs": runs,
-              "alone": alone}
+              "alone": alone, "scorers": extra.scorers or "the router's defaults"}
     print(f"wrote {write_result('sim-check', result)}")
 
 
