@@ -552,6 +552,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         batch = self.scheduler.schedule()
         if not batch:
+            self.scheduler.recount()  # a step that only preempted moved requests back
             return outputs
         now = time.monotonic()
         for req in batch.requests:

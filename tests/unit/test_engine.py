@@ -105,6 +105,19 @@ def test_preemption_recomputes_and_gives_same_tokens(tiny_engine):
     tight = [c.token_ids for c in eng.generate(ps, params)]
     assert eng.scheduler.stats.num_preemptions > 0
     assert tight == roomy
+    # step by step, the published count of tokens to compute follows the queues through every
+    # preemption (a preempted request's whole context counts again)
+    eng = tiny_engine(num_kv_blocks=30)
+    for p in ps:
+        eng.add_request(params=params, prompt_token_ids=p)
+    while eng.has_unfinished():
+        eng.step()
+        sched = eng.scheduler
+        want = sum(max(0, r.num_tokens - r.num_computed_tokens) for r in sched.waiting)
+        want += sum(r.num_tokens - r.num_computed_tokens for r in sched.running
+                    if r.num_tokens - r.num_computed_tokens > 1)
+        assert eng.stats().prefill_tokens == want
+    assert eng.scheduler.stats.num_preemptions > 0 and eng.stats().prefill_tokens == 0
     eng.check_integrity()
     assert eng.kv.pool.num_free_blocks == 30
 
