@@ -59,15 +59,18 @@ class Scheduler:
         # recount after each step) and read from any thread as one int (the prefix index
         # publishes it; the routers' ``prefill`` scorer reads it)
         self.prefill_tokens_left = 0
+        # the waiting queue's part of it, kept as requests join and leave the queue (a queued
+        # request computes nothing), so a step's recount walks only the running batch
+        self._waiting_left = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        self._waiting_left += _left(request)
         self.prefill_tokens_left += _left(request)
 
     def recount(self) -> None:
-        """:attr:`prefill_tokens_left` from the queues (after a step moved them)."""
-        self.prefill_tokens_left = (sum(_left(r) for r in self.waiting)
-                                    + sum(_left(r) for r in self.running))
+        """:attr:`prefill_tokens_left` after a step moved the running batch."""
+        self.prefill_tokens_left = self._waiting_left + sum(_left(r) for r in self.running)
 
     @property
     def num_unfinished(self) -> int:
@@ -105,6 +108,7 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, hit) is None:
                 break
             self.waiting.popleft()
+            self._waiting_left -= _left(req)
             self.stats.prefix_query_tokens += req.num_tokens
             self.stats.prefix_hit_tokens += hit.num_tokens
             req.num_computed_tokens = hit.num_tokens
@@ -125,17 +129,19 @@ class Scheduler:
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
+        self._waiting_left += _left(req)
 
     def finish(self, req: Request, status: RequestStatus, free_blocks: bool = True) -> None:
         """Take a request out of the queues. ``free_blocks=False`` pins them (prefill hand-off)."""
         assert status.finished, status
-        left = _left(req)
+        left = 0
         if req in self.running:
             self.running.remove(req)
+            left = _left(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        else:
-            left = 0
+            left = _left(req)
+            self._waiting_left -= left
         self.prefill_tokens_left = max(0, self.prefill_tokens_left - left)
         req.status = status
         if free_blocks:
