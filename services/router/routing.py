@@ -241,8 +241,15 @@ class RoutingPolicy:
         return out
 
     def _pick(self, ids, hashes, decodes, prefills, by_id, used_index, t0) -> Decision:
-        weights = self.weights if used_index else {k: v for k, v in self.weights.items()
-                                                   if k != "prefix"} or {"inflight": 1.0}
+        dropped = set() if used_index else {"prefix"}
+        if self.weights.get("prefill") and any(s.prefill_tokens is None
+                                               for s in by_id.values()):
+            # a worker of an earlier release publishes no count: scored as idle on this term,
+            # it would draw the requests until it is upgraded, so in a rolling upgrade (or with
+            # no index) the decision is made as before the term
+            dropped.add("prefill")
+        weights = {k: v for k, v in self.weights.items()
+                   if k not in dropped} or {"inflight": 1.0}
         n_blocks = len(hashes or b"") // 32
         total = sum(weights.values())
         terms = [(SCORERS[name], wt / total) for name, wt in weights.items() if wt]

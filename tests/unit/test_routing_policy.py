@@ -141,8 +141,9 @@ def test_a_short_prompt_goes_past_a_worker_busy_with_a_long_prefill(client):
     """Two colocated workers: ``a`` has fewer requests in flight but is prefilling a
     1,900-token prompt (its published count), ``b`` only decodes. By request count ``a`` is the
     less loaded; with the ``prefill`` scorer (a default) the short prompt goes to ``b``, where
-    it does not wait behind that prefill. A worker that publishes no count (an earlier release)
-    scores as one with none left."""
+    it does not wait behind that prefill. Where a candidate publishes no count (a worker of an
+    earlier release, in a rolling upgrade) the decision leaves the term out: scored as idle on
+    it, the old worker would draw the requests."""
     from baton.control.pd import DEFAULT_SCORER_WEIGHTS
     from baton.services.router.routing import RoutingPolicy
 
@@ -171,7 +172,17 @@ def test_a_short_prompt_goes_past_a_worker_busy_with_a_long_prefill(client):
     assert [decode_worker() for _ in range(3)] == ["b", "b", "b"]
     no_prefill = {k: v for k, v in DEFAULT_SCORER_WEIGHTS.items() if k != "prefill"}
     assert decode_worker(weights=no_prefill) == "a"
-    # an earlier release's worker publishes no count: a scores as idle on it, and wins again
+    # a of an earlier release publishes no count: by request count alone it wins (1 against 2)
     client.delete(prefill_key("a"))
+    assert decode_worker() == "a"
+    # with 3 in flight it loses to b's 2, though b has 1,900 tokens to prefill: scored as idle
+    # on the term (1 against b's 0.35), the old worker would win (1.25 against 0.68 on the
+    # in-flight and prefill terms)
+    index.claim("q4", ["a"])
+    index.claim("q5", ["a"])
+    index.flush()
+    client.set(prefill_key("b"), "i1 1900", px=5000)
+    assert [decode_worker() for _ in range(2)] == ["b", "b"]
+    client.set(prefill_key("a"), "i1 0", px=5000)  # upgraded: the term is back, and a wins
     assert decode_worker() == "a"
     index.close()
