@@ -5,7 +5,6 @@ a RequestError."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -21,6 +20,8 @@ from baton.services.router.orchestrator import (
     failure_outcome,
 )
 from baton.services.router.workers import WorkerError
+
+from tests.support.calls import Call
 
 
 def failure(status: Status, *, sent: bool = False, left: float = 60.0, cancelled=False,
@@ -90,14 +91,6 @@ def test_a_request_without_a_client_deadline_gets_the_routers_default():
     left = orch.deadline(5.0).at - time.monotonic()
     assert 4.0 < left <= 5.0
     assert Deadline.after(-3).remaining() == pytest.approx(0.001)  # a timeout stays positive
-
-
-class Call:
-    def __init__(self) -> None:
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
 
 
 def test_cancelling_a_request_cancels_the_calls_linked_to_it_and_no_others():

@@ -10,6 +10,8 @@ import threading
 
 from baton.services.router import limits
 
+from tests.support.calls import Call
+
 
 class Clock:
     """``monotonic`` and ``sleep`` for the watchdog: ``sleep`` says the last look is done
@@ -31,14 +33,6 @@ class Clock:
         """One sleep of ``s`` seconds, and the look after it done."""
         self.ticks.put(s)
         assert self.looked.acquire(timeout=60), "the watchdog did not look"
-
-
-class Call:
-    def __init__(self) -> None:
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
 
 
 def test_a_pause_of_the_router_is_not_a_workers_silence():
