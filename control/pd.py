@@ -25,9 +25,9 @@ PREFILL_SCORE_TOKENS = 1024
 def prefill_score(tokens: int | None) -> float:
     """The ``prefill`` scorer: 1 / (1 + prompt tokens the worker has still to compute / 1,024);
     1 where the worker publishes no such count (the router then leaves the term out of the
-    decision: ``RoutingPolicy._pick``). A request
-    count shows a worker that prefills a 2,000-token prompt as loaded as one decoding a short
-    answer, and a short prompt sent there waits for that prefill (on a 2-vCPU VM, seconds)."""
+    decision: ``RoutingPolicy._pick``). A request count shows a worker that prefills a
+    2,000-token prompt as loaded as one decoding a short answer, and a short prompt sent there
+    waits for that prefill (on a 2-vCPU VM, seconds)."""
     return 1.0 / (1 + (tokens or 0) / PREFILL_SCORE_TOKENS)
 
 # reasons, per path
