@@ -20,6 +20,8 @@ bench/results/tune-validation-*.json.
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 import time
 from dataclasses import asdict, replace
 
@@ -92,11 +94,11 @@ def slice_args(a: argparse.Namespace) -> list[str]:
             *(["--sampling", ",".join(a.sampling)] if getattr(a, "sampling", ()) else [])]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from baton.bench.compare import run_compare
     from baton.bench.profile import run_profile, serving_probe, speed_probe
 
-    a = parse_args()
+    a = parse_args(argv)
     t0 = time.monotonic()
 
     def say(msg: str) -> None:
@@ -120,18 +122,27 @@ def main() -> None:
             say(f"  ({plain:.3g} req/s with the sampled tokens at greedy's cost)")
     measured, speed, checked = {}, {}, {}
     if not a.skip_measure:
-        # the machine's speed against the profile's, before and after: a drift is the
-        # machine's, not the simulator's error
-        speed["before"] = speed_probe(profile, [0, 1], say=say)
-        if a.serving_check:  # the serving overheads too: they move while the engine's hold
-            speed["before"]["serving"] = serving_probe(profile, [0, 1], say=say)
-            checked = predict_checked(ev, profile, speed["before"]["serving"], say)
-        say("measuring both setups with `baton bench compare` ...")
-        for res in run_compare(ca) or []:
-            measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
-                                       "points": res["points"], "runs": res["runs"]}
-            say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
-        speed["after"] = speed_probe(profile, [0, 1], say=say)
+        # SIGTERM (`timeout`, `kill`) as Ctrl-C: the running step's own cleanup stops its
+        # workers, routers and Redis, where the default action would leave them running
+        term = signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            # the machine's speed against the profile's, before and after: a drift is the
+            # machine's, not the simulator's error
+            speed["before"] = speed_probe(profile, [0, 1], say=say)
+            if a.serving_check:  # the serving overheads too: they move while the engine's hold
+                speed["before"]["serving"] = serving_probe(profile, [0, 1], say=say)
+                checked = predict_checked(ev, profile, speed["before"]["serving"], say)
+            say("measuring both setups with `baton bench compare` ...")
+            for res in run_compare(ca) or []:
+                measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
+                                           "points": res["points"], "runs": res["runs"]}
+                say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
+            speed["after"] = speed_probe(profile, [0, 1], say=say)
+        except KeyboardInterrupt:
+            say("stopped while measuring: nothing written")
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, term)
     # attainment at every rate the real search ran, measured against simulated: better
     # conditioned than the goodput (one request more or less can move a goodput a lot)
     for name, m in measured.items():
@@ -146,6 +157,11 @@ def main() -> None:
     if calibrated:
         print_calibrated(calibrated, measured)
     print(f"wrote {write_result('tune-validation', result)}")
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def predict_checked(ev, profile, serving: dict, say) -> dict:
@@ -278,4 +294,4 @@ def report(a, profile, slice_args, predicted: dict, measured: dict,
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,6 +4,7 @@ is refused before any setup starts."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -173,6 +174,37 @@ def test_a_run_stopped_part_way_writes_and_scores_the_rounds_every_setup_finishe
     assert written == [] and signal.getsignal(signal.SIGTERM) is mine
     assert "stopped during 1P+1D round 1\nno setup had finished: nothing written" in (
         capsys.readouterr().err)
+
+
+def test_a_validation_stopped_while_measuring_writes_nothing_and_exits_130(capsys, monkeypatch):
+    """bench/tune_validation.py takes SIGTERM as Ctrl-C while it measures, so the running
+    step's cleanup stops its processes (the default action left its workers running), writes
+    nothing, exits 130, and gives SIGTERM's handler back."""
+    import signal
+
+    import baton.bench.profile
+    import baton.engine.config
+    from baton.bench import tune_validation
+    from baton.bench.common import RESULTS
+
+    monkeypatch.setattr(baton.engine.config, "processor",
+                        lambda device: "AMD EPYC (avx2 avx512f avx512_bf16 fma)")
+    monkeypatch.setattr(tune_validation, "write_result",
+                        lambda *a: pytest.fail("a stopped validation wrote a result"))
+
+    def speed_probe(*a, **kw):
+        signal.raise_signal(signal.SIGTERM)  # as `timeout` or `kill` sends it
+        raise AssertionError("SIGTERM did not stop the measuring")
+
+    monkeypatch.setattr(baton.bench.profile, "speed_probe", speed_probe)
+    mine = signal.getsignal(signal.SIGTERM)
+    data = Path(__file__).resolve().parent.parent / "data"
+    assert tune_validation.main([
+        "--profile", str(RESULTS / "tune-validation-profile-v8-20261202.json"), "--dtype",
+        "bfloat16", "--trace", str(data / "azure_llm_2023_conv-head50.csv"), "--requests",
+        "8", "--refine", "1"]) == 130
+    assert signal.getsignal(signal.SIGTERM) is mine
+    assert "stopped while measuring: nothing written" in capsys.readouterr().out
 
 
 def test_a_setting_it_cannot_run_is_refused_by_name_before_any_setup_starts(capsys, tmp_path):
