@@ -7,9 +7,11 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -220,3 +222,19 @@ def worker_infos(redis_url: str, secret: str | None) -> tuple[dict, int]:
             except grpc.RpcError:
                 gone += 1
     return infos, gone
+
+
+@contextmanager
+def sigterm_as_ctrl_c():
+    """Inside, SIGTERM (as `timeout` or `kill` send it) raises KeyboardInterrupt, so a
+    benchmark stopped that way runs the cleanup it runs on Ctrl-C (its workers, routers and
+    Redis stopped) rather than dying and leaving them running; the caller's handler is back
+    after."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

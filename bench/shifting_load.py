@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -57,7 +56,14 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from baton.bench.common import RESULTS, PauseWatch, machine, other_processor, write_result
+from baton.bench.common import (
+    RESULTS,
+    PauseWatch,
+    machine,
+    other_processor,
+    sigterm_as_ctrl_c,
+    write_result,
+)
 from baton.bench.loadgen import OPEN_LOOP_CLIENTS
 
 SETUPS = ("1P+1D", "2 colocated", "live")
@@ -389,26 +395,24 @@ def main(argv=None) -> int:
         return 2
     results: list[dict] = []
     stopped = None
-    term = signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the running setup stops
-    try:
-        for r, name in round_order(names, a.rounds):
-            stopped = f"{name} round {r + 1}"
-            print(f"== {name} (round {r + 1} of {a.rounds})", file=sys.stderr, flush=True)
-            before = speed_check(a) if a.speed_check else None
-            res = run_setup(a, name, shape, PHASES)
-            res["round"] = r
-            if a.speed_check:
-                res["speed"] = {"before": before, "after": speed_check(a)}
-                print(f"  speed: {speed_line(res['speed'])}", file=sys.stderr, flush=True)
-            results.append(res)
-        stopped = None
-    except KeyboardInterrupt:
-        print(f"stopped during {stopped}", file=sys.stderr, flush=True)
-        if not results:
-            print("no setup had finished: nothing written", file=sys.stderr)
-            return 130
-    finally:
-        signal.signal(signal.SIGTERM, term)
+    with sigterm_as_ctrl_c():  # as Ctrl-C: the running setup stops
+        try:
+            for r, name in round_order(names, a.rounds):
+                stopped = f"{name} round {r + 1}"
+                print(f"== {name} (round {r + 1} of {a.rounds})", file=sys.stderr, flush=True)
+                before = speed_check(a) if a.speed_check else None
+                res = run_setup(a, name, shape, PHASES)
+                res["round"] = r
+                if a.speed_check:
+                    res["speed"] = {"before": before, "after": speed_check(a)}
+                    print(f"  speed: {speed_line(res['speed'])}", file=sys.stderr, flush=True)
+                results.append(res)
+            stopped = None
+        except KeyboardInterrupt:
+            print(f"stopped during {stopped}", file=sys.stderr, flush=True)
+            if not results:
+                print("no setup had finished: nothing written", file=sys.stderr)
+                return 130
     rounds = a.rounds if stopped is None else complete_rounds(results, names)
     scored = [x for x in results if x["round"] < rounds]
     summary = pooled(scored, rounds) if rounds else {
@@ -425,10 +429,6 @@ def main(argv=None) -> int:
     path = write_result("shifting-load", out)
     print(f"wrote {path}")
     return 0 if stopped is None else 130
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def complete_rounds(results: list[dict], names: list[str]) -> int:

@@ -20,12 +20,17 @@ bench/results/tune-validation-*.json.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from dataclasses import asdict, replace
 
-from baton.bench.common import RESULTS, machine, other_processor, write_result
+from baton.bench.common import (
+    RESULTS,
+    machine,
+    other_processor,
+    sigterm_as_ctrl_c,
+    write_result,
+)
 from baton.control.sim import Layout
 from baton.control.workload import draws_arg, sampling_arg
 
@@ -122,27 +127,23 @@ def main(argv: list[str] | None = None) -> int:
             say(f"  ({plain:.3g} req/s with the sampled tokens at greedy's cost)")
     measured, speed, checked = {}, {}, {}
     if not a.skip_measure:
-        # SIGTERM (`timeout`, `kill`) as Ctrl-C: the running step's own cleanup stops its
-        # workers, routers and Redis, where the default action would leave them running
-        term = signal.signal(signal.SIGTERM, _interrupt)
-        try:
-            # the machine's speed against the profile's, before and after: a drift is the
-            # machine's, not the simulator's error
-            speed["before"] = speed_probe(profile, [0, 1], say=say)
-            if a.serving_check:  # the serving overheads too: they move while the engine's hold
-                speed["before"]["serving"] = serving_probe(profile, [0, 1], say=say)
-                checked = predict_checked(ev, profile, speed["before"]["serving"], say)
-            say("measuring both setups with `baton bench compare` ...")
-            for res in run_compare(ca) or []:
-                measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
-                                           "points": res["points"], "runs": res["runs"]}
-                say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
-            speed["after"] = speed_probe(profile, [0, 1], say=say)
-        except KeyboardInterrupt:
-            say("stopped while measuring: nothing written")
-            return 130
-        finally:
-            signal.signal(signal.SIGTERM, term)
+        with sigterm_as_ctrl_c():  # the running step's own cleanup stops its processes
+            try:
+                # the machine's speed against the profile's, before and after: a drift is the
+                # machine's, not the simulator's error
+                speed["before"] = speed_probe(profile, [0, 1], say=say)
+                if a.serving_check:  # the serving overheads too: they move while the engine's hold
+                    speed["before"]["serving"] = serving_probe(profile, [0, 1], say=say)
+                    checked = predict_checked(ev, profile, speed["before"]["serving"], say)
+                say("measuring both setups with `baton bench compare` ...")
+                for res in run_compare(ca) or []:
+                    measured[res["target"]] = {"goodput_rps": res["goodput_rps"],
+                                               "points": res["points"], "runs": res["runs"]}
+                    say(f"measured {res['target']}: goodput {res['goodput_rps']:.3g} req/s")
+                speed["after"] = speed_probe(profile, [0, 1], say=say)
+            except KeyboardInterrupt:
+                say("stopped while measuring: nothing written")
+                return 130
     # attainment at every rate the real search ran, measured against simulated: better
     # conditioned than the goodput (one request more or less can move a goodput a lot)
     for name, m in measured.items():
@@ -158,10 +159,6 @@ def main(argv: list[str] | None = None) -> int:
         print_calibrated(calibrated, measured)
     print(f"wrote {write_result('tune-validation', result)}")
     return 0
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def predict_checked(ev, profile, serving: dict, say) -> dict:
