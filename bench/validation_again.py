@@ -21,12 +21,16 @@ decoding worker (on the 2-vCPU Xeon VM 1.06-1.09 at 12-16 streams, 1.28 at 64), 
 the rise the profile measured (a version-9 profile's ``serving_stream_slope``; none before).
 With ``--local-prefill S[,S...]`` the local path's prompts (a colocated worker's, a decode
 worker's) cost S times the remote path's (the cost model's ``local_prefill_scale``, 1 in a
-profile as measured; a calibration on a colocated window sets it). With ``--as-measured
+profile as measured; a calibration on a colocated window sets it). With ``--step-noise S[,S...]``
+each simulated step's time is drawn about the cost model's (lognormal, mean 1, S the sd of its
+log; :meth:`baton.control.sim.Sim.noise`): how much of the simulator's optimism near a pool's
+capacity a spread of step times the model leaves out would take away. With ``--as-measured
 --profile P.json`` each run is predicted with another profile in place of its own: how far a
 second profile of the same machine moves the predictions.
 
     python bench/validation_again.py [--speed | --as-measured [--profile P.json]]
-        [--stream-slope 0,0.004] [--local-prefill 1,1.1] bench/results/tune-validation-*.json
+        [--stream-slope 0,0.004] [--local-prefill 1,1.1] [--step-noise 0,0.2]
+        bench/results/tune-validation-*.json
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def as_measured(d: dict) -> list[tuple[str, dict, dict]]:
 
 def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
           above: int = STREAM_SLOPE_ABOVE, local_prefill: float | None = None,
-          profile: dict | None = None) -> list[dict]:
+          profile: dict | None = None, step_noise: float = 0.0) -> list[dict]:
     """One row per (fit, setup) of the run at ``path``: the profile scaled by the fit, both
     setups' goodput simulated again, against the fit's predictions then and the goodput the run
     measured. ``fits`` picks the fits from the run (:func:`calibrated_fits`,
@@ -109,6 +113,7 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
             cev.cost = sloped(cev.p, stream_slope, above)
         if local_prefill is not None:
             cev.cost.local_prefill_scale = local_prefill
+        cev.cost.step_noise = step_noise
         for name, layout in LAYOUTS.items():
             measured = d["measured"][name]["goodput_rps"]
             then = predicted[name]["goodput_rps"]
@@ -119,6 +124,7 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
                          "prefill_ratio": fit["prefill_ratio"], "setup": name,
                          "stream_slope": cev.cost.stream_slope,
                          "local_prefill_scale": cev.cost.local_prefill_scale,
+                         "step_noise": step_noise,
                          "above": cev.cost.stream_above,
                          "measured_rps": measured, "predicted_then_rps": then,
                          "predicted_now_rps": now, "error_then": then / measured - 1,
@@ -147,6 +153,10 @@ def main() -> None:
                     help="the local path's prompts (a colocated worker's, a decode worker's) "
                          "cost S times the remote path's, after the fit (one set of rows per "
                          "S; default: as the fit left it, 1 for a profile as measured)")
+    ap.add_argument("--step-noise", metavar="S[,S...]",
+                    help="each simulated step's time drawn about the cost model's, lognormal "
+                         "with mean 1 and S the sd of its log (one set of rows per S; default "
+                         "0: every step as the cost model says)")
     ap.add_argument("--profile", type=Path, metavar="P.json",
                     help="with --as-measured: predict each run with this profile in place of "
                          "its own (how far another profile of the same machine moves the "
@@ -159,9 +169,10 @@ def main() -> None:
     fits = speed_fits if a.speed else as_measured if a.as_measured else calibrated_fits
     slopes = [float(x) for x in a.stream_slope.split(",")] if a.stream_slope else [None]
     locals_ = [float(x) for x in a.local_prefill.split(",")] if a.local_prefill else [None]
-    asked = [(s, lp) for s in slopes for lp in locals_]
-    rows = [((s, lp), r) for s, lp in asked for p in a.runs
-            for r in again(p, fits, s, a.above, lp, other)]
+    noises = [float(x) for x in a.step_noise.split(",")] if a.step_noise else [0.0]
+    asked = [(s, lp, n) for s in slopes for lp in locals_ for n in noises]
+    rows = [((s, lp, n), r) for s, lp, n in asked for p in a.runs
+            for r in again(p, fits, s, a.above, lp, other, n)]
     # --speed: "then" is the run's own prediction (its profile as measured), "now" the
     # profile scaled by the check
     print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'slope':>6} "
@@ -174,8 +185,8 @@ def main() -> None:
               f"({100 * r['error_then']:+3.0f}%) {r['predicted_now_rps']:>6.3g} "
               f"({100 * r['error_now']:+3.0f}%)")
     by_slope = {}
-    for s, lp in asked:
-        rs = [r for k, r in rows if k == (s, lp)]
+    for s, lp, n in asked:
+        rs = [r for k, r in rows if k == (s, lp, n)]
         worst = {k: max((abs(r[k]) for r in rs), default=None)
                  for k in ("error_then", "error_now")}
         within = {k: sum(abs(r[k]) <= 0.1 for r in rs) for k in ("error_then", "error_now")}
@@ -183,18 +194,22 @@ def main() -> None:
         name = "profile" if s is None else f"{s:g}"
         if lp is not None:
             name += f" local {lp:g}"
+        if n:
+            name += f" noise {n:g}"
         by_slope[name] = {"largest_error": worst, "within_10pct": within,
                           "mean_abs_error_now": mean_abs, "rows": len(rs)}
         if rs:
             print(f"slope {'of the profile' if s is None else f'{s:g}'}"
-                  f"{'' if lp is None else f', local prefill x{lp:g}'}: largest error then "
+                  f"{'' if lp is None else f', local prefill x{lp:g}'}"
+                  f"{f', step noise {n:g}' if n else ''}: largest error then "
                   f"{100 * worst['error_then']:.0f}%, now "
                   f"{100 * worst['error_now']:.0f}%; within 10%: then "
                   f"{within['error_then']}, now {within['error_now']} of {len(rs)}; mean "
                   f"|error| now {100 * mean_abs:.1f}%")
     out = {"machine": machine(), "runs": [str(p) for p in a.runs], "speed": a.speed,
            "as_measured": a.as_measured, "above": a.above,
-           "local_prefill": locals_, "profile": str(a.profile) if a.profile else None,
+           "local_prefill": locals_, "step_noise": noises,
+           "profile": str(a.profile) if a.profile else None,
            "rows": [r for _, r in rows],
            "by_slope": by_slope}
     print(f"wrote {write_result('validation-again', out)}")

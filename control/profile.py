@@ -385,6 +385,10 @@ class CostModel:
                                       or self.stream_slope != 0.0)
         self.prefill_stream_factor = p.prefill_stream_factor
         self.local_prefill_scale = p.local_prefill_scale
+        # the spread of a step's time about the model's (the sd of its log; 0: every step as
+        # the model says). A simulation draws each step's factor from a lognormal of mean 1
+        # (:meth:`baton.control.sim.Sim.noise`): queues near a pool's capacity grow with it
+        self.step_noise = 0.0
         self._tier_block_s = {r["tier"]: r["s"] / r["blocks"] for r in p.tier_load
                               if r.get("blocks")}
         self._sample_s = {k: float(v) for k, v in p.sampling.items() if v}

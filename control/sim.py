@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import random
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -135,6 +137,7 @@ class Sim:
 
     def __init__(self) -> None:
         self.now = 0.0
+        self._rng = random.Random(0)  # the steps' noise: the same draws every run
         self._q: list = []
         self._n = itertools.count()
         self._streamed: deque[tuple[float, int]] = deque()
@@ -161,6 +164,10 @@ class Sim:
         while self._streamed and self._streamed[0][0] <= t - self.STREAM_WINDOW_S:
             self._streamed_n -= self._streamed.popleft()[1]
         return self._streamed_n / self.STREAM_WINDOW_S
+
+    def noise(self, sigma: float) -> float:
+        """A step's time over the model's: lognormal, mean 1, ``sigma`` the sd of its log."""
+        return math.exp(self._rng.gauss(-sigma * sigma / 2, sigma)) if sigma > 0 else 1.0
 
     def at(self, t: float, fn: Callable[[float], None]) -> None:
         heapq.heappush(self._q, (t, next(self._n), fn))
@@ -348,7 +355,7 @@ class SimEngine:
                       if s.req.sampling and s.computed + n >= s.num_tokens
                       ) if self.cost.samples else 0.0
         step = self.cost.step(chunks, decodes, self.sim.stream_rate(t), self.local, busy,
-                              decoding, sampled)
+                              decoding, sampled) * self.sim.noise(self.cost.step_noise)
         end = t + loads + step
         self._forget(t - self.sim.BUSY_WINDOW_S)  # bounded when nobody asks
         f = len(decodes) / max(1, len(decodes) + sum(c[0] for c in chunks))

@@ -443,6 +443,35 @@ def test_stored_runs_are_predicted_again_with_a_dearer_local_path_or_another_pro
     assert got == want and all(got[n] < same[n] for n in LAYOUTS)
 
 
+def test_stored_runs_are_predicted_again_with_a_spread_of_step_times(tmp_path):
+    """bench/validation_again.py --step-noise S: each simulated step's time drawn about the
+    cost model's (lognormal, mean 1) predicts as the evaluator with that spread does, the same
+    each time (fixed draws); at 0 as the run did. (Not always lower: a draw's median is under
+    the mean, so a short slice can meet a little more.)"""
+    import json
+
+    from baton.bench.tune_validation import LAYOUTS
+    from baton.bench.validation_again import again, as_measured
+
+    a, p, ev = validation_slice(tmp_path, seed=8)
+    predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
+    run = tmp_path / "tune-validation-x.json"
+    run.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
+                               "predicted": predicted,
+                               "measured": {name: {"goodput_rps": 1.0} for name in LAYOUTS}}))
+    same = {r["setup"]: r["predicted_now_rps"] for r in again(run, as_measured, step_noise=0)}
+    assert same == {n: v["goodput_rps"] for n, v in predicted.items()}
+    spread = {r["setup"]: r for r in again(run, as_measured, step_noise=0.4)}
+    assert all(r["step_noise"] == 0.4 for r in spread.values())
+    noisy = ev.with_profile(p)
+    noisy.cost.step_noise = 0.4
+    want = {name: noisy.goodput(layout)[0] for name, layout in LAYOUTS.items()}
+    assert {n: r["predicted_now_rps"] for n, r in spread.items()} == want
+    assert want != same
+    again_ = {r["setup"]: r["predicted_now_rps"] for r in again(run, as_measured, step_noise=0.4)}
+    assert again_ == want
+
+
 def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
     """`baton profile --check P --serving --out NEW`'s profile (calibrate.checked): the decode
     factors scaled by the check's decode ratio and the prefill factors by its prefill ratio,

@@ -229,6 +229,36 @@ def test_more_workers_serve_more():
     assert one < 0.5 and two == 1.0
 
 
+def test_step_noise_keeps_the_mean_step_and_lengthens_the_queues_near_capacity():
+    """CostModel.step_noise S: every simulated step's time is the model's times a lognormal
+    draw of mean 1 (S the sd of its log), the same draws each run; at 0 the simulation is the
+    deterministic one. Lone requests keep their mean TTFT; near the worker's capacity the
+    spread lengthens the queue (a queue's wait grows with its service times' variance), so
+    fewer requests meet a TTFT SLO the deterministic run meets."""
+    from baton.control.profile import CostModel
+
+    p = make_profile()
+    noisy = CostModel(p)
+    noisy.step_noise = 0.3
+    lone = [(100, 1, i * 10.0) for i in range(400)]  # never two at once
+    plain = simulate(Layout(0, 1, True), p, lone)
+    drawn = simulate(Layout(0, 1, True), p, lone, cost=noisy)
+    assert max(r.ttft for r in plain) - min(r.ttft for r in plain) < 1e-9
+    assert len({round(r.ttft, 9) for r in drawn}) > 100
+    assert statistics.fmean(r.ttft for r in drawn) == pytest.approx(plain[0].ttft, rel=0.05)
+    assert [r.ttft for r in simulate(Layout(0, 1, True), p, lone, cost=noisy)] == \
+        [r.ttft for r in drawn]  # the same draws: a goodput search stays reproducible
+    zero = CostModel(p)
+    zero.step_noise = 0.0
+    assert [r.ttft for r in simulate(Layout(0, 1, True), p, lone, cost=zero)] == \
+        [r.ttft for r in plain]
+    busy = [(100, 1, i * tok(100) / 0.9) for i in range(400)]  # 90% of its prefill capacity
+    slo = 0.004 + 2 * tok(100)  # twice a lone prompt's step
+    assert attainment(simulate(Layout(0, 1, True), p, busy), slo, 1.0) == 1.0
+    assert attainment(simulate(Layout(0, 1, True), p, busy, cost=noisy), slo, 1.0) < 0.95
+    # (the draw alone passes 2x in 0.7% of steps at 0.3: the rest is the queue)
+
+
 # ---- baton tune ----------------------------------------------------------------------------------
 
 
