@@ -169,7 +169,12 @@ def main() -> None:
     fits = speed_fits if a.speed else as_measured if a.as_measured else calibrated_fits
     slopes = [float(x) for x in a.stream_slope.split(",")] if a.stream_slope else [None]
     locals_ = [float(x) for x in a.local_prefill.split(",")] if a.local_prefill else [None]
-    noises = [float(x) for x in a.step_noise.split(",")] if a.step_noise else [0.0]
+    try:
+        noises = [float(x) for x in a.step_noise.split(",")] if a.step_noise else [0.0]
+    except ValueError:
+        noises = [float("nan")]
+    if any(not n >= 0 for n in noises):  # NaN too
+        ap.error(f"--step-noise {a.step_noise}: each spread is a number >= 0")
     asked = [(s, lp, n) for s in slopes for lp in locals_ for n in noises]
     rows = [((s, lp, n), r) for s, lp, n in asked for p in a.runs
             for r in again(p, fits, s, a.above, lp, other, n)]
