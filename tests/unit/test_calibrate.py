@@ -472,6 +472,23 @@ def test_stored_runs_are_predicted_again_with_a_spread_of_step_times(tmp_path):
     assert again_ == want
 
 
+@pytest.mark.parametrize("spread", ["0.1,-0.2", "nan", "wide"])
+def test_validation_again_refuses_a_spread_that_is_not_a_number_at_least_0(
+        spread, monkeypatch, capsys, tmp_path):
+    """A negative spread would read as none (every step as the model says): refused by name,
+    before any run is read."""
+    import sys
+
+    from baton.bench.validation_again import main
+
+    monkeypatch.setattr(sys, "argv", ["validation_again.py", "--as-measured", "--step-noise",
+                                      spread, str(tmp_path / "absent.json")])
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    assert stopped.value.code == 2
+    assert f"--step-noise {spread}: each spread is a number >= 0" in capsys.readouterr().err
+
+
 def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
     """`baton profile --check P --serving --out NEW`'s profile (calibrate.checked): the decode
     factors scaled by the check's decode ratio and the prefill factors by its prefill ratio,
