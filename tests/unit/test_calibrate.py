@@ -414,23 +414,32 @@ def test_stored_runs_are_predicted_again_with_a_decode_factor_rising_with_the_st
     assert again(run, as_measured) == []
 
 
-def test_stored_runs_are_predicted_again_with_a_dearer_local_path_or_another_profile(tmp_path):
-    """bench/validation_again.py --local-prefill S: the local path's prompts (all of colocated
-    workers' prompts) at S times the remote path's predict colocated workers less, and at 1 as
-    the run did; --as-measured --profile P: each run predicted with P in place of its own, as
-    the evaluator with P predicts it."""
+def stored_run(tmp_path, seed: int):
+    """A stored run of :func:`validation_slice` with nothing calibrated: its profile, evaluator,
+    predictions (the evaluator's) and the file (every setup measured at 1 req/s)."""
     import json
 
     from baton.bench.tune_validation import LAYOUTS
-    from baton.bench.validation_again import again, as_measured
-    from baton.control.calibrate import scaled as scaled_as_a_fit
 
-    a, p, ev = validation_slice(tmp_path, seed=8)
+    a, p, ev = validation_slice(tmp_path, seed)
     predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
     run = tmp_path / "tune-validation-x.json"
     run.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
                                "predicted": predicted,
                                "measured": {name: {"goodput_rps": 1.0} for name in LAYOUTS}}))
+    return p, ev, predicted, run
+
+
+def test_stored_runs_are_predicted_again_with_a_dearer_local_path_or_another_profile(tmp_path):
+    """bench/validation_again.py --local-prefill S: the local path's prompts (all of colocated
+    workers' prompts) at S times the remote path's predict colocated workers less, and at 1 as
+    the run did; --as-measured --profile P: each run predicted with P in place of its own, as
+    the evaluator with P predicts it."""
+    from baton.bench.tune_validation import LAYOUTS
+    from baton.bench.validation_again import again, as_measured
+    from baton.control.calibrate import scaled as scaled_as_a_fit
+
+    p, ev, predicted, run = stored_run(tmp_path, seed=8)
     same = {r["setup"]: r["predicted_now_rps"] for r in again(run, as_measured, local_prefill=1)}
     assert same == {n: v["goodput_rps"] for n, v in predicted.items()}
     dear = {r["setup"]: r for r in again(run, as_measured, local_prefill=1.5)}
@@ -448,17 +457,10 @@ def test_stored_runs_are_predicted_again_with_a_spread_of_step_times(tmp_path):
     cost model's (lognormal, mean 1) predicts as the evaluator with that spread does, the same
     each time (fixed draws); at 0 as the run did. (Not always lower: a draw's median is under
     the mean, so a short slice can meet a little more.)"""
-    import json
-
     from baton.bench.tune_validation import LAYOUTS
     from baton.bench.validation_again import again, as_measured
 
-    a, p, ev = validation_slice(tmp_path, seed=8)
-    predicted = {name: {"goodput_rps": ev.goodput(layout)[0]} for name, layout in LAYOUTS.items()}
-    run = tmp_path / "tune-validation-x.json"
-    run.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
-                               "predicted": predicted,
-                               "measured": {name: {"goodput_rps": 1.0} for name in LAYOUTS}}))
+    p, ev, predicted, run = stored_run(tmp_path, seed=8)
     same = {r["setup"]: r["predicted_now_rps"] for r in again(run, as_measured, step_noise=0)}
     assert same == {n: v["goodput_rps"] for n, v in predicted.items()}
     spread = {r["setup"]: r for r in again(run, as_measured, step_noise=0.4)}
