@@ -171,9 +171,9 @@ def main() -> None:
     locals_ = [float(x) for x in a.local_prefill.split(",")] if a.local_prefill else [None]
     try:
         noises = [float(x) for x in a.step_noise.split(",")] if a.step_noise else [0.0]
+        if any(not n >= 0 for n in noises):  # NaN too
+            raise ValueError
     except ValueError:
-        noises = [float("nan")]
-    if any(not n >= 0 for n in noises):  # NaN too
         ap.error(f"--step-noise {a.step_noise}: each spread is a number >= 0")
     asked = [(s, lp, n) for s in slopes for lp in locals_ for n in noises]
     rows = [((s, lp, n), r) for s, lp, n in asked for p in a.runs
