@@ -268,7 +268,10 @@ def measure(target, wl: Workload, a: Load, name: str, progress: Progress) -> dic
                  # "prefill" stage), path], null where it failed: what a router's live window
                  # measures, for control/calibrate.py
                  observed=[None if r.error else [r.tpot, (r.stages or {}).get("prefill"),
-                                                 r.path] for r in records])
+                                                 r.path] for r in records],
+                 # per request, in order: what it asked and what it got, so a run can be set
+                 # beside the simulator's account of the same requests (bench/plateau.py)
+                 per_request=[lg.request_row(r) for r in records])
         runs.append(s)
         t = s["ttft_s"]["p90"]
         print(f"  {name} {label}: {s['succeeded']}/{s['requests']} ok, attainment "

@@ -38,6 +38,7 @@ from baton.control.workload import (  # noqa: F401 (the workloads are part of th
     mooncake,
     multi_turn,
     poisson,
+    request_row,
     sampling_params,
     shared_prefix,
     speed_up,

@@ -151,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             (rate, att, ev.at(LAYOUTS[name], rate)) for rate, att in m["points"]]
     calibrated = {name: calibrated_predictions(ev, LAYOUTS, name, m["runs"], say)
                   for name, m in measured.items()}
-    for m in measured.values():
-        del m["runs"]
+    for m in measured.values():  # each run's requests, not its summary (bench/plateau.py)
+        m["runs"] = [{k: r.get(k) for k in ("rate", "draw", "attainment", "per_request")}
+                     for r in m["runs"] if r.get("per_request")]
     result = {**report(a, profile, flags, predicted, measured, checked),
               "machine_speed": speed, "checked": checked, "calibrated": calibrated}
     if calibrated:

@@ -246,6 +246,16 @@ class Record:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
+def request_row(r: Record) -> dict:
+    """One request's account, JSON-able: its lengths, its times (seconds, None where it has
+    none) and, through Baton, its path and the stages of its first token. A measured request
+    and a simulated one give the same keys, so the two can be set side by side."""
+    return {"prompt": r.prompt_tokens, "max_tokens": r.max_tokens,
+            "output": r.output_tokens, "error": r.error, "ttft": r.ttft, "tpot": r.tpot,
+            "late": r.late, "path": r.path, "cached": r.cached_tokens,
+            "stages": r.stages}
+
+
 def meets(r: Record, ttft_slo: float, tpot_slo: float) -> bool:
     """Succeeded, first token within ``ttft_slo``, and (with 2+ tokens) TPOT within
     ``tpot_slo``."""

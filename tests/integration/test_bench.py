@@ -29,6 +29,12 @@ def test_compare_runs_both_setups_on_the_same_workload(tiny_llama, tmp_path):
         (run,) = r["runs"]
         assert run["succeeded"] == 5 and run["attainment"] == 1.0
         assert run["tpot_s"]["n"] == 5
+        # each request's own account, in order, with the router's stages of its first token
+        rows = run["per_request"]
+        assert [r["output"] for r in rows] == [4] * 5 and all(r["error"] is None for r in rows)
+        assert all(8 <= r["prompt"] <= 90 and 0 < r["ttft"] <= 30 for r in rows)
+        assert all(r["path"] in ("remote", "local") and "prefill" in r["stages"] for r in rows)
+        assert sum(r["ttft"] for r in rows) / 5 == pytest.approx(run["ttft_s"]["mean"])
     assert res["args"]["prefill"] == 1 and res["args"]["colocated"] == 2
     assert "baton-colocated" in out.stdout and "baton-disaggregated" in out.stdout
 
