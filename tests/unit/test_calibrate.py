@@ -591,3 +591,73 @@ def test_a_validation_run_is_read_draw_by_draw(tmp_path):
         run.write_text(json.dumps({"args": args}))  # one draw; a run from before --draws
         with pytest.raises(SystemExit, match="it ran --draws 1"):
             by_draw(run)
+
+
+def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tmp_path, capsys,
+                                                                           monkeypatch):
+    """bench/plateau.py: each measured request beside the simulator's account of the same
+    request. Runs "measured" by the simulator itself on the run's profile agree request by
+    request (nothing missed in one account only, every ratio 1); runs measured on a profile
+    whose prefill costs twice as much miss on their TTFT (1P+1D: on it alone; colocated workers'
+    decode steps wait on the prefills too), and every prompt length band
+    reads the dearer prefill as measured TTFTs above the simulated."""
+    import json
+
+    from baton.bench import plateau
+    from baton.bench.plateau import compare, main, simulated_rows
+    from baton.bench.tune_validation import LAYOUTS
+    from baton.control.calibrate import scaled
+
+    a, p, ev = validation_slice(tmp_path, seed=11)
+    slow = ev.with_profile(scaled(p, 1.0, 2.0, "remote"))
+    rate = 1.0  # both setups near their capacity on the run's profile, past it on the dearer
+
+    def stored(measured_by):
+        runs = {name: {"goodput_rps": rate, "runs": [
+            {"rate": rate, "draw": 0, "attainment": None,
+             "per_request": simulated_rows(measured_by, layout, rate, 0)}]}
+            for name, layout in LAYOUTS.items()}
+        for m in runs.values():
+            (run,) = m["runs"]
+            run["attainment"] = sum(
+                r["error"] is None and r["ttft"] <= a.ttft_slo
+                and (r["tpot"] is None or r["tpot"] <= a.tpot_slo)
+                for r in run["per_request"]) / len(run["per_request"])
+            for r in run["per_request"]:  # the router's stages, as a measured run keeps them
+                r["stages"] = {"wait": 0.0, **r["stages"]}
+        path = tmp_path / f"tune-validation-{len(list(tmp_path.glob('tune-*')))}.json"
+        path.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
+                                    "measured": runs}))
+        return path
+
+    same = compare(stored(ev))["setups"]
+    for name, layout in LAYOUTS.items():
+        (run,) = same[name]["runs"]
+        assert run["measured_only_missed"] == run["simulated_only_missed"] == 0
+        assert run["attainment"] == run["simulated_attainment"] == ev.at(layout, rate, [0])
+        assert all(b["ttft_ratio"] == 1.0 for b in same[name]["bands"].values())
+
+    dear = compare(stored(slow))["setups"]
+    for name, layout in LAYOUTS.items():
+        (run,) = dear[name]["runs"]
+        assert run["simulated_attainment"] == ev.at(layout, rate, [0])
+        assert run["attainment"] == slow.at(layout, rate, [0]) < run["simulated_attainment"]
+        assert run["measured_only_missed"] > 0 and run["simulated_only_missed"] == 0
+        late = [m for m in run["measured_only"] if "ttft" in m["why"]]
+        assert late and all(m["ttft"] > a.ttft_slo >= m["sim_ttft"] for m in late)
+        if name == "baton-disaggregated":  # its decode worker prefills nothing: TTFT alone
+            assert {m["why"] for m in run["measured_only"]} == {"ttft"}
+        ratios = [b["ttft_ratio"] for b in dear[name]["bands"].values()]
+        assert len(ratios) >= 3 and all(r > 1 for r in ratios)
+
+    # the command: a table and its JSON; a run that kept no request is refused by name
+    written = []
+    monkeypatch.setattr(plateau, "write_result", lambda name, out: written.append(out) or name)
+    assert main([str(stored(slow))]) == 0
+    assert "measured-only misses" in capsys.readouterr().out
+    assert written[0]["setups"] == dear and "cpus" in written[0]["machine"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"args": vars(a), "profile": dataclasses.asdict(p),
+                               "measured": {n: {"goodput_rps": 1.0} for n in LAYOUTS}}))
+    with pytest.raises(SystemExit, match="kept no request"):
+        main([str(old)])
