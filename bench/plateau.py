@@ -1,5 +1,5 @@
 """Which requests decide a validation's goodput: every measured run of a stored
-`bench/tune_validation.py` result (one that kept each request's account, 2026-12-06 on) set
+`bench/tune_validation.py` result (one that kept each request's account: from commit 4caeed7) set
 beside the simulator's account of the same requests (the same lengths, the same Poisson
 arrivals, the run's profile), request by request. Near a setup's goodput the attainment curves
 are flat just under the target, so a goodput is decided by a few requests; this says which.
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--near {a.near}: a number > 0")
     res = compare(a.run, a.checked, a.near)
     if not res["setups"]:
-        raise SystemExit(f"error: {a.run} kept no request's account (a run before 2026-12-06, "
-                         "or one with --skip-measure)")
+        raise SystemExit(f"error: {a.run} kept no request's account (a run made before "
+                         "commit 4caeed7 kept them, or one with --skip-measure)")
     show(res)
     print(f"wrote {write_result('plateau', {'machine': machine(), **res})}")
     return 0

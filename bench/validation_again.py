@@ -24,12 +24,18 @@ worker's) cost S times the remote path's (the cost model's ``local_prefill_scale
 profile as measured; a calibration on a colocated window sets it). With ``--step-noise S[,S...]``
 each simulated step's time is drawn about the cost model's (lognormal, mean 1, S the sd of its
 log; :meth:`baton.control.sim.Sim.noise`): how much of the simulator's optimism near a pool's
-capacity a spread of step times the model leaves out would take away. With ``--as-measured
+capacity a spread of step times the model leaves out would take away. With ``--prefill-scale
+S[,S...]`` every prompt costs S times what the fit left (the prefill factors of both paths, as
+a remote fit scales them): a request's prefill through a serving worker measured 1.08-1.14x
+the simulator's, lone or queued, where the profile's prefill factor is a saturated worker's
+throughput (bench/plateau.py, 2026-12-06); would the record have been predicted within 10%
+with prompts that much dearer? With ``--as-measured
 --profile P.json`` each run is predicted with another profile in place of its own: how far a
 second profile of the same machine moves the predictions.
 
     python bench/validation_again.py [--speed | --as-measured [--profile P.json]]
         [--stream-slope 0,0.004] [--local-prefill 1,1.1] [--step-noise 0,0.2]
+        [--prefill-scale 1,1.1]
         bench/results/tune-validation-*.json
 """
 
@@ -84,7 +90,8 @@ def as_measured(d: dict) -> list[tuple[str, dict, dict]]:
 
 def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
           above: int = STREAM_SLOPE_ABOVE, local_prefill: float | None = None,
-          profile: dict | None = None, step_noise: float = 0.0) -> list[dict]:
+          profile: dict | None = None, step_noise: float = 0.0,
+          prefill_scale: float = 1.0) -> list[dict]:
     """One row per (fit, setup) of the run at ``path``: the profile scaled by the fit, both
     setups' goodput simulated again, against the fit's predictions then and the goodput the run
     measured. ``fits`` picks the fits from the run (:func:`calibrated_fits`,
@@ -93,7 +100,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     version 9); ``local_prefill``: the local path's prompts cost this many times the remote
     path's, after the fit (None: as the fit left it); ``profile``: another profile's JSON in
     place of the run's own (with :func:`as_measured`: what that profile would have predicted
-    for the run)."""
+    for the run); ``prefill_scale``: the fit's prefill ratio times this (both paths' prompts,
+    as a remote fit scales them)."""
     from baton.bench.tune_validation import LAYOUTS, configs, slice_args
     from baton.control.calibrate import scaled
     from baton.control.profile import Profile
@@ -109,6 +117,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     for label, fit, predicted in chosen:
         cev = ev.with_profile(scaled(profile, fit["decode_ratio"], fit["prefill_ratio"],
                                      fit["prefill_path"]))
+        if prefill_scale != 1.0:  # after the fit, on both paths
+            cev = cev.with_profile(scaled(cev.p, 1.0, prefill_scale, "remote"))
         if stream_slope is not None:
             cev.cost = sloped(cev.p, stream_slope, above)
         if local_prefill is not None:
@@ -124,7 +134,7 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
                          "prefill_ratio": fit["prefill_ratio"], "setup": name,
                          "stream_slope": cev.cost.stream_slope,
                          "local_prefill_scale": cev.cost.local_prefill_scale,
-                         "step_noise": step_noise,
+                         "step_noise": step_noise, "prefill_scale": prefill_scale,
                          "above": cev.cost.stream_above,
                          "measured_rps": measured, "predicted_then_rps": then,
                          "predicted_now_rps": now, "error_then": then / measured - 1,
@@ -157,6 +167,9 @@ def main() -> None:
                     help="each simulated step's time drawn about the cost model's, lognormal "
                          "with mean 1 and S the sd of its log (one set of rows per S; default "
                          "0: every step as the cost model says)")
+    ap.add_argument("--prefill-scale", metavar="S[,S...]",
+                    help="every prompt costs S times what the fit left, both paths (one set "
+                         "of rows per S; default 1)")
     ap.add_argument("--profile", type=Path, metavar="P.json",
                     help="with --as-measured: predict each run with this profile in place of "
                          "its own (how far another profile of the same machine moves the "
@@ -175,9 +188,16 @@ def main() -> None:
             raise ValueError
     except ValueError:
         ap.error(f"--step-noise {a.step_noise}: each spread is a number >= 0")
-    asked = [(s, lp, n) for s in slopes for lp in locals_ for n in noises]
-    rows = [((s, lp, n), r) for s, lp, n in asked for p in a.runs
-            for r in again(p, fits, s, a.above, lp, other, n)]
+    try:
+        scales = ([float(x) for x in a.prefill_scale.split(",")] if a.prefill_scale
+                  else [1.0])
+        if any(not k > 0 or k == float("inf") for k in scales):  # NaN too
+            raise ValueError
+    except ValueError:
+        ap.error(f"--prefill-scale {a.prefill_scale}: each scale is a finite number > 0")
+    asked = [(s, lp, n, k) for s in slopes for lp in locals_ for n in noises for k in scales]
+    rows = [((s, lp, n, k), r) for s, lp, n, k in asked for p in a.runs
+            for r in again(p, fits, s, a.above, lp, other, n, k)]
     # --speed: "then" is the run's own prediction (its profile as measured), "now" the
     # profile scaled by the check
     print(f"{'run':<36} {'scaled by' if a.speed else 'calibrated on':<14} {'slope':>6} "
@@ -190,8 +210,8 @@ def main() -> None:
               f"({100 * r['error_then']:+3.0f}%) {r['predicted_now_rps']:>6.3g} "
               f"({100 * r['error_now']:+3.0f}%)")
     by_slope = {}
-    for s, lp, n in asked:
-        rs = [r for k, r in rows if k == (s, lp, n)]
+    for s, lp, n, ps in asked:
+        rs = [r for key, r in rows if key == (s, lp, n, ps)]
         worst = {k: max((abs(r[k]) for r in rs), default=None)
                  for k in ("error_then", "error_now")}
         within = {k: sum(abs(r[k]) <= 0.1 for r in rs) for k in ("error_then", "error_now")}
@@ -201,19 +221,22 @@ def main() -> None:
             name += f" local {lp:g}"
         if n:
             name += f" noise {n:g}"
+        if ps != 1.0:
+            name += f" prefill x{ps:g}"
         by_slope[name] = {"largest_error": worst, "within_10pct": within,
                           "mean_abs_error_now": mean_abs, "rows": len(rs)}
         if rs:
             print(f"slope {'of the profile' if s is None else f'{s:g}'}"
                   f"{'' if lp is None else f', local prefill x{lp:g}'}"
-                  f"{f', step noise {n:g}' if n else ''}: largest error then "
+                  f"{f', step noise {n:g}' if n else ''}"
+                  f"{f', prompts x{ps:g}' if ps != 1.0 else ''}: largest error then "
                   f"{100 * worst['error_then']:.0f}%, now "
                   f"{100 * worst['error_now']:.0f}%; within 10%: then "
                   f"{within['error_then']}, now {within['error_now']} of {len(rs)}; mean "
                   f"|error| now {100 * mean_abs:.1f}%")
     out = {"machine": machine(), "runs": [str(p) for p in a.runs], "speed": a.speed,
            "as_measured": a.as_measured, "above": a.above,
-           "local_prefill": locals_, "step_noise": noises,
+           "local_prefill": locals_, "step_noise": noises, "prefill_scale": scales,
            "profile": str(a.profile) if a.profile else None,
            "rows": [r for _, r in rows],
            "by_slope": by_slope}

@@ -661,3 +661,33 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
                                "measured": {n: {"goodput_rps": 1.0} for n in LAYOUTS}}))
     with pytest.raises(SystemExit, match="kept no request"):
         main([str(old)])
+
+
+def test_stored_runs_are_predicted_again_with_dearer_prompts(tmp_path, monkeypatch, capsys):
+    """bench/validation_again.py --prefill-scale S: every prompt at S times what the fit left
+    (both paths) predicts as the evaluator on the profile with its prefill factors scaled by S,
+    lower for both setups; at 1 as the run did. A scale that is not a finite number > 0 is
+    refused by name, before any run is read."""
+    import sys
+
+    from baton.bench.tune_validation import LAYOUTS
+    from baton.bench.validation_again import again, as_measured, main
+    from baton.control.calibrate import scaled as scaled_as_a_fit
+
+    p, ev, predicted, run = stored_run(tmp_path, seed=8)
+    same = {r["setup"]: r["predicted_now_rps"] for r in again(run, as_measured)}
+    assert same == {n: v["goodput_rps"] for n, v in predicted.items()}
+    dear = {r["setup"]: r for r in again(run, as_measured, prefill_scale=1.5)}
+    assert all(r["prefill_scale"] == 1.5 for r in dear.values())
+    other = ev.with_profile(scaled_as_a_fit(p, 1.0, 1.5, "remote"))
+    want = {name: other.goodput(layout)[0] for name, layout in LAYOUTS.items()}
+    assert {n: r["predicted_now_rps"] for n, r in dear.items()} == want
+    assert all(want[n] < same[n] for n in LAYOUTS)
+    for bad in ("1,0", "-1", "nan", "inf", "dear"):
+        monkeypatch.setattr(sys, "argv", ["validation_again.py", "--as-measured",
+                                          "--prefill-scale", bad, str(tmp_path / "absent")])
+        with pytest.raises(SystemExit) as stopped:
+            main()
+        assert stopped.value.code == 2
+        said = capsys.readouterr().err
+        assert f"--prefill-scale {bad}: each scale is a finite number > 0" in said
