@@ -142,6 +142,21 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     return rows
 
 
+def numbers(ap: argparse.ArgumentParser, flag: str, text: str | None, default: float,
+            ok, what: str) -> list[float]:
+    """``text`` (comma-separated numbers; None: ``[default]``) as floats, each passing ``ok``
+    (NaN passes no comparison); else the parser's error naming ``flag`` and ``what``."""
+    if text is None:
+        return [default]
+    try:
+        out = [float(x) for x in text.split(",")]
+    except ValueError:
+        out = [float("nan")]
+    if not all(ok(x) for x in out):
+        ap.error(f"{flag} {text}: {what}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="tune-validation-*.json files")
@@ -182,19 +197,10 @@ def main() -> None:
     fits = speed_fits if a.speed else as_measured if a.as_measured else calibrated_fits
     slopes = [float(x) for x in a.stream_slope.split(",")] if a.stream_slope else [None]
     locals_ = [float(x) for x in a.local_prefill.split(",")] if a.local_prefill else [None]
-    try:
-        noises = [float(x) for x in a.step_noise.split(",")] if a.step_noise else [0.0]
-        if any(not n >= 0 for n in noises):  # NaN too
-            raise ValueError
-    except ValueError:
-        ap.error(f"--step-noise {a.step_noise}: each spread is a number >= 0")
-    try:
-        scales = ([float(x) for x in a.prefill_scale.split(",")] if a.prefill_scale
-                  else [1.0])
-        if any(not k > 0 or k == float("inf") for k in scales):  # NaN too
-            raise ValueError
-    except ValueError:
-        ap.error(f"--prefill-scale {a.prefill_scale}: each scale is a finite number > 0")
+    noises = numbers(ap, "--step-noise", a.step_noise, 0.0, lambda n: n >= 0,
+                     "each spread is a number >= 0")
+    scales = numbers(ap, "--prefill-scale", a.prefill_scale, 1.0,
+                     lambda k: 0 < k < float("inf"), "each scale is a finite number > 0")
     asked = [(s, lp, n, k) for s in slopes for lp in locals_ for n in noises for k in scales]
     rows = [((s, lp, n, k), r) for s, lp, n, k in asked for p in a.runs
             for r in again(p, fits, s, a.above, lp, other, n, k)]

@@ -604,7 +604,7 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
     import json
 
     from baton.bench import plateau
-    from baton.bench.plateau import compare, main, simulated_rows
+    from baton.bench.plateau import compare, main, simulated_rows, why_missed
     from baton.bench.tune_validation import LAYOUTS
     from baton.control.calibrate import scaled
 
@@ -619,10 +619,8 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
             for name, layout in LAYOUTS.items()}
         for m in runs.values():
             (run,) = m["runs"]
-            run["attainment"] = sum(
-                r["error"] is None and r["ttft"] <= a.ttft_slo
-                and (r["tpot"] is None or r["tpot"] <= a.tpot_slo)
-                for r in run["per_request"]) / len(run["per_request"])
+            run["attainment"] = sum(why_missed(r, a.ttft_slo, a.tpot_slo) is None
+                                    for r in run["per_request"]) / len(run["per_request"])
             for r in run["per_request"]:  # the router's stages, as a measured run keeps them
                 r["stages"] = {"wait": 0.0, **r["stages"]}
         path = tmp_path / f"tune-validation-{len(list(tmp_path.glob('tune-*')))}.json"
