@@ -50,13 +50,9 @@ def simulated_rows(ev, layout, rate: float, draw: int) -> list[dict]:
     run's arrivals), one row per request in arrival order, with its worker's queue and its
     prefill as the stages it models."""
     from baton.control import workload as cw
-    from baton.control.sim import simulate
-    from baton.control.tune import shape
 
-    reqs = cw.poisson(ev.reqs, rate, ev.search.seed + draw)
-    done = simulate(layout, ev.p, shape(reqs, ev.keys), ev.knobs, ev.cost, ev.profiles)
     rows = []
-    for s in done:
+    for s in ev.simulated(layout, cw.poisson(ev.reqs, rate, ev.search.seed + draw)):
         row = cw.request_row(s)
         row["stages"] = {"queue": s.queue_s, "prefill": s.prefill_s}
         rows.append(row)
@@ -66,19 +62,16 @@ def simulated_rows(ev, layout, rate: float, draw: int) -> list[dict]:
 def evaluator(d: dict, checked: bool):
     """The run's evaluator (its profile, slice and search); with ``checked`` the profile scaled
     by the run's serving check before it measured."""
-    from baton.bench.tune_validation import configs, slice_args
+    from baton.bench.tune_validation import stored_evaluator
     from baton.control.calibrate import checked as scaled_by_check
-    from baton.control.profile import Profile
 
-    a = argparse.Namespace(**d["args"])
-    profile = Profile(**d["profile"])
-    _, ev = configs(a, profile, slice_args(a))
+    _, ev = stored_evaluator(d)
     if checked:
         serving = ((d.get("machine_speed") or {}).get("before") or {}).get("serving")
         if not serving:
             raise SystemExit("error: --checked: the run has no serving check (it ran without "
                              "--serving-check)")
-        ev = ev.with_profile(scaled_by_check(profile, serving, "the run's serving check"))
+        ev = ev.with_profile(scaled_by_check(ev.p, serving, "the run's serving check"))
     return ev
 
 

@@ -224,6 +224,15 @@ def print_calibrated(calibrated: dict, measured: dict) -> None:
                   f"{e:>7}")
 
 
+def stored_evaluator(d: dict, profile: dict | None = None):
+    """A stored run's (``d``, its JSON) args and the evaluator `baton tune` builds for its
+    slice and search, on its own profile or on ``profile`` (a profile's JSON) in its place."""
+    from baton.control.profile import Profile
+
+    a = argparse.Namespace(**d["args"])
+    return a, configs(a, Profile(**(profile or d["profile"])), slice_args(a))[1]
+
+
 def configs(a, profile, slice_args: list[str]):
     """The same slice and search through both commands' own parsers (same defaults elsewhere):
     `baton bench compare`'s config (the goodput searches only, not the extra run at colocated's

@@ -102,20 +102,17 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     place of the run's own (with :func:`as_measured`: what that profile would have predicted
     for the run); ``prefill_scale``: the fit's prefill ratio times this (both paths' prompts,
     as a remote fit scales them)."""
-    from baton.bench.tune_validation import LAYOUTS, configs, slice_args
+    from baton.bench.tune_validation import LAYOUTS, stored_evaluator
     from baton.control.calibrate import scaled
-    from baton.control.profile import Profile
 
     d = json.loads(path.read_text())
     chosen = fits(d)
     if not chosen:
         return []
-    a = argparse.Namespace(**d["args"])
-    profile = Profile(**(profile or d["profile"]))
-    _, ev = configs(a, profile, slice_args(a))
+    _, ev = stored_evaluator(d, profile)
     rows = []
     for label, fit, predicted in chosen:
-        cev = ev.with_profile(scaled(profile, fit["decode_ratio"], fit["prefill_ratio"],
+        cev = ev.with_profile(scaled(ev.p, fit["decode_ratio"], fit["prefill_ratio"],
                                      fit["prefill_path"]))
         if prefill_scale != 1.0:  # after the fit, on both paths
             cev = cev.with_profile(scaled(cev.p, 1.0, prefill_scale, "remote"))

@@ -50,8 +50,7 @@ def subset_goodput(table: dict[float, dict[int, float]], draws: tuple[int, ...],
 
 def by_draw(path: Path) -> dict:
     """The run at ``path`` (its log beside it), draw by draw (see the module's docstring)."""
-    from baton.bench.tune_validation import LAYOUTS, configs, slice_args
-    from baton.control.profile import Profile
+    from baton.bench.tune_validation import LAYOUTS, stored_evaluator
 
     d = json.loads(path.read_text())
     a = argparse.Namespace(**d["args"])
@@ -59,7 +58,7 @@ def by_draw(path: Path) -> dict:
     if n < 2 or not log.exists():  # the draws' attainments are in its log only
         raise SystemExit(f"error: {path} has no draws to read one by one: "
                          + (f"it ran --draws {n}" if n < 2 else f"no log beside it ({log})"))
-    _, ev = configs(a, Profile(**d["profile"]), slice_args(a))
+    _, ev = stored_evaluator(d)
     points = {name: [r for r, _ in m["points"]] for name, m in d["measured"].items()}
     table = measured_draws(log.read_text(), points)
     out: dict = {}

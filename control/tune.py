@@ -163,9 +163,14 @@ class Evaluator:
         return sum(self._attainment(layout, reqs) for reqs in seqs) / len(seqs)
 
     def _attainment(self, layout: Layout, reqs) -> float:
-        done = simulate(layout, self.p, shape(reqs, self.keys), self.knobs, self.cost,
+        return attainment(self.simulated(layout, reqs), self.search.ttft_slo,
+                          self.search.tpot_slo)
+
+    def simulated(self, layout: Layout, reqs) -> list:
+        """The simulator's account of ``reqs`` (these requests, or a Poisson draw of them) on
+        ``layout``, one record per request in their order."""
+        return simulate(layout, self.p, shape(reqs, self.keys), self.knobs, self.cost,
                         self.profiles)
-        return attainment(done, self.search.ttft_slo, self.search.tpot_slo)
 
     def goodput(self, layout: Layout, draws=None) -> tuple[float, list[tuple[float, float]]]:
         """The search's goodput of ``layout``, each rate's attainment over ``draws`` (as
