@@ -23,6 +23,10 @@ from baton.control.profile import (
     DECODE_GRID,
     DECODE_ROUNDS,
     HANDOFF_TOKENS,
+    LONE_GAPS,
+    LONE_PROMPTS,
+    LONE_ROUNDS,
+    LONE_STREAMS,
     LONG_PROMPTS,
     PREFILL_PROMPT,
     PREFILL_ROUNDS,
@@ -44,6 +48,8 @@ from baton.control.profile import (
     ProfileError,
     default_path,
     prefill_factors,
+    prefill_latency_factor,
+    prefill_latency_factors,
     prefill_throughput_factor,
     prefill_windows,
     tier_weights,
@@ -301,7 +307,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
                     max_model_len: int = 1 << 30, vocab: int = 10000, device: str = "cpu",
                     tp: int = 1, threads: int = 1
                     ) -> tuple[list[dict], list[dict], list[dict], list[dict], list[dict],
-                               list[dict]]:
+                               list[dict], list[dict]]:
     """Real prefill and decode worker processes (``threads`` cores each, or ``tp``): per prompt
     size, the time from the Prefill RPC's answer to the Decode stream's first chunk, and the KV
     bytes moved; then the decode worker's time per token with B concurrent streams (:data:`SERVED`)
@@ -310,9 +316,10 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
     cores, as in a cluster near its goodput), in turn with the prefill worker idle (the routers and
     the clients have its core), and with it decoding too (:func:`_served_decoding`); then the
     prefill worker saturated on its own (:func:`_saturated_prefill`: each prompt's prefill call, as
-    the router times it). Each round also times :data:`SERVED_MANY` in the three conditions.
-    Returns the hand-offs, the served grid (busy), the saturated prefill rows, the served grid
-    idle and decoding, and the rows past it (each with its ``beside``)."""
+    the router times it); then lone prompts through it (:func:`_lone_prefill`). Each round also
+    times :data:`SERVED_MANY` in the three conditions. Returns the hand-offs, the served grid
+    (busy), the saturated prefill rows, the served grid idle and decoding, the rows past it
+    (each with its ``beside``) and the lone prompts' rows."""
     from baton.engine.params import SamplingParams
     from baton.services.common.protocol import params_to_proto
     from baton_client.v1 import api_pb2_grpc
@@ -363,8 +370,17 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
             busy += _saturated_prefill(busy_stub, rstub, _Prompts(min(vocab, 10000),
                                                                   seed=2 + len(busy)),
                                        sizes, streams)
+        lone, lengths = [], [n for n in LONE_PROMPTS if n + BUSY_OUTPUT + 2 <= max_model_len]
+        for _ in range(min(LONE_ROUNDS, repeats)) if lengths else ():
+            for streams in LONE_STREAMS:
+                say(f"lone prompts of {'/'.join(map(str, lengths))} tokens, each after "
+                    f"{' or '.join(f'{g:g}' for g in LONE_GAPS)} s idle, {streams} other "
+                    "streams meanwhile ...")
+                lone += _lone_prefill(busy_stub, rstub,
+                                      _Prompts(min(vocab, 10000), seed=100 + len(lone)),
+                                      lengths, streams)
     _say_served(say, served, served_idle, served_decoding, served_many, busy, sizes)
-    return rows, served, busy, served_idle, served_decoding, served_many
+    return rows, served, busy, served_idle, served_decoding, served_many, lone
 
 
 def _served_decoding(prefill, rstub, prompts: _Prompts, grid: list[tuple[int, int]]
@@ -615,6 +631,34 @@ def _saturated_prefill(busy_stub, rstub, prompts: _Prompts, sizes: Sequence[int]
     return [{**r, "streams": streams, "streamed_tps": round(tps, 1)} for r in rows]
 
 
+def _lone_prefill(busy_stub, rstub, prompts: _Prompts, lengths: Sequence[int], streams: int
+                  ) -> list[dict]:
+    """One window of the latency prefill factors: each of ``lengths`` prompts sent alone
+    through ``busy_stub`` (the router that sends every prompt to the prefill worker), once
+    after each of :data:`LONE_GAPS` seconds with nothing sent, :data:`BUSY_OUTPUT` tokens
+    decoded each, while ``streams`` other streams run through ``rstub``. A row per prompt:
+    its prefill call as the router times it less its queue (``s``; ``queue_s`` beside, ~0),
+    the gap before it, and the window's ``streams`` and ``streamed_tps``. One prompt first,
+    not kept: the streams' first prefills on the decode worker run meanwhile."""
+    from baton.engine.params import SamplingParams
+    from baton.services.common.protocol import params_to_proto
+
+    params = params_to_proto(SamplingParams(max_tokens=BUSY_OUTPUT, ignore_eos=True))
+    own = _Prompts(prompts.vocab, seed=prompts.rng.randrange(1 << 30))  # the streams draw too
+    rows = []
+    with _streaming(rstub, prompts, streams) as count:
+        _remote_prefill_timing(busy_stub, own(lengths[0]), params)
+        t0, n0 = time.monotonic(), count[0]
+        for gap in LONE_GAPS:
+            for n in lengths:
+                time.sleep(gap)  # the prefill worker idle this long (its last request done)
+                t = _remote_prefill_timing(busy_stub, own(n), params)
+                rows.append({"tokens": n, "s": t.prefill_s - t.queue_s, "queue_s": t.queue_s,
+                             "gap": gap})
+        tps = (count[0] - n0) / (time.monotonic() - t0)
+    return [{**r, "streams": streams, "streamed_tps": round(tps, 1)} for r in rows]
+
+
 @contextlib.contextmanager
 def _streaming(rstub, prompts: _Prompts, streams: int, ctx: int = STREAM_PROMPT):
     """``streams`` Generate streams of ``ctx``-token prompts, each followed by another as it
@@ -850,7 +894,7 @@ def run_profile(model: str | None, dtype: str, cores: list[int], repeats: int = 
     del engine
     if handoff:
         (p.handoff, p.served, p.served_prefill, p.served_idle, p.served_decoding,
-         p.served_many) = measure_workers(
+         p.served_many, p.lone_prefill) = measure_workers(
             model, dtype, cores, repeats, say, engine_len, vocab, device, tp, threads)
         _serving_factors(p, say)
     p.measured_at = utc_stamp()
@@ -876,7 +920,7 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
     for r in [*p.served, *p.served_idle, *p.served_decoding, *p.served_many]:
         r["model_s"] = _served_model_s(fresh_cost, r)
-    for r in p.served_prefill:
+    for r in [*p.served_prefill, *p.lone_prefill]:
         r["model_s"] = engine_cost.engine_prompt(r["tokens"])
     if p.served:
         p.serving_factor = statistics.median(r["s"] / r["model_s"] for r in p.served)
@@ -893,6 +937,19 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
         p.prefill_factor, p.prefill_stream_factor = p.serving_factor, 0.0
     else:
         p.prefill_factor, p.prefill_stream_factor = fit
+    lone = prefill_latency_factors(p.lone_prefill, engine_cost.engine_prompt)
+    if lone is not None:  # the simulator charges a prompt its latency, the throughput kept
+        p.prefill_factor_saturated = p.prefill_factor
+        p.prefill_stream_factor_saturated = p.prefill_stream_factor
+        p.prefill_factor, p.prefill_stream_factor = lone
+        say(f"lone prompts: {p.prefill_factor:.3f} + {p.prefill_stream_factor * 100:.4f} per "
+            "100 tokens a second streamed (their prefill over the bare engine's, summed), "
+            f"where the saturated worker's throughput is {p.prefill_factor_saturated:.3f} + "
+            f"{p.prefill_stream_factor_saturated * 100:.4f}; by gap: "
+            + ", ".join(f"{g:g} s {f:.3f}" for g in LONE_GAPS
+                        if (f := prefill_latency_factor(
+                            [r for r in p.lone_prefill if r["gap"] == g],
+                            engine_cost.engine_prompt)) is not None))
     beside = [f"{f:.3f} {k}" for f, k in ((p.serving_factor_idle, "idle"),
                                           (p.serving_factor_decoding,
                                            "beside a decoding worker")) if f is not None]

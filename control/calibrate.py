@@ -146,8 +146,9 @@ class Calibration:
 
 def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
     """``p`` with the decode factors (idle, busy, decoding, and their rise with the streams)
-    scaled by ``kd`` and the prefill factors by ``kp``: a prefill worker's and the local path's
-    for a remote fit, the local path's alone for a local one."""
+    scaled by ``kd`` and the prefill factors by ``kp``: a prefill worker's (the saturated
+    throughput's beside them too, where a version-10 profile keeps it) and the local path's for
+    a remote fit, the local path's alone for a local one."""
     decode = {"serving_factor": p.serving_factor * kd,
               "serving_factor_idle": (None if p.serving_factor_idle is None
                                       else p.serving_factor_idle * kd),
@@ -156,7 +157,9 @@ def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
               "serving_stream_slope": p.serving_stream_slope * kd}
     if path == "local":
         return replace(p, **decode, local_prefill_scale=p.local_prefill_scale * kp)
-    return replace(p, **decode, prefill_factor=p.prefill_factor * kp,
+    saturated = {k: None if getattr(p, k) is None else getattr(p, k) * kp
+                 for k in ("prefill_factor_saturated", "prefill_stream_factor_saturated")}
+    return replace(p, **decode, **saturated, prefill_factor=p.prefill_factor * kp,
                    prefill_stream_factor=p.prefill_stream_factor * kp)
 
 

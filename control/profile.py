@@ -49,6 +49,17 @@ Four measurements, each the median of a few repeats:
   with a rise of 0.027-0.037 per 100 tokens a second, 3-4x less than with 256-token streams that the
   decode worker prefilled as well. Timed one prompt at a time, with the queue empty, it came out
   ~1.0, and the simulator's TTFT near saturation was several times short of the measured one.)
+  Since version 10 those two are ``prefill_factor_saturated`` and
+  ``prefill_stream_factor_saturated``, and ``prefill_factor`` / ``prefill_stream_factor`` are a
+  prompt's latency instead: prompts of irregular lengths (:data:`LONE_PROMPTS`) sent one at a
+  time through the prefill worker, each after an idle gap (:data:`LONE_GAPS`), in windows
+  alternately with nothing else streaming and with 16 streams (``lone_prefill``); per window
+  the prompts' prefill calls (as the router times them, less their queue) over the bare
+  engine's time for them, and the same line through the windows (:func:`prefill_latency_factors`).
+  Near a layout's goodput most prompts find their worker idle or lightly queued, and on a
+  2-vCPU VM such prompts of a Mooncake slice took 1.08-1.14x what the saturated factor charged
+  (lone, after idle gaps, or queued behind one or two), while the simulator's goodputs came out
+  12-23% above the measured ones (docs/routing.md, "Which requests make the plateau").
   Without the factors the simulator was ~10% optimistic per decode step and ~15% per prompt on a
   2-core VM, which near a TPOT SLO moved predicted goodputs by 30-50%. (Measured with the prefill
   worker idle, the decode factor came out ~4% lower: the router and clients had a core to
@@ -112,12 +123,14 @@ from pathlib import Path
 # steps on a scattered pool; 6: the batched prefill table measured warm, in rounds; 7: the
 # served grid with the prefill worker idle as well (``serving_factor_idle``); 8: and with the
 # other worker decoding (``serving_factor_decoding``); 9: past 16 streams as well
-# (``served_many``, ``serving_stream_slope``)
-VERSION = 9
+# (``served_many``, ``serving_stream_slope``); 10: the prefill factors a lone prompt's latency
+# (``lone_prefill``), the saturated worker's throughput kept as ``prefill_factor_saturated``
+VERSION = 10
 # a version-6 profile reads as one whose decode factor is the same idle, busy or decoding; a
 # version-7 one as one whose decoding factor is its busy one; a version-8 one as one whose
-# factor does not rise with the streams
-READS = (6, 7, 8, 9)
+# factor does not rise with the streams; a version-9 one or older as one whose prefill factors
+# are the saturated worker's throughput (``prefill_factor_saturated`` None)
+READS = (6, 7, 8, 9, 10)
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 PREFILL_ROUNDS = 3  # the table's sizes in turn, each point the median over the rounds
@@ -151,6 +164,13 @@ STREAM_OUTPUT = 128  # tokens each of those streams decodes before the next one 
 # (with 256-token prompts prefilled on it as well, the rise came out 3-4x as steep, and the
 # simulator under-predicted a Mooncake slice's 1P+1D goodput by 30%)
 STREAM_PROMPT = 16
+# the prefill factors' prompts, one at a time (version 10): irregular lengths across the
+# scheduler's chunks, each sent after one of the idle gaps (seconds, in turn), in windows of
+# LONE_STREAMS other streams (none, 16, in turn); LONE_ROUNDS rounds (--repeats 1: one)
+LONE_PROMPTS = (143, 389, 611, 877, 1213, 1601)
+LONE_GAPS = (0.25, 1.5)
+LONE_STREAMS = (0, 16)
+LONE_ROUNDS = 2
 # what a sampled request's row adds to a decode step over a greedy one, per filter of the
 # sampler (engine/sampler.py), each timed with the ones before it in force: temperature
 # alone, then each of the others on top of it; a request pays the sum of those it uses (the
@@ -204,9 +224,16 @@ class Profile:
     served_many: list[dict] = field(default_factory=list)
     serving_stream_slope: float = 0.0
     served_prefill: list[dict] = field(default_factory=list)  # {tokens, s, model_s}
+    # lone prompts through the prefill worker (version 10): {tokens, s, queue_s, gap, streams,
+    # streamed_tps, model_s}
+    lone_prefill: list[dict] = field(default_factory=list)
     prefill_factor: float = 1.0  # a serving prefill worker's prompt over the bare engine's
     # its rise per token a second streamed to clients meanwhile (router and clients share cores)
     prefill_stream_factor: float = 0.0
+    # the two as the saturated worker's throughput (``served_prefill``) where the two above are
+    # the lone prompts' latency (version 10); None in a profile whose factors are the throughput
+    prefill_factor_saturated: float | None = None
+    prefill_stream_factor_saturated: float | None = None
     # the two prefill factors' scale for prompts a decode worker prefills itself (the local
     # path); 1 in a measured profile (its prefill factors are a prefill worker's), set by the
     # live calibration on a window that measured the local path only (control/calibrate.py)
@@ -508,9 +535,32 @@ def prefill_factors(rows: Sequence[dict], engine_prompt: Callable[[int], float]
     line through the throughput factor of each window of ``rows`` ({tokens, end, streams,
     streamed_tps}: the windows are told apart by ``streams``, in order), the rise never
     negative; None without a window of three completions."""
+    return _factor_line(rows, lambda w: prefill_throughput_factor(w, engine_prompt))
+
+
+def prefill_latency_factor(rows: Sequence[dict], engine_prompt: Callable[[int], float]
+                           ) -> float | None:
+    """Lone prompts' prefill calls ({tokens, s}) over the bare engine's time for them, summed
+    (the longer prompts weigh more, as they weigh in a TTFT); None without rows."""
+    work = sum(engine_prompt(r["tokens"]) for r in rows)
+    return sum(r["s"] for r in rows) / work if rows and work > 0 else None
+
+
+def prefill_latency_factors(rows: Sequence[dict], engine_prompt: Callable[[int], float]
+                            ) -> tuple[float, float] | None:
+    """:func:`prefill_factors` for lone prompts ({tokens, s, streams, streamed_tps}, windows
+    told apart by ``streams``): the line through each window's :func:`prefill_latency_factor`
+    against the tokens a second streamed meanwhile; None without rows."""
+    return _factor_line(rows, lambda w: prefill_latency_factor(w, engine_prompt))
+
+
+def _factor_line(rows: Sequence[dict], factor: Callable[[list[dict]], float | None]
+                 ) -> tuple[float, float] | None:
+    """(intercept, slope) of the least-squares line through each window's ``factor`` against
+    its mean ``streamed_tps``: the mean and no slope where the windows streamed alike or the
+    factor fell with streaming; None where no window has a factor."""
     points = [(statistics.fmean(r.get("streamed_tps", 0.0) for r in w), f)
-              for w in prefill_windows(rows)
-              if (f := prefill_throughput_factor(w, engine_prompt)) is not None]
+              for w in prefill_windows(rows) if (f := factor(w)) is not None]
     if not points:
         return None
     xs, ys = [x for x, _ in points], [y for _, y in points]

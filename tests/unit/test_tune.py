@@ -12,8 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from baton.control.calibrate import checked
 from baton.control.profile import (
+    BUSY_OUTPUT,
     DECODE_ROUNDS,
+    LONE_GAPS,
+    LONE_PROMPTS,
+    LONE_STREAMS,
     PREFILL_PROMPT,
     PREFILL_ROUNDS,
     PREFILL_STREAMS,
@@ -27,6 +32,8 @@ from baton.control.profile import (
     Profile,
     ProfileError,
     prefill_factors,
+    prefill_latency_factor,
+    prefill_latency_factors,
     prefill_throughput_factor,
     prefill_windows,
 )
@@ -499,9 +506,20 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert all(r["streamed_tps"] > 0 for r in windows[-1][1])  # those streams ran meanwhile
     assert {r["tokens"] for r in p.served_prefill} == {256}
     assert all(r["s"] > 0 and r["model_s"] > 0 for r in p.served_prefill)
-    assert (p.prefill_factor, p.prefill_stream_factor) == pytest.approx(
+    assert (p.prefill_factor_saturated, p.prefill_stream_factor_saturated) == pytest.approx(
         prefill_factors(p.served_prefill, CostModel(p).engine_prompt))
+    # then the prompts that fit the context one at a time, each after each idle gap, in a
+    # window without other streams and one with them (--repeats 1: one round); the factors the
+    # simulator charges are their latency, a line through the windows as the saturated ones
+    fit = [n for n in LONE_PROMPTS if n + BUSY_OUTPUT + 2 <= 512]
+    assert fit and [(r["streams"], r["gap"], r["tokens"]) for r in p.lone_prefill] == [
+        (k, g, n) for k in LONE_STREAMS for g in LONE_GAPS for n in fit]
+    assert all(r["s"] > 0 and r["model_s"] > 0 and r["queue_s"] >= 0 for r in p.lone_prefill)
+    assert all(r["streamed_tps"] > 0 for r in p.lone_prefill if r["streams"])
+    assert (p.prefill_factor, p.prefill_stream_factor) == pytest.approx(
+        prefill_latency_factors(p.lone_prefill, CostModel(p).engine_prompt))
     assert p.prefill_factor > 0 and p.prefill_stream_factor >= 0
+    assert "lone prompts:" in out.stderr
     assert "serving factors" in out.stderr and "served prefill   256 tokens" in out.stderr
     assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
     cm = CostModel(p)
@@ -554,6 +572,8 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     now = Profile.load(tmp_path / "now.json")
     assert now.serving_factor == pytest.approx(p.serving_factor * serving["decode_ratio"])
     assert now.prefill_factor == pytest.approx(p.prefill_factor * serving["prefill_ratio"])
+    assert now.prefill_factor_saturated == pytest.approx(p.prefill_factor_saturated
+                                                         * serving["prefill_ratio"])
     assert now.prefill == p.prefill and now.fingerprint == p.fingerprint
     assert [(c["source"], c["decode_ratio"], c["prefill_ratio"]) for c in now.checked] == [
         (str(tmp_path / "p.json"), serving["decode_ratio"], serving["prefill_ratio"])]
@@ -651,6 +671,37 @@ def test_prefill_factors_are_a_line_through_each_windows_throughput_against_stre
     assert prefill_factors(window(0, 0.0, 0, 1.3) + window(16, 400.0, 10, 1.1), engine) == (
         pytest.approx(1.2), 0.0)
     assert prefill_factors(window(0, 0.0, 0, 1.1)[:2], engine) is None
+
+
+def test_lone_prompts_give_the_prefill_factors_as_their_latency_over_the_bare_engines():
+    engine = lambda n: n / 250  # noqa: E731  (1 s on the bare engine a 250-token prompt)
+
+    def window(streams: int, tps: float, rows: list[tuple[int, float]]) -> list[dict]:
+        return [{"tokens": n, "s": s, "gap": 0.25, "streams": streams, "streamed_tps": tps}
+                for n, s in rows]
+
+    # summed, not averaged by prompt: a 1000-token prompt 10% dear outweighs a 100-token one
+    # 50% dear (what a TTFT feels)
+    idle = window(0, 1.0, [(100, 0.6), (1000, 4.4)])
+    assert prefill_latency_factor(idle, engine) == pytest.approx(5.0 / 4.4)
+    assert prefill_latency_factor([], engine) is None
+    # a line through the windows against the tokens streamed, as the saturated factors
+    busy = window(16, 401.0, [(100, 0.8), (1000, 4.7)])
+    f0, rise = prefill_latency_factors(idle + busy + idle + busy, engine)
+    slope = (5.5 / 4.4 - 5.0 / 4.4) / 400
+    assert rise == pytest.approx(slope) and f0 == pytest.approx(5.0 / 4.4 - slope)
+    assert prefill_latency_factors([], engine) is None
+
+
+def test_a_version_10_profile_keeps_the_saturated_factors_and_scales_them_with_the_rest():
+    p = dataclasses.replace(make_profile(), prefill_factor=1.05, prefill_stream_factor=0.001,
+                            prefill_factor_saturated=0.95, prefill_stream_factor_saturated=0.002)
+    assert CostModel(p).prefill_factor == 1.05  # the simulator charges the latency
+    now = checked(p, {"decode_ratio": 1.0, "prefill_ratio": 1.1}, "p.json")
+    assert (now.prefill_factor, now.prefill_stream_factor, now.prefill_factor_saturated,
+            now.prefill_stream_factor_saturated) == pytest.approx((1.155, 0.0011, 1.045, 0.0022))
+    assert checked(make_profile(), {"decode_ratio": 1.0, "prefill_ratio": 1.1},
+                   "p.json").prefill_factor_saturated is None
 
 
 def test_a_prefill_step_costs_more_while_the_cluster_streams_tokens():
