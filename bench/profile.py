@@ -945,7 +945,7 @@ def _serving_factors(p: Profile, say: Callable[[str], None]) -> None:
         say(f"lone prompts: {p.prefill_factor:.3f} + {p.prefill_stream_factor * 100:.4f} per "
             "100 tokens a second streamed (their prefill over the bare engine's, summed), "
             f"where the saturated worker's throughput is {p.prefill_factor_saturated:.3f} + "
-            f"{p.prefill_stream_factor_saturated * 100:.4f}; by gap: "
+            f"{p.prefill_stream_factor_saturated * 100:.4f}; by gap, every window: "
             + ", ".join(f"{g:g} s {f:.3f}" for g in LONE_GAPS
                         if (f := prefill_latency_factor(
                             [r for r in p.lone_prefill if r["gap"] == g],
