@@ -65,7 +65,7 @@ def evaluator(d: dict, checked: bool):
     from baton.bench.tune_validation import stored_evaluator
     from baton.control.calibrate import checked as scaled_by_check
 
-    _, ev = stored_evaluator(d)
+    ev = stored_evaluator(d)
     if checked:
         serving = ((d.get("machine_speed") or {}).get("before") or {}).get("serving")
         if not serving:

@@ -371,7 +371,7 @@ def measure_workers(model: str | None, dtype: str, cores: list[int], repeats: in
                                                                   seed=2 + len(busy)),
                                        sizes, streams)
         lone, lengths = [], [n for n in LONE_PROMPTS if n + BUSY_OUTPUT + 2 <= max_model_len]
-        for _ in range(min(LONE_ROUNDS, repeats)) if lengths else ():
+        for _ in range(min(LONE_ROUNDS, repeats) if lengths else 0):
             for streams in LONE_STREAMS:
                 say(f"lone prompts of {'/'.join(map(str, lengths))} tokens, each after "
                     f"{' or '.join(f'{g:g}' for g in LONE_GAPS)} s idle, {streams} other "

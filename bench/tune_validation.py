@@ -225,12 +225,12 @@ def print_calibrated(calibrated: dict, measured: dict) -> None:
 
 
 def stored_evaluator(d: dict, profile: dict | None = None):
-    """A stored run's (``d``, its JSON) args and the evaluator `baton tune` builds for its
-    slice and search, on its own profile or on ``profile`` (a profile's JSON) in its place."""
+    """The evaluator `baton tune` builds for a stored run's (``d``, its JSON) slice and search,
+    on its own profile or on ``profile`` (a profile's JSON) in its place."""
     from baton.control.profile import Profile
 
     a = argparse.Namespace(**d["args"])
-    return a, configs(a, Profile(**(profile or d["profile"])), slice_args(a))[1]
+    return configs(a, Profile(**(profile or d["profile"])), slice_args(a))[1]
 
 
 def configs(a, profile, slice_args: list[str]):

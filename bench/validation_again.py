@@ -109,7 +109,7 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     chosen = fits(d)
     if not chosen:
         return []
-    _, ev = stored_evaluator(d, profile)
+    ev = stored_evaluator(d, profile)
     rows = []
     for label, fit, predicted in chosen:
         cev = ev.with_profile(scaled(ev.p, fit["decode_ratio"], fit["prefill_ratio"],

@@ -53,12 +53,11 @@ def by_draw(path: Path) -> dict:
     from baton.bench.tune_validation import LAYOUTS, stored_evaluator
 
     d = json.loads(path.read_text())
-    a = argparse.Namespace(**d["args"])
-    n, log = getattr(a, "draws", None) or 1, path.with_suffix(".log")  # runs before --draws: 1
+    n, log = d["args"].get("draws") or 1, path.with_suffix(".log")  # runs before --draws: 1
     if n < 2 or not log.exists():  # the draws' attainments are in its log only
         raise SystemExit(f"error: {path} has no draws to read one by one: "
                          + (f"it ran --draws {n}" if n < 2 else f"no log beside it ({log})"))
-    _, ev = stored_evaluator(d)
+    ev = stored_evaluator(d)
     points = {name: [r for r, _ in m["points"]] for name, m in d["measured"].items()}
     table = measured_draws(log.read_text(), points)
     out: dict = {}
