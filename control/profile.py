@@ -62,7 +62,8 @@ Four measurements, each the median of a few repeats:
   12-23% above the measured ones (docs/routing.md, "Which requests make the plateau"). In
   the first version-10 profile (the same VM, 5 hours later) the two lines agreed within 1%
   (1.030 and 1.024 with nothing streamed), closer than either's windows (the lone ones 1.049
-  and 1.012; the saturated ones of the profile before 0.918 and 0.993).
+  and 1.012; the saturated ones of the profile before 0.918 and 0.993), and in the second (a
+  fresh VM of that kind, 2026-12-06 17:48) again (0.965 and 0.963).
   Without the factors the simulator was ~10% optimistic per decode step and ~15% per prompt on a
   2-core VM, which near a TPOT SLO moved predicted goodputs by 30-50%. (Measured with the prefill
   worker idle, the decode factor came out ~4% lower: the router and clients had a core to
