@@ -429,13 +429,57 @@ def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: 
     return [*args, "--model", model] if model else args
 
 
+def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list[dict]) -> dict:
+    """A serving check's factors and their ratios to ``p``'s (:func:`serving_probe`): the
+    served decode grid's median over the model (``served``), the saturated prefill window's
+    throughput factor (``busy``) and the lone prompts' latency factor (``lone``), each prefill
+    one against the mean of ``p``'s windows of its kind with nothing streamed.
+    ``prefill_ratio``, the one that scales the profile, is the lone prompts' where both the
+    check and the profile have them (``prefill_from``: ``lone``), else the saturated window's."""
+    engine_cost = CostModel(p)
+    fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
+
+    def idle_mean(rows: list[dict], factor) -> float | None:  # the windows with nothing streamed
+        fs = [f for w in prefill_windows(rows) if not w[0].get("streams")
+              if (f := factor(w, engine_cost.engine_prompt)) is not None]
+        return statistics.fmean(fs) if fs else None
+
+    def ratio(now: float | None, was: float | None) -> float | None:
+        return now / was if now and was else None
+
+    out = {"decode_factor": statistics.median(r["s"] / _served_model_s(fresh_cost, r)
+                                              for r in served),
+           "decode_factor_profile": p.serving_factor,
+           "prefill_factor_saturated": prefill_throughput_factor(busy, engine_cost.engine_prompt),
+           "prefill_factor_saturated_profile": idle_mean(p.served_prefill,
+                                                         prefill_throughput_factor)}
+    out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
+    out["prefill_ratio_saturated"] = ratio(out["prefill_factor_saturated"],
+                                           out["prefill_factor_saturated_profile"])
+    lone_now = prefill_latency_factor(lone, engine_cost.engine_prompt)
+    lone_was = idle_mean(p.lone_prefill, prefill_latency_factor)
+    kind = "lone" if lone_now and lone_was else "saturated"
+    out.update({"prefill_from": kind,
+                "prefill_factor": lone_now if kind == "lone" else out["prefill_factor_saturated"],
+                "prefill_factor_profile": (lone_was if kind == "lone"
+                                           else out["prefill_factor_saturated_profile"])})
+    out["prefill_ratio"] = ratio(out["prefill_factor"], out["prefill_factor_profile"])
+    return out
+
+
 def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = print) -> dict:
     """This machine's serving factors now against ``p``'s: real workers as :func:`measure_workers`
-    starts them, the served decode grid once (the prefill worker busy meanwhile) and one window
-    of the prefill worker saturated with nothing else streaming, each against ``p``'s bare
-    engine. The bare engine's speed (:func:`speed_probe`) can hold while a serving worker's
-    overheads move: on a 2-core VM two profiles of one day timed the bare engine within 1% and
-    the serving factors 6-9% apart. Ratios above 1: slower now. ~2 minutes on a 2-vCPU VM."""
+    starts them, the served decode grid once (the prefill worker busy meanwhile), one window
+    of the prefill worker saturated with nothing else streaming and, for a profile whose
+    prefill factors are lone prompts' latency (version 10), one window of lone prompts with
+    nothing streamed, each against ``p``'s bare engine. The bare engine's speed
+    (:func:`speed_probe`) can hold while a serving worker's overheads move: on a 2-core VM two
+    profiles of one day timed the bare engine within 1% and the serving factors 6-9% apart.
+    ``prefill_ratio`` is the ratio of the kind of factor the profile's prefill factors are (the
+    lone prompts' where it has them; the saturated window's ratio kept beside as
+    ``prefill_ratio_saturated``): on 2026-12-06 a saturated window read 1.00x while the bare
+    engine and the calibration on the run's window read 1.05x. Ratios above 1: slower now.
+    ~2.5 minutes on a 2-vCPU VM."""
     from baton.engine.loader import load_config
     from baton_client.v1 import api_pb2_grpc
 
@@ -444,8 +488,6 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
                            "--no-handoff): nothing to check them against")
     model = None if p.model == DEFAULT_MODEL else p.model
     tp = p.tensor_parallel_size
-    engine_cost = CostModel(p)
-    fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
     grid = list(dict.fromkeys((r["context"], r["batch"]) for r in p.served))  # one round
     sizes = sorted({r["tokens"] for r in p.served_prefill})
     common = _worker_args(model, p.dtype, p.device, tp, [], grid, sizes, p.threads)
@@ -462,22 +504,22 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
         say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
             f"{'/'.join(map(str, sizes))} tokens, {BUSY_OUTPUT} tokens out each ...")
         busy = _saturated_prefill(busy_stub, rstub, _Prompts(vocab, seed=2), sizes, 0)
+        lengths = sorted({r["tokens"] for r in p.lone_prefill})
+        if lengths:
+            say(f"lone prompts of {'/'.join(map(str, lengths))} tokens, each after "
+                f"{' or '.join(f'{g:g}' for g in LONE_GAPS)} s idle, nothing streamed ...")
+        lone = (_lone_prefill(busy_stub, rstub, _Prompts(vocab, seed=3), lengths, 0)
+                if lengths else [])
 
-    was_prefill = [f for w in prefill_windows(p.served_prefill) if not w[0].get("streams")
-                   if (f := prefill_throughput_factor(w, engine_cost.engine_prompt)) is not None]
-    out = {"decode_factor": statistics.median(r["s"] / _served_model_s(fresh_cost, r)
-                                              for r in served),
-           "decode_factor_profile": p.serving_factor,
-           "prefill_factor": prefill_throughput_factor(busy, engine_cost.engine_prompt),
-           "prefill_factor_profile": statistics.fmean(was_prefill) if was_prefill else None}
-    out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
-    out["prefill_ratio"] = (out["prefill_factor"] / out["prefill_factor_profile"]
-                            if out["prefill_factor"] and out["prefill_factor_profile"] else None)
+    out = serving_factors(p, served, busy, lone)
+    kind = out["prefill_from"]
     say(f"serving factors against the profile's: decode {out['decode_factor']:.3f} "
         f"({out['decode_ratio']:.2f}x the profile's {out['decode_factor_profile']:.3f})"
-        + (f", prefill with nothing streamed {out['prefill_factor']:.3f} "
+        + (f", prefill of {kind} prompts with nothing streamed {out['prefill_factor']:.3f} "
            f"({out['prefill_ratio']:.2f}x the profile's {out['prefill_factor_profile']:.3f})"
-           if out["prefill_ratio"] else ""))
+           if out["prefill_ratio"] else "")
+        + (f"; the saturated worker {out['prefill_ratio_saturated']:.2f}x"
+           if kind == "lone" and out["prefill_ratio_saturated"] else ""))
     return out
 
 
