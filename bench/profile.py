@@ -1137,8 +1137,10 @@ def add_profile_args(ap) -> None:
     ap.add_argument("--serving", action="store_true",
                     help="with --check: also start real workers and measure the serving factors "
                          "(the served decode grid once, one window of the prefill worker "
-                         "saturated) against the profile's; they can move while the bare "
-                         "engine's speed holds (~2 min more on a 2-vCPU VM)")
+                         "saturated, and for a version-10 profile one of lone prompts, whose "
+                         "ratio then scales the prefill factors) against the profile's; they "
+                         "can move while the bare engine's speed holds (~2.5 min more on a "
+                         "2-vCPU VM)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "
                          "~/.cache/baton/profile.json); with --check PROFILE --serving: write "

@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "attainment over all of them (default 1)")
     ap.add_argument("--serving-check", action="store_true",
                     help="before measuring, also the serving factors against the profile's "
-                         "(`baton profile --check --serving`, ~2 min)")
+                         "(`baton profile --check --serving`, ~2.5 min)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
     return ap.parse_args(argv)
 
