@@ -515,7 +515,8 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
     kind = out["prefill_from"]
     say(f"serving factors against the profile's: decode {out['decode_factor']:.3f} "
         f"({out['decode_ratio']:.2f}x the profile's {out['decode_factor_profile']:.3f})"
-        + (f", prefill of {kind} prompts with nothing streamed {out['prefill_factor']:.3f} "
+        + (f", prefill {'of lone prompts' if kind == 'lone' else 'saturated'} with nothing "
+           f"streamed {out['prefill_factor']:.3f} "
            f"({out['prefill_ratio']:.2f}x the profile's {out['prefill_factor_profile']:.3f})"
            if out["prefill_ratio"] else "")
         + (f"; the saturated worker {out['prefill_ratio_saturated']:.2f}x"
