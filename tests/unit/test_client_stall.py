@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import grpc
@@ -19,10 +20,18 @@ from baton.services.router import server as router_server
 
 CHUNK = b"x" * 65536
 CHUNKS = 2000  # 128 MiB: far past what loopback's buffers and the HTTP/2 windows hold
+# set once the client is stopped: the server sends the first chunk, then the rest only after
+# it. Without it a client that read fast could take all 128 MiB before the test stopped it (on
+# a loaded 2-core CI machine the test process was descheduled that long once, and the cut
+# test saw the whole stream arrive)
+_PAUSED = threading.Event()
 
 
 def _bulk(request: bytes, context):
-    for _ in range(CHUNKS):
+    yield CHUNK
+    if not _PAUSED.wait(60):
+        raise RuntimeError("the test never stopped the client")
+    for _ in range(CHUNKS - 1):
         yield CHUNK
 
 
@@ -40,6 +49,7 @@ def _client(port: int, got_first, out) -> None:
 
 
 def _stream_through_a_pause(stall_timeout_s: float, pause_s: float):
+    _PAUSED.clear()
     server = make_server(max_workers=4, stall_timeout_s=stall_timeout_s)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "test.Bulk", {"Stream": grpc.unary_stream_rpc_method_handler(_bulk)}),))
@@ -52,6 +62,7 @@ def _stream_through_a_pause(stall_timeout_s: float, pause_s: float):
     try:
         assert got_first.wait(60), "the client never got a first chunk"
         os.kill(child.pid, signal.SIGSTOP)
+        _PAUSED.set()
         # the server writes on meanwhile: the client's receive window fills and stays full.
         # The pause is what the test applies, not a margin it waits out
         time.sleep(pause_s)
