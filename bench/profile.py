@@ -51,7 +51,6 @@ from baton.control.profile import (
     prefill_latency_factor,
     prefill_latency_factors,
     prefill_throughput_factor,
-    prefill_windows,
     tier_weights,
     utc_stamp,
 )
@@ -431,37 +430,36 @@ def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: 
 
 def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list[dict]) -> dict:
     """A serving check's factors and their ratios to ``p``'s (:func:`serving_probe`): the
-    served decode grid's median over the model (``served``), the saturated prefill window's
-    throughput factor (``busy``) and the lone prompts' latency factor (``lone``), each prefill
-    one against the mean of ``p``'s windows of its kind with nothing streamed.
-    ``prefill_ratio``, the one that scales the profile, is the lone prompts' where both the
-    check and the profile have them (``prefill_from``: ``lone``), else the saturated window's."""
+    served decode grid's median over the model (``served``) against ``p``'s decode factor, the
+    saturated prefill window's throughput factor (``busy``) and the lone prompts' latency factor
+    (``lone``) against ``p``'s prefill factors of their kind with nothing streamed (a version-10
+    profile's ``prefill_factor`` is lone prompts' latency, its saturated throughput kept as
+    ``prefill_factor_saturated``; before, ``prefill_factor`` was the saturated one). Against the
+    factors, not the rows they were fitted on: a profile a check has scaled already is checked
+    against what it now says. ``prefill_ratio``, the one that scales the profile, is the lone
+    prompts' where both the check and the profile have them (``prefill_from``: ``lone``), else
+    the saturated window's."""
     engine_cost = CostModel(p)
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
-
-    def idle_mean(rows: list[dict], factor) -> float | None:  # the windows with nothing streamed
-        fs = [f for w in prefill_windows(rows) if not w[0].get("streams")
-              if (f := factor(w, engine_cost.engine_prompt)) is not None]
-        return statistics.fmean(fs) if fs else None
 
     def ratio(now: float | None, was: float | None) -> float | None:
         return now / was if now and was else None
 
+    has_lone = p.prefill_factor_saturated is not None
     out = {"decode_factor": statistics.median(r["s"] / _served_model_s(fresh_cost, r)
                                               for r in served),
            "decode_factor_profile": p.serving_factor,
            "prefill_factor_saturated": prefill_throughput_factor(busy, engine_cost.engine_prompt),
-           "prefill_factor_saturated_profile": idle_mean(p.served_prefill,
-                                                         prefill_throughput_factor)}
+           "prefill_factor_saturated_profile": (p.prefill_factor_saturated if has_lone
+                                                else p.prefill_factor)}
     out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
     out["prefill_ratio_saturated"] = ratio(out["prefill_factor_saturated"],
                                            out["prefill_factor_saturated_profile"])
     lone_now = prefill_latency_factor(lone, engine_cost.engine_prompt)
-    lone_was = idle_mean(p.lone_prefill, prefill_latency_factor)
-    kind = "lone" if lone_now and lone_was else "saturated"
+    kind = "lone" if lone_now and has_lone else "saturated"
     out.update({"prefill_from": kind,
                 "prefill_factor": lone_now if kind == "lone" else out["prefill_factor_saturated"],
-                "prefill_factor_profile": (lone_was if kind == "lone"
+                "prefill_factor_profile": (p.prefill_factor if kind == "lone"
                                            else out["prefill_factor_saturated_profile"])})
     out["prefill_ratio"] = ratio(out["prefill_factor"], out["prefill_factor_profile"])
     return out

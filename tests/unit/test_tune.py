@@ -35,7 +35,6 @@ from baton.control.profile import (
     prefill_latency_factor,
     prefill_latency_factors,
     prefill_throughput_factor,
-    prefill_windows,
 )
 from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
 
@@ -562,19 +561,16 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert serving["decode_factor_profile"] == pytest.approx(p.serving_factor)
     assert serving["decode_factor"] > 0 and serving["decode_ratio"] == pytest.approx(
         serving["decode_factor"] / p.serving_factor)
-    idle = [w for w in prefill_windows(p.served_prefill) if w[0]["streams"] == 0]
-    assert serving["prefill_factor_saturated_profile"] == pytest.approx(statistics.fmean(
-        prefill_throughput_factor(w, CostModel(p).engine_prompt) for w in idle))
+    assert serving["prefill_factor_saturated_profile"] == pytest.approx(
+        p.prefill_factor_saturated)
     assert serving["prefill_factor_saturated"] > 0 and serving["prefill_ratio_saturated"] == (
         pytest.approx(serving["prefill_factor_saturated"]
                       / serving["prefill_factor_saturated_profile"]))
     # the ratio that scales the prefill factors is of the kind they are: this profile's are
     # lone prompts' latency (version 10), so the check times lone prompts too, the lengths the
-    # profile timed, against the profile's windows with nothing streamed
+    # profile timed, against the profile's factor with nothing streamed
     assert p.lone_prefill and serving["prefill_from"] == "lone"
-    lone = [w for w in prefill_windows(p.lone_prefill) if w[0]["streams"] == 0]
-    assert serving["prefill_factor_profile"] == pytest.approx(statistics.fmean(
-        prefill_latency_factor(w, CostModel(p).engine_prompt) for w in lone))
+    assert serving["prefill_factor_profile"] == pytest.approx(p.prefill_factor)
     assert serving["prefill_factor"] > 0 and serving["prefill_ratio"] == pytest.approx(
         serving["prefill_factor"] / serving["prefill_factor_profile"])
     assert "prefill of lone prompts with nothing streamed" in check.stderr
@@ -663,24 +659,23 @@ def test_a_serving_check_scales_the_prefill_factors_by_the_ratio_of_their_own_ki
     p = make_profile()
     engine = CostModel(p).engine_prompt  # the bare engine: tok(n), 250 tokens a second
 
-    def saturated(streams: int, factor: float) -> list[dict]:  # 250-token prompts, queued
-        return [{"tokens": 250, "end": i * factor * engine(250), "streams": streams,
-                 "streamed_tps": 0.0 if not streams else 400.0} for i in range(4)]
+    def saturated(factor: float) -> list[dict]:  # 250-token prompts, queued, nothing streamed
+        return [{"tokens": 250, "end": i * factor * engine(250), "streams": 0,
+                 "streamed_tps": 0.0} for i in range(4)]
 
-    def lone(streams: int, factor: float) -> list[dict]:
-        return [{"tokens": n, "s": factor * engine(n), "streams": streams,
-                 "streamed_tps": 0.0 if not streams else 400.0} for n in (143, 611)]
+    def lone(factor: float) -> list[dict]:  # nothing streamed
+        return [{"tokens": n, "s": factor * engine(n), "streams": 0, "streamed_tps": 0.0}
+                for n in (143, 611)]
 
     p.served = [{"batch": 8, "context": 64, "s": 0.05}]
-    p.serving_factor = 1.1
-    # the profile's windows with nothing streamed count (1.0 and 1.2 saturated: 1.1; lone 0.9
-    # and 1.1: 1.0); those with streams beside do not
-    p.served_prefill = saturated(0, 1.0) + saturated(16, 3.0) + saturated(0, 1.2)
-    p.lone_prefill = lone(0, 0.9) + lone(16, 3.0) + lone(0, 1.1)
+    # a version-10 profile: lone prompts' latency as its prefill factor (1.0 with nothing
+    # streamed, rising with streaming), the saturated throughput kept beside (1.1)
+    p.serving_factor, p.prefill_factor, p.prefill_stream_factor = 1.1, 1.0, 0.001
+    p.prefill_factor_saturated, p.prefill_stream_factor_saturated = 1.1, 0.001
     fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
     served = [{"batch": 8, "context": 64, "s": 1.21 * _served_model_s(fresh, {"batch": 8,
                                                                             "context": 64})}]
-    out = serving_factors(p, served, saturated(0, 1.1), lone(0, 1.05))
+    out = serving_factors(p, served, saturated(1.1), lone(1.05))
     assert out["decode_factor"] == pytest.approx(1.21)
     assert out["decode_ratio"] == pytest.approx(1.1)
     assert out["prefill_from"] == "lone"
@@ -689,13 +684,23 @@ def test_a_serving_check_scales_the_prefill_factors_by_the_ratio_of_their_own_ki
     assert out["prefill_ratio"] == pytest.approx(1.05)
     assert out["prefill_factor_saturated_profile"] == pytest.approx(1.1)
     assert out["prefill_ratio_saturated"] == pytest.approx(1.0)
-    # a profile without lone prompts (version 9 and before): the saturated window's ratio
-    old = dataclasses.replace(p, lone_prefill=[])
-    out = serving_factors(old, served, saturated(0, 1.1), [])
+    # checked against what the profile says now: once scaled by this check, the same machine
+    # reads 1.0x (against the rows the profile was fitted on it would read 1.05x again, and a
+    # second `--check --serving --out` would scale it twice)
+    again = serving_factors(checked(p, out, "the check above"), served, saturated(1.1),
+                            lone(1.05))
+    assert again["prefill_ratio"] == pytest.approx(1.0)
+    assert again["decode_ratio"] == pytest.approx(1.0)
+    # a profile without lone prompts (version 9 and before): its prefill factor is the
+    # saturated throughput, and the saturated window's ratio scales it
+    old = dataclasses.replace(p, prefill_factor=1.1, prefill_factor_saturated=None,
+                              prefill_stream_factor_saturated=None)
+    out = serving_factors(old, served, saturated(1.1), [])
     assert out["prefill_from"] == "saturated"
+    assert out["prefill_factor_saturated_profile"] == pytest.approx(1.1)
     assert out["prefill_ratio"] == pytest.approx(1.0) == out["prefill_ratio_saturated"]
     # a check whose lone window timed nothing falls back to the saturated ratio too
-    assert serving_factors(p, served, saturated(0, 1.1), [])["prefill_from"] == "saturated"
+    assert serving_factors(p, served, saturated(1.1), [])["prefill_from"] == "saturated"
 
 
 def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed():
