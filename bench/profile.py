@@ -438,7 +438,14 @@ def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list
     factors, not the rows they were fitted on: a profile a check has scaled already is checked
     against what it now says. ``prefill_ratio``, the one that scales the profile, is the lone
     prompts' where both the check and the profile have them (``prefill_from``: ``lone``), else
-    the saturated window's."""
+    the saturated window's. Where the check also timed lone prompts with other streams running
+    (rows with ``streams`` above 0) and the profile's latency factor rises with streaming
+    (``prefill_stream_factor`` above 0), ``prefill_ratio`` is the line's intercept's (the check's
+    line through its windows, :func:`prefill_latency_factors`, against the profile's) and
+    ``prefill_stream_ratio`` its rise's, each scaling its own part (``prefill_from``:
+    ``lone+streams``); the ratio of the windows with nothing streamed alone is kept as
+    ``prefill_ratio_idle``. On 2026-12-06 a prefill worker beside a streaming decode worker ran
+    1.26x the profile's simulation where lone prompts with nothing streamed read 1.05x."""
     engine_cost = CostModel(p)
     fresh_cost = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
 
@@ -455,13 +462,24 @@ def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list
     out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
     out["prefill_ratio_saturated"] = ratio(out["prefill_factor_saturated"],
                                            out["prefill_factor_saturated_profile"])
-    lone_now = prefill_latency_factor(lone, engine_cost.engine_prompt)
+    idle = [r for r in lone if not r.get("streams")]
+    lone_now = prefill_latency_factor(idle, engine_cost.engine_prompt)
     kind = "lone" if lone_now and has_lone else "saturated"
     out.update({"prefill_from": kind,
                 "prefill_factor": lone_now if kind == "lone" else out["prefill_factor_saturated"],
                 "prefill_factor_profile": (p.prefill_factor if kind == "lone"
                                            else out["prefill_factor_saturated_profile"])})
     out["prefill_ratio"] = ratio(out["prefill_factor"], out["prefill_factor_profile"])
+    line = prefill_latency_factors(lone, engine_cost.engine_prompt)
+    if (kind == "lone" and p.prefill_stream_factor > 0 and len(idle) < len(lone)
+            and line and line[0] > 0):
+        out.update({"prefill_from": "lone+streams", "prefill_ratio_idle": out["prefill_ratio"],
+                    "prefill_factor": line[0], "prefill_stream_factor": line[1],
+                    "prefill_stream_factor_profile": p.prefill_stream_factor,
+                    "prefill_ratio": line[0] / p.prefill_factor,
+                    "prefill_stream_ratio": line[1] / p.prefill_stream_factor,
+                    "streamed_tps": statistics.fmean(r["streamed_tps"] for r in lone
+                                                     if r.get("streams"))})
     return out
 
 
@@ -503,22 +521,33 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
             f"{'/'.join(map(str, sizes))} tokens, {BUSY_OUTPUT} tokens out each ...")
         busy = _saturated_prefill(busy_stub, rstub, _Prompts(vocab, seed=2), sizes, 0)
         lengths = sorted({r["tokens"] for r in p.lone_prefill})
-        if lengths:
+        lone = []
+        for streams in sorted({r.get("streams", 0) for r in p.lone_prefill}):
             say(f"lone prompts of {'/'.join(map(str, lengths))} tokens, each after "
-                f"{' or '.join(f'{g:g}' for g in LONE_GAPS)} s idle, nothing streamed ...")
-        lone = (_lone_prefill(busy_stub, rstub, _Prompts(vocab, seed=3), lengths, 0)
-                if lengths else [])
+                f"{' or '.join(f'{g:g}' for g in LONE_GAPS)} s idle, "
+                + (f"{streams} other streams meanwhile ..." if streams else
+                   "nothing streamed ..."))
+            lone += _lone_prefill(busy_stub, rstub, _Prompts(vocab, seed=3 + streams), lengths,
+                                  streams)
 
     out = serving_factors(p, served, busy, lone)
     kind = out["prefill_from"]
+    lone_kind = kind.startswith("lone")
     say(f"serving factors against the profile's: decode {out['decode_factor']:.3f} "
         f"({out['decode_ratio']:.2f}x the profile's {out['decode_factor_profile']:.3f})"
-        + (f", prefill {'of lone prompts' if kind == 'lone' else 'saturated'} with nothing "
+        + (f", prefill {'of lone prompts' if lone_kind else 'saturated'} with nothing "
            f"streamed {out['prefill_factor']:.3f} "
            f"({out['prefill_ratio']:.2f}x the profile's {out['prefill_factor_profile']:.3f})"
            if out["prefill_ratio"] else "")
         + (f"; the saturated worker {out['prefill_ratio_saturated']:.2f}x"
-           if kind == "lone" and out["prefill_ratio_saturated"] else ""))
+           if lone_kind and out["prefill_ratio_saturated"] else ""))
+    if kind == "lone+streams":
+        say(f"lone prompts' prefill against streaming: {out['prefill_factor']:.3f} + "
+            f"{out['prefill_stream_factor'] * 100:.4f} per 100 tokens a second streamed "
+            f"({out['prefill_ratio']:.2f}x and {out['prefill_stream_ratio']:.2f}x the "
+            f"profile's {out['prefill_factor_profile']:.3f} + "
+            f"{out['prefill_stream_factor_profile'] * 100:.4f}; with nothing streamed "
+            f"{out['prefill_ratio_idle']:.2f}x)")
     return out
 
 
@@ -1136,9 +1165,10 @@ def add_profile_args(ap) -> None:
     ap.add_argument("--serving", action="store_true",
                     help="with --check: also start real workers and measure the serving factors "
                          "(the served decode grid once, one window of the prefill worker "
-                         "saturated, and for a version-10 profile one of lone prompts, whose "
-                         "ratio then scales the prefill factors) against the profile's; they "
-                         "can move while the bare engine's speed holds (~2.5 min more on a "
+                         "saturated, and for a version-10 profile lone prompts with nothing "
+                         "streamed and with 16 other streams, whose line then scales the "
+                         "prefill factor and its rise with streaming) against the profile's; "
+                         "they can move while the bare engine's speed holds (~3 min more on a "
                          "2-vCPU VM)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "

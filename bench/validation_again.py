@@ -72,11 +72,21 @@ def speed_fits(d: dict) -> list[tuple[str, dict, dict]]:
     ``serving``: the serving factors, when the run measured them) as fits on the remote path,
     with the run's own predictions (the profile as measured) as then; none without a check."""
     before = (d.get("machine_speed") or {}).get("before") or {}
-    return [(f"{check} check", {"decode_ratio": c["decode_ratio"],
-                                "prefill_ratio": c["prefill_ratio"], "prefill_path": "remote"},
+    serving = before.get("serving") or {}
+    out = [(f"{check} check", {"decode_ratio": c["decode_ratio"],
+                                "prefill_ratio": c["prefill_ratio"], "prefill_path": "remote",
+                                "prefill_stream_ratio": c.get("prefill_stream_ratio")},
              d["predicted"])
-            for check, c in (("engine", before), ("serving", before.get("serving") or {}))
+            for check, c in (("engine", before), ("serving", serving))
             if c.get("decode_ratio") and c.get("prefill_ratio")]
+    if serving.get("prefill_ratio_idle") and serving.get("decode_ratio"):
+        # the same check as one ratio, its windows with nothing streamed (as before it timed
+        # the rise), beside the one that scales the rise on its own
+        out.append(("serving check, one prefill ratio",
+                     {"decode_ratio": serving["decode_ratio"],
+                      "prefill_ratio": serving["prefill_ratio_idle"], "prefill_path": "remote",
+                      "prefill_stream_ratio": None}, d["predicted"]))
+    return out
 
 
 def as_measured(d: dict) -> list[tuple[str, dict, dict]]:
@@ -113,7 +123,7 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     rows = []
     for label, fit, predicted in chosen:
         cev = ev.with_profile(scaled(ev.p, fit["decode_ratio"], fit["prefill_ratio"],
-                                     fit["prefill_path"]))
+                                     fit["prefill_path"], fit.get("prefill_stream_ratio")))
         if prefill_scale != 1.0:  # after the fit, on both paths
             cev = cev.with_profile(scaled(cev.p, 1.0, prefill_scale, "remote"))
         if stream_slope is not None:
@@ -128,7 +138,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
             rows.append({"run": path.name, "calibrated_on": label,
                          "prefill_path": fit["prefill_path"],
                          "decode_ratio": fit["decode_ratio"],
-                         "prefill_ratio": fit["prefill_ratio"], "setup": name,
+                         "prefill_ratio": fit["prefill_ratio"],
+                         "prefill_stream_ratio": fit.get("prefill_stream_ratio"), "setup": name,
                          "stream_slope": cev.cost.stream_slope,
                          "local_prefill_scale": cev.cost.local_prefill_scale,
                          "step_noise": step_noise, "prefill_scale": prefill_scale,

@@ -144,11 +144,13 @@ class Calibration:
                 + ("; " + "; ".join(self.notes) if self.notes else ""))
 
 
-def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
+def scaled(p: Profile, kd: float, kp: float, path: str | None,
+           kps: float | None = None) -> Profile:
     """``p`` with the decode factors (idle, busy, decoding, and their rise with the streams)
     scaled by ``kd`` and the prefill factors by ``kp``: a prefill worker's (the saturated
     throughput's beside them too, where a version-10 profile keeps it) and the local path's for
-    a remote fit, the local path's alone for a local one."""
+    a remote fit, the local path's alone for a local one. ``kps``: the prefill worker's rise
+    with streaming scaled by this instead (a serving check that timed it); None: by ``kp``."""
     decode = {"serving_factor": p.serving_factor * kd,
               "serving_factor_idle": (None if p.serving_factor_idle is None
                                       else p.serving_factor_idle * kd),
@@ -160,23 +162,29 @@ def scaled(p: Profile, kd: float, kp: float, path: str | None) -> Profile:
     saturated = {k: None if getattr(p, k) is None else getattr(p, k) * kp
                  for k in ("prefill_factor_saturated", "prefill_stream_factor_saturated")}
     return replace(p, **decode, **saturated, prefill_factor=p.prefill_factor * kp,
-                   prefill_stream_factor=p.prefill_stream_factor * kp)
+                   prefill_stream_factor=p.prefill_stream_factor * (kp if kps is None else kps))
 
 
 def checked(p: Profile, serving: dict, source: str, at: str | None = None) -> Profile:
     """``p`` as a serving check (`baton profile --check --serving`,
     :func:`baton.bench.profile.serving_probe`) found the machine: the decode factors scaled by
     its ``decode_ratio`` and the prefill factors by its ``prefill_ratio`` (as :func:`scaled`
-    scales them for a fit on the remote path), the check kept in ``checked``. A shared VM's
-    serving speed moves by tens of percent in hours; two minutes of checking bring a profile
-    back to it, where measuring it again takes twenty. ``at``: when (default now)."""
+    scales them for a fit on the remote path; the prefill factor's rise with streaming by its
+    ``prefill_stream_ratio`` where the check timed one), the check kept in ``checked``. A
+    shared VM's serving speed moves by tens of percent in hours; two minutes of checking bring
+    a profile back to it, where measuring it again takes twenty. ``at``: when (default now)."""
     kd, kp = float(serving["decode_ratio"]), float(serving["prefill_ratio"])
+    kps = serving.get("prefill_stream_ratio")
     if not (kd > 0 and kp > 0 and math.isfinite(kd) and math.isfinite(kp)):
         raise ValueError(f"a serving check's ratios must be positive: decode {kd}, "
                          f"prefill {kp}")
-    return replace(scaled(p, kd, kp, None),
-                   checked=[*p.checked, {"at": at or utc_stamp(), "source": source,
-                                         "decode_ratio": kd, "prefill_ratio": kp}])
+    if kps is not None and not (kps >= 0 and math.isfinite(kps)):
+        raise ValueError(f"a serving check's prefill rise ratio must be a number >= 0: {kps}")
+    entry = {"at": at or utc_stamp(), "source": source, "decode_ratio": kd, "prefill_ratio": kp}
+    if kps is not None:
+        entry["prefill_stream_ratio"] = float(kps)
+    return replace(scaled(p, kd, kp, None, None if kps is None else float(kps)),
+                   checked=[*p.checked, entry])
 
 
 def _means(pairs: list[tuple[float, float]]) -> tuple[float, float] | None:

@@ -370,6 +370,20 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
             predicted[name]["goodput_rps"]
         assert serving["predicted_now_rps"] == slower[name]
         assert serving["error_now"] == pytest.approx(slower[name] - 1.0)
+    # a serving check that timed the prefill factor's rise with streaming scales the rise by
+    # its own ratio, and the same check as one ratio (its windows with nothing streamed) is
+    # predicted beside it
+    run.write_text(json.dumps({**stored, "machine_speed": {"before": {"serving": {
+        "prefill_ratio": 1.5, "decode_ratio": 1.5, "prefill_stream_ratio": 3.0,
+        "prefill_ratio_idle": 1.2}}}}))
+    rows = {(r["calibrated_on"], r["setup"]): r for r in again(run, speed_fits)}
+    assert len(rows) == 4
+    for name, layout in LAYOUTS.items():
+        rise = ev.with_profile(scaled_as_a_fit(p, 1.5, 1.5, "remote", 3.0)).goodput(layout)[0]
+        one = ev.with_profile(scaled_as_a_fit(p, 1.5, 1.2, "remote")).goodput(layout)[0]
+        assert rows[("serving check", name)]["predicted_now_rps"] == rise
+        assert rows[("serving check", name)]["prefill_stream_ratio"] == 3.0
+        assert rows[("serving check, one prefill ratio", name)]["predicted_now_rps"] == one
     run.write_text(json.dumps(stored))
     assert again(run, speed_fits) == []
 
@@ -515,6 +529,19 @@ def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="positive"):
             checked(p, {"decode_ratio": bad, "prefill_ratio": 1.0}, "p.json", "t")
+    # a check that timed the prefill factor's rise with streaming scales the rise by its own
+    # ratio (kept in the record); the intercept by the prefill ratio
+    p.prefill_stream_factor = 0.002
+    rise = checked(p, {"decode_ratio": 1.0, "prefill_ratio": 1.1, "prefill_stream_ratio": 2.5},
+                   "p.json", "t3")
+    assert rise.prefill_factor == pytest.approx(1.1 * p.prefill_factor)
+    assert rise.prefill_stream_factor == pytest.approx(2.5 * 0.002)
+    assert rise.checked[-1]["prefill_stream_ratio"] == 2.5
+    assert "its rise with streaming x2.500" in rise.age()
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="rise"):
+            checked(p, {"decode_ratio": 1.0, "prefill_ratio": 1.0, "prefill_stream_ratio": bad},
+                    "p.json", "t")
 
 
 def test_a_validation_predicts_with_the_serving_check_beside_the_profile(tmp_path, capsys):

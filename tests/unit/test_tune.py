@@ -568,17 +568,23 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
                       / serving["prefill_factor_saturated_profile"]))
     # the ratio that scales the prefill factors is of the kind they are: this profile's are
     # lone prompts' latency (version 10), so the check times lone prompts too, the lengths the
-    # profile timed, against the profile's factor with nothing streamed
-    assert p.lone_prefill and serving["prefill_from"] == "lone"
+    # profile timed, in each of the profile's windows (nothing streamed, and 16 other streams):
+    # where the profile's factor rises with streaming, the check's line scales the intercept
+    # and the rise each by its own ratio
+    assert p.lone_prefill and serving["prefill_from"] == (
+        "lone+streams" if p.prefill_stream_factor > 0 else "lone")
     assert serving["prefill_factor_profile"] == pytest.approx(p.prefill_factor)
     assert serving["prefill_factor"] > 0 and serving["prefill_ratio"] == pytest.approx(
         serving["prefill_factor"] / serving["prefill_factor_profile"])
     assert "prefill of lone prompts with nothing streamed" in check.stderr
+    assert "16 other streams meanwhile" in check.stderr
+    rise = serving.get("prefill_stream_ratio", serving["prefill_ratio"])
     assert "serving factors against the profile's" in check.stderr
     assert (tmp_path / "p.json").read_bytes() == before
     now = Profile.load(tmp_path / "now.json")
     assert now.serving_factor == pytest.approx(p.serving_factor * serving["decode_ratio"])
     assert now.prefill_factor == pytest.approx(p.prefill_factor * serving["prefill_ratio"])
+    assert now.prefill_stream_factor == pytest.approx(p.prefill_stream_factor * rise)
     assert now.prefill_factor_saturated == pytest.approx(p.prefill_factor_saturated
                                                          * serving["prefill_ratio"])
     assert now.prefill == p.prefill and now.fingerprint == p.fingerprint
@@ -701,6 +707,61 @@ def test_a_serving_check_scales_the_prefill_factors_by_the_ratio_of_their_own_ki
     assert out["prefill_ratio"] == pytest.approx(1.0) == out["prefill_ratio_saturated"]
     # a check whose lone window timed nothing falls back to the saturated ratio too
     assert serving_factors(p, served, saturated(1.1), [])["prefill_from"] == "saturated"
+
+
+def test_a_serving_check_that_times_lone_prompts_beside_streams_scales_the_rise_on_its_own():
+    """`baton profile --check --serving` times the profile's lone prompts in each of the
+    profile's windows, with other streams running too: where the profile's factor rises with
+    streaming, the check's line through its windows scales the intercept (``prefill_ratio``)
+    and the rise (``prefill_stream_ratio``) each by its own ratio (on 2026-12-06 a prefill
+    worker beside a streaming decode worker ran 1.26x the profile's simulation where lone
+    prompts with nothing streamed read 1.05x); the idle windows' ratio is kept beside."""
+    from baton.bench.profile import _served_model_s, serving_factors
+
+    p = make_profile()
+    engine = CostModel(p).engine_prompt
+
+    def lone(factor: float, streams: int = 0, tps: float = 0.0) -> list[dict]:
+        return [{"tokens": n, "s": factor * engine(n), "streams": streams, "streamed_tps": tps}
+                for n in (143, 611)]
+
+    saturated = [{"tokens": 250, "end": i * engine(250), "streams": 0, "streamed_tps": 0.0}
+                 for i in range(4)]
+    p.served = [{"batch": 8, "context": 64, "s": 0.05}]
+    p.serving_factor, p.prefill_factor, p.prefill_stream_factor = 1.1, 1.0, 0.001
+    p.prefill_factor_saturated, p.prefill_stream_factor_saturated = 1.0, 0.001
+    fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
+    served = [{"batch": 8, "context": 64,
+               "s": 1.1 * _served_model_s(fresh, {"batch": 8, "context": 64})}]
+    # now: 1.05 with nothing streamed, 1.05 + 0.002 per token a second streamed (the rise
+    # twice the profile's), as the profile's windows come: idle, then 16 streams
+    now = lone(1.05) + lone(1.05 + 0.002 * 200, 16, 200.0)
+    out = serving_factors(p, served, saturated, now)
+    assert out["prefill_from"] == "lone+streams"
+    assert out["prefill_factor"] == pytest.approx(1.05)
+    assert out["prefill_ratio"] == pytest.approx(1.05)
+    assert out["prefill_ratio_idle"] == pytest.approx(1.05)
+    assert out["prefill_stream_factor"] == pytest.approx(0.002)
+    assert out["prefill_stream_factor_profile"] == pytest.approx(0.001)
+    assert out["prefill_stream_ratio"] == pytest.approx(2.0)
+    assert out["streamed_tps"] == pytest.approx(200.0)
+    scaled = checked(p, out, "the check above")
+    assert scaled.prefill_factor == pytest.approx(1.05)
+    assert scaled.prefill_stream_factor == pytest.approx(0.002)
+    # the scaled profile, checked again on the same machine, reads 1.0x in both parts
+    again = serving_factors(scaled, served, saturated, now)
+    assert again["prefill_ratio"] == pytest.approx(1.0)
+    assert again["prefill_stream_ratio"] == pytest.approx(1.0)
+    # a streamed window no slower than the idle one: no rise now (the line is the mean)
+    flat = serving_factors(p, served, saturated, lone(1.05) + lone(1.0, 16, 200.0))
+    assert flat["prefill_stream_ratio"] == 0.0
+    assert flat["prefill_ratio"] == pytest.approx(1.025)
+    assert flat["prefill_ratio_idle"] == pytest.approx(1.05)
+    # a profile whose factor does not rise with streaming: one ratio, the idle windows'
+    level = dataclasses.replace(p, prefill_stream_factor=0.0)
+    out = serving_factors(level, served, saturated, now)
+    assert out["prefill_from"] == "lone" and "prefill_stream_ratio" not in out
+    assert out["prefill_ratio"] == pytest.approx(1.05)
 
 
 def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed():
