@@ -428,9 +428,13 @@ def _worker_args(model: str | None, dtype: str, device: str, tp: int, handoffs: 
     return [*args, "--model", model] if model else args
 
 
-def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list[dict]) -> dict:
+def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list[dict],
+                    decoding: Sequence[dict] = ()) -> dict:
     """A serving check's factors and their ratios to ``p``'s (:func:`serving_probe`): the
-    served decode grid's median over the model (``served``) against ``p``'s decode factor, the
+    served decode grid's median over the model (``served``) against ``p``'s decode factor
+    (the other worker prefilling), the grid beside a decoding worker (``decoding``) against
+    ``p``'s ``serving_factor_decoding`` where both have it (``decode_ratio_decoding``, which
+    then scales that factor, the one two colocated workers decode at, on its own), the
     saturated prefill window's throughput factor (``busy``) and the lone prompts' latency factor
     (``lone``) against ``p``'s prefill factors of their kind with nothing streamed (a version-10
     profile's ``prefill_factor`` is lone prompts' latency, its saturated throughput kept as
@@ -460,6 +464,12 @@ def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list
            "prefill_factor_saturated_profile": (p.prefill_factor_saturated if has_lone
                                                 else p.prefill_factor)}
     out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
+    if decoding and p.serving_factor_decoding:
+        out["decode_factor_decoding"] = statistics.median(
+            r["s"] / _served_model_s(fresh_cost, r) for r in decoding)
+        out["decode_factor_decoding_profile"] = p.serving_factor_decoding
+        out["decode_ratio_decoding"] = (out["decode_factor_decoding"]
+                                        / p.serving_factor_decoding)
     out["prefill_ratio_saturated"] = ratio(out["prefill_factor_saturated"],
                                            out["prefill_factor_saturated_profile"])
     idle = [r for r in lone if not r.get("streams")]
@@ -511,12 +521,19 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
     prompts = _Prompts(vocab)
     say("starting a prefill and a decode worker and two routers for the serving check ...")
     with contextlib.ExitStack() as stack:
-        _, _, router, remote = _start_cluster(stack, common, _groups(cores, max(tp, p.threads)))
+        prefill, _, router, remote = _start_cluster(stack, common,
+                                                    _groups(cores, max(tp, p.threads)))
         rstub = api_pb2_grpc.BatonStub(router.channel)
         busy_stub = api_pb2_grpc.BatonStub(remote.channel)
         with _busy_prefill(busy_stub, _Prompts(vocab, seed=1), sizes):
             served = [{"batch": b, "context": c, "s": _served_itl(rstub, prompts, c, b)}
                       for c, b in grid]
+        decoding = []
+        if p.served_decoding:  # as two colocated workers decode
+            say("the served decode grid again beside a decoding worker ...")
+            decoding = _served_decoding(prefill, rstub, prompts,
+                                        list(dict.fromkeys((r["context"], r["batch"])
+                                                           for r in p.served_decoding)))
         say(f"the prefill worker saturated: {SATURATED_PROMPTS} prompts of "
             f"{'/'.join(map(str, sizes))} tokens, {BUSY_OUTPUT} tokens out each ...")
         busy = _saturated_prefill(busy_stub, rstub, _Prompts(vocab, seed=2), sizes, 0)
@@ -530,11 +547,15 @@ def serving_probe(p: Profile, cores: list[int], say: Callable[[str], None] = pri
             lone += _lone_prefill(busy_stub, rstub, _Prompts(vocab, seed=3 + streams), lengths,
                                   streams)
 
-    out = serving_factors(p, served, busy, lone)
+    out = serving_factors(p, served, busy, lone, decoding)
     kind = out["prefill_from"]
     lone_kind = kind.startswith("lone")
     say(f"serving factors against the profile's: decode {out['decode_factor']:.3f} "
         f"({out['decode_ratio']:.2f}x the profile's {out['decode_factor_profile']:.3f})"
+        + (f", beside a decoding worker {out['decode_factor_decoding']:.3f} "
+           f"({out['decode_ratio_decoding']:.2f}x the profile's "
+           f"{out['decode_factor_decoding_profile']:.3f})" if "decode_ratio_decoding" in out
+           else "")
         + (f", prefill {'of lone prompts' if lone_kind else 'saturated'} with nothing "
            f"streamed {out['prefill_factor']:.3f} "
            f"({out['prefill_ratio']:.2f}x the profile's {out['prefill_factor_profile']:.3f})"
@@ -1164,11 +1185,12 @@ def add_profile_args(ap) -> None:
                          "are far from 1, as a shared VM's can be within the hour)")
     ap.add_argument("--serving", action="store_true",
                     help="with --check: also start real workers and measure the serving factors "
-                         "(the served decode grid once, one window of the prefill worker "
+                         "(the served decode grid once with the prefill worker busy and once "
+                         "beside a decoding worker, one window of the prefill worker "
                          "saturated, and for a version-10 profile lone prompts with nothing "
                          "streamed and with 16 other streams, whose line then scales the "
                          "prefill factor and its rise with streaming) against the profile's; "
-                         "they can move while the bare engine's speed holds (~3 min more on a "
+                         "they can move while the bare engine's speed holds (~4 min more on a "
                          "2-vCPU VM)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "

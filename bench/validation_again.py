@@ -74,18 +74,21 @@ def speed_fits(d: dict) -> list[tuple[str, dict, dict]]:
     before = (d.get("machine_speed") or {}).get("before") or {}
     serving = before.get("serving") or {}
     out = [(f"{check} check", {"decode_ratio": c["decode_ratio"],
-                                "prefill_ratio": c["prefill_ratio"], "prefill_path": "remote",
-                                "prefill_stream_ratio": c.get("prefill_stream_ratio")},
-             d["predicted"])
-            for check, c in (("engine", before), ("serving", serving))
-            if c.get("decode_ratio") and c.get("prefill_ratio")]
-    if serving.get("prefill_ratio_idle") and serving.get("decode_ratio"):
-        # the same check as one ratio, its windows with nothing streamed (as before it timed
-        # the rise), beside the one that scales the rise on its own
-        out.append(("serving check, one prefill ratio",
-                     {"decode_ratio": serving["decode_ratio"],
-                      "prefill_ratio": serving["prefill_ratio_idle"], "prefill_path": "remote",
-                      "prefill_stream_ratio": None}, d["predicted"]))
+                               "prefill_ratio": c["prefill_ratio"], "prefill_path": "remote",
+                               "prefill_stream_ratio": c.get("prefill_stream_ratio"),
+                               "decode_ratio_decoding": c.get("decode_ratio_decoding")},
+            d["predicted"])
+           for check, c in (("engine", before), ("serving", serving))
+           if c.get("decode_ratio") and c.get("prefill_ratio")]
+    if ((serving.get("prefill_ratio_idle") or serving.get("decode_ratio_decoding"))
+            and serving.get("decode_ratio") and serving.get("prefill_ratio")):
+        # the same check as one ratio each (the decode grid with the prefill worker busy, the
+        # lone prompts with nothing streamed: as before it timed the rise and the decoding
+        # worker), beside the one that scales those on their own
+        out.append(("serving check, one ratio each",
+                    {"decode_ratio": serving["decode_ratio"],
+                     "prefill_ratio": serving.get("prefill_ratio_idle") or serving["prefill_ratio"],
+                     "prefill_path": "remote"}, d["predicted"]))
     return out
 
 
@@ -123,7 +126,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
     rows = []
     for label, fit, predicted in chosen:
         cev = ev.with_profile(scaled(ev.p, fit["decode_ratio"], fit["prefill_ratio"],
-                                     fit["prefill_path"], fit.get("prefill_stream_ratio")))
+                                     fit["prefill_path"], fit.get("prefill_stream_ratio"),
+                                     fit.get("decode_ratio_decoding")))
         if prefill_scale != 1.0:  # after the fit, on both paths
             cev = cev.with_profile(scaled(cev.p, 1.0, prefill_scale, "remote"))
         if stream_slope is not None:
@@ -139,7 +143,8 @@ def again(path: Path, fits=calibrated_fits, stream_slope: float | None = None,
                          "prefill_path": fit["prefill_path"],
                          "decode_ratio": fit["decode_ratio"],
                          "prefill_ratio": fit["prefill_ratio"],
-                         "prefill_stream_ratio": fit.get("prefill_stream_ratio"), "setup": name,
+                         "prefill_stream_ratio": fit.get("prefill_stream_ratio"),
+                         "decode_ratio_decoding": fit.get("decode_ratio_decoding"), "setup": name,
                          "stream_slope": cev.cost.stream_slope,
                          "local_prefill_scale": cev.cost.local_prefill_scale,
                          "step_noise": step_noise, "prefill_scale": prefill_scale,

@@ -145,17 +145,19 @@ class Calibration:
 
 
 def scaled(p: Profile, kd: float, kp: float, path: str | None,
-           kps: float | None = None) -> Profile:
+           kps: float | None = None, kdd: float | None = None) -> Profile:
     """``p`` with the decode factors (idle, busy, decoding, and their rise with the streams)
     scaled by ``kd`` and the prefill factors by ``kp``: a prefill worker's (the saturated
     throughput's beside them too, where a version-10 profile keeps it) and the local path's for
     a remote fit, the local path's alone for a local one. ``kps``: the prefill worker's rise
-    with streaming scaled by this instead (a serving check that timed it); None: by ``kp``."""
+    with streaming scaled by this instead (a serving check that timed it); ``kdd``: the decode
+    factor beside a decoding worker by this instead; None: by ``kp`` and ``kd``."""
     decode = {"serving_factor": p.serving_factor * kd,
               "serving_factor_idle": (None if p.serving_factor_idle is None
                                       else p.serving_factor_idle * kd),
               "serving_factor_decoding": (None if p.serving_factor_decoding is None
-                                          else p.serving_factor_decoding * kd),
+                                          else p.serving_factor_decoding
+                                          * (kd if kdd is None else kdd)),
               "serving_stream_slope": p.serving_stream_slope * kd}
     if path == "local":
         return replace(p, **decode, local_prefill_scale=p.local_prefill_scale * kp)
@@ -170,20 +172,27 @@ def checked(p: Profile, serving: dict, source: str, at: str | None = None) -> Pr
     :func:`baton.bench.profile.serving_probe`) found the machine: the decode factors scaled by
     its ``decode_ratio`` and the prefill factors by its ``prefill_ratio`` (as :func:`scaled`
     scales them for a fit on the remote path; the prefill factor's rise with streaming by its
-    ``prefill_stream_ratio`` where the check timed one), the check kept in ``checked``. A
+    ``prefill_stream_ratio`` and the decode factor beside a decoding worker by its
+    ``decode_ratio_decoding`` where the check timed them), the check kept in ``checked``. A
     shared VM's serving speed moves by tens of percent in hours; two minutes of checking bring
     a profile back to it, where measuring it again takes twenty. ``at``: when (default now)."""
     kd, kp = float(serving["decode_ratio"]), float(serving["prefill_ratio"])
-    kps = serving.get("prefill_stream_ratio")
+    kps, kdd = serving.get("prefill_stream_ratio"), serving.get("decode_ratio_decoding")
     if not (kd > 0 and kp > 0 and math.isfinite(kd) and math.isfinite(kp)):
         raise ValueError(f"a serving check's ratios must be positive: decode {kd}, "
                          f"prefill {kp}")
     if kps is not None and not (kps >= 0 and math.isfinite(kps)):
         raise ValueError(f"a serving check's prefill rise ratio must be a number >= 0: {kps}")
+    if kdd is not None and not (kdd > 0 and math.isfinite(kdd)):
+        raise ValueError(f"a serving check's decode ratio beside a decoding worker must be "
+                         f"positive: {kdd}")
     entry = {"at": at or utc_stamp(), "source": source, "decode_ratio": kd, "prefill_ratio": kp}
     if kps is not None:
         entry["prefill_stream_ratio"] = float(kps)
-    return replace(scaled(p, kd, kp, None, None if kps is None else float(kps)),
+    if kdd is not None:
+        entry["decode_ratio_decoding"] = float(kdd)
+    return replace(scaled(p, kd, kp, None, None if kps is None else float(kps),
+                          None if kdd is None else float(kdd)),
                    checked=[*p.checked, entry])
 
 

@@ -287,7 +287,9 @@ class Profile:
             return (f"{said}; scaled by a serving check {ago(c['at'])} (decode "
                     f"x{c['decode_ratio']:.3f}, prefill x{c['prefill_ratio']:.3f}"
                     + (f", its rise with streaming x{c['prefill_stream_ratio']:.3f}"
-                       if "prefill_stream_ratio" in c else "") + ")")
+                       if "prefill_stream_ratio" in c else "")
+                    + (f", decode beside a decoding worker x{c['decode_ratio_decoding']:.3f}"
+                       if "decode_ratio_decoding" in c else "") + ")")
         return (f"{said}; `baton profile --check FILE --serving --out NEW` brings it to this "
                 "machine's speed now in ~2 minutes")
 

@@ -370,20 +370,22 @@ def test_stored_validation_runs_are_predicted_again_at_their_speed_checks(tmp_pa
             predicted[name]["goodput_rps"]
         assert serving["predicted_now_rps"] == slower[name]
         assert serving["error_now"] == pytest.approx(slower[name] - 1.0)
-    # a serving check that timed the prefill factor's rise with streaming scales the rise by
-    # its own ratio, and the same check as one ratio (its windows with nothing streamed) is
-    # predicted beside it
+    # a serving check that timed the prefill factor's rise with streaming and the decode grid
+    # beside a decoding worker scales those by their own ratios, and the same check as one
+    # ratio each (the busy grid's, the lone windows with nothing streamed) is predicted beside
     run.write_text(json.dumps({**stored, "machine_speed": {"before": {"serving": {
         "prefill_ratio": 1.5, "decode_ratio": 1.5, "prefill_stream_ratio": 3.0,
-        "prefill_ratio_idle": 1.2}}}}))
+        "prefill_ratio_idle": 1.2, "decode_ratio_decoding": 0.8}}}}))
     rows = {(r["calibrated_on"], r["setup"]): r for r in again(run, speed_fits)}
     assert len(rows) == 4
     for name, layout in LAYOUTS.items():
-        rise = ev.with_profile(scaled_as_a_fit(p, 1.5, 1.5, "remote", 3.0)).goodput(layout)[0]
+        rise = ev.with_profile(scaled_as_a_fit(p, 1.5, 1.5, "remote", 3.0, 0.8)
+                               ).goodput(layout)[0]
         one = ev.with_profile(scaled_as_a_fit(p, 1.5, 1.2, "remote")).goodput(layout)[0]
         assert rows[("serving check", name)]["predicted_now_rps"] == rise
         assert rows[("serving check", name)]["prefill_stream_ratio"] == 3.0
-        assert rows[("serving check, one prefill ratio", name)]["predicted_now_rps"] == one
+        assert rows[("serving check", name)]["decode_ratio_decoding"] == 0.8
+        assert rows[("serving check, one ratio each", name)]["predicted_now_rps"] == one
     run.write_text(json.dumps(stored))
     assert again(run, speed_fits) == []
 
@@ -542,6 +544,17 @@ def test_a_serving_check_scales_a_profile_and_is_kept_in_it(tmp_path):
         with pytest.raises(ValueError, match="rise"):
             checked(p, {"decode_ratio": 1.0, "prefill_ratio": 1.0, "prefill_stream_ratio": bad},
                     "p.json", "t")
+    # and the decode factor beside a decoding worker by the check's ratio there
+    p.serving_factor_decoding = 1.3
+    dec = checked(p, {"decode_ratio": 1.2, "prefill_ratio": 1.0, "decode_ratio_decoding": 0.9},
+                  "p.json", "t4")
+    assert dec.serving_factor_decoding == pytest.approx(1.17)
+    assert dec.serving_factor == pytest.approx(1.2 * p.serving_factor)
+    assert dec.checked[-1]["decode_ratio_decoding"] == 0.9
+    assert "decode beside a decoding worker x0.900" in dec.age()
+    with pytest.raises(ValueError, match="decoding worker"):
+        checked(p, {"decode_ratio": 1.0, "prefill_ratio": 1.0, "decode_ratio_decoding": 0.0},
+                "p.json", "t")
 
 
 def test_a_validation_predicts_with_the_serving_check_beside_the_profile(tmp_path, capsys):

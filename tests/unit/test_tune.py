@@ -579,12 +579,19 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert "prefill of lone prompts with nothing streamed" in check.stderr
     assert "16 other streams meanwhile" in check.stderr
     rise = serving.get("prefill_stream_ratio", serving["prefill_ratio"])
+    # and the served grid beside a decoding worker, its ratio scaling that factor on its own
+    assert p.serving_factor_decoding and serving["decode_factor_decoding"] > 0
+    assert serving["decode_ratio_decoding"] == pytest.approx(
+        serving["decode_factor_decoding"] / p.serving_factor_decoding)
+    assert "the served decode grid again beside a decoding worker" in check.stderr
     assert "serving factors against the profile's" in check.stderr
     assert (tmp_path / "p.json").read_bytes() == before
     now = Profile.load(tmp_path / "now.json")
     assert now.serving_factor == pytest.approx(p.serving_factor * serving["decode_ratio"])
     assert now.prefill_factor == pytest.approx(p.prefill_factor * serving["prefill_ratio"])
     assert now.prefill_stream_factor == pytest.approx(p.prefill_stream_factor * rise)
+    assert now.serving_factor_decoding == pytest.approx(p.serving_factor_decoding
+                                                        * serving["decode_ratio_decoding"])
     assert now.prefill_factor_saturated == pytest.approx(p.prefill_factor_saturated
                                                          * serving["prefill_ratio"])
     assert now.prefill == p.prefill and now.fingerprint == p.fingerprint
@@ -762,6 +769,41 @@ def test_a_serving_check_that_times_lone_prompts_beside_streams_scales_the_rise_
     out = serving_factors(level, served, saturated, now)
     assert out["prefill_from"] == "lone" and "prefill_stream_ratio" not in out
     assert out["prefill_ratio"] == pytest.approx(1.05)
+
+
+def test_a_serving_check_beside_a_decoding_worker_scales_that_decode_factor_on_its_own():
+    """`baton profile --check --serving` runs the served decode grid beside a decoding worker
+    too (as two colocated workers decode, the factor the simulator charges them): its ratio to
+    the profile's ``serving_factor_decoding`` scales that factor alone (on 2026-12-07 a
+    profile's 1.362 there, against 1.237 in the two before it, left two colocated workers
+    predicted 18% under what they served), the busy grid's ratio the rest."""
+    from baton.bench.profile import _served_model_s, serving_factors
+
+    p = make_profile()
+    p.served = [{"batch": 8, "context": 64, "s": 0.05}]
+    p.serving_factor, p.serving_factor_idle, p.serving_factor_decoding = 1.1, 1.0, 1.4
+    fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
+    point = {"batch": 8, "context": 64}
+
+    def grid(factor: float) -> list[dict]:
+        return [{**point, "s": factor * _served_model_s(fresh, point)}]
+
+    out = serving_factors(p, grid(1.21), [], [], grid(1.26))
+    assert out["decode_ratio"] == pytest.approx(1.1)
+    assert out["decode_factor_decoding"] == pytest.approx(1.26)
+    assert out["decode_factor_decoding_profile"] == pytest.approx(1.4)
+    assert out["decode_ratio_decoding"] == pytest.approx(0.9)
+    now = checked(p, out, "the check above")
+    assert now.serving_factor == pytest.approx(1.21)
+    assert now.serving_factor_idle == pytest.approx(1.1)
+    assert now.serving_factor_decoding == pytest.approx(1.26)
+    assert now.checked[-1]["decode_ratio_decoding"] == pytest.approx(0.9)
+    again = serving_factors(now, grid(1.21), [], [], grid(1.26))
+    assert again["decode_ratio_decoding"] == pytest.approx(1.0)
+    # without that grid, or for a profile that did not measure it, the one decode ratio
+    assert "decode_ratio_decoding" not in serving_factors(p, grid(1.21), [], [])
+    old = dataclasses.replace(p, serving_factor_decoding=None)
+    assert "decode_ratio_decoding" not in serving_factors(old, grid(1.21), [], [], grid(1.26))
 
 
 def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed():
