@@ -788,7 +788,10 @@ def test_a_serving_check_beside_a_decoding_worker_scales_that_decode_factor_on_i
     def grid(factor: float) -> list[dict]:
         return [{**point, "s": factor * _served_model_s(fresh, point)}]
 
-    out = serving_factors(p, grid(1.21), [], [], grid(1.26))
+    engine = CostModel(p).engine_prompt  # the prefill worker saturated as the profile says
+    busy = [{"tokens": 250, "end": i * p.prefill_factor * engine(250), "streams": 0,
+             "streamed_tps": 0.0} for i in range(4)]
+    out = serving_factors(p, grid(1.21), busy, [], grid(1.26))
     assert out["decode_ratio"] == pytest.approx(1.1)
     assert out["decode_factor_decoding"] == pytest.approx(1.26)
     assert out["decode_factor_decoding_profile"] == pytest.approx(1.4)
@@ -798,12 +801,13 @@ def test_a_serving_check_beside_a_decoding_worker_scales_that_decode_factor_on_i
     assert now.serving_factor_idle == pytest.approx(1.1)
     assert now.serving_factor_decoding == pytest.approx(1.26)
     assert now.checked[-1]["decode_ratio_decoding"] == pytest.approx(0.9)
-    again = serving_factors(now, grid(1.21), [], [], grid(1.26))
+    again = serving_factors(now, grid(1.21), busy, [], grid(1.26))
     assert again["decode_ratio_decoding"] == pytest.approx(1.0)
+    assert again["prefill_ratio"] == pytest.approx(1.0)
     # without that grid, or for a profile that did not measure it, the one decode ratio
-    assert "decode_ratio_decoding" not in serving_factors(p, grid(1.21), [], [])
+    assert "decode_ratio_decoding" not in serving_factors(p, grid(1.21), busy, [])
     old = dataclasses.replace(p, serving_factor_decoding=None)
-    assert "decode_ratio_decoding" not in serving_factors(old, grid(1.21), [], [], grid(1.26))
+    assert "decode_ratio_decoding" not in serving_factors(old, grid(1.21), busy, [], grid(1.26))
 
 
 def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed():
