@@ -1190,7 +1190,7 @@ def add_profile_args(ap) -> None:
                          "saturated, and for a version-10 profile lone prompts with nothing "
                          "streamed and with 16 other streams, whose line then scales the "
                          "prefill factor and its rise with streaming) against the profile's; "
-                         "they can move while the bare engine's speed holds (~4 min more on a "
+                         "they can move while the bare engine's speed holds (~5 min in all on a "
                          "2-vCPU VM)")
     ap.add_argument("--out", default=None,
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "
