@@ -661,6 +661,20 @@ def test_the_batched_prefill_table_is_timed_warm_and_in_rounds(tiny_engine, monk
     eng.check_integrity()
 
 
+def _saturated_rows(engine, factor: float) -> list[dict]:
+    """A serving check's saturated window: 250-token prompts queued, ending ``factor`` times
+    the bare engine's (``engine``: a cost model's ``engine_prompt``) apart, nothing streamed."""
+    return [{"tokens": 250, "end": i * factor * engine(250), "streams": 0,
+             "streamed_tps": 0.0} for i in range(4)]
+
+
+def _lone_rows(engine, factor: float, streams: int = 0, tps: float = 0.0) -> list[dict]:
+    """A serving check's lone window: prompts each ``factor`` times the bare engine's, with
+    ``streams`` other streams at ``tps`` tokens a second meanwhile."""
+    return [{"tokens": n, "s": factor * engine(n), "streams": streams, "streamed_tps": tps}
+            for n in (143, 611)]
+
+
 def test_a_serving_check_scales_the_prefill_factors_by_the_ratio_of_their_own_kind():
     """`baton profile --check --serving`'s prefill ratio is of the kind the profile's prefill
     factors are: a version-10 profile's are lone prompts' latency, so the lone window's ratio
@@ -672,13 +686,11 @@ def test_a_serving_check_scales_the_prefill_factors_by_the_ratio_of_their_own_ki
     p = make_profile()
     engine = CostModel(p).engine_prompt  # the bare engine: tok(n), 250 tokens a second
 
-    def saturated(factor: float) -> list[dict]:  # 250-token prompts, queued, nothing streamed
-        return [{"tokens": 250, "end": i * factor * engine(250), "streams": 0,
-                 "streamed_tps": 0.0} for i in range(4)]
+    def saturated(factor: float) -> list[dict]:
+        return _saturated_rows(engine, factor)
 
     def lone(factor: float) -> list[dict]:  # nothing streamed
-        return [{"tokens": n, "s": factor * engine(n), "streams": 0, "streamed_tps": 0.0}
-                for n in (143, 611)]
+        return _lone_rows(engine, factor)
 
     p.served = [{"batch": 8, "context": 64, "s": 0.05}]
     # a version-10 profile: lone prompts' latency as its prefill factor (1.0 with nothing
@@ -729,11 +741,9 @@ def test_a_serving_check_that_times_lone_prompts_beside_streams_scales_the_rise_
     engine = CostModel(p).engine_prompt
 
     def lone(factor: float, streams: int = 0, tps: float = 0.0) -> list[dict]:
-        return [{"tokens": n, "s": factor * engine(n), "streams": streams, "streamed_tps": tps}
-                for n in (143, 611)]
+        return _lone_rows(engine, factor, streams, tps)
 
-    saturated = [{"tokens": 250, "end": i * engine(250), "streams": 0, "streamed_tps": 0.0}
-                 for i in range(4)]
+    saturated = _saturated_rows(engine, 1.0)
     p.served = [{"batch": 8, "context": 64, "s": 0.05}]
     p.serving_factor, p.prefill_factor, p.prefill_stream_factor = 1.1, 1.0, 0.001
     p.prefill_factor_saturated, p.prefill_stream_factor_saturated = 1.0, 0.001
@@ -788,9 +798,8 @@ def test_a_serving_check_beside_a_decoding_worker_scales_that_decode_factor_on_i
     def grid(factor: float) -> list[dict]:
         return [{**point, "s": factor * _served_model_s(fresh, point)}]
 
-    engine = CostModel(p).engine_prompt  # the prefill worker saturated as the profile says
-    busy = [{"tokens": 250, "end": i * p.prefill_factor * engine(250), "streams": 0,
-             "streamed_tps": 0.0} for i in range(4)]
+    # the prefill worker saturated as the profile says
+    busy = _saturated_rows(CostModel(p).engine_prompt, p.prefill_factor)
     out = serving_factors(p, grid(1.21), busy, [], grid(1.26))
     assert out["decode_ratio"] == pytest.approx(1.1)
     assert out["decode_factor_decoding"] == pytest.approx(1.26)
