@@ -456,17 +456,18 @@ def serving_factors(p: Profile, served: list[dict], busy: list[dict], lone: list
     def ratio(now: float | None, was: float | None) -> float | None:
         return now / was if now and was else None
 
+    def grid_factor(rows: Sequence[dict]) -> float:  # a served decode grid over the model
+        return statistics.median(r["s"] / _served_model_s(fresh_cost, r) for r in rows)
+
     has_lone = p.prefill_factor_saturated is not None
-    out = {"decode_factor": statistics.median(r["s"] / _served_model_s(fresh_cost, r)
-                                              for r in served),
+    out = {"decode_factor": grid_factor(served),
            "decode_factor_profile": p.serving_factor,
            "prefill_factor_saturated": prefill_throughput_factor(busy, engine_cost.engine_prompt),
            "prefill_factor_saturated_profile": (p.prefill_factor_saturated if has_lone
                                                 else p.prefill_factor)}
     out["decode_ratio"] = out["decode_factor"] / out["decode_factor_profile"]
     if decoding and p.serving_factor_decoding:
-        out["decode_factor_decoding"] = statistics.median(
-            r["s"] / _served_model_s(fresh_cost, r) for r in decoding)
+        out["decode_factor_decoding"] = grid_factor(decoding)
         out["decode_factor_decoding_profile"] = p.serving_factor_decoding
         out["decode_ratio_decoding"] = (out["decode_factor_decoding"]
                                         / p.serving_factor_decoding)
@@ -1196,5 +1197,5 @@ def add_profile_args(ap) -> None:
                     help="profile file (default $BATON_CACHE_DIR/profile.json, else "
                          "~/.cache/baton/profile.json); with --check PROFILE --serving: write "
                          "PROFILE there with its serving factors scaled as the check found "
-                         "this machine (2 minutes where measuring again takes 20; the check is "
+                         "this machine (~5 minutes where measuring again takes 20; the check is "
                          "kept in its `checked`)")

@@ -174,7 +174,7 @@ def checked(p: Profile, serving: dict, source: str, at: str | None = None) -> Pr
     scales them for a fit on the remote path; the prefill factor's rise with streaming by its
     ``prefill_stream_ratio`` and the decode factor beside a decoding worker by its
     ``decode_ratio_decoding`` where the check timed them), the check kept in ``checked``. A
-    shared VM's serving speed moves by tens of percent in hours; two minutes of checking bring
+    shared VM's serving speed moves by tens of percent in hours; five minutes of checking bring
     a profile back to it, where measuring it again takes twenty. ``at``: when (default now)."""
     kd, kp = float(serving["decode_ratio"]), float(serving["prefill_ratio"])
     kps, kdd = serving.get("prefill_stream_ratio"), serving.get("decode_ratio_decoding")

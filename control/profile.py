@@ -291,7 +291,7 @@ class Profile:
                     + (f", decode beside a decoding worker x{c['decode_ratio_decoding']:.3f}"
                        if "decode_ratio_decoding" in c else "") + ")")
         return (f"{said}; `baton profile --check FILE --serving --out NEW` brings it to this "
-                "machine's speed now in ~2 minutes")
+                "machine's speed now in ~5 minutes")
 
     @property
     def processor(self) -> str:

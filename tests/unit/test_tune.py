@@ -412,7 +412,7 @@ def test_a_profile_says_when_it_was_measured_and_checked():
     noon = 1_796_299_200.0  # 2026-12-03 12:00:00 UTC
     assert p.age(now=noon + 5400) == (
         "measured 2026-12-03T12:00:00Z, 1.5 h ago; `baton profile --check FILE --serving "
-        "--out NEW` brings it to this machine's speed now in ~2 minutes")
+        "--out NEW` brings it to this machine's speed now in ~5 minutes")
     p.checked = [{"at": "2026-12-03T13:00:00Z", "source": "p.json", "decode_ratio": 1.31,
                   "prefill_ratio": 0.9}]
     assert p.age(now=noon + 5400) == (
@@ -668,6 +668,16 @@ def _saturated_rows(engine, factor: float) -> list[dict]:
              "streamed_tps": 0.0} for i in range(4)]
 
 
+def _served_rows(p, factor: float) -> list[dict]:
+    """A serving check's served decode grid: one point, 8 streams of 64 tokens, timed
+    ``factor`` times ``p``'s bare engine's decode step on a fresh pool."""
+    from baton.bench.profile import _served_model_s
+
+    point = {"batch": 8, "context": 64}
+    fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
+    return [{**point, "s": factor * _served_model_s(fresh, point)}]
+
+
 def _lone_rows(engine, factor: float, streams: int = 0, tps: float = 0.0) -> list[dict]:
     """A serving check's lone window: prompts each ``factor`` times the bare engine's, with
     ``streams`` other streams at ``tps`` tokens a second meanwhile."""
@@ -681,7 +691,7 @@ def test_a_serving_check_scales_the_prefill_factors_by_the_ratio_of_their_own_ki
     scales them (on 2026-12-06 a saturated window read 1.00x the profile's while the bare engine
     and the run's calibration read 1.05x); the saturated window's ratio is kept beside it, and
     is the one used for a profile without lone prompts."""
-    from baton.bench.profile import _served_model_s, serving_factors
+    from baton.bench.profile import serving_factors
 
     p = make_profile()
     engine = CostModel(p).engine_prompt  # the bare engine: tok(n), 250 tokens a second
@@ -697,9 +707,7 @@ def test_a_serving_check_scales_the_prefill_factors_by_the_ratio_of_their_own_ki
     # streamed, rising with streaming), the saturated throughput kept beside (1.1)
     p.serving_factor, p.prefill_factor, p.prefill_stream_factor = 1.1, 1.0, 0.001
     p.prefill_factor_saturated, p.prefill_stream_factor_saturated = 1.1, 0.001
-    fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
-    served = [{"batch": 8, "context": 64, "s": 1.21 * _served_model_s(fresh, {"batch": 8,
-                                                                            "context": 64})}]
+    served = _served_rows(p, 1.21)
     out = serving_factors(p, served, saturated(1.1), lone(1.05))
     assert out["decode_factor"] == pytest.approx(1.21)
     assert out["decode_ratio"] == pytest.approx(1.1)
@@ -735,7 +743,7 @@ def test_a_serving_check_that_times_lone_prompts_beside_streams_scales_the_rise_
     and the rise (``prefill_stream_ratio``) each by its own ratio (on 2026-12-06 a prefill
     worker beside a streaming decode worker ran 1.26x the profile's simulation where lone
     prompts with nothing streamed read 1.05x); the idle windows' ratio is kept beside."""
-    from baton.bench.profile import _served_model_s, serving_factors
+    from baton.bench.profile import serving_factors
 
     p = make_profile()
     engine = CostModel(p).engine_prompt
@@ -747,9 +755,7 @@ def test_a_serving_check_that_times_lone_prompts_beside_streams_scales_the_rise_
     p.served = [{"batch": 8, "context": 64, "s": 0.05}]
     p.serving_factor, p.prefill_factor, p.prefill_stream_factor = 1.1, 1.0, 0.001
     p.prefill_factor_saturated, p.prefill_stream_factor_saturated = 1.0, 0.001
-    fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
-    served = [{"batch": 8, "context": 64,
-               "s": 1.1 * _served_model_s(fresh, {"batch": 8, "context": 64})}]
+    served = _served_rows(p, 1.1)
     # now: 1.05 with nothing streamed, 1.05 + 0.002 per token a second streamed (the rise
     # twice the profile's), as the profile's windows come: idle, then 16 streams
     now = lone(1.05) + lone(1.05 + 0.002 * 200, 16, 200.0)
@@ -787,20 +793,15 @@ def test_a_serving_check_beside_a_decoding_worker_scales_that_decode_factor_on_i
     the profile's ``serving_factor_decoding`` scales that factor alone (on 2026-12-07 a
     profile's 1.362 there, against 1.237 in the two before it, left two colocated workers
     predicted 18% under what they served), the busy grid's ratio the rest."""
-    from baton.bench.profile import _served_model_s, serving_factors
+    from baton.bench.profile import serving_factors
 
     p = make_profile()
     p.served = [{"batch": 8, "context": 64, "s": 0.05}]
     p.serving_factor, p.serving_factor_idle, p.serving_factor_decoding = 1.1, 1.0, 1.4
-    fresh = CostModel(dataclasses.replace(p, decode=p.decode_fresh or p.decode))
-    point = {"batch": 8, "context": 64}
-
-    def grid(factor: float) -> list[dict]:
-        return [{**point, "s": factor * _served_model_s(fresh, point)}]
 
     # the prefill worker saturated as the profile says
     busy = _saturated_rows(CostModel(p).engine_prompt, p.prefill_factor)
-    out = serving_factors(p, grid(1.21), busy, [], grid(1.26))
+    out = serving_factors(p, _served_rows(p, 1.21), busy, [], _served_rows(p, 1.26))
     assert out["decode_ratio"] == pytest.approx(1.1)
     assert out["decode_factor_decoding"] == pytest.approx(1.26)
     assert out["decode_factor_decoding_profile"] == pytest.approx(1.4)
@@ -810,13 +811,14 @@ def test_a_serving_check_beside_a_decoding_worker_scales_that_decode_factor_on_i
     assert now.serving_factor_idle == pytest.approx(1.1)
     assert now.serving_factor_decoding == pytest.approx(1.26)
     assert now.checked[-1]["decode_ratio_decoding"] == pytest.approx(0.9)
-    again = serving_factors(now, grid(1.21), busy, [], grid(1.26))
+    again = serving_factors(now, _served_rows(p, 1.21), busy, [], _served_rows(p, 1.26))
     assert again["decode_ratio_decoding"] == pytest.approx(1.0)
     assert again["prefill_ratio"] == pytest.approx(1.0)
     # without that grid, or for a profile that did not measure it, the one decode ratio
-    assert "decode_ratio_decoding" not in serving_factors(p, grid(1.21), busy, [])
+    assert "decode_ratio_decoding" not in serving_factors(p, _served_rows(p, 1.21), busy, [])
     old = dataclasses.replace(p, serving_factor_decoding=None)
-    assert "decode_ratio_decoding" not in serving_factors(old, grid(1.21), busy, [], grid(1.26))
+    assert "decode_ratio_decoding" not in serving_factors(old, _served_rows(p, 1.21), busy, [],
+                                                          _served_rows(p, 1.26))
 
 
 def test_prefill_throughput_factor_is_wall_time_over_the_engine_work_completed():
