@@ -5,7 +5,8 @@ arrivals, same goodput search). Before and after measuring, the profile's larges
 and a decode step are timed again (`machine_speed`: the machine's drift from its profile; with
 `--serving-check`, the serving factors too, before measuring, and both setups predicted again
 with the profile scaled by them, `checked`: what `baton profile --check --serving --out` gives
-`baton tune`). Then, as `baton tune --live`
+`baton tune`; beside it the same with every prompt costing x0.95 and x1.05, `prefill_band`,
+reported, not judged). Then, as `baton tune --live`
 would, the profile calibrated on each setup's measured requests at one rate (the highest it
 served at the target attainment; control/calibrate.py) and both setups' goodput predicted
 with it (`calibrated`): what the live tuner, watching one layout, predicts for the other. The
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "attainment over all of them (default 1)")
     ap.add_argument("--serving-check", action="store_true",
                     help="before measuring, also the serving factors against the profile's "
-                         "(`baton profile --check --serving`, ~2.5 min)")
+                         "(`baton profile --check --serving`, ~5 min)")
     ap.add_argument("--skip-measure", action="store_true", help="predictions only")
     return ap.parse_args(argv)
 
@@ -162,15 +163,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# every prompt's cost times these around the checked profile: five points of prefill speed,
+# what a 2-vCPU VM's speed checks moved within one run (docs/routing.md, the sensitivity table)
+BAND = (0.95, 1.05)
+
+
 def predict_checked(ev, profile, serving: dict, say) -> dict:
     """Both setups' goodput with the profile scaled by the serving check taken just before
     measuring (:func:`baton.control.calibrate.checked`): what `baton tune` predicts after
-    `baton profile --check PROFILE --serving --out NEW`, from nothing measured on the trace."""
-    from baton.control.calibrate import checked
+    `baton profile --check PROFILE --serving --out NEW`, from nothing measured on the trace.
+    Each also with every prompt costing :data:`BAND` times as much (``prefill_band``: {scale:
+    goodput}): how far five points of the machine's prefill speed move it, reported beside the
+    checked prediction, not judged."""
+    from baton.control.calibrate import checked, scaled
 
-    return predict_each(ev.with_profile(checked(profile, serving, "the serving check before "
-                                                "measuring")), LAYOUTS, say,
-                        "with the profile scaled by the serving check")
+    at = checked(profile, serving, "the serving check before measuring")
+    out = predict_each(ev.with_profile(at), LAYOUTS, say,
+                       "with the profile scaled by the serving check")
+    for s in BAND:
+        for name, band in predict_each(ev.with_profile(scaled(at, 1.0, s, "remote")), LAYOUTS,
+                                       say, f"so, every prompt costing x{s:g}").items():
+            out[name].setdefault("prefill_band", {})[f"{s:g}"] = band["goodput_rps"]
+    return out
 
 
 def predict_each(ev, layouts: dict, say, how: str) -> dict:
@@ -270,6 +284,10 @@ def report(a, profile, slice_args, predicted: dict, measured: dict,
         if name in checked:
             c = checked[name]["goodput_rps"]
             rows[-1].update(checked_rps=c, checked_error=(c - m) / m if m else None)
+            if band := checked[name].get("prefill_band"):
+                lo, hi = min(band.values()), max(band.values())
+                rows[-1].update(checked_band_rps=[lo, hi],
+                                measured_in_band=None if m is None else lo <= m <= hi)
     winner = {k: max(rows, key=lambda r: r[k] or 0)["setup"] if all(r[k] is not None
                                                                       for r in rows) else None
               for k in ("predicted_rps", "measured_rps")}
@@ -286,6 +304,13 @@ def report(a, profile, slice_args, predicted: dict, measured: dict,
     if checked:
         print("checked: predicted with the profile scaled by the serving check before "
               "measuring (`baton profile --check PROFILE --serving --out NEW`)")
+    for r in rows:
+        if "checked_band_rps" in r:
+            lo, hi = r["checked_band_rps"]
+            where = {None: "", True: ", measured inside",
+                     False: ", measured outside"}[r["measured_in_band"]]
+            print(f"  {r['setup']}: {lo:.3g}-{hi:.3g} req/s with every prompt costing "
+                  f"x{BAND[1]:g} / x{BAND[0]:g} of the checked (reported, not judged){where}")
     print(f"winner: predicted {winner['predicted_rps']}, measured {winner['measured_rps']}")
     for name, m in measured.items():
         pairs = m["simulated_at_measured_rates"]

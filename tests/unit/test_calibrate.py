@@ -561,7 +561,9 @@ def test_a_validation_predicts_with_the_serving_check_beside_the_profile(tmp_pat
     """bench/tune_validation.py --serving-check: both setups predicted again with the profile
     scaled by the check taken before measuring (a check 1.5x slower predicts what the profile
     scaled by hand predicts, less than the profile as measured), and the report gives that
-    column beside the measured goodput with its own error."""
+    column beside the measured goodput with its own error; beside it the band with every prompt
+    costing x0.95 and x1.05 of the checked profile (as scaled by hand), the measured goodput
+    said inside or outside it."""
     from baton.bench.tune_validation import LAYOUTS, predict_checked, report
     from baton.control.calibrate import scaled as scaled_as_a_fit
 
@@ -572,13 +574,30 @@ def test_a_validation_predicts_with_the_serving_check_beside_the_profile(tmp_pat
     for name, layout in LAYOUTS.items():
         by_hand = ev.with_profile(scaled_as_a_fit(p, 1.5, 1.5, "remote")).goodput(layout)[0]
         assert got[name]["goodput_rps"] == by_hand < predicted[name]["goodput_rps"]
-    measured = {name: {"goodput_rps": 1.0, "simulated_at_measured_rates": []}
-                for name in LAYOUTS}
+        band = got[name]["prefill_band"]
+        for s in ("0.95", "1.05"):
+            hand = scaled_as_a_fit(p, 1.5, 1.5 * float(s), "remote")
+            assert band[s] == pytest.approx(ev.with_profile(hand).goodput(layout)[0])
+        assert band["0.95"] >= by_hand >= band["1.05"]
+    # one setup measured inside its band, the other far above it
+    inside, outside = "baton-colocated", "baton-disaggregated"
+    measured = {inside: {"goodput_rps": got[inside]["goodput_rps"]},
+                outside: {"goodput_rps": 100 * got[outside]["prefill_band"]["0.95"]}}
+    for m in measured.values():
+        m["simulated_at_measured_rates"] = []
     rows = {r["setup"]: r for r in report(a, p, [], predicted, measured, got)["rows"]}
     for name in LAYOUTS:
+        m = measured[name]["goodput_rps"]
         assert rows[name]["checked_rps"] == got[name]["goodput_rps"]
-        assert rows[name]["checked_error"] == pytest.approx(got[name]["goodput_rps"] - 1.0)
-    assert "profile scaled by the serving check" in capsys.readouterr().out
+        assert rows[name]["checked_error"] == pytest.approx((got[name]["goodput_rps"] - m) / m)
+        band = got[name]["prefill_band"]
+        assert rows[name]["checked_band_rps"] == [band["1.05"], band["0.95"]]
+    assert rows[inside]["measured_in_band"] is True
+    assert rows[outside]["measured_in_band"] is False
+    out = capsys.readouterr().out
+    assert "profile scaled by the serving check" in out
+    assert f"{inside}: " in out and "of the checked (reported, not judged), measured inside" in out
+    assert "(reported, not judged), measured outside" in out
 
 
 def test_a_validation_run_is_read_draw_by_draw(tmp_path):
