@@ -182,7 +182,7 @@ def predict_checked(ev, profile, serving: dict, say) -> dict:
                        "with the profile scaled by the serving check")
     for s in BAND:
         for name, band in predict_each(ev.with_profile(scaled(at, 1.0, s, "remote")), LAYOUTS,
-                                       say, f"so, every prompt costing x{s:g}").items():
+                                       say, f"with that and every prompt costing x{s:g}").items():
             out[name].setdefault("prefill_band", {})[f"{s:g}"] = band["goodput_rps"]
     return out
 
