@@ -43,6 +43,7 @@ from baton.control.profile import (
     STREAM_OUTPUT,
     STREAM_PROMPT,
     STREAM_SLOPE_ABOVE,
+    VERSION,
     CostModel,
     Profile,
     ProfileError,
@@ -1112,6 +1113,8 @@ def cmd_profile(a) -> int:
         print("error: --check --out writes the profile scaled by the serving factors measured "
               "now: pass --serving too", file=sys.stderr)
         return 2
+    if a.refit:
+        return _refit(a.refit, a.out, say)
     if a.check:
         try:
             p = Profile.load(a.check)
@@ -1146,6 +1149,35 @@ def cmd_profile(a) -> int:
     for k, v in cm.summary().items():
         print(f"  {k}: {v:.4g}")
     print(f"wrote {path}")
+    return 0
+
+
+def _refit(src: str, out: str | None, say: Callable[[str], None]) -> int:
+    """``--refit``: ``src``'s cost model and serving factors fitted again from its rows by this
+    Baton's rules, written to ``out`` as this version's profile; nothing measured."""
+    if not out:
+        print("error: --refit writes a new profile: pass --out", file=sys.stderr)
+        return 2
+    try:
+        p = Profile.load(src)
+    except ProfileError as e:
+        print(f"error: --refit {src}: {e}", file=sys.stderr)
+        return 2
+    if p.checked:
+        print(f"error: --refit {src}: its factors were scaled by a serving check (its "
+              "`checked`); refit the profile it checked, then check that again", file=sys.stderr)
+        return 2
+    if not p.served:
+        print(f"error: --refit {src}: the profile has no serving measurements (measured "
+              "with --no-handoff): nothing to fit the factors on", file=sys.stderr)
+        return 2
+    was = CostModel(p).summary()
+    p.version = VERSION
+    _serving_factors(p, say)
+    now = CostModel(p).summary()
+    for k, v in now.items():
+        print(f"  {k}: {was.get(k, 0.0):.4g} -> {v:.4g}")
+    print(f"wrote {p.save(out)}: {src}'s measurements fitted as a version-{VERSION} profile")
     return 0
 
 
@@ -1184,6 +1216,11 @@ def add_profile_args(ap) -> None:
                          "step again on --cores and print this machine's speed against the day "
                          "it was measured (ratios above 1: slower now; re-profile when they "
                          "are far from 1, as a shared VM's can be within the hour)")
+    ap.add_argument("--refit", metavar="PROFILE", default=None,
+                    help="measure nothing: fit PROFILE's cost model and serving factors again "
+                         "from its measurements by this Baton's rules and write them to --out "
+                         "as a profile of this version (an older profile's factors were fitted "
+                         "over an older model; seconds where measuring again takes 20 minutes)")
     ap.add_argument("--serving", action="store_true",
                     help="with --check: also start real workers and measure the serving factors "
                          "(the served decode grid once with the prefill worker busy and once "

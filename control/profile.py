@@ -102,6 +102,7 @@ Four measurements, each the median of a few repeats:
                                           + attn_prefill * sum(n * ctx) each chunk's attention pairs
                                           + per_seq * D                 each decode's own overheads
                                           + attn_decode * sum(ctx)      each decode's context
+                                          + decode_offset  (P = 0)      a step of decodes alone
 
 where P is the batch's prompt tokens, D its decodes, ``tok`` is interpolated from the batched
 prefill table and the other coefficients are least-squares fits of what is left; the whole is
@@ -110,6 +111,16 @@ multiplied by the two factors weighed by the step's tokens:
 / (P + D)``, ``decode_factor`` from ``serving_factor_idle`` toward ``serving_factor`` (the
 other workers prefilling) and ``serving_factor_decoding`` (decoding) by their busy shares,
 plus ``serving_stream_slope * max(0, D - STREAM_SLOPE_ABOVE) * busy share``.
+
+``decode_offset`` (version 11) is what a step of decodes alone costs beside the table's rows,
+which are prompt steps: without it the decode grid's steps were what ``tok`` left over, and in
+a profile whose table ran slow (a 2-vCPU VM, 2026-12-07 00:14: its 1-16-token rows 28-43%
+above the two profiles before it, the 1,024-token row 8-9%) the model put the grid's batch-1
+and batch-4 steps 19-36% above their measured times, and per_seq and attn_decode absorbed the
+rest (attn_decode 0); with it every profile's grid came out within 8% of the model (the seven
+version-9 and -10 profiles of bench/results, 2026-12-04 .. 07). The serving factors are fitted
+over the same model, so they move with it: a profile of version 10 or older reads without the
+offset, and ``baton profile --refit`` fits both again from its rows.
 """
 
 from __future__ import annotations
@@ -128,13 +139,17 @@ from pathlib import Path
 # served grid with the prefill worker idle as well (``serving_factor_idle``); 8: and with the
 # other worker decoding (``serving_factor_decoding``); 9: past 16 streams as well
 # (``served_many``, ``serving_stream_slope``); 10: the prefill factors a lone prompt's latency
-# (``lone_prefill``), the saturated worker's throughput kept as ``prefill_factor_saturated``
-VERSION = 10
+# (``lone_prefill``), the saturated worker's throughput kept as ``prefill_factor_saturated``;
+# 11: a step of decodes alone with an offset of its own (:func:`_fit_decode`), the serving
+# factors over that model (``baton profile --refit`` makes one of an older profile's rows)
+VERSION = 11
 # a version-6 profile reads as one whose decode factor is the same idle, busy or decoding; a
 # version-7 one as one whose decoding factor is its busy one; a version-8 one as one whose
 # factor does not rise with the streams; a version-9 one or older as one whose prefill factors
-# are the saturated worker's throughput (``prefill_factor_saturated`` None)
-READS = (6, 7, 8, 9, 10)
+# are the saturated worker's throughput (``prefill_factor_saturated`` None); a version-10 one
+# or older as one whose decode steps have no offset (its factors were fitted without one)
+READS = (6, 7, 8, 9, 10, 11)
+DECODE_OFFSET_SINCE = 11
 PREFILL_TOKENS = (1, 4, 16, 32, 64, 128, 256, 512, 1024)
 PREFILL_PROMPT = 64  # tokens per prompt of the batched measurement
 PREFILL_ROUNDS = 3  # the table's sizes in turn, each point the median over the rounds
@@ -372,6 +387,48 @@ def _fit2(xs: Sequence[tuple[float, float]], ys: Sequence[float]) -> tuple[float
     return (a, 0.0) if err_a <= err_b else (0.0, b)
 
 
+def _fit_decode(xs: Sequence[tuple[float, float]], ys: Sequence[float]
+                ) -> tuple[float, float, float]:
+    """Least squares (offset, a, b), a and b >= 0, for y = offset + a x0 + b x1: the decode
+    grid's steps over the batched prefill table's per-token work. The offset is what a step of
+    decodes alone does not pay of the table's (its rows are prompt steps) or pays beside it,
+    either sign; the smallest squared error over the fits whose a and b are not negative (a
+    coefficient pinned at 0 where it would be). Without two distinct rows, no offset."""
+    if len(set(xs)) < 2:
+        return (0.0, *_fit2(xs, ys))
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for keep in ((0, 1), (0,), (1,), ()):
+        cols = [[1.0] * len(xs)] + [[x[k] for x in xs] for k in keep]
+        coef = _lstsq(cols, ys)
+        if coef is None or any(c < 0 for c in coef[1:]):
+            continue
+        full = [coef[0], 0.0, 0.0]
+        for k, c in zip(keep, coef[1:]):
+            full[1 + k] = c
+        err = sum((y - full[0] - full[1] * x[0] - full[2] * x[1]) ** 2 for x, y in zip(xs, ys))
+        if best is None or err < best[0]:
+            best = (err, (full[0], full[1], full[2]))
+    return best[1] if best else (0.0, *_fit2(xs, ys))
+
+
+def _lstsq(cols: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:
+    """Least-squares coefficients of ``ys`` on the columns ``cols`` (normal equations, Gaussian
+    elimination); None where they are singular."""
+    n = len(cols)
+    a = [[sum(u * v for u, v in zip(cols[i], cols[j])) for j in range(n)]
+         + [sum(u * y for u, y in zip(cols[i], ys))] for i in range(n)]
+    for i in range(n):
+        piv = max(range(i, n), key=lambda r: abs(a[r][i]))
+        if abs(a[piv][i]) < 1e-12 * max(1.0, max(abs(v) for v in a[piv][:n])):
+            return None
+        a[i], a[piv] = a[piv], a[i]
+        for r in range(n):
+            if r != i:
+                f = a[r][i] / a[i][i]
+                a[r] = [u - f * v for u, v in zip(a[r], a[i])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
 def _pairs(k: int, done: int) -> float:
     """Attention (query, key) pairs of a prompt chunk of ``k`` tokens after ``done`` computed."""
     return k * (done + (k + 1) / 2)
@@ -395,9 +452,12 @@ class CostModel:
         self.attn_prefill = _fit_through_origin(
             [sum(_pairs(k, done) for k, done in cs) for _, cs in chunked],
             [r["s"] - sum(self.tok(k) for k, _ in cs) for r, cs in chunked])
-        self.per_seq, self.attn_decode = _fit2(
-            [(r["batch"], r["batch"] * r["context"]) for r in p.decode],
-            [r["s"] - self.tok(r["batch"]) for r in p.decode])
+        grid = ([(r["batch"], r["batch"] * r["context"]) for r in p.decode],
+                [r["s"] - self.tok(r["batch"]) for r in p.decode])
+        if p.version >= DECODE_OFFSET_SINCE:
+            self.decode_offset, self.per_seq, self.attn_decode = _fit_decode(*grid)
+        else:
+            self.decode_offset, (self.per_seq, self.attn_decode) = 0.0, _fit2(*grid)
         self.handoff_per_byte, self.handoff_fixed = 0.0, 0.0
         xs, ys = [r["bytes"] for r in p.handoff], [r["s"] for r in p.handoff]
         if len(set(xs)) > 1:  # handoff = fixed + per_byte * bytes, least squares
@@ -481,8 +541,10 @@ class CostModel:
     def engine_step(self, n: int, pairs: float, decode_ctxs: Sequence[int]) -> float:
         """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
         ``pairs`` prompt attention pairs, decodes at ``decode_ctxs``."""
-        return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * len(decode_ctxs)
-                + self.attn_decode * sum(decode_ctxs))
+        d = len(decode_ctxs)
+        return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * d
+                + self.attn_decode * sum(decode_ctxs)
+                + (self.decode_offset if d and n == d else 0.0))
 
     def engine_prompt(self, n: int) -> float:
         """The bare engine's time for a lone ``n``-token prompt, chunked as the scheduler runs
@@ -505,6 +567,7 @@ class CostModel:
                 "prefill_factor": self.prefill_factor,
                 "prefill_stream_factor_per_tps": self.prefill_stream_factor,
                 "attn_prefill_s_per_pair": self.attn_prefill,
+                "decode_offset_s": self.decode_offset,
                 "decode_s_per_sequence": self.per_seq,
                 "attn_decode_s_per_context_token": self.attn_decode,
                 "handoff_fixed_s": self.handoff_fixed,
