@@ -542,9 +542,9 @@ class CostModel:
         """The bare engine's step (in this process, nothing else to do): ``n`` tokens,
         ``pairs`` prompt attention pairs, decodes at ``decode_ctxs``."""
         d = len(decode_ctxs)
-        return (self.tok(n) + self.attn_prefill * pairs + self.per_seq * d
-                + self.attn_decode * sum(decode_ctxs)
-                + (self.decode_offset if d and n == d else 0.0))
+        return max(0.0, self.tok(n) + self.attn_prefill * pairs + self.per_seq * d
+                   + self.attn_decode * sum(decode_ctxs)
+                   + (self.decode_offset if d and n == d else 0.0))
 
     def engine_prompt(self, n: int) -> float:
         """The bare engine's time for a lone ``n``-token prompt, chunked as the scheduler runs

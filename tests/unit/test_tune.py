@@ -59,6 +59,26 @@ def test_cost_model_recovers_the_coefficients_it_was_measured_with():
     assert cm.step([(100, 50)], [40, 60]) == pytest.approx(want, rel=1e-6)
 
 
+def test_decode_steps_below_the_prefill_tables_are_fitted_with_an_offset():
+    """A decode grid whose steps cost less than the batched prefill table's per-token work (a
+    table that ran slow, or prompt steps' own fixed cost): a version-11 model reproduces the
+    grid with an offset for steps of decodes alone and leaves prompt steps as the table says;
+    a version-10 profile reads as fitted without one."""
+    p = make_profile(per_seq=0.002, attn_decode=1e-5)
+    p.decode = [{**r, "s": r["s"] - 0.004} for r in p.decode]
+    cm = CostModel(p)
+    assert (cm.decode_offset, cm.per_seq, cm.attn_decode) == pytest.approx(
+        (-0.004, 0.002, 1e-5), rel=1e-6)
+    for r in p.decode:
+        assert cm.step([], [r["context"]] * r["batch"]) == pytest.approx(r["s"], rel=1e-6)
+    # a step with a prompt chunk runs the table's path: no offset
+    assert cm.step([(100, 0)], [40]) == pytest.approx(
+        tok(101) + 0.002 + 1e-5 * 40, rel=1e-6)
+    old = CostModel(dataclasses.replace(p, version=10))
+    assert old.decode_offset == 0.0
+    assert old.step([], [64]) > p.decode[0]["s"] * 1.05  # the grid's batch-1 step over-costed
+
+
 def test_long_prompts_past_the_token_budget_are_fitted_as_their_chunks():
     # a 2048-token prompt under a 1024-token budget runs as two steps: 1024 tokens, then 1024
     # more attending to the first 1024 as well
@@ -284,6 +304,48 @@ def test_baton_tune_prints_a_table_a_recommendation_and_writes_json_and_png(tmp_
         passing = [rate for rate, att in r["points"] if att >= 0.9]
         assert max(passing) == pytest.approx(r["goodput_rps"])
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_baton_profile_refit_fits_an_older_profile_again_from_its_rows(tmp_path, capsys):
+    """`baton profile --refit P --out NEW` measures nothing: P's decode grid fitted with this
+    version's offset and its serving factors over that model (its served rows at 1.2x the
+    model's step come out 1.2); it needs --out and refuses a profile a serving check scaled or
+    one without serving measurements."""
+    import argparse
+
+    from baton.bench.profile import add_profile_args, cmd_profile
+    from baton.control.profile import VERSION
+
+    ap = argparse.ArgumentParser()
+    add_profile_args(ap)
+    p = make_profile(per_seq=0.002, attn_decode=1e-5)
+    p.decode = [{**r, "s": r["s"] - 0.004} for r in p.decode]
+    mid = sum(SERVED_TOKENS) // 2
+    now = CostModel(p)  # this version's model of the grid
+    p.served = [{"batch": b, "context": c, "s": 1.2 * now.step([], [c + mid] * b)}
+                for b, c in ((16, 128), (8, 384), (4, 768))]
+    old = dataclasses.replace(p, version=10, serving_factor=1.0)
+    src = old.save(tmp_path / "v10.json")
+    assert cmd_profile(ap.parse_args(["--refit", str(src), "--out", str(tmp_path / "v.json"),
+                                      "--device", "cpu"])) == 0
+    assert "decode_offset_s: 0 -> -0.004" in capsys.readouterr().out
+    q = Profile.load(tmp_path / "v.json")
+    assert q.version == VERSION and q.serving_factor == pytest.approx(1.2)
+    assert CostModel(q).decode_offset == pytest.approx(-0.004)
+    assert (q.decode, q.served_prefill, q.measured_at) == (p.decode, p.served_prefill,
+                                                           p.measured_at)
+    # no --out; a checked profile; one measured without workers
+    assert cmd_profile(ap.parse_args(["--refit", str(src), "--device", "cpu"])) == 2
+    assert "pass --out" in capsys.readouterr().err
+    scaled = dataclasses.replace(old, checked=[{"decode_ratio": 1.1}]).save(tmp_path / "c.json")
+    assert cmd_profile(ap.parse_args(["--refit", str(scaled), "--out", str(tmp_path / "x.json"),
+                                      "--device", "cpu"])) == 2
+    assert "scaled by a serving check" in capsys.readouterr().err
+    bare = dataclasses.replace(old, served=[]).save(tmp_path / "bare.json")
+    assert cmd_profile(ap.parse_args(["--refit", str(bare), "--out", str(tmp_path / "x.json"),
+                                      "--device", "cpu"])) == 2
+    assert "no serving measurements" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_baton_profile_check_refuses_another_device_and_a_missing_file(tmp_path, capsys):
@@ -522,7 +584,8 @@ def test_baton_profile_measures_an_engine_and_the_model_fits_it(tiny_llama, tmp_
     assert "serving factors" in out.stderr and "served prefill   256 tokens" in out.stderr
     assert p.kv_bytes_per_token == 3 * 2 * 2 * 16 * 4  # layers, k/v, kv heads, head dim, fp32
     cm = CostModel(p)
-    assert all(v >= 0 for v in cm.summary().values())
+    # every coefficient but the offset of a step of decodes alone (either sign) is >= 0
+    assert all(v >= 0 for k, v in cm.summary().items() if k != "decode_offset_s")
     big = p.prefill[-1]
     bare = CostModel(dataclasses.replace(p, serving_factor=1.0, prefill_factor=1.0))
     # the engine's own batched step is the table's point plus the fitted attention of its 16
