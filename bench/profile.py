@@ -1106,6 +1106,10 @@ def cmd_profile(a) -> int:
         say(f"--threads {a.threads} on {len(cores)} core(s): the two measured workers (and "
             "the engine and its neighbour) share cores, so they measure slower than two "
             f"workers of {a.threads} threads on cores of their own")
+    if a.refit and (a.check or a.serving):
+        print("error: --refit measures nothing and --check measures: one or the other",
+              file=sys.stderr)
+        return 2
     if a.serving and not a.check:
         print("error: --serving checks a profile: pass --check PROFILE", file=sys.stderr)
         return 2

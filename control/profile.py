@@ -393,10 +393,11 @@ def _fit_decode(xs: Sequence[tuple[float, float]], ys: Sequence[float]
     grid's steps over the batched prefill table's per-token work. The offset is what a step of
     decodes alone does not pay of the table's (its rows are prompt steps) or pays beside it,
     either sign; the smallest squared error over the fits whose a and b are not negative (a
-    coefficient pinned at 0 where it would be). Without two distinct rows, no offset."""
+    coefficient pinned at 0 where it would be; the offset alone always fits). Without two
+    distinct rows, no offset."""
     if len(set(xs)) < 2:
         return (0.0, *_fit2(xs, ys))
-    best: tuple[float, tuple[float, float, float]] | None = None
+    best = (float("inf"), (0.0, 0.0, 0.0))
     for keep in ((0, 1), (0,), (1,), ()):
         cols = [[1.0] * len(xs)] + [[x[k] for x in xs] for k in keep]
         coef = _lstsq(cols, ys)
@@ -406,9 +407,9 @@ def _fit_decode(xs: Sequence[tuple[float, float]], ys: Sequence[float]
         for k, c in zip(keep, coef[1:]):
             full[1 + k] = c
         err = sum((y - full[0] - full[1] * x[0] - full[2] * x[1]) ** 2 for x, y in zip(xs, ys))
-        if best is None or err < best[0]:
+        if err < best[0]:
             best = (err, (full[0], full[1], full[2]))
-    return best[1] if best else (0.0, *_fit2(xs, ys))
+    return best[1]
 
 
 def _lstsq(cols: Sequence[Sequence[float]], ys: Sequence[float]) -> list[float] | None:

@@ -337,6 +337,9 @@ def test_baton_profile_refit_fits_an_older_profile_again_from_its_rows(tmp_path,
     # no --out; a checked profile; one measured without workers
     assert cmd_profile(ap.parse_args(["--refit", str(src), "--device", "cpu"])) == 2
     assert "pass --out" in capsys.readouterr().err
+    assert cmd_profile(ap.parse_args(["--refit", str(src), "--check", str(src), "--out",
+                                      str(tmp_path / "x.json"), "--device", "cpu"])) == 2
+    assert "one or the other" in capsys.readouterr().err
     scaled = dataclasses.replace(old, checked=[{"decode_ratio": 1.1}]).save(tmp_path / "c.json")
     assert cmd_profile(ap.parse_args(["--refit", str(scaled), "--out", str(tmp_path / "x.json"),
                                       "--device", "cpu"])) == 2
