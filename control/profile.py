@@ -455,8 +455,11 @@ class CostModel:
             [r["s"] - sum(self.tok(k) for k, _ in cs) for r, cs in chunked])
         grid = ([(r["batch"], r["batch"] * r["context"]) for r in p.decode],
                 [r["s"] - self.tok(r["batch"]) for r in p.decode])
-        if p.version >= DECODE_OFFSET_SINCE:
-            self.decode_offset, self.per_seq, self.attn_decode = _fit_decode(*grid)
+        fit = _fit_decode(*grid) if p.version >= DECODE_OFFSET_SINCE else None
+        # an offset that leaves a step of a decode alone at or under 0 is no engine's: none then
+        if fit is not None and fit[0] + self.tok(1) + fit[1] + fit[2] * min(
+                r["context"] for r in p.decode) > 0:
+            self.decode_offset, self.per_seq, self.attn_decode = fit
         else:
             self.decode_offset, (self.per_seq, self.attn_decode) = 0.0, _fit2(*grid)
         self.handoff_per_byte, self.handoff_fixed = 0.0, 0.0
