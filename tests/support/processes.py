@@ -10,15 +10,11 @@ from baton.bench.common import descendants  # noqa: F401 (the tests' import poin
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def quiet_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999): one a process binds seconds
-    after it is chosen (``baton up``'s router, after its workers start), which an outgoing
-    connection or another process's listener on port 0 cannot take meanwhile."""
+    """A free port below Linux's ephemeral range (32768-60999). Tests choose a port that a
+    process binds seconds later (a worker's ``--port``, ``baton up``'s router after its
+    workers start, a Redis a test starts after its clients): in the ephemeral range an
+    outgoing connection or another process's listener on port 0 can take it meanwhile (a
+    chaos cluster's decode worker met "Address already in use" so, 2026-12-07)."""
     import random
 
     rng = random.Random()
@@ -30,7 +26,9 @@ def quiet_port() -> int:
             except OSError:
                 continue
             return port
-    return free_port()
+    with socket.socket() as s:  # all 200 taken: what the kernel gives
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_baton_up(*args: str) -> tuple[subprocess.Popen, list[str]]:

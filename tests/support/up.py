@@ -18,7 +18,7 @@ import grpc
 from baton.bench.common import worker_infos
 from baton.transfer import cluster_secret
 
-from tests.support.processes import descendants, quiet_port
+from tests.support.processes import descendants, free_port
 
 
 def own_cache(folder: Path) -> dict[str, str]:
@@ -43,7 +43,7 @@ class Up:
     def __init__(self, log_dir: Path, *args: str, env: dict | None = None) -> None:
         """``baton up ARGS`` on a fixed gRPC port (a restarted router comes back on it)."""
         self.secret = "test-" + os.urandom(8).hex()
-        port = quiet_port()
+        port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli.main", "up", "--grpc-port", str(port),
              "--log-dir", str(log_dir), *args], stdout=subprocess.PIPE,
