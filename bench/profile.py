@@ -1153,6 +1153,8 @@ def cmd_profile(a) -> int:
     for k, v in cm.summary().items():
         print(f"  {k}: {v:.4g}")
     print(f"wrote {path}")
+    if (gap := p.table_vs_grid()) is not None:
+        say(f"warning: {gap}")
     return 0
 
 
@@ -1182,6 +1184,8 @@ def _refit(src: str, out: str | None, say: Callable[[str], None]) -> int:
     for k, v in now.items():
         print(f"  {k}: {was.get(k, 0.0):.4g} -> {v:.4g}")
     print(f"wrote {p.save(out)}: {src}'s measurements fitted as a version-{VERSION} profile")
+    if (gap := p.table_vs_grid()) is not None:  # a refit does not mend measurements
+        say(f"warning: {gap}")
     return 0
 
 

@@ -202,6 +202,9 @@ SAMPLING_BATCH = 16
 SAMPLING_CONTEXT = 128
 
 
+# Profile.table_vs_grid: of the 20 version-6+ profiles in bench/results, 17 agree within 10%,
+# 2 differ by more than this (2026-12-03 06:15: -17%; 2026-12-07 00:14: +23%)
+TABLE_GRID_TOLERANCE = 0.15
 STAMP = "%Y-%m-%dT%H:%M:%SZ"  # UTC, ISO 8601: `measured_at`, and each check's `at`
 
 
@@ -307,6 +310,28 @@ class Profile:
                        if "decode_ratio_decoding" in c else "") + ")")
         return (f"{said}; `baton profile --check FILE --serving --out NEW` brings it to this "
                 "machine's speed now in ~5 minutes")
+
+    def table_vs_grid(self) -> str | None:
+        """Where the prefill table's 1-token step and the decode grid's batch-1 step at its
+        shortest context differ by more than :data:`TABLE_GRID_TOLERANCE`, what to say of it;
+        None where they agree (or the profile lacks either row). Both are one engine step of
+        one token (a few positions of attention apart): a gap between them is the machine's
+        speed moving between the two measurements, and the cost model, which fits the grid
+        beside the table, turns it into decode's cost (the 2026-12-07 00:14 profile: 31.7 ms
+        against 25.7 ms, +23%; its runs' Mooncake colocated predictions came 18-29% under the
+        measured goodput). `baton profile` and `baton tune` say it."""
+        one = [r["s"] for r in self.prefill if r["tokens"] == 1 and r.get("requests", 1) == 1]
+        ones = [r for r in self.decode if r["batch"] == 1]
+        if not one or not ones:
+            return None
+        short = min(ones, key=lambda r: r["context"])
+        gap = one[0] / short["s"] - 1
+        if abs(gap) <= TABLE_GRID_TOLERANCE:
+            return None
+        return (f"its prefill table's 1-token step ({one[0] * 1e3:.1f} ms) and its decode "
+                f"grid's batch-1 step at context {short['context']} ({short['s'] * 1e3:.1f} ms) "
+                f"differ by {gap:+.0%}: the machine's speed moved between the two, and the cost "
+                "model charges the gap to decode; measure again on a quiet machine")
 
     @property
     def processor(self) -> str:

@@ -404,6 +404,8 @@ def tune(cfg: TuneConfig) -> int:
     own = profile.tensor_parallel_size
     print(f"[baton tune] costs measured on {profile.device} ({profile.dtype}, "
           f"TP {sorted(by_tp)}); the profile {profile.age()}", file=sys.stderr)
+    if (gap := profile.table_vs_grid()) is not None:
+        print(f"[baton tune] warning: the profile: {gap}", file=sys.stderr)
     for layout in layouts(cfg.workers, cfg.prefill_tp or own, cfg.decode_tp or own):
         goodput, points = ev.goodput(layout)
         rows.append({"layout": layout.name, "prefill": layout.prefill, "decode": layout.decode,

@@ -654,6 +654,8 @@ def run_live(cfg) -> int:
         os.nice(cfg.nice)
     for tp, profile in sorted(cfg.profiles.items()):  # the calibration moves from there
         say(f"the profile of TP {tp} {profile.age()}")
+        if (gap := profile.table_vs_grid()) is not None:
+            say(f"warning: the profile of TP {tp}: {gap}")
     fits: dict = {}  # the calibration's fits, carried from look to look
     streak = Streak() if cfg.every else None  # --confirm counts repeated looks only
     while True:

@@ -1240,6 +1240,38 @@ def _tune(*args: str) -> subprocess.CompletedProcess:
         capture_output=True, text=True, timeout=300)
 
 
+def test_a_profile_whose_prefill_table_and_decode_grid_disagree_is_warned_of(tmp_path, capsys):
+    """The prefill table's 1-token step and the decode grid's batch-1 step are one engine step
+    each: more than 15% apart, `baton profile --refit` and `baton tune` say so, naming both."""
+    import argparse
+
+    from baton.bench.profile import add_profile_args, cmd_profile
+
+    p = make_profile()  # 1 token: 11 ms in both
+    assert p.table_vs_grid() is None
+    for scale, said in ((1.1, None), (0.9, None), (1.2, "+20%"), (0.8, "-20%")):
+        q = dataclasses.replace(p, prefill=[{**r, "s": r["s"] * (scale if r["tokens"] == 1
+                                                                 else 1)} for r in p.prefill])
+        gap = q.table_vs_grid()
+        assert (gap is None) == (said is None), (scale, gap)
+        if said:
+            assert f"differ by {said}" in gap and "batch-1 step at context 64 (11.0 ms)" in gap
+    slow = dataclasses.replace(p, prefill=[{**r, "s": r["s"] * 1.3} for r in p.prefill])
+    assert "1-token step (14.3 ms)" in slow.table_vs_grid()
+    assert dataclasses.replace(p, decode=[]).table_vs_grid() is None
+    src = dataclasses.replace(slow, served=[{"batch": 4, "context": 768, "s": 0.02}]).save(
+        tmp_path / "slow.json")
+    ap = argparse.ArgumentParser()
+    add_profile_args(ap)
+    assert cmd_profile(ap.parse_args(["--refit", str(src), "--out", str(tmp_path / "v.json"),
+                                      "--device", "cpu"])) == 0
+    assert "warning: its prefill table's 1-token step" in capsys.readouterr().err
+    out = _tune("--profile", str(src), "--out", str(tmp_path / "t"))
+    assert out.returncode == 0, out.stderr
+    assert "[baton tune] warning: the profile: its prefill table's" in out.stderr
+    assert "warning" not in _tune("--profile", str(p.save(tmp_path / "ok.json"))).stderr
+
+
 def test_baton_tune_sizes_each_pool_from_its_profile(tmp_path):
     one = make_profile(per_seq=0.002).save(tmp_path / "tp1.json")
     two = dataclasses.replace(make_profile(per_seq=0.001), tensor_parallel_size=2).save(
