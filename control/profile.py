@@ -314,15 +314,18 @@ class Profile:
     def table_vs_grid(self) -> str | None:
         """Where the prefill table's 1-token step and the decode grid's batch-1 step at its
         shortest context differ by more than :data:`TABLE_GRID_TOLERANCE`, what to say of it;
-        None where they agree (or the profile lacks either row). Both are one engine step of
-        one token (a few positions of attention apart): a gap between them is the machine's
-        speed moving between the two measurements, and the cost model, which fits the grid
-        beside the table, turns it into decode's cost (the 2026-12-07 00:14 profile: 31.7 ms
-        against 25.7 ms, +23%; its runs' Mooncake colocated predictions came 18-29% under the
-        measured goodput). `baton profile` and `baton tune` say it."""
+        None where they agree, the profile lacks either row, or it was not measured on a CPU.
+        On the CPU engine both are one engine step of one token (the same matmuls; their
+        attention kernels differ, over a few positions), so a gap between them is the
+        machine's speed moving between the two measurements, and the model fitted on both is
+        wrong by it somewhere (before version 11 it went into every decode step: the
+        2026-12-07 00:14 profile read 31.7 ms against 25.7 ms, +23%, and its runs' Mooncake
+        colocated predictions came 18-29% under the measured goodput). On a GPU decode steps
+        replay CUDA graphs and prompt steps do not: no check. `baton profile` and `baton
+        tune` say it."""
         one = [r["s"] for r in self.prefill if r["tokens"] == 1 and r.get("requests", 1) == 1]
         ones = [r for r in self.decode if r["batch"] == 1]
-        if not one or not ones:
+        if not one or not ones or self.device.split(":")[0] != "cpu":
             return None
         short = min(ones, key=lambda r: r["context"])
         gap = one[0] / short["s"] - 1
@@ -331,7 +334,7 @@ class Profile:
         return (f"its prefill table's 1-token step ({one[0] * 1e3:.1f} ms) and its decode "
                 f"grid's batch-1 step at context {short['context']} ({short['s'] * 1e3:.1f} ms) "
                 f"differ by {gap:+.0%}: the machine's speed moved between the two, and the cost "
-                "model charges the gap to decode; measure again on a quiet machine")
+                "model fitted on both is wrong by it; measure again on a quiet machine")
 
     @property
     def processor(self) -> str:

@@ -1259,6 +1259,7 @@ def test_a_profile_whose_prefill_table_and_decode_grid_disagree_is_warned_of(tmp
     slow = dataclasses.replace(p, prefill=[{**r, "s": r["s"] * 1.3} for r in p.prefill])
     assert "1-token step (14.3 ms)" in slow.table_vs_grid()
     assert dataclasses.replace(p, decode=[]).table_vs_grid() is None
+    assert dataclasses.replace(slow, device="cuda").table_vs_grid() is None  # CUDA graphs
     src = dataclasses.replace(slow, served=[{"batch": 4, "context": 768, "s": 0.02}]).save(
         tmp_path / "slow.json")
     ap = argparse.ArgumentParser()
