@@ -484,9 +484,14 @@ class CostModel:
         grid = ([(r["batch"], r["batch"] * r["context"]) for r in p.decode],
                 [r["s"] - self.tok(r["batch"]) for r in p.decode])
         fit = _fit_decode(*grid) if p.version >= DECODE_OFFSET_SINCE else None
-        # an offset that leaves a step of a decode alone at or under 0 is no engine's: none then
-        if fit is not None and fit[0] + self.tok(1) + fit[1] + fit[2] * min(
-                r["context"] for r in p.decode) > 0:
+        # an offset that leaves a step of decodes alone at or under 0 is no engine's: none then.
+        # Every batch up to the grid's largest and max_num_seqs, at the grid's shortest context
+        # (longer ones cost more): `tok` interpolates the prefill table, which on a noisy
+        # machine need not rise with the batch, so batch 1 alone does not tell
+        ctx = min(r["context"] for r in p.decode)
+        top = max(p.max_num_seqs, *(r["batch"] for r in p.decode))
+        if fit is not None and all(self.tok(b) + fit[0] + fit[1] * b + fit[2] * b * ctx > 0
+                                   for b in range(1, top + 1)):
             self.decode_offset, self.per_seq, self.attn_decode = fit
         else:
             self.decode_offset, (self.per_seq, self.attn_decode) = 0.0, _fit2(*grid)

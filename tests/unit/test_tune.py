@@ -79,6 +79,28 @@ def test_decode_steps_below_the_prefill_tables_are_fitted_with_an_offset():
     assert old.step([], [64]) > p.decode[0]["s"] * 1.05  # the grid's batch-1 step over-costed
 
 
+def test_no_decode_offset_where_it_leaves_any_batch_a_step_at_or_under_zero():
+    """`tok` interpolates the prefill table, which on a noisy machine (the tiny model's CI
+    profile) need not rise with the batch: an offset that fits the grid but leaves a batch the
+    grid did not measure at or under 0 is dropped (a served row's model step of 0 divided the
+    serving factor by zero), even where batch 1's step stays positive."""
+    p = make_profile()
+    dip = {1: 0.011, 16: 0.001, 256: tok(256), 1024: tok(1024)}  # 16 tokens under 1
+    p.prefill = [{"tokens": n, "requests": 1, "s": s} for n, s in dip.items()]
+    kept = CostModel(p)
+    p.decode = [{"batch": b, "context": c, "s": kept.tok(b) - 0.0105}
+                for b, c in ((1, 64), (1, 512), (32, 64), (32, 256))]
+    assert min(r["s"] for r in p.decode) > 0
+    cm = CostModel(p)
+    assert cm.decode_offset == 0.0
+    assert all(cm.step([], [64] * b) > 0 for b in range(1, p.max_num_seqs + 1))
+    # the same grid over a table that rises with the batch keeps its offset
+    q = make_profile()
+    rising = CostModel(q)
+    q.decode = [{**r, "s": rising.tok(r["batch"]) - 0.0105} for r in p.decode]
+    assert CostModel(q).decode_offset == pytest.approx(-0.0105)
+
+
 def test_long_prompts_past_the_token_budget_are_fitted_as_their_chunks():
     # a 2048-token prompt under a 1024-token budget runs as two steps: 1024 tokens, then 1024
     # more attending to the first 1024 as well
