@@ -1292,7 +1292,8 @@ def test_a_profile_whose_prefill_table_and_decode_grid_disagree_is_warned_of(tmp
     out = _tune("--profile", str(src), "--out", str(tmp_path / "t"))
     assert out.returncode == 0, out.stderr
     assert "[baton tune] warning: the profile: its prefill table's" in out.stderr
-    assert "warning" not in _tune("--profile", str(p.save(tmp_path / "ok.json"))).stderr
+    assert "warning" not in _tune("--profile", str(p.save(tmp_path / "ok.json")), "--out",
+                                  str(tmp_path / "ok")).stderr
 
 
 def test_baton_tune_sizes_each_pool_from_its_profile(tmp_path):
