@@ -35,6 +35,10 @@ def redis_server_binary() -> str:
     return found
 
 
+# starts of a redis-server on a port picked free (EmbeddedRedis.start)
+PORT_TRIES = 3
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -57,11 +61,28 @@ class EmbeddedRedis:
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
-        self.port = self.port or _free_port(self.host)
+        """Start it and wait for its answer (RedisStartError: it exited, or did not answer in
+        ``timeout`` s). A port left to it (0) is picked free and may be taken by another process
+        before redis-server binds it: then it starts again on another, :data:`PORT_TRIES` times
+        in all; a port given is that port or an error."""
+        if self.port:
+            return self._start(timeout)
+        for attempt in range(PORT_TRIES):
+            self.port = _free_port(self.host)
+            try:
+                return self._start(timeout)
+            except RedisStartError as e:
+                if "in use" not in str(e) or attempt == PORT_TRIES - 1:
+                    raise
+                self._dir = tempfile.mkdtemp(prefix="baton-redis-")  # the failed start's went
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> EmbeddedRedis:
         self.proc = subprocess.Popen(
             [redis_server_binary(), *([self._config()] if self.password else []),
              "--bind", self.host, "--port", str(self.port),
-             "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no"],
+             "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
+             "--logfile", str(Path(self._dir) / "redis.log")],  # why it stopped, when it does
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         import redis
 
@@ -72,7 +93,8 @@ class EmbeddedRedis:
         try:  # the client's socket is closed on every way out, a failed start too
             while True:
                 if self.proc.poll() is not None:
-                    err = self.proc.stderr.read().decode(errors="replace")[-500:]
+                    err = (self.proc.stderr.read().decode(errors="replace")
+                           + self._log_warnings())[-500:]
                     self.stop()  # its folder too: a failed start (a port in use) leaves nothing
                     raise RedisStartError(f"redis-server exited with {self.proc.returncode}: {err}")
                 try:
@@ -89,6 +111,15 @@ class EmbeddedRedis:
         finally:
             client.close()
         return self
+
+    def _log_warnings(self) -> str:
+        """Its log's last two warnings (the lines Redis marks ``#``; what made it exit, as a
+        port in use, is among them)."""
+        try:
+            lines = (Path(self._dir) / "redis.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return " ".join([line.split(" # ", 1)[1] for line in lines if " # " in line][-2:])
 
     def _config(self) -> str:
         """A config file (mode 0600) with the password: not on the command line, where ``ps``

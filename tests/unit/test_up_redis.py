@@ -58,3 +58,34 @@ def test_a_redis_that_cannot_start_leaves_no_folder_behind():
         with pytest.raises(RedisStartError, match="exited with"):
             r.start(timeout=30)
         assert not os.path.exists(r._dir)
+
+
+def test_a_port_picked_free_but_taken_before_redis_binds_it_is_tried_again(monkeypatch):
+    """The free port `EmbeddedRedis` picks can be another process's by the time redis-server
+    binds it (a parallel test suite, an outbound connection): it starts again on another
+    port, with a fresh folder, and says nothing; a port the caller gave is not changed."""
+    from baton.control import redis_server
+    from baton.control.redis_server import EmbeddedRedis, RedisStartError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        picks = iter([busy])
+        free = redis_server._free_port
+        monkeypatch.setattr(redis_server, "_free_port",
+                            lambda host: next(picks, None) or free(host))
+        r = EmbeddedRedis()
+        first_dir = r._dir
+        r.start(timeout=30)
+        try:
+            assert r.port != busy and redis.Redis(host="127.0.0.1", port=r.port).ping()
+            assert not os.path.exists(first_dir) and os.path.isdir(r._dir)
+        finally:
+            r.stop()
+        assert not os.path.exists(r._dir)
+        picks = iter([busy] * redis_server.PORT_TRIES)  # taken every time: the error says so
+        r = EmbeddedRedis()
+        with pytest.raises(RedisStartError, match="in use"):
+            r.start(timeout=30)
+        assert not os.path.exists(r._dir)
