@@ -616,7 +616,7 @@ def _start_cluster(stack: contextlib.ExitStack, common: list[str], groups: list[
     common = [*common, "--redis-url", redis.url]
 
     def start(role: str, args: list[str], cpus: set[int] | None = None) -> WorkerProcess:
-        proc = WorkerProcess(role, args, cpus=cpus)
+        proc = WorkerProcess(role, args, cpus=cpus, die_with_parent=True)  # a killed profile's too
         stack.callback(proc.stop)
         return proc
 
@@ -850,15 +850,20 @@ def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[s
     the duration of a ``with``."""
     import subprocess
 
+    from baton.services.launch.local import spawn
+
     if not cores:
         yield
         return
     cores_arg = ",".join(map(str, cores))
     say(f"starting a busy engine on core(s) {cores_arg} as the neighbour ...")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from baton.bench.profile import neighbor_load; "
+    # it never stops on its own: SIGTERM when this process dies, however it dies (a `baton
+    # profile` killed outright left one busy for the next profile's whole serving part)
+    proc = spawn(
+        [sys.executable, "-c", "import sys; from baton import adopt_launch_settings; "
+         "adopt_launch_settings(); from baton.bench.profile import neighbor_load; "
          "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg, device, str(threads)],
-        stdout=subprocess.PIPE)
+        dict(os.environ), stdout=subprocess.PIPE, die_with_parent=True)
     try:
         if proc.stdout.readline().strip() != b"ready":
             raise ProfileError("the neighbour load did not start (see its error above)")
@@ -1119,6 +1124,20 @@ def cmd_profile(a) -> int:
         return 2
     if a.refit:
         return _refit(a.refit, a.out, say)
+    from baton.bench.common import sigterm_as_ctrl_c
+
+    # stopped (Ctrl-C, or SIGTERM as `kill` and `timeout` send it): the running part's own
+    # cleanup stops what it started (the neighbour, the serving cluster, Redis), nothing written
+    try:
+        with sigterm_as_ctrl_c():
+            return _measure(a, cores, device, say)
+    except KeyboardInterrupt:
+        say("stopped: nothing written")
+        return 130
+
+
+def _measure(a, cores: list[int], device: str, say: Callable[[str], None]) -> int:
+    """`baton profile`'s measuring forms: ``--check`` (and ``--serving``), or a profile."""
     if a.check:
         try:
             p = Profile.load(a.check)

@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -431,6 +432,69 @@ def test_baton_profile_measures_a_worker_of_several_threads_on_cores_of_its_own(
     assert p.threads == 2
     assert p.neighbors == [c for c in cores if c not in mine][:2]
     assert ("share cores" in out.stderr) == (len(cores) < 4)  # said when they cannot have their own
+
+
+def _children(pid: int, running: str) -> list[int]:
+    """``pid``'s child processes whose command line holds ``running``."""
+    kids: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids |= {int(c) for c in (task / "children").read_text().split()}
+    return [k for k in kids
+            if running.encode() in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie no one reaped yet (it runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.slow  # ~10 s: two tiny profiles started and stopped
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a neighbour needs a second core")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_baton_profile_leaves_no_neighbour_running(tiny_llama, tmp_path, how):
+    """`baton profile` runs a busy engine on another core while it times its own (the
+    neighbour, which never stops on its own). Stopped with SIGTERM (`kill`, `timeout`) it
+    stops the neighbour as Ctrl-C does, says so and writes nothing (exit 130); killed outright
+    the neighbour goes with it (it gets SIGTERM when its parent dies). A neighbour left behind
+    ran on through the next profile's serving part and doubled its serving factors."""
+    import signal
+
+    out = tmp_path / "p.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli.main", "profile", "--model", str(tiny_llama[0]),
+         "--no-handoff", "--repeats", "3", "--out", str(out)],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        neighbour, seen = None, []
+        for line in proc.stderr:  # the neighbour is ready once the engine's timing begins
+            seen.append(line)
+            if "as the neighbour" in line:
+                neighbour = True
+            elif neighbour and " tokens in " in line:
+                break
+        assert neighbour, "".join(seen)
+        (neighbour,) = _children(proc.pid, "neighbor_load")
+        proc.send_signal(getattr(signal, how))
+        rc = proc.wait(timeout=120)
+        deadline = 120  # the neighbour's exit is the event; this only bounds a failure
+        while not _gone(neighbour) and deadline > 0:
+            time.sleep(0.05)
+            deadline -= 0.05
+        left = not _gone(neighbour)
+        if left:  # stopped here, or it would hold the stderr pipe open (and a core) for good
+            os.kill(neighbour, signal.SIGKILL)
+        rest = proc.stderr.read()
+        assert not left, f"the neighbour {neighbour} still ran after {how}"
+        assert rc == (130 if how == "SIGTERM" else -signal.SIGKILL), rest
+        if how == "SIGTERM":
+            assert "stopped: nothing written" in rest
+        assert not out.exists()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_the_measuring_workers_run_the_profiles_threads_on_groups_of_cores():
