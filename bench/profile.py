@@ -857,8 +857,8 @@ def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[s
         return
     cores_arg = ",".join(map(str, cores))
     say(f"starting a busy engine on core(s) {cores_arg} as the neighbour ...")
-    # it never stops on its own: SIGTERM when this process dies, however it dies (a `baton
-    # profile` killed outright left one busy for the next profile's whole serving part)
+    # it never stops on its own: SIGTERM when this process dies, however it dies (one left
+    # by a `baton profile` stopped with SIGTERM ran through the next profile's serving part)
     proc = spawn(
         [sys.executable, "-c", "import sys; from baton import adopt_launch_settings; "
          "adopt_launch_settings(); from baton.bench.profile import neighbor_load; "
