@@ -863,7 +863,7 @@ def _neighbors(model: str | None, dtype: str, cores: list[int], say: Callable[[s
         [sys.executable, "-c", "import sys; from baton import adopt_launch_settings; "
          "adopt_launch_settings(); from baton.bench.profile import neighbor_load; "
          "neighbor_load(*sys.argv[1:])", model or "", dtype, cores_arg, device, str(threads)],
-        dict(os.environ), stdout=subprocess.PIPE, die_with_parent=True)
+        os.environ, stdout=subprocess.PIPE, die_with_parent=True)
     try:
         if proc.stdout.readline().strip() != b"ready":
             raise ProfileError("the neighbour load did not start (see its error above)")

@@ -65,17 +65,16 @@ class EmbeddedRedis:
         ``timeout`` s). A port left to it (0) is picked free and may be taken by another process
         before redis-server binds it: then it starts again on another, :data:`PORT_TRIES` times
         in all; a port given is that port or an error."""
-        if self.port:
-            return self._start(timeout)
-        for attempt in range(PORT_TRIES):
-            self.port = _free_port(self.host)
+        given, tries = self.port, 1
+        while True:
+            self.port = given or _free_port(self.host)
             try:
                 return self._start(timeout)
             except RedisStartError as e:
-                if "in use" not in str(e) or attempt == PORT_TRIES - 1:
+                if given or tries == PORT_TRIES or "in use" not in str(e):
                     raise
-                self._dir = tempfile.mkdtemp(prefix="baton-redis-")  # the failed start's went
-        raise AssertionError("unreachable")
+            tries += 1
+            self._dir = tempfile.mkdtemp(prefix="baton-redis-")  # the failed start's went
 
     def _start(self, timeout: float) -> EmbeddedRedis:
         self.proc = subprocess.Popen(

@@ -19,7 +19,7 @@ from baton.engine.params import SamplingParams
 from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
-from tests.support.processes import baton_request, free_port, start_baton_up
+from tests.support.processes import alive, baton_request, free_port, start_baton_up
 from tests.support.reference import REFERENCE_POOL
 
 pytestmark = pytest.mark.slow
@@ -725,16 +725,6 @@ def _processes_with_env(key: str, value: str) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie counts as gone: it has exited)."""
-    from pathlib import Path
-
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def test_baton_up_on_ray_serves_the_same_output(engine, tmp_path):
     """`baton up --ray local`: the workers run under Ray actors (a real local Ray instance);
     a short prompt (local path) and a long one (remote path: a KV hand-off between the two
@@ -764,7 +754,7 @@ def test_baton_up_on_ray_serves_the_same_output(engine, tmp_path):
         rest = up.communicate(timeout=120)[0]
     assert up.returncode == 0, rest
     # the workers were the processes given this cluster's Redis in their environment
-    assert ours and not [pid for pid in ours if _alive(pid)], "a worker outlived baton up --ray"
+    assert ours and not [pid for pid in ours if alive(pid)], "a worker outlived baton up --ray"
 
 
 def test_baton_up_on_ray_names_ray_tmpdir_when_the_temporary_folder_is_too_long(tmp_path):

@@ -5,8 +5,17 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from baton.bench.common import descendants  # noqa: F401 (the tests' import point)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie counts as gone: it has exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def free_port() -> int:

@@ -39,6 +39,7 @@ from baton.control.profile import (
 )
 from baton.control.sim import Knobs, Layout, attainment, block_keys, simulate
 
+from tests.support.processes import alive, descendants
 from tests.support.profiles import make_profile, tok
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -434,23 +435,6 @@ def test_baton_profile_measures_a_worker_of_several_threads_on_cores_of_its_own(
     assert ("share cores" in out.stderr) == (len(cores) < 4)  # said when they cannot have their own
 
 
-def _children(pid: int, running: str) -> list[int]:
-    """``pid``'s child processes whose command line holds ``running``."""
-    kids: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        kids |= {int(c) for c in (task / "children").read_text().split()}
-    return [k for k in kids
-            if running.encode() in Path(f"/proc/{k}/cmdline").read_bytes()]
-
-
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie no one reaped yet (it runs nothing)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
 @pytest.mark.slow  # ~10 s: two tiny profiles started and stopped
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a neighbour needs a second core")
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
@@ -476,14 +460,15 @@ def test_a_stopped_baton_profile_leaves_no_neighbour_running(tiny_llama, tmp_pat
             elif neighbour and " tokens in " in line:
                 break
         assert neighbour, "".join(seen)
-        (neighbour,) = _children(proc.pid, "neighbor_load")
+        (neighbour,) = [p for p in descendants(proc.pid)
+                        if b"neighbor_load" in Path(f"/proc/{p}/cmdline").read_bytes()]
         proc.send_signal(getattr(signal, how))
         rc = proc.wait(timeout=120)
         deadline = 120  # the neighbour's exit is the event; this only bounds a failure
-        while not _gone(neighbour) and deadline > 0:
+        while alive(neighbour) and deadline > 0:
             time.sleep(0.05)
             deadline -= 0.05
-        left = not _gone(neighbour)
+        left = alive(neighbour)
         if left:  # stopped here, or it would hold the stderr pipe open (and a core) for good
             os.kill(neighbour, signal.SIGKILL)
         rest = proc.stderr.read()
