@@ -612,7 +612,7 @@ def _start_cluster(stack: contextlib.ExitStack, common: list[str], groups: list[
     from baton.control.redis_server import EmbeddedRedis
     from baton.services.launch.local import WorkerProcess
 
-    redis = stack.enter_context(EmbeddedRedis())
+    redis = stack.enter_context(EmbeddedRedis(die_with_parent=True))
     common = [*common, "--redis-url", redis.url]
 
     def start(role: str, args: list[str], cpus: set[int] | None = None) -> WorkerProcess:

@@ -498,7 +498,7 @@ class _LocalCluster:
         # listening beyond loopback, the registry (where routers find workers) needs a
         # password: one per cluster, in the URL the processes get in their environment
         password = None if is_loopback(host) else secrets.token_urlsafe(24)
-        self.redis = EmbeddedRedis(host, password=password).start()
+        self.redis = EmbeddedRedis(host, password=password, die_with_parent=True).start()
         self.url_redacted = redact(self.redis.url)
         self.say(f"redis-server on {self.url_redacted}" + (
             " (password generated; the whole URL, for workers started elsewhere, is in "
@@ -513,7 +513,7 @@ class _LocalCluster:
 
         old = self.redis
         old.stop()  # it exited: this removes its directory
-        self.redis = EmbeddedRedis(old.host, old.port, old.password).start()
+        self.redis = EmbeddedRedis(old.host, old.port, old.password, die_with_parent=True).start()
         return self.redis
 
     def _supervise_redis(self, stop: threading.Event) -> None:
@@ -555,7 +555,8 @@ class _LocalCluster:
                 device = [d if d != "cuda" else "cuda:0" for d in device]
                 args += ["--tensor-parallel-size", str(tp)]
             return WorkerProcess(role, ["--host", a.host, *device, *args],
-                                 env={**self.env, **env}, **self.kw)
+                                 env={**self.env, **env}, die_with_parent=_on_main_thread(),
+                                 **self.kw)
         from baton.services.launch.ray_actors import RayWorker
 
         gpus = self.ray_gpus
@@ -614,8 +615,9 @@ class _LocalCluster:
                 "--local-prefill-max-tokens", str(local_max), "--routing", a.routing,
                 *security, *shlex.split(a.router_args)]
         env = {**self.env, **({"BATON_AUTH_TOKEN": a.auth_token} if a.auth_token else {})}
-        router = WorkerProcess("router", args, env=env, **self.kw)
-        self._add(router, "router", lambda: WorkerProcess("router", args, env=env, **self.kw))
+        kw = {**self.kw, "die_with_parent": _on_main_thread()}
+        router = WorkerProcess("router", args, env=env, **kw)
+        self._add(router, "router", lambda: WorkerProcess("router", args, env=env, **kw))
         self.say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in "
                  f"{self.procs[0].log_path.parent}")
         if router.http_address:
@@ -688,6 +690,13 @@ class _LocalCluster:
             ray.shutdown()
         if procs or self.redis:
             self.say("stopped")
+
+
+def _on_main_thread() -> bool:
+    """Whether a process started now may die with this one (SIGTERM, a drain, when `baton up`
+    dies, a SIGKILL too): Linux sends it when the starting *thread* ends, so not to those the
+    autoscaler starts on a passing thread."""
+    return threading.current_thread() is threading.main_thread()
 
 
 def _leave_address(redis_url: str, router, restarts: list | None = None, secret: str = "",

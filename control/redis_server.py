@@ -10,7 +10,9 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +41,12 @@ def redis_server_binary() -> str:
 PORT_TRIES = 3
 
 
+# redis-server cannot ask Linux for SIGTERM when its starter dies, and a ``preexec_fn`` would
+# force a real fork (see baton.adopt_launch_settings): this Python asks, then becomes redis-server
+_EXEC_DYING_WITH_PARENT = ("import os, sys; from baton import adopt_launch_settings; "
+                           "adopt_launch_settings(); os.execv(sys.argv[1], sys.argv[1:])")
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -49,9 +57,13 @@ class EmbeddedRedis:
     """``redis-server`` as a child process; ``url`` once :meth:`start` returns."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 password: str | None = None) -> None:
-        """``password``: require it (Redis AUTH); ``url`` carries it."""
+                 password: str | None = None, die_with_parent: bool = False) -> None:
+        """``password``: require it (Redis AUTH); ``url`` carries it. ``die_with_parent``:
+        redis-server gets SIGTERM when this process dies, a SIGKILL too (Linux), where it is
+        started on the main thread: Linux sends it when the starting *thread* ends, so one
+        started on a helper thread (which may end first) is left without it."""
         self.host, self.port, self.password = host, port, password
+        self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
         self._dir = tempfile.mkdtemp(prefix="baton-redis-")
 
@@ -77,12 +89,18 @@ class EmbeddedRedis:
             self._dir = tempfile.mkdtemp(prefix="baton-redis-")  # the failed start's went
 
     def _start(self, timeout: float) -> EmbeddedRedis:
-        self.proc = subprocess.Popen(
-            [redis_server_binary(), *([self._config()] if self.password else []),
-             "--bind", self.host, "--port", str(self.port),
-             "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
-             "--logfile", str(Path(self._dir) / "redis.log")],  # why it stopped, when it does
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        from baton import PARENT_ENV
+
+        cmd = [redis_server_binary(), *([self._config()] if self.password else []),
+               "--bind", self.host, "--port", str(self.port),
+               "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
+               "--logfile", str(Path(self._dir) / "redis.log")]  # why it stopped, when it does
+        env = None
+        if self.die_with_parent and threading.current_thread() is threading.main_thread():
+            cmd = [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, *cmd]  # same pid after exec
+            env = {**os.environ, PARENT_ENV: str(os.getpid())}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=env)
         import redis
 
         # no retries inside a ping (redis-py 6+ retries a timeout for ~16 s): this loop retries

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,7 +20,13 @@ from baton.engine.params import SamplingParams
 from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
-from tests.support.processes import alive, baton_request, free_port, start_baton_up
+from tests.support.processes import (
+    alive,
+    baton_request,
+    descendants,
+    free_port,
+    start_baton_up,
+)
 from tests.support.reference import REFERENCE_POOL
 
 pytestmark = pytest.mark.slow
@@ -571,6 +578,33 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
     assert ps.stdout.strip() == "", "a process outlived baton up"
 
 
+def test_a_killed_baton_up_takes_its_processes_with_it(tmp_path):
+    """`baton up` SIGKILLed (the OOM killer, ``kill -9``) cannot stop what it started: its
+    workers and router get SIGTERM from Linux when it dies (a drain) and redis-server too, so
+    nothing is left running on the machine (all of them were before)."""
+    up, lines = start_baton_up("--num-blocks", "96", "--grpc-port", str(free_port()),
+                               "--http-port", "-1", "--log-dir", str(tmp_path))
+    try:
+        assert "ready:" in lines[-1], "".join(lines)
+        started = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                   for pid in descendants(up.pid)}
+        kinds = b" ".join(started.values())
+        assert all(k in kinds for k in (b"redis-server", b"baton.services.prefill",
+                                        b"baton.services.decode", b"baton.services.router"))
+        up.kill()
+        up.wait(30)
+        end = time.monotonic() + 120  # a failure's limit: each drains in a second or two
+        while any(alive(pid) for pid in started) and time.monotonic() < end:
+            time.sleep(0.1)
+        left = {pid: cmd for pid, cmd in started.items() if alive(pid)}
+    finally:
+        up.kill()
+        up.stdout.close()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"still running after baton up was killed: {left}"
+
+
 def test_baton_up_starts_a_killed_worker_again_and_keeps_serving(engine, tmp_path):
     """SIGKILL a decode worker of `baton up` under load: every request still succeeds (those
     it was streaming move to the other decode worker), `baton up` starts it again after its
@@ -712,8 +746,6 @@ def test_a_short_prompt_is_routed_past_a_worker_prefilling_a_long_one(engine):
 
 def _processes_with_env(key: str, value: str) -> list[int]:
     """Pids of this machine's processes whose environment holds ``key=value``."""
-    from pathlib import Path
-
     want, found = f"{key}={value}".encode(), []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():

@@ -9,6 +9,7 @@ import os
 import socket
 import time
 import types
+from pathlib import Path
 
 import pytest
 import redis
@@ -89,3 +90,37 @@ def test_a_port_picked_free_but_taken_before_redis_binds_it_is_tried_again(monke
         with pytest.raises(RedisStartError, match="in use"):
             r.start(timeout=30)
         assert not os.path.exists(r._dir)
+
+
+def test_a_redis_started_to_die_with_its_parent_goes_when_the_parent_is_killed():
+    """`baton up` and `baton profile` start their redis-server so: a SIGKILL of them (no
+    cleanup runs) still stops it, where before it ran on, idle, until someone killed it. Its
+    pid is redis-server's own (the helper that asks Linux for the signal becomes it), which
+    `baton up`'s supervision and the outage tests read."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.processes import alive
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from baton.control.redis_server import "
+         "EmbeddedRedis; r = EmbeddedRedis(die_with_parent=True).start(); "
+         "print(r.proc.pid, r.port, flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        pid, port = map(int, parent.stdout.readline().split())
+        assert b"redis-server" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert redis.Redis(host="127.0.0.1", port=port).ping()
+        parent.kill()
+        parent.wait(30)
+        end = time.monotonic() + 60  # a failure's limit: it exits at once
+        while alive(pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        left = alive(pid)
+    finally:
+        parent.kill()
+        parent.stdout.close()
+    if left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "redis-server outlived the process that started it"
