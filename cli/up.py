@@ -555,8 +555,7 @@ class _LocalCluster:
                 device = [d if d != "cuda" else "cuda:0" for d in device]
                 args += ["--tensor-parallel-size", str(tp)]
             return WorkerProcess(role, ["--host", a.host, *device, *args],
-                                 env={**self.env, **env}, die_with_parent=_on_main_thread(),
-                                 **self.kw)
+                                 env={**self.env, **env}, die_with_parent=True, **self.kw)
         from baton.services.launch.ray_actors import RayWorker
 
         gpus = self.ray_gpus
@@ -615,7 +614,7 @@ class _LocalCluster:
                 "--local-prefill-max-tokens", str(local_max), "--routing", a.routing,
                 *security, *shlex.split(a.router_args)]
         env = {**self.env, **({"BATON_AUTH_TOKEN": a.auth_token} if a.auth_token else {})}
-        kw = {**self.kw, "die_with_parent": _on_main_thread()}
+        kw = {**self.kw, "die_with_parent": True}
         router = WorkerProcess("router", args, env=env, **kw)
         self._add(router, "router", lambda: WorkerProcess("router", args, env=env, **kw))
         self.say(f"ready: gRPC API (baton.v1.Baton) on {router.address}; logs in "
@@ -690,13 +689,6 @@ class _LocalCluster:
             ray.shutdown()
         if procs or self.redis:
             self.say("stopped")
-
-
-def _on_main_thread() -> bool:
-    """Whether a process started now may die with this one (SIGTERM, a drain, when `baton up`
-    dies, a SIGKILL too): Linux sends it when the starting *thread* ends, so not to those the
-    autoscaler starts on a passing thread."""
-    return threading.current_thread() is threading.main_thread()
 
 
 def _leave_address(redis_url: str, router, restarts: list | None = None, secret: str = "",

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -59,9 +58,8 @@ class EmbeddedRedis:
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  password: str | None = None, die_with_parent: bool = False) -> None:
         """``password``: require it (Redis AUTH); ``url`` carries it. ``die_with_parent``:
-        redis-server gets SIGTERM when this process dies, a SIGKILL too (Linux), where it is
-        started on the main thread: Linux sends it when the starting *thread* ends, so one
-        started on a helper thread (which may end first) is left without it."""
+        redis-server gets SIGTERM when this process dies, a SIGKILL too (Linux; started on the
+        main thread only, see :func:`baton.launch_env`)."""
         self.host, self.port, self.password = host, port, password
         self.die_with_parent = die_with_parent
         self.proc: subprocess.Popen | None = None
@@ -89,16 +87,15 @@ class EmbeddedRedis:
             self._dir = tempfile.mkdtemp(prefix="baton-redis-")  # the failed start's went
 
     def _start(self, timeout: float) -> EmbeddedRedis:
-        from baton import PARENT_ENV
+        from baton import PARENT_ENV, launch_env
 
         cmd = [redis_server_binary(), *([self._config()] if self.password else []),
                "--bind", self.host, "--port", str(self.port),
                "--save", "", "--appendonly", "no", "--dir", self._dir, "--protected-mode", "no",
                "--logfile", str(Path(self._dir) / "redis.log")]  # why it stopped, when it does
-        env = None
-        if self.die_with_parent and threading.current_thread() is threading.main_thread():
+        env = launch_env(os.environ, die_with_parent=self.die_with_parent)
+        if env.get(PARENT_ENV) == str(os.getpid()):  # asked, and this is the main thread
             cmd = [sys.executable, "-c", _EXEC_DYING_WITH_PARENT, *cmd]  # same pid after exec
-            env = {**os.environ, PARENT_ENV: str(os.getpid())}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env=env)
         import redis

@@ -25,6 +25,20 @@ PIN_CPUS_ENV, PARENT_ENV = "BATON_PIN_CPUS", "BATON_DIE_WITH_PARENT"
 LOG_DIR_ENV = "BATON_LOG_DIR"
 
 
+def launch_env(env, *, die_with_parent: bool = False, cpus=None) -> dict[str, str]:
+    """``env`` with what a launcher asks of the process it starts (see adopt_launch_settings):
+    run on ``cpus``; with ``die_with_parent``, SIGTERM when this process dies, a SIGKILL too.
+    Linux sends that signal when the starting *thread* ends, so it is asked only on the main
+    thread: a process started on a passing thread (the autoscaler's starts) would be stopped
+    when that thread ends, and is left without it."""
+    env = dict(env)
+    if die_with_parent and threading.current_thread() is threading.main_thread():
+        env[PARENT_ENV] = str(os.getpid())
+    if cpus:
+        env[PIN_CPUS_ENV] = ",".join(map(str, sorted(cpus)))
+    return env
+
+
 def adopt_launch_settings() -> None:
     """Apply what the launcher asked for in the environment, first thing in a Baton process
     (before torch starts its threads): ``$BATON_PIN_CPUS`` (``0,1``): run on those cores;
