@@ -49,10 +49,10 @@ atexit.register(_tidy_own_log_dirs)
 def spawn(cmd: list[str], env: dict, *, stdout=None, stderr=None, cpus: set[int] | None = None,
           die_with_parent: bool = False) -> subprocess.Popen:
     """Start a Baton process. What it should do for its launcher (run on ``cpus``, get
-    SIGTERM when this process dies: :func:`baton.launch_env`, from the main thread only) goes
-    in its environment, applied by the child first thing
-    (:func:`baton.adopt_launch_settings`), never in a ``preexec_fn``: that forces a real fork,
-    and a fork of a process with gRPC running can abort the child before exec."""
+    SIGTERM when this process dies: :func:`baton.launch_env`) goes in its environment, applied
+    by the child first thing (:func:`baton.adopt_launch_settings`), never in a ``preexec_fn``:
+    that forces a real fork, and a fork of a process with gRPC running can abort the child
+    before exec."""
     env = launch_env(env, die_with_parent=die_with_parent, cpus=cpus)
     # a native crash (gRPC, torch) prints the Python stacks to the process's log, not nothing
     env.setdefault("PYTHONFAULTHANDLER", "1")

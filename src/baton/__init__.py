@@ -8,6 +8,7 @@ and the service, transfer and control layers built around the engine.
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 __version__ = "0.1.0"
@@ -28,21 +29,30 @@ LOG_DIR_ENV = "BATON_LOG_DIR"
 def launch_env(env, *, die_with_parent: bool = False, cpus=None) -> dict[str, str]:
     """``env`` with what a launcher asks of the process it starts (see adopt_launch_settings):
     run on ``cpus``; with ``die_with_parent``, SIGTERM when this process dies, a SIGKILL too.
-    Linux sends that signal when the starting *thread* ends, so it is asked only on the main
-    thread: a process started on a passing thread (the autoscaler's starts) would be stopped
-    when that thread ends, and is left without it."""
+
+    Linux's own signal for that (PDEATHSIG) comes when the starting *thread* ends, so it is
+    asked only on the main thread: a process started on a passing thread (the autoscaler's
+    starts) would be stopped when that thread ends. Such a process is asked to watch instead
+    (``PID:watch``): a Baton process polls its parent every second and drains when it is gone;
+    a process that is not Baton's (redis-server) ignores the variable."""
     env = dict(env)
-    if die_with_parent and threading.current_thread() is threading.main_thread():
-        env[PARENT_ENV] = str(os.getpid())
+    if die_with_parent:
+        on_main = threading.current_thread() is threading.main_thread()
+        env[PARENT_ENV] = str(os.getpid()) + ("" if on_main else _WATCH)
     if cpus:
         env[PIN_CPUS_ENV] = ",".join(map(str, sorted(cpus)))
     return env
 
 
+_WATCH = ":watch"
+PARENT_POLL_S = 1.0  # how often a watching process looks for its parent
+
+
 def adopt_launch_settings() -> None:
     """Apply what the launcher asked for in the environment, first thing in a Baton process
     (before torch starts its threads): ``$BATON_PIN_CPUS`` (``0,1``): run on those cores;
-    ``$BATON_DIE_WITH_PARENT`` (the launcher's pid): get SIGTERM (a drain) when it dies.
+    ``$BATON_DIE_WITH_PARENT`` (the launcher's pid, ``PID:watch`` from a passing thread): get
+    SIGTERM (a drain) when it dies.
 
     The launcher cannot do these itself between fork and exec (``preexec_fn``): a real fork of
     a process with gRPC running runs gRPC's fork handlers, which restart its poller thread in
@@ -53,7 +63,9 @@ def adopt_launch_settings() -> None:
     if cpus:
         os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
     parent = os.environ.pop(PARENT_ENV, "")
-    if parent:
+    if parent.endswith(_WATCH):
+        _watch_parent(int(parent[:-len(_WATCH)]))
+    elif parent:
         import contextlib
         import ctypes
 
@@ -61,6 +73,19 @@ def adopt_launch_settings() -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
         if os.getppid() != int(parent):  # it died before the line above: nothing would tell
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _watch_parent(parent: int) -> None:
+    """SIGTERM this process once its parent process ``parent`` is gone (this process is then
+    reparented, and ``getppid()`` changes), checked every ``PARENT_POLL_S`` seconds on a daemon
+    thread. Unlike PDEATHSIG this follows the parent process, not the thread that started it."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def set_on_signals(event: threading.Event,

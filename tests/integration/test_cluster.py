@@ -5,8 +5,10 @@ that are killed or drained under load."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -15,11 +17,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from baton.control.registry import WorkerRegistry
 from baton.engine.engine import LLMEngine
 from baton.engine.params import SamplingParams
 from baton_client.v1 import api_pb2, api_pb2_grpc
 
 from tests.support.cluster import Cluster
+from tests.support.pair import eventually
 from tests.support.processes import (
     alive,
     baton_request,
@@ -580,14 +584,30 @@ def test_baton_up_serves_and_stops_cleanly(engine, tmp_path):
 
 def test_a_killed_baton_up_takes_its_processes_with_it(tmp_path):
     """`baton up` SIGKILLed (the OOM killer, ``kill -9``) cannot stop what it started: its
-    workers and router get SIGTERM from Linux when it dies (a drain) and redis-server too, so
-    nothing is left running on the machine (all of them were before)."""
+    workers and router get SIGTERM from Linux when it dies (a drain) and redis-server too, and
+    the decode worker its autoscaler added (on a passing thread) goes once it sees its parent
+    gone, so nothing is left running on the machine (all of them were before)."""
     up, lines = start_baton_up("--num-blocks", "96", "--grpc-port", str(free_port()),
-                               "--http-port", "-1", "--log-dir", str(tmp_path))
+                               "--http-port", "-1", "--log-dir", str(tmp_path),
+                               "--autoscale", "--min-decode", "2", "--max-decode", "2",
+                               "--scale-interval", "1")
     try:
         assert "ready:" in lines[-1], "".join(lines)
-        started = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                   for pid in descendants(up.pid)}
+
+        def running() -> dict[int, bytes]:
+            out = {}
+            for pid in descendants(up.pid):
+                with contextlib.suppress(OSError):  # one that ended since the listing
+                    out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            return out
+
+        # the first decision raises the decode pool to its minimum of 2 (a thread's start);
+        # killed before that worker serves, it would die anyway, of SIGPIPE at its ready line
+        redis_url = re.search(r"redis-server on (\S+)", "".join(lines)).group(1)
+        registry = WorkerRegistry.from_url(redis_url)
+        eventually(lambda: registry.workers("decode"), lambda ws: len(ws) == 2)
+        started = running()
+        assert sum(b"baton.services.decode" in c for c in started.values()) == 2, started
         kinds = b" ".join(started.values())
         assert all(k in kinds for k in (b"redis-server", b"baton.services.prefill",
                                         b"baton.services.decode", b"baton.services.router"))
