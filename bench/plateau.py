@@ -9,8 +9,10 @@ simulation only, in neither; each request that missed in the measurement alone, 
 TTFT or TPOT past the SLO, or an error), its prompt and both accounts' times. Over all runs (or
 the runs at ``--near`` times the setup's measured goodput and closer): measured over simulated
 TTFT and TPOT (medians) by prompt length, and the medians of the first token's stages (the
-router's wait, the worker's queue, the prefill, the rest) in each account. With ``--checked``
-the simulator runs the profile scaled by the run's serving check (`checked` in the result).
+router's wait, the worker's queue, the prefill, the rest) in each account, and the prefill
+time measured over simulated for requests that started at once in both accounts and for those
+the simulator queued (a burst). With ``--checked`` the simulator runs the profile scaled by
+the run's serving check (`checked` in the result).
 JSON in bench/results/plateau-*.json.
 
     python bench/plateau.py [--checked] [--near 1.3] bench/results/tune-validation-STAMP.json
@@ -144,10 +146,37 @@ def bands(pooled: list[tuple[dict, dict]], ttft_slo: float, tpot_slo: float) -> 
             for b, xs in sorted(by.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))}
 
 
+# a request's worker queue (s) under which it started at once, and over which the simulator
+# had it wait behind other prompts (a burst), in ``prefill_ratio``
+ALONE_S, QUEUED_S = 0.01, 0.3
+
+
+def prefill_ratio(xs: list[tuple[dict, dict]]) -> dict:
+    """Measured over simulated prefill time, request by request, apart for the requests that
+    started at once in both accounts ("alone": the prompt's own cost, as the machine ran it
+    that day) and those the simulator queued ("queued": prompts arriving in a burst, where a
+    later arrival can join the steps of the one in progress): per group the requests, the
+    median of the ratios and the ratio of the sums (which the longest outliers move)."""
+    groups: dict[str, list[tuple[float, float]]] = {"alone": [], "queued": []}
+    for r, s in xs:
+        mq, mp = r["stages"].get("queue"), r["stages"].get("prefill")
+        sq, sp = s["stages"]["queue"], s["stages"]["prefill"]
+        if None in (mq, mp, sq) or not sp:
+            continue
+        if mq < ALONE_S and sq < ALONE_S:
+            groups["alone"].append((mp, sp))
+        elif sq > QUEUED_S:
+            groups["queued"].append((mp, sp))
+    return {k: {"requests": len(v), "median": ratio(v),
+                "sum": sum(a for a, _ in v) / sum(b for _, b in v) if v else None}
+            for k, v in groups.items()}
+
+
 def stages(pooled: list[tuple[dict, dict]]) -> dict:
     """Per path, the medians of each account's first-token stages: measured (the router's
     wait, the worker's queue, the prefill, and the rest: routing, transfer, the first decode
-    step) and simulated (the worker's queue, the prefill, the rest), seconds."""
+    step) and simulated (the worker's queue, the prefill, the rest), seconds; and the prefill
+    time measured over simulated, alone and queued (:func:`prefill_ratio`)."""
     by: dict[str, list[tuple[dict, dict]]] = {}
     for r, s in pooled:
         if r["stages"] and r["ttft"] is not None and s["ttft"] is not None:
@@ -170,7 +199,8 @@ def stages(pooled: list[tuple[dict, dict]]) -> dict:
                                   "rest": med(rest), "ttft": med([r["ttft"] for r, _ in xs])},
                      "simulated": {"queue": med([s["stages"]["queue"] for _, s in xs]),
                                    "prefill": med([s["stages"]["prefill"] for _, s in xs]),
-                                   "rest": med(sim_rest), "ttft": med([s["ttft"] for _, s in xs])}}
+                                   "rest": med(sim_rest), "ttft": med([s["ttft"] for _, s in xs])},
+                     "prefill_ratio": prefill_ratio(xs)}
     return out
 
 
@@ -203,6 +233,11 @@ def show(res: dict) -> None:
                   f"{fmt(m['ttft'], '.3f')}; simulated queue {fmt(sm['queue'], '.3f')} "
                   f"prefill {fmt(sm['prefill'], '.3f')} rest {fmt(sm['rest'], '.3f')} TTFT "
                   f"{fmt(sm['ttft'], '.3f')}")
+            said = [f"{k} {v['requests']}: median {fmt(v['median'], '.3f')}, sum "
+                    f"{fmt(v['sum'], '.3f')}" for k, v in x["prefill_ratio"].items()
+                    if v["requests"]]
+            if said:
+                print(f"    prefill measured / simulated, request by request: {'; '.join(said)}")
 
 
 def main(argv: list[str] | None = None) -> int:

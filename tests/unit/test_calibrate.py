@@ -693,6 +693,9 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
         assert run["measured_only_missed"] == run["simulated_only_missed"] == 0
         assert run["attainment"] == run["simulated_attainment"] == ev.at(layout, rate, [0])
         assert all(b["ttft_ratio"] == 1.0 for b in same[name]["bands"].values())
+        for x in same[name]["stages"].values():  # request by request: every prefill as simulated
+            for group in x["prefill_ratio"].values():
+                assert group["requests"] == 0 or group["median"] == group["sum"] == 1.0
 
     dear = compare(stored(slow))["setups"]
     for name, layout in LAYOUTS.items():
@@ -706,6 +709,10 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
             assert {m["why"] for m in run["measured_only"]} == {"ttft"}
         ratios = [b["ttft_ratio"] for b in dear[name]["bands"].values()]
         assert len(ratios) >= 3 and all(r > 1 for r in ratios)
+        # a prompt that started at once in both accounts took the dearer profile's time: twice
+        alone = [x["prefill_ratio"]["alone"] for x in dear[name]["stages"].values()]
+        assert sum(g["requests"] for g in alone) > 0
+        assert all(g["median"] == pytest.approx(2.0, rel=0.05) for g in alone if g["requests"])
 
     # the command: a table and its JSON; a run that kept no request is refused by name
     written = []
