@@ -156,8 +156,10 @@ def prefill_ratio(xs: list[tuple[dict, dict]]) -> dict:
     started at once in both accounts ("alone": the prompt's own cost, as the machine ran it
     that day) and those the simulator queued ("queued": prompts arriving in a burst, where a
     later arrival can join the steps of the one in progress): per group the requests, the
-    median of the ratios and the ratio of the sums (which the longest outliers move)."""
+    median of the ratios and the ratio of the sums (which the longest outliers move); and the
+    five prompts furthest off, either way (``furthest``: prompt, queue and prefill both)."""
     groups: dict[str, list[tuple[float, float]]] = {"alone": [], "queued": []}
+    off = []
     for r, s in xs:
         mq, mp = r["stages"].get("queue"), r["stages"].get("prefill")
         sq, sp = s["stages"]["queue"], s["stages"]["prefill"]
@@ -167,9 +169,13 @@ def prefill_ratio(xs: list[tuple[dict, dict]]) -> dict:
             groups["alone"].append((mp, sp))
         elif sq > QUEUED_S:
             groups["queued"].append((mp, sp))
-    return {k: {"requests": len(v), "median": ratio(v),
-                "sum": sum(a for a, _ in v) / sum(b for _, b in v) if v else None}
-            for k, v in groups.items()}
+        off.append({"prompt": r["prompt"], "queue": [mq, sq], "prefill": [mp, sp],
+                    "ttft": [r["ttft"], s["ttft"]]})
+    out: dict = {k: {"requests": len(v), "median": ratio(v),
+                     "sum": sum(a for a, _ in v) / sum(b for _, b in v) if v else None}
+                 for k, v in groups.items()}
+    out["furthest"] = sorted(off, key=lambda x: -abs(x["prefill"][0] - x["prefill"][1]))[:5]
+    return out
 
 
 def stages(pooled: list[tuple[dict, dict]]) -> dict:
@@ -235,7 +241,7 @@ def show(res: dict) -> None:
                   f"{fmt(sm['ttft'], '.3f')}")
             said = [f"{k} {v['requests']}: median {fmt(v['median'], '.3f')}, sum "
                     f"{fmt(v['sum'], '.3f')}" for k, v in x["prefill_ratio"].items()
-                    if v["requests"]]
+                    if k != "furthest" and v["requests"]]
             if said:
                 print(f"    prefill measured / simulated, request by request: {'; '.join(said)}")
 

@@ -694,8 +694,10 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
         assert run["attainment"] == run["simulated_attainment"] == ev.at(layout, rate, [0])
         assert all(b["ttft_ratio"] == 1.0 for b in same[name]["bands"].values())
         for x in same[name]["stages"].values():  # request by request: every prefill as simulated
-            for group in x["prefill_ratio"].values():
+            groups = {k: v for k, v in x["prefill_ratio"].items() if k != "furthest"}
+            for group in groups.values():
                 assert group["requests"] == 0 or group["median"] == group["sum"] == 1.0
+            assert all(f["prefill"][0] == f["prefill"][1] for f in x["prefill_ratio"]["furthest"])
 
     dear = compare(stored(slow))["setups"]
     for name, layout in LAYOUTS.items():
@@ -713,6 +715,9 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
         alone = [x["prefill_ratio"]["alone"] for x in dear[name]["stages"].values()]
         assert sum(g["requests"] for g in alone) > 0
         assert all(g["median"] == pytest.approx(2.0, rel=0.05) for g in alone if g["requests"])
+        for x in dear[name]["stages"].values():  # the furthest off: the longest prompts, slower
+            far = x["prefill_ratio"]["furthest"]
+            assert far and all(f["prefill"][0] > f["prefill"][1] for f in far)
 
     # the command: a table and its JSON; a run that kept no request is refused by name
     written = []
