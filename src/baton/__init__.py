@@ -22,6 +22,9 @@ def cache_dir() -> Path:
 
 # what a launcher asks of the process it starts, in its environment (see adopt_launch_settings)
 PIN_CPUS_ENV, PARENT_ENV = "BATON_PIN_CPUS", "BATON_DIE_WITH_PARENT"
+# PARENT_ENV's value from a passing thread ("PID:watch"), and how often such a process looks
+# for its parent (see launch_env)
+_WATCH, PARENT_POLL_S = ":watch", 1.0
 # the folder of the process's own logs: its UCX protocol log goes there too (transfer/agent.py)
 LOG_DIR_ENV = "BATON_LOG_DIR"
 
@@ -42,10 +45,6 @@ def launch_env(env, *, die_with_parent: bool = False, cpus=None) -> dict[str, st
     if cpus:
         env[PIN_CPUS_ENV] = ",".join(map(str, sorted(cpus)))
     return env
-
-
-_WATCH = ":watch"
-PARENT_POLL_S = 1.0  # how often a watching process looks for its parent
 
 
 def adopt_launch_settings() -> None:
