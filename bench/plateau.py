@@ -151,13 +151,13 @@ def bands(pooled: list[tuple[dict, dict]], ttft_slo: float, tpot_slo: float) -> 
 ALONE_S, QUEUED_S = 0.01, 0.3
 
 
-def prefill_ratio(xs: list[tuple[dict, dict]]) -> dict:
+def prefill_ratio(xs: list[tuple[dict, dict]]) -> tuple[dict, list[dict]]:
     """Measured over simulated prefill time, request by request, apart for the requests that
     started at once in both accounts ("alone": the prompt's own cost, as the machine ran it
     that day) and those the simulator queued ("queued": prompts arriving in a burst, where a
     later arrival can join the steps of the one in progress): per group the requests, the
     median of the ratios and the ratio of the sums (which the longest outliers move); and the
-    five prompts furthest off, either way (``furthest``: prompt, queue and prefill both)."""
+    five prompts furthest off, either way (prompt, queue and prefill in both accounts)."""
     groups: dict[str, list[tuple[float, float]]] = {"alone": [], "queued": []}
     off = []
     for r, s in xs:
@@ -171,18 +171,18 @@ def prefill_ratio(xs: list[tuple[dict, dict]]) -> dict:
             groups["queued"].append((mp, sp))
         off.append({"prompt": r["prompt"], "queue": [mq, sq], "prefill": [mp, sp],
                     "ttft": [r["ttft"], s["ttft"]]})
-    out: dict = {k: {"requests": len(v), "median": ratio(v),
-                     "sum": sum(a for a, _ in v) / sum(b for _, b in v) if v else None}
-                 for k, v in groups.items()}
-    out["furthest"] = sorted(off, key=lambda x: -abs(x["prefill"][0] - x["prefill"][1]))[:5]
-    return out
+    return ({k: {"requests": len(v), "median": ratio(v),
+                 "sum": sum(a for a, _ in v) / sum(b for _, b in v) if v else None}
+             for k, v in groups.items()},
+            sorted(off, key=lambda x: -abs(x["prefill"][0] - x["prefill"][1]))[:5])
 
 
 def stages(pooled: list[tuple[dict, dict]]) -> dict:
     """Per path, the medians of each account's first-token stages: measured (the router's
     wait, the worker's queue, the prefill, and the rest: routing, transfer, the first decode
     step) and simulated (the worker's queue, the prefill, the rest), seconds; and the prefill
-    time measured over simulated, alone and queued (:func:`prefill_ratio`)."""
+    time measured over simulated, alone and queued, and the prompts furthest off
+    (:func:`prefill_ratio`)."""
     by: dict[str, list[tuple[dict, dict]]] = {}
     for r, s in pooled:
         if r["stages"] and r["ttft"] is not None and s["ttft"] is not None:
@@ -194,6 +194,7 @@ def stages(pooled: list[tuple[dict, dict]]) -> dict:
 
     out = {}
     for path, xs in sorted(by.items()):
+        groups, furthest = prefill_ratio(xs)
         rest = [r["ttft"] - sum(r["stages"].get(k) or 0 for k in ("wait", "queue", "prefill"))
                 for r, _ in xs]
         sim_rest = [s["ttft"] - (s["stages"]["queue"] or 0) - (s["stages"]["prefill"] or 0)
@@ -206,7 +207,7 @@ def stages(pooled: list[tuple[dict, dict]]) -> dict:
                      "simulated": {"queue": med([s["stages"]["queue"] for _, s in xs]),
                                    "prefill": med([s["stages"]["prefill"] for _, s in xs]),
                                    "rest": med(sim_rest), "ttft": med([s["ttft"] for _, s in xs])},
-                     "prefill_ratio": prefill_ratio(xs)}
+                     "prefill_ratio": groups, "prefill_furthest": furthest}
     return out
 
 
@@ -241,7 +242,7 @@ def show(res: dict) -> None:
                   f"{fmt(sm['ttft'], '.3f')}")
             said = [f"{k} {v['requests']}: median {fmt(v['median'], '.3f')}, sum "
                     f"{fmt(v['sum'], '.3f')}" for k, v in x["prefill_ratio"].items()
-                    if k != "furthest" and v["requests"]]
+                    if v["requests"]]
             if said:
                 print(f"    prefill measured / simulated, request by request: {'; '.join(said)}")
 

@@ -694,10 +694,9 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
         assert run["attainment"] == run["simulated_attainment"] == ev.at(layout, rate, [0])
         assert all(b["ttft_ratio"] == 1.0 for b in same[name]["bands"].values())
         for x in same[name]["stages"].values():  # request by request: every prefill as simulated
-            groups = {k: v for k, v in x["prefill_ratio"].items() if k != "furthest"}
-            for group in groups.values():
+            for group in x["prefill_ratio"].values():
                 assert group["requests"] == 0 or group["median"] == group["sum"] == 1.0
-            assert all(f["prefill"][0] == f["prefill"][1] for f in x["prefill_ratio"]["furthest"])
+            assert all(f["prefill"][0] == f["prefill"][1] for f in x["prefill_furthest"])
 
     dear = compare(stored(slow))["setups"]
     for name, layout in LAYOUTS.items():
@@ -716,7 +715,7 @@ def test_a_stored_runs_requests_are_set_beside_the_simulators_account_of_them(tm
         assert sum(g["requests"] for g in alone) > 0
         assert all(g["median"] == pytest.approx(2.0, rel=0.05) for g in alone if g["requests"])
         for x in dear[name]["stages"].values():  # the furthest off: the longest prompts, slower
-            far = x["prefill_ratio"]["furthest"]
+            far = x["prefill_furthest"]
             assert far and all(f["prefill"][0] > f["prefill"][1] for f in far)
 
     # the command: a table and its JSON; a run that kept no request is refused by name
